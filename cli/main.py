@@ -1,0 +1,45 @@
+"""The ``cloverq`` command line: one click group; each concern adds its commands in its own module.
+
+This package is the composition root: it is the only place that imports ``api``, ``worker`` and
+``scheduler`` together (the layering ``api -> scheduler <- worker`` holds below it).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# Modules that each define ``register(group: click.Group) -> None``.
+COMMAND_MODULES: tuple[str, ...] = (
+    "cli.model",  # model init-demo / verify / plan / pull / list / activate
+    "cli.generate",  # offline generation through the engine
+    "cli.services",  # up / api / worker / beat / migrate
+    "cli.jobs",  # submit / jobs / cancel
+    "cli.keys",  # keys create / list / revoke
+    "cli.top",  # live terminal view
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """cloverq: an asynchronous job system for MoE block-diffusion language models."""
+
+
+def _register_all() -> None:
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # that command group is not part of this build
+                continue
+            raise
+        module.register(cli)
+
+
+_register_all()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli()

@@ -1,0 +1,114 @@
+"""Request/response types of the engine: the contract between the job system and the sampler.
+
+These are plain dataclasses (no torch, no Celery) so the worker's Celery task can build a
+request from a job row and turn a result back into a job outcome without touching tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence stopped."""
+
+    EOS = "eos"  # an EOS token was committed; output cut at the first EOS
+    LENGTH = "length"  # max_new_tokens reached
+    BUDGET = "budget"  # the step budget (denoising passes) ran out
+    CANCELLED = "cancelled"  # the caller cancelled it
+    DEADLINE = "deadline"  # its deadline passed
+    ERROR = "error"  # it failed (see GenerationResult.error)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode one sequence (see the decoding contract in DESIGN.md)."""
+
+    max_new_tokens: int = 128
+    block_size: int | None = None  # None: the checkpoint's block size
+    steps_per_block: int = 4
+    strategy: Literal["static", "dynamic"] = "static"
+    threshold: float = 0.9  # dynamic strategy only
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    step_budget: int | None = None  # max denoising passes for the whole request; None: unbounded
+
+
+@dataclass(frozen=True)
+class InfillSlot:
+    """A span of masked positions inside a template, optionally restricted.
+
+    ``start`` is relative to the start of the template. ``allowed_sequences`` lists the token
+    sequences the span may hold (each exactly ``length`` long after padding with the template's
+    pad id); ``None`` means any token.
+    """
+
+    start: int
+    length: int
+    allowed_sequences: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(frozen=True)
+class InfillTemplate:
+    """Structured output: fixed tokens plus masked slots; only slots are denoised."""
+
+    token_ids: tuple[int, ...]  # full template; slot positions hold anything (they are masked)
+    slots: tuple[InfillSlot, ...]
+    pad_id: int | None = None  # filler for allowed sequences shorter than their slot
+
+
+@dataclass
+class Progress:
+    """Snapshot reported by the engine while a request runs."""
+
+    blocks_done: int
+    steps_used: int
+    step_budget: int | None
+    tokens_committed: int
+    committed_token_ids: list[int]
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to decode. ``prompt_ids`` is already tokenized (chat template applied)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    template: InfillTemplate | None = None
+    slot_class: str = "standard"  # engine slot-cap class (e.g. "joint" is capped)
+    deadline: float | None = None  # time.monotonic() value after which it stops
+    on_progress: Callable[[Progress], None] | None = None
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class SlotChoice:
+    """Which allowed sequence an infill slot took, and how sure the model was."""
+
+    index: int  # index into InfillSlot.allowed_sequences (or -1 if unrestricted)
+    token_ids: list[int]
+    confidence: float  # probability of the chosen sequence, normalised over the allowed ones
+
+
+@dataclass
+class GenerationResult:
+    """Outcome of one request."""
+
+    request_id: str
+    token_ids: list[int]  # generated ids (template region for infill), cut at the first EOS
+    finish_reason: FinishReason
+    steps_used: int
+    blocks: int
+    tokens: int  # len(token_ids)
+    prompt_tokens: int
+    slot_choices: list[SlotChoice] = field(default_factory=list)
+    queue_seconds: float = 0.0  # submit -> admitted by the engine
+    run_seconds: float = 0.0  # admitted -> finished
+    error: str | None = None
