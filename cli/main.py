@@ -12,7 +12,8 @@ import click
 
 # Modules that each define ``register(group: click.Group) -> None``.
 COMMAND_MODULES: tuple[str, ...] = (
-    "cli.model",  # model init-demo / verify / plan / pull / list / activate
+    "cli.model",  # model init-demo / verify / plan
+    "cli.model_store",  # model pull / list (adds to the model group)
     "cli.generate",  # offline generation through the engine
     "cli.services",  # up / api / worker / beat / migrate
     "cli.jobs",  # submit / jobs / cancel
