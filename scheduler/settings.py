@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     device: str = Field("cpu", description="torch device for the model: cpu, cuda, cuda:N.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     skip_verify: bool = Field(False, description="Load a checkpoint even if its manifest fails.")
+    model_root: Path | None = Field(
+        None, description="Model store: <model_root>/<name>/<version>/; default data_dir/model-store."
+    )
 
     # --- engine ------------------------------------------------------------------------------
     engine_max_batch: int = Field(16, ge=1, description="Sequences in one batched forward.")
@@ -67,6 +70,11 @@ class Settings(BaseSettings):
     def resolved_model_dir(self) -> Path:
         """The checkpoint to serve: ``model_dir`` or the demo checkpoint under ``data_dir``."""
         return self.model_dir or (self.data_dir / "models" / "demo")
+
+    @property
+    def resolved_model_root(self) -> Path:
+        """The model store root: ``model_root`` or ``data_dir/model-store``."""
+        return self.model_root or (self.data_dir / "model-store")
 
 
 @lru_cache(maxsize=1)
