@@ -48,6 +48,28 @@ class Settings(BaseSettings):
     max_step_budget: int = Field(8192, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=1024)
 
+    # --- job system (scheduler + worker) -----------------------------------------------------
+    max_attempts: int = Field(3, ge=1, description="Claims a job may take before retries_exhausted.")
+    result_ttl_seconds: float = Field(7 * 24 * 3600, gt=0, description="Finished jobs expire after this.")
+    lease_seconds: float = Field(60.0, gt=0, description="A running job's lease; renewed while it runs.")
+    retry_backoff_base_seconds: float = Field(2.0, ge=0, description="Backoff before retry n: base*2^(n-1).")
+    retry_backoff_max_seconds: float = Field(300.0, ge=0, description="Cap of the retry backoff.")
+    job_deadline_seconds: float = Field(900.0, gt=0, description="Max run time of one attempt.")
+    joint_deadline_seconds: float = Field(1800.0, gt=0, description="Max run time of a joint attempt.")
+    interactive_max_cost: int = Field(8192, ge=1, description="Cost (tokens x steps) of the short class.")
+    standard_max_cost: int = Field(131072, ge=1, description="Cost bound of the standard class.")
+    aging_seconds: float = Field(120.0, gt=0, description="Queued longer than this: promoted to interactive.")
+    reconcile_interval_seconds: float = Field(5.0, gt=0, description="Beat: re-enqueue lost messages.")
+    reconcile_grace_seconds: float = Field(2.0, ge=0, description="Age before a queued row counts as lost.")
+    reaper_interval_seconds: float = Field(10.0, gt=0, description="Beat: requeue expired leases.")
+    expiry_interval_seconds: float = Field(300.0, gt=0, description="Beat: expire old results.")
+    progress_sql_interval_seconds: float = Field(5.0, gt=0, description="Progress to SQL every this long.")
+    worker_heartbeat_seconds: float = Field(2.0, gt=0, description="Worker registry heartbeat.")
+    worker_queues: str = Field("interactive,standard,bulk", description="Queues a worker consumes, in order.")
+    engine_joint_slot_cap: int = Field(4, ge=1, description="Engine slots joint requests may hold.")
+    fault_injection: bool = Field(False, description="TESTS ONLY: honour params.fault in the worker.")
+    fault_stall_seconds: float = Field(30.0, ge=0, description="TESTS ONLY: how long a 'stall' fault waits.")
+
     # --- logging -----------------------------------------------------------------------------
     log_level: str = "INFO"
     log_payloads: bool = Field(False, description="Log prompts, contexts and outputs (off by default).")
@@ -65,6 +87,11 @@ class Settings(BaseSettings):
         if self.redis_url:
             return self.redis_url
         return f"redis://127.0.0.1:{self.embedded_redis_port}/0"
+
+    @property
+    def broker_visibility_timeout_seconds(self) -> float:
+        """Redis redelivery timeout: above the longest deadline, so no running job is redelivered."""
+        return 2 * max(self.job_deadline_seconds, self.joint_deadline_seconds) + self.lease_seconds
 
     @property
     def resolved_model_dir(self) -> Path:
