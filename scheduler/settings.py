@@ -70,6 +70,25 @@ class Settings(BaseSettings):
     fault_injection: bool = Field(False, description="TESTS ONLY: honour params.fault in the worker.")
     fault_stall_seconds: float = Field(30.0, ge=0, description="TESTS ONLY: how long a 'stall' fault waits.")
 
+    # --- security and admission control (see scheduler/keys.py, scheduler/admission.py) ------
+    auth: Literal["enabled", "disabled"] = Field(
+        "enabled", description="API-key authentication; 'disabled' only for local development."
+    )
+    auth_cache_seconds: float = Field(
+        5.0, ge=0, description="How long an API process caches a looked-up key (revocation bound)."
+    )
+    rate_limit_per_second: float = Field(
+        50.0, ge=0, description="Per-key token-bucket refill rate (requests/s); 0 disables the limit."
+    )
+    rate_limit_burst: int = Field(100, ge=1, description="Per-key token-bucket size (requests).")
+    tenant_max_active_jobs: int = Field(
+        1000, ge=1, description="Per-tenant cap on queued + running jobs; more submits get 429."
+    )
+    queue_max_depth: dict[str, int] = Field(
+        default_factory=lambda: {"interactive": 1000, "standard": 5000, "bulk": 20000, "joint": 500},
+        description="Per-queue cap on waiting messages; a submit routed to a full queue gets 429.",
+    )
+
     # --- logging -----------------------------------------------------------------------------
     log_level: str = "INFO"
     log_payloads: bool = Field(False, description="Log prompts, contexts and outputs (off by default).")
