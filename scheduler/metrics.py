@@ -85,11 +85,15 @@ FAMILIES: dict[str, FamilySpec] = {
         "counter", ("kind", "queue", "status"), "Jobs that reached a final status."
     ),
     "cloverq_job_queue_wait_seconds": FamilySpec(
-        "histogram", ("kind", "queue"), "Time from submission to the start of the finishing attempt.",
+        "histogram",
+        ("kind", "queue"),
+        "Time from submission to the start of the finishing attempt.",
         WAIT_BUCKETS,
     ),
     "cloverq_job_run_seconds": FamilySpec(
-        "histogram", ("kind", "queue"), "Time from the start of the finishing attempt to its end.",
+        "histogram",
+        ("kind", "queue"),
+        "Time from the start of the finishing attempt to its end.",
         RUN_BUCKETS,
     ),
     "cloverq_job_steps_used": FamilySpec(
@@ -114,7 +118,9 @@ FAMILIES: dict[str, FamilySpec] = {
     "cloverq_worker_batch_occupancy": FamilySpec(
         "gauge", ("worker",), "Active sequences / engine batch capacity (0..1)."
     ),
-    "cloverq_model_load_seconds": FamilySpec("gauge", ("worker",), "Seconds the worker took to load its model."),
+    "cloverq_model_load_seconds": FamilySpec(
+        "gauge", ("worker",), "Seconds the worker took to load its model."
+    ),
     "cloverq_model_info": FamilySpec(
         "gauge", ("worker", "name", "version"), "The model a worker serves (value is always 1)."
     ),
@@ -128,7 +134,9 @@ FAMILIES: dict[str, FamilySpec] = {
         "gauge", ("worker", "layer", "expert"), "Share of routed tokens per expert and layer (since start)."
     ),
     "cloverq_expert_load_imbalance": FamilySpec(
-        "gauge", ("worker", "layer"), "Max over mean of tokens routed per expert in a layer (1 = balanced; 0 = no traffic yet)."
+        "gauge",
+        ("worker", "layer"),
+        "Max over mean of tokens routed per expert in a layer (1 = balanced; 0 = no traffic yet).",
     ),
     # --- computed at scrape time ----------------------------------------------------------
     "cloverq_queue_depth": FamilySpec("gauge", ("queue",), "Jobs waiting (status queued) per queue."),
@@ -311,7 +319,9 @@ class RedisMetricsRecorder:
     ) -> None:
         """One job reached a final status: the counter plus its four histograms."""
         pipe = self._client.pipeline(transaction=False)
-        pipe.hincrbyfloat(_counter_key("cloverq_jobs_finished_total"), _labels_field((kind, queue, status)), 1)
+        pipe.hincrbyfloat(
+            _counter_key("cloverq_jobs_finished_total"), _labels_field((kind, queue, status)), 1
+        )
         observations = (
             ("cloverq_job_queue_wait_seconds", wait_seconds),
             ("cloverq_job_run_seconds", run_seconds),
@@ -333,7 +343,9 @@ class RedisMetricsRecorder:
         self._client.hincrbyfloat(_counter_key("cloverq_dead_letters_total"), _labels_field((kind, queue)), 1)
 
     def invalid_output_retry(self, *, kind: str) -> None:
-        self._client.hincrbyfloat(_counter_key("cloverq_invalid_output_retries_total"), _labels_field((kind,)), 1)
+        self._client.hincrbyfloat(
+            _counter_key("cloverq_invalid_output_retries_total"), _labels_field((kind,)), 1
+        )
 
     def publish_worker(self, snapshot: WorkerSnapshot, *, ttl_seconds: float = 30.0) -> None:
         """Store the worker's snapshot; it disappears from ``/metrics`` ``ttl_seconds`` after the
@@ -492,7 +504,9 @@ class ClusterCollector(Collector):
             if snap.get("model_load_seconds") is not None:
                 load.add_metric([worker], float(snap["model_load_seconds"]))
             if snap.get("model_version") is not None or snap.get("model_name") is not None:
-                info.add_metric([worker, str(snap.get("model_name") or ""), str(snap.get("model_version") or "")], 1)
+                info.add_metric(
+                    [worker, str(snap.get("model_name") or ""), str(snap.get("model_version") or "")], 1
+                )
             for entry in snap.get("device_memory", []):
                 memory.add_metric([worker, str(entry["device"]), str(entry["kind"])], float(entry["bytes"]))
             for layer, row in enumerate(snap.get("expert_share", [])):
