@@ -89,6 +89,29 @@ class Settings(BaseSettings):
         description="Per-queue cap on waiting messages; a submit routed to a full queue gets 429.",
     )
 
+    # --- decisions, thinking, batches, webhooks (issue 5) -----------------------------------
+    decide_max_questions: int = Field(64, ge=1, description="Questions in one decision job.")
+    decide_max_choices: int = Field(16, ge=2, description="Choices of one question.")
+    decide_max_context_chars: int = Field(200_000, ge=1, description="Characters of a decision context.")
+    decide_rationale_tokens: int = Field(24, ge=1, description="Length of a rationale's free-text slot.")
+    decide_rationale_max_chars: int = Field(400, ge=1, description="A longer rationale is invalid.")
+    decide_retry_temperature: float = Field(
+        0.7, ge=0, description="The one retry after an invalid rationale samples at least this hot."
+    )
+    joint_default_step_budget: int = Field(4096, ge=1, description="Default step budget of a joint job.")
+    default_thinking: bool = Field(False, description="params.thinking when a generate job omits it.")
+    thinking_default_max_new_tokens: int = Field(512, ge=1, description="max_new_tokens default, thinking.")
+    thinking_default_step_budget: int = Field(4096, ge=1, description="Step budget default, thinking.")
+    thinking_deadline_seconds: float = Field(1800.0, gt=0, description="Max run time of a thinking attempt.")
+    batch_max_jobs: int = Field(10_000, ge=1, description="Job specs in one batch.")
+    batch_max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Body limit of POST /v1/batches (JSON or JSONL upload)."
+    )
+    webhook_max_attempts: int = Field(5, ge=1, description="Deliveries tried before a webhook is given up.")
+    webhook_backoff_base_seconds: float = Field(1.0, ge=0, description="Webhook retry n waits base*2^(n-1).")
+    webhook_backoff_max_seconds: float = Field(300.0, ge=0, description="Cap of the webhook backoff.")
+    webhook_timeout_seconds: float = Field(5.0, gt=0, description="Timeout of one webhook POST.")
+
     # --- logging -----------------------------------------------------------------------------
     log_level: str = "INFO"
     log_payloads: bool = Field(False, description="Log prompts, contexts and outputs (off by default).")
