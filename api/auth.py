@@ -1,0 +1,162 @@
+"""Who is calling: API-key authentication, scopes, and the per-key rate limit.
+
+``get_caller`` is the one FastAPI dependency every ``/v1`` route depends on (through
+``api.deps.CallerDep``). It reads ``Authorization: Bearer <key>``, authenticates the key
+(``scheduler.keys``: lookup by id, constant-time compare of a sha256 digest), then takes one
+token from the key's rate-limit bucket (``scheduler.admission``; the same Redis round trip
+also reports a revocation). With ``CLOVERQ_AUTH=disabled`` every request is a development
+caller of tenant ``default`` with all scopes (and no rate limit: there is no key to meter).
+
+Errors use the API's JSON error shape (``api.errors`` renders an ``HTTPException`` whose detail
+carries ``code``): 401 ``unauthorized`` (no, malformed, unknown or revoked key), 403
+``forbidden`` (missing scope), 429 ``rate_limited`` with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import redis
+import structlog
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import create_engine
+from sqlalchemy.orm import sessionmaker
+
+from scheduler.admission import Admission
+from scheduler.keys import ALL_SCOPES, SCOPE_ADMIN, KeyAuthenticator
+from scheduler.settings import Settings, get_settings
+
+log = structlog.get_logger(__name__)
+
+# Documents the scheme in OpenAPI (the lock icon in /docs); we do the checking ourselves so
+# that every failure has our error shape.
+_bearer_scheme = HTTPBearer(auto_error=False, description="An API key from `cloverq keys create`.")
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """The authenticated principal of one request."""
+
+    tenant: str
+    scopes: frozenset[str]
+    key_id: str | None
+
+    @property
+    def is_admin(self) -> bool:
+        """Admin callers see every tenant's data and may use every scope."""
+        return SCOPE_ADMIN in self.scopes
+
+    @property
+    def tenant_filter(self) -> str | None:
+        """The tenant to scope data queries to: None (all tenants) for admin callers."""
+        return None if self.is_admin else self.tenant
+
+    def has_scope(self, scope: str) -> bool:
+        """Whether the caller holds ``scope`` (the admin scope implies every other)."""
+        return scope in self.scopes or self.is_admin
+
+
+DEV_CALLER = Caller(tenant="default", scopes=ALL_SCOPES, key_id=None)
+
+
+class Security:
+    """The per-app security objects: key authenticator and admission (rate limits)."""
+
+    def __init__(self, settings: Settings, *, session_factory: Callable[[], Any] | None = None,
+                 redis_client: redis.Redis | None = None) -> None:
+        if session_factory is None:
+            session_factory = sessionmaker(create_engine(settings.resolved_database_url, pool_pre_ping=True))
+        if redis_client is None:
+            redis_client = redis.Redis.from_url(settings.resolved_redis_url, socket_timeout=2.0)
+        self.settings = settings
+        self.session_factory = session_factory
+        self.redis = redis_client
+        self.authenticator = KeyAuthenticator(session_factory, cache_seconds=settings.auth_cache_seconds)
+        self.admission = Admission(redis_client, settings)
+
+
+_security_lock = threading.Lock()
+
+
+def install_security(app: Any, settings: Settings, **kwargs: Any) -> Security:
+    """Create the app's :class:`Security` now (``create_app`` may call this; else it is lazy)."""
+    security = Security(settings, **kwargs)
+    app.state.security = security
+    return security
+
+
+def security_of(request: Request) -> Security:
+    """The app's :class:`Security`, built on first use from the app's settings."""
+    state = request.app.state
+    security = getattr(state, "security", None)
+    if security is None:
+        with _security_lock:
+            security = getattr(state, "security", None)
+            if security is None:
+                security = install_security(request.app, _settings_of(request))
+    return security
+
+
+def _settings_of(request: Request) -> Settings:
+    settings = getattr(request.app.state, "settings", None)
+    return settings if isinstance(settings, Settings) else get_settings()
+
+
+def _error(status_code: int, code: str, message: str, headers: dict[str, str] | None = None,
+           details: Any = None) -> HTTPException:
+    return HTTPException(status_code, detail={"code": code, "message": message, "details": details},
+                         headers=headers)
+
+
+def _unauthorized(message: str) -> HTTPException:
+    return _error(401, "unauthorized", message, {"WWW-Authenticate": "Bearer"})
+
+
+def get_caller(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer_scheme)],
+) -> Caller:
+    """Authenticate the request and meter it against its key's rate limit."""
+    settings = _settings_of(request)
+    if settings.auth == "disabled":
+        request.state.caller = DEV_CALLER
+        return DEV_CALLER
+    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+        raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+    security = security_of(request)
+    info = security.authenticator.authenticate(credentials.credentials.strip())
+    if info is None:
+        raise _unauthorized("Invalid or revoked API key.")
+    try:
+        decision = security.admission.check_rate(info.key_id, key_id=info.key_id)
+    except redis.RedisError as exc:
+        # Fail open: the rate limit protects capacity, and a submit needs Redis anyway.
+        log.warning("rate_limit_unavailable", error=type(exc).__name__, key_id=info.key_id)
+        decision = None
+    if decision is not None and decision.revoked:
+        security.authenticator.forget(info.key_id)
+        raise _unauthorized("Invalid or revoked API key.")
+    if decision is not None and not decision.allowed:
+        raise _error(429, "rate_limited", "Too many requests for this API key; slow down.",
+                     {"Retry-After": str(decision.retry_after_seconds)},
+                     {"retry_after_seconds": decision.retry_after_seconds})
+    caller = Caller(tenant=info.tenant, scopes=info.scopes, key_id=info.key_id)
+    request.state.caller = caller
+    return caller
+
+
+def require_scope(scope: str) -> Callable[..., Caller]:
+    """A dependency that passes the caller through if it holds ``scope``, else 403."""
+
+    def dependency(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:
+        if not caller.has_scope(scope):
+            raise _error(403, "forbidden", f"This API key lacks the '{scope}' scope.",
+                         details={"required_scope": scope})
+        return caller
+
+    dependency.__name__ = f"require_{scope}_scope"
+    return dependency
