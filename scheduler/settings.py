@@ -116,6 +116,16 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_payloads: bool = Field(False, description="Log prompts, contexts and outputs (off by default).")
 
+    # --- metrics (see scheduler/metrics.py) -----------------------------------------------------
+    prometheus_multiproc_dir: Path | None = Field(
+        None,
+        validation_alias="PROMETHEUS_MULTIPROC_DIR",
+        description="prometheus-client multiprocess dir; set when one host runs several API processes.",
+    )
+    worker_metrics_interval: float = Field(
+        5.0, gt=0, description="Seconds between a worker's metric snapshots (tokens/s, memory, experts)."
+    )
+
     @property
     def resolved_database_url(self) -> str:
         """The database to use: ``database_url`` or SQLite under ``data_dir``."""
