@@ -235,9 +235,7 @@ class KeyAuthenticator:
                 return self._cache[key_id]
         with self._session_factory() as session:
             row = session.get(ApiKey, key_id)
-            entry = (
-_CachedKey(key_hash=row.key_hash, info=_info(row)) if row is not None else None
-            )
+            entry = _CachedKey(key_hash=row.key_hash, info=_info(row)) if row is not None else None
         if self._cache_seconds > 0:
             with self._lock:
                 if len(self._cache) > 10_000:  # unknown ids must not grow the cache without bound
