@@ -1,0 +1,82 @@
+"""Turn a decision spec into engine requests (one per question, or one for all).
+
+``independent``: one sequence per question, all submitted at once so the engine batches them;
+none sees another's prompt or answer. ``joint``: one sequence with the context and every
+question, whose generated region is the JSON list of all answers, decoded together.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+
+from worker.decisions.prompts import independent_prompts, joint_prompt
+from worker.decisions.spec import DecisionSpec, DecisionTokenizer
+from worker.decisions.templates import AnswerTemplate, answer_template
+from worker.engine.types import GenerationRequest, SamplingParams
+
+
+@dataclass(frozen=True)
+class DecisionPlan:
+    """The engine requests of one decision attempt and the template of each."""
+
+    spec: DecisionSpec
+    requests: tuple[GenerationRequest, ...]
+    templates: tuple[AnswerTemplate, ...]
+
+
+def _pad_id(tokenizer: DecisionTokenizer) -> int:
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_ids[0]
+
+
+def plan_decision(
+    spec: DecisionSpec,
+    tokenizer: DecisionTokenizer,
+    *,
+    request_id: str,
+    params: SamplingParams,
+    rationale_tokens: int,
+    slot_class: str,
+    deadline: float | None = None,
+    cancel_event: threading.Event | None = None,
+) -> DecisionPlan:
+    """Build the requests of one attempt.
+
+    ``params`` applies to every sequence; its ``max_new_tokens`` is replaced by the template
+    length. Independent sequences get ``seed + i`` so each question draws on its own stream.
+    ``cancel_event`` is shared by every request so one cancel stops them all.
+    """
+    pad_id = _pad_id(tokenizer)
+    rationale = rationale_tokens if spec.rationale else None
+    cancel = cancel_event or threading.Event()
+    if spec.mode == "joint":
+        prompts = [joint_prompt(spec, tokenizer)]
+        templates = [
+            answer_template(spec.questions, first_index=0, tokenizer=tokenizer, pad_id=pad_id,
+                            rationale_tokens=rationale, as_list=True)
+        ]
+    else:
+        prompts = independent_prompts(spec, tokenizer)
+        templates = [
+            answer_template((q,), first_index=i, tokenizer=tokenizer, pad_id=pad_id,
+                            rationale_tokens=rationale, as_list=False)
+            for i, q in enumerate(spec.questions)
+        ]
+    requests = []
+    for i, (prompt_ids, template) in enumerate(zip(prompts, templates, strict=True)):
+        seed = None if params.seed is None else params.seed + i
+        request_params = replace(params, max_new_tokens=len(template.template.token_ids), seed=seed)
+        requests.append(
+            GenerationRequest(
+                request_id=f"{request_id}:{i}",
+                prompt_ids=prompt_ids,
+                params=request_params,
+                template=template.template,
+                slot_class=slot_class,
+                deadline=deadline,
+                cancel_event=cancel,
+            )
+        )
+    return DecisionPlan(spec=spec, requests=tuple(requests), templates=tuple(templates))

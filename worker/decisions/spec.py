@@ -1,0 +1,73 @@
+"""What a decision job asks: a context, questions with choices, a mode.
+
+The API validates the request body with pydantic; this is the worker-side, framework-free
+view of the same input (built from the job row's JSON), so the decision code never depends on
+the API's schema classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+DEFAULT_CHOICES: tuple[str, ...] = ("yes", "no")
+
+DecisionMode = Literal["independent", "joint"]
+
+
+class DecisionTokenizer(Protocol):
+    """The part of ``worker.model.tokenizer.Tokenizer`` the decision service uses."""
+
+    pad_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def render_chat(
+        self, messages: list[dict[str, str]], *, enable_thinking: bool, add_generation_prompt: bool = ...
+    ) -> str: ...
+
+
+@dataclass(frozen=True)
+class DecisionQuestion:
+    """One question; ``choices`` are the only answers the model may give."""
+
+    id: str
+    text: str
+    choices: tuple[str, ...] = DEFAULT_CHOICES
+
+
+@dataclass(frozen=True)
+class DecisionSpec:
+    """A whole decision job: every question is judged against ``context``."""
+
+    context: str
+    questions: tuple[DecisionQuestion, ...]
+    mode: DecisionMode = "independent"
+    rationale: bool = False
+
+    @classmethod
+    def from_input(cls, data: Mapping[str, Any]) -> DecisionSpec:
+        """Build from a job's stored ``input`` JSON (already validated by the API)."""
+        questions = tuple(
+            DecisionQuestion(
+                id=str(q["id"]),
+                text=str(q["text"]),
+                choices=tuple(str(c) for c in (q.get("choices") or DEFAULT_CHOICES)),
+            )
+            for q in data["questions"]
+        )
+        mode = data.get("mode", "independent")
+        if mode not in ("independent", "joint"):
+            raise ValueError(f"unknown decision mode {mode!r}")
+        if not questions:
+            raise ValueError("a decision needs at least one question")
+        return cls(
+            context=str(data.get("context", "")),
+            questions=questions,
+            mode=mode,
+            rationale=bool(data.get("rationale", False)),
+        )
