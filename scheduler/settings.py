@@ -112,6 +112,10 @@ class Settings(BaseSettings):
     webhook_backoff_max_seconds: float = Field(300.0, ge=0, description="Cap of the webhook backoff.")
     webhook_timeout_seconds: float = Field(5.0, gt=0, description="Timeout of one webhook POST.")
 
+    # --- CLI client (cloverq submit / jobs / cancel) -------------------------------------------
+    api_url: str = Field("http://127.0.0.1:8000", description="Where the CLI client finds the API.")
+    api_key: str | None = Field(None, description="CLI client key; default data_dir/dev_api_key if present.")
+
     # --- logging -----------------------------------------------------------------------------
     log_level: str = "INFO"
     log_payloads: bool = Field(False, description="Log prompts, contexts and outputs (off by default).")
