@@ -46,12 +46,15 @@ class InfillSlot:
 
     ``start`` is relative to the start of the template. ``allowed_sequences`` lists the token
     sequences the span may hold (each exactly ``length`` long after padding with the template's
-    pad id); ``None`` means any token.
+    pad id); ``None`` means any token. ``allowed_token_ids`` restricts every position of the span
+    to those ids (each position decoded on its own); a span with ``allowed_sequences`` is
+    committed as one unit, choosing the sequence with the highest summed log-probability.
     """
 
     start: int
     length: int
     allowed_sequences: tuple[tuple[int, ...], ...] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,426 @@
+"""The engine: one thread owns the model and the device; other threads submit and get futures.
+
+Continuous batching in the style of vLLM v1: between passes the engine admits waiting requests
+(their prompt's whole blocks are prefilled inside their first pass, batched with everyone
+else's), then runs ONE denoising pass for every active sequence (rows at different blocks and
+lengths in one padded forward), retires finished sequences and frees their KV-cache slots.
+
+Failure contract: an invalid request (bad parameters, too long, bad template) resolves at once
+with a ``GenerationResult`` whose ``finish_reason`` is ``ERROR`` and ``error`` says why. A
+fault while running the model (e.g. out of memory) is isolated by re-running that pass row by
+row; the rows that still fail get the exception set on their future (retryable by the caller),
+the others continue.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from worker.engine.admission import Candidate, Occupancy, pick_admissions
+from worker.engine.runner import ModelRunner, PassTimings, RowOutcome, RowSpec
+from worker.engine.stats import EngineStats
+from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from worker.model import CloverForBlockDiffusion, KVCache
+from worker.sampler.layout import RegionLayout, RequestError, build_layout
+from worker.sampler.sequence import SequenceState
+
+log = logging.getLogger(__name__)
+
+_RATE_WINDOW = 64  # passes over which tokens/s is measured
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity limits of one engine."""
+
+    max_batch: int = 16  # active sequences (= KV-cache slots)
+    max_tokens_in_flight: int = 65536  # KV positions reserved by active sequences
+    slot_caps: Mapping[str, int] = field(default_factory=dict)  # e.g. {"joint": 4}
+    max_len: int = 4096  # per-sequence cache length (prompt + generated region)
+
+
+@dataclass
+class _Waiting:
+    request: GenerationRequest
+    layout: RegionLayout
+    block_size: int
+    future: concurrent.futures.Future[GenerationResult]
+    submitted: float
+
+
+@dataclass
+class _Active:
+    state: SequenceState
+    slot: int
+    future: concurrent.futures.Future[GenerationResult]
+    submitted: float
+    admitted: float
+
+
+class EngineStopped(RuntimeError):
+    """The engine no longer accepts requests."""
+
+
+class Engine:
+    """Continuous-batching block-diffusion engine over one resident model."""
+
+    def __init__(
+        self,
+        model: CloverForBlockDiffusion,
+        config: EngineConfig,
+        *,
+        mask_token_id: int,
+        eos_token_ids: Sequence[int],
+        default_block_size: int,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.mask_token_id = mask_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.default_block_size = default_block_size
+        param = next(model.parameters())
+        self.cache = KVCache(
+            model.config,
+            max_seqs=config.max_batch,
+            max_len=config.max_len,
+            device=param.device,
+            dtype=param.dtype,
+        )
+        self.runner = ModelRunner(model, self.cache, mask_token_id=mask_token_id)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._active: list[_Active] = []
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._abort = False
+        # counters (written by the engine thread, read by stats())
+        self._steps = 0
+        self._passes = 0
+        self._forwards = 0
+        self._tokens = 0
+        self._finished = 0
+        self._failed = 0
+        self._busy = 0.0
+        self._forward_seconds = 0.0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_WINDOW)
+
+    # ---- public API --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="cloverq-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
+        """Queue ``request``; the future resolves with its result (see module doc for failures)."""
+        future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+        now = time.monotonic()
+        block_size = request.params.block_size or self.default_block_size
+        try:
+            layout = build_layout(request, block_size, self.model.config.vocab_size, self.config.max_len)
+            if layout.total_len > self.config.max_tokens_in_flight:
+                raise RequestError(
+                    f"request needs {layout.total_len} KV positions; the engine holds "
+                    f"{self.config.max_tokens_in_flight}"
+                )
+        except RequestError as exc:
+            future.set_result(_error_result(request, str(exc)))
+            return future
+        with self._cond:
+            if not self._accepting:
+                raise EngineStopped("the engine is stopping and accepts no new requests")
+            self._waiting.append(_Waiting(request, layout, block_size, future, now))
+            self._cond.notify_all()
+        return future
+
+    def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; with ``drain`` finish everything queued, else cancel it. Joins."""
+        with self._cond:
+            self._accepting = False
+            if not drain:
+                self._abort = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if not thread.is_alive():
+                self._thread = None
+
+    def warm_up(self) -> None:
+        """Run one small request end to end; raises if it does not complete."""
+        prompt = [t for t in range(min(8, self.model.config.vocab_size)) if t != self.mask_token_id][:4]
+        params = SamplingParams(max_new_tokens=self.default_block_size, steps_per_block=2, seed=0)
+        result = self.submit(GenerationRequest("warm-up", prompt, params)).result()
+        if result.finish_reason is FinishReason.ERROR:
+            raise RuntimeError(f"engine warm-up failed: {result.error}")
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            active = collections.Counter(a.state.request.slot_class for a in self._active)
+            waiting = collections.Counter(w.request.slot_class for w in self._waiting)
+            positions = sum(a.state.layout.total_len for a in self._active)
+            recent = list(self._recent)
+        busy = sum(s for s, _ in recent)
+        rate = sum(n for _, n in recent) / busy if busy > 0 else 0.0
+        return EngineStats(
+            running=self._thread is not None and self._thread.is_alive(),
+            active=dict(active),
+            waiting=dict(waiting),
+            max_batch=self.config.max_batch,
+            batch_occupancy=sum(active.values()) / self.config.max_batch,
+            positions_in_flight=positions,
+            tokens_per_second=rate,
+            steps=self._steps,
+            passes=self._passes,
+            forwards=self._forwards,
+            tokens_committed=self._tokens,
+            requests_finished=self._finished,
+            requests_failed=self._failed,
+            busy_seconds=self._busy,
+            forward_seconds=self._forward_seconds,
+            router_counts=self.runner.router_counts.cpu().tolist(),
+        )
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._next_iteration():
+                pass
+        except BaseException as exc:  # the loop itself broke: fail everyone, never hang callers
+            log.exception("engine thread crashed")
+            self._fail_all(exc)
+            raise
+
+    def _next_iteration(self) -> bool:
+        with self._cond:
+            while not self._waiting and not self._active and self._accepting:
+                self._cond.wait()
+            abort = self._abort
+            if not abort:
+                if not self._waiting and not self._active:
+                    return False  # stopping, drained
+                self._settle_waiting()
+                admitted = self._admit()
+        if abort:
+            self._cancel_everything()
+            return False
+        now = time.monotonic()
+        for a in admitted:
+            a.admitted = now
+        self._interrupt_active(now)
+        if self._active:
+            self._step()
+        return True
+
+    def _settle_waiting(self) -> None:
+        """Resolve waiting requests that were cancelled or ran out of time before admission."""
+        now = time.monotonic()
+        keep: collections.deque[_Waiting] = collections.deque()
+        for w in self._waiting:
+            reason = _interrupt_reason(w.request, now)
+            if w.future.cancelled():
+                continue
+            if reason is not None:
+                w.future.set_result(_empty_result(w.request, reason, queue_seconds=now - w.submitted))
+                continue
+            keep.append(w)
+        self._waiting = keep
+
+    def _admit(self) -> list[_Active]:
+        per_class = collections.Counter(a.state.request.slot_class for a in self._active)
+        occupancy = Occupancy(
+            active=len(self._active),
+            positions=sum(a.state.layout.total_len for a in self._active),
+            per_class=per_class,
+        )
+        waiting = list(self._waiting)
+        chosen = pick_admissions(
+            [Candidate(w.request.slot_class, w.layout.total_len) for w in waiting],
+            occupancy,
+            max_batch=min(self.config.max_batch, len(self._active) + self.cache.num_free()),
+            max_positions=self.config.max_tokens_in_flight,
+            slot_caps=self.config.slot_caps,
+        )
+        taken = set(chosen)
+        self._waiting = collections.deque(w for i, w in enumerate(waiting) if i not in taken)
+        admitted = []
+        for i in chosen:
+            w = waiting[i]
+            if not w.future.set_running_or_notify_cancel():
+                continue
+            state = SequenceState.start(
+                w.request,
+                w.layout,
+                block_size=w.block_size,
+                mask_token_id=self.mask_token_id,
+                eos_token_ids=self.eos_token_ids,
+            )
+            active = _Active(state, self.cache.allocate(), w.future, w.submitted, time.monotonic())
+            self._active.append(active)
+            admitted.append(active)
+        return admitted
+
+    def _interrupt_active(self, now: float) -> None:
+        for a in self._active:
+            reason = _interrupt_reason(a.state.request, now)
+            if reason is not None:
+                a.state.finish(reason)
+        self._retire()
+
+    def _step(self) -> None:
+        """One denoising pass over every active sequence."""
+        began = time.perf_counter()
+        rows = [self._row(a) for a in self._active]
+        timings = PassTimings()
+        outcomes: list[RowOutcome | BaseException]
+        try:
+            outcomes = list(self.runner.run_pass(rows, timings))
+        except Exception:  # isolate the faulty rows
+            log.exception("batched pass failed; retrying row by row")
+            outcomes = []
+            for row in rows:
+                try:
+                    outcomes.append(self.runner.run_pass([row], timings)[0])
+                except Exception as exc:
+                    outcomes.append(exc)
+        committed = 0
+        for a, outcome in zip(self._active, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                a.state.finish(FinishReason.ERROR)
+                self._fail(a, outcome)
+                continue
+            before = a.state.blocks_done
+            block_done = a.state.apply_pass(outcome.chosen, outcome.commit, outcome.group_choices)
+            committed += sum(outcome.commit)
+            if block_done or a.state.blocks_done != before:
+                self._report_progress(a)
+        elapsed = time.perf_counter() - began
+        with self._cond:
+            self._steps += len(rows)
+            self._passes += 1
+            self._forwards += timings.forwards
+            self._tokens += committed
+            self._busy += elapsed
+            self._forward_seconds += timings.forward_seconds
+            self._recent.append((elapsed, committed))
+        self._retire()
+
+    def _row(self, a: _Active) -> RowSpec:
+        p = a.state.request.params
+        return RowSpec(
+            slot=a.slot,
+            block_size=a.state.block_size,
+            temperature=p.temperature,
+            top_k=p.top_k or 0,
+            top_p=p.top_p if p.top_p is not None else 1.0,
+            dynamic=p.strategy == "dynamic",
+            threshold=p.threshold,
+            inp=a.state.pass_input(),
+        )
+
+    def _report_progress(self, a: _Active) -> None:
+        callback = a.state.request.on_progress
+        if callback is None:
+            return
+        try:
+            callback(a.state.progress())
+        except Exception:  # a broken progress sink must not fail the request
+            log.exception("progress callback of %s failed", a.state.request.request_id)
+
+    def _retire(self) -> None:
+        """Resolve finished sequences and free their cache slots."""
+        done = [a for a in self._active if a.state.finished]
+        if not done:
+            return
+        now = time.monotonic()
+        with self._cond:
+            self._active = [a for a in self._active if not a.state.finished]
+        for a in done:
+            self.cache.free(a.slot)
+            if a.future.done():
+                continue
+            s = a.state
+            out = s.output_ids()
+            a.future.set_result(
+                GenerationResult(
+                    request_id=s.request.request_id,
+                    token_ids=out,
+                    finish_reason=s.finish_reason or FinishReason.ERROR,
+                    steps_used=s.steps_used,
+                    blocks=s.blocks_done,
+                    tokens=len(out),
+                    prompt_tokens=len(s.request.prompt_ids),
+                    slot_choices=s.slot_choices(),
+                    queue_seconds=a.admitted - a.submitted,
+                    run_seconds=now - a.admitted,
+                )
+            )
+            self._finished += 1
+
+    def _fail(self, a: _Active, exc: BaseException) -> None:
+        self._failed += 1
+        if not a.future.done():
+            a.future.set_exception(exc)
+
+    def _cancel_everything(self) -> None:
+        """Abort: resolve every waiting and active request as cancelled."""
+        now = time.monotonic()
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for w in waiting:
+            if not w.future.done():
+                w.future.set_result(
+                    _empty_result(w.request, FinishReason.CANCELLED, queue_seconds=now - w.submitted)
+                )
+        for a in self._active:
+            a.state.finish(FinishReason.CANCELLED)
+        self._retire()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            self._accepting = False
+            pending = [w.future for w in self._waiting] + [a.future for a in self._active]
+            self._waiting.clear()
+            self._active = []
+        for f in pending:
+            if not f.done():
+                f.set_exception(exc)
+
+
+def _interrupt_reason(request: GenerationRequest, now: float) -> FinishReason | None:
+    if request.cancel_event.is_set():
+        return FinishReason.CANCELLED
+    if request.deadline is not None and now >= request.deadline:
+        return FinishReason.DEADLINE
+    return None
+
+
+def _empty_result(
+    request: GenerationRequest, reason: FinishReason, *, queue_seconds: float
+) -> GenerationResult:
+    return GenerationResult(
+        request_id=request.request_id,
+        token_ids=[],
+        finish_reason=reason,
+        steps_used=0,
+        blocks=0,
+        tokens=0,
+        prompt_tokens=len(request.prompt_ids),
+        queue_seconds=queue_seconds,
+    )
+
+
+def _error_result(request: GenerationRequest, message: str) -> GenerationResult:
+    result = _empty_result(request, FinishReason.ERROR, queue_seconds=0.0)
+    result.error = message
+    return result
+
+
+__all__ = ["Engine", "EngineConfig", "EngineStopped"]

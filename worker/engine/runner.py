@@ -1,0 +1,224 @@
+"""The model runner: turns the rows of one denoising pass into batched forwards and decisions.
+
+It never decides policy (who runs, when a request ends): it receives each row's ``PassInput``
+and returns, per row, the token chosen at every block position and which positions to commit.
+All active rows go through one forward padded to the longest row; rows that carry a long
+prefill are split into a second forward when padding them together would waste more than half
+of the batch. Per-row sampling and commit rules run batched on the device; the host receives
+one small copy per pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from worker.model import CloverForBlockDiffusion, KVCache
+from worker.sampler.commit import choose_commits, expand_to_groups
+from worker.sampler.selection import RowSampling, select_tokens
+from worker.sampler.sequence import PassInput
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One row of a pass: where its cache lives, what it feeds, how it samples."""
+
+    slot: int
+    block_size: int
+    temperature: float
+    top_k: int  # 0 = off
+    top_p: float  # 1.0 = off
+    dynamic: bool
+    threshold: float
+    inp: PassInput
+
+
+@dataclass(frozen=True)
+class RowOutcome:
+    """Decisions of one row: [block_len] tokens and commit flags, plus restricted-slot picks."""
+
+    chosen: list[int]
+    commit: list[bool]
+    group_choices: list[tuple[int, float]]
+
+
+@dataclass
+class PassTimings:
+    """Wall time of the model forwards inside one pass (the rest is engine overhead)."""
+
+    forward_seconds: float = 0.0
+    forwards: int = 0
+
+
+class ModelRunner:
+    """Owns the model and its KV cache; runs passes for the engine thread."""
+
+    def __init__(self, model: CloverForBlockDiffusion, cache: KVCache, *, mask_token_id: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.mask_token_id = mask_token_id
+        self.device = cache.device
+        cfg = model.config
+        self.router_counts = torch.zeros(  # [L, E] tokens routed per layer and expert
+            cfg.num_hidden_layers, max(cfg.num_experts, 1), dtype=torch.long, device=self.device
+        )
+        self._sync = self.device.type == "cuda"
+
+    def run_pass(self, rows: list[RowSpec], timings: PassTimings) -> list[RowOutcome]:
+        """One denoising pass for ``rows`` (one or two forwards); outcomes in row order."""
+        groups = self._split(rows)
+        outcomes: dict[int, RowOutcome] = {}
+        for members in groups:
+            for i, outcome in zip(members, self._run_group([rows[i] for i in members], timings), strict=True):
+                outcomes[i] = outcome
+        return [outcomes[i] for i in range(len(rows))]
+
+    @staticmethod
+    def _split(rows: list[RowSpec]) -> list[list[int]]:
+        """Rows with long prefill parts go to their own forward when padding would dominate."""
+        lengths = [len(r.inp.tokens) for r in rows]
+        short_limit = 2 * max(r.inp.block_len for r in rows)
+        long_rows = [i for i, n in enumerate(lengths) if n > short_limit]
+        short_rows = [i for i, n in enumerate(lengths) if n <= short_limit]
+        if not long_rows or not short_rows:
+            return [list(range(len(rows)))]
+        padded_together = len(rows) * max(lengths)
+        padded_apart = len(long_rows) * max(lengths) + len(short_rows) * short_limit
+        return [long_rows, short_rows] if padded_apart * 2 < padded_together else [list(range(len(rows)))]
+
+    def _run_group(self, rows: list[RowSpec], timings: PassTimings) -> list[RowOutcome]:
+        r = len(rows)
+        t = max(len(row.inp.tokens) for row in rows)
+        bmax = max(row.inp.block_len for row in rows)
+        dev = self.device
+
+        # ---- host-side tensors (small), then one copy each to the device --------------------
+        ids = torch.full((r, t), self.mask_token_id, dtype=torch.long)  # [R, T]
+        valid = torch.zeros(r, t, dtype=torch.bool)  # [R, T]
+        masked = torch.zeros(r, bmax, dtype=torch.bool)  # [R, Bmax]
+        group_ids = torch.full((r, bmax), -1, dtype=torch.long)  # [R, Bmax]
+        uniforms = torch.zeros(r, bmax)  # [R, Bmax]
+        for i, row in enumerate(rows):
+            inp = row.inp
+            n = len(inp.tokens)
+            ids[i, :n] = torch.tensor(inp.tokens, dtype=torch.long)
+            valid[i, :n] = True
+            masked[i, : inp.block_len] = torch.tensor(inp.masked, dtype=torch.bool)
+            if inp.groups:
+                group_ids[i, : inp.block_len] = torch.tensor(inp.group_ids, dtype=torch.long)
+            if inp.uniforms is not None:
+                uniforms[i, : inp.block_len] = inp.uniforms[: inp.block_len]
+        start = torch.tensor([row.inp.start_pos for row in rows], dtype=torch.long)  # [R]
+        commit_lens = torch.tensor([row.inp.commit_len for row in rows], dtype=torch.long)  # [R]
+        block_size = torch.tensor([row.block_size for row in rows], dtype=torch.long)  # [R]
+        positions = start[:, None] + torch.arange(t)[None, :]  # [R, T]
+        block_ids = positions // block_size[:, None]  # [R, T]
+        slots = torch.tensor([row.slot for row in rows], dtype=torch.long)  # [R]
+        sampling = RowSampling(
+            temperature=torch.tensor([row.temperature for row in rows], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([row.top_k for row in rows], dtype=torch.long, device=dev),
+            top_p=torch.tensor([row.top_p for row in rows], dtype=torch.float32, device=dev),
+        )
+        quota = torch.tensor([row.inp.quota for row in rows], dtype=torch.long, device=dev)  # [R]
+        threshold = torch.tensor([row.threshold for row in rows], dtype=torch.float32, device=dev)
+        dynamic = torch.tensor([row.dynamic for row in rows], dtype=torch.bool, device=dev)  # [R]
+
+        # ---- the forward --------------------------------------------------------------------
+        began = time.perf_counter()
+        logits = self.model(
+            ids.to(dev),
+            positions.to(dev),
+            block_ids.to(dev),
+            valid=valid.to(dev),
+            cache=self.cache,
+            slots=slots.to(dev),
+            commit_lens=commit_lens.to(dev),
+            router_counts=self.router_counts if self.model.config.num_experts > 0 else None,
+        )  # [R, T, V]
+        if self._sync:
+            torch.cuda.synchronize(dev)
+        timings.forward_seconds += time.perf_counter() - began
+        timings.forwards += 1
+
+        # ---- the current block's logits and decisions ---------------------------------------
+        offsets = commit_lens.to(dev)[:, None] + torch.arange(bmax, device=dev)[None, :]  # [R, Bmax]
+        offsets = offsets.clamp(max=t - 1)
+        vocab = logits.shape[-1]
+        block_logits = logits.gather(1, offsets[..., None].expand(r, bmax, vocab))  # [R, Bmax, V]
+        block_logits[..., self.mask_token_id] = float("-inf")  # never commit a mask token
+        self._restrict_ids(block_logits, rows)
+        masked = masked.to(dev)
+        uniforms = uniforms.to(dev)
+        tokens, confidence = select_tokens(block_logits, sampling, uniforms)  # [R, Bmax] x2
+        group_picks = self._choose_sequences(block_logits, rows, tokens, confidence, uniforms)
+        commit = choose_commits(confidence, masked, quota, threshold, dynamic)  # [R, Bmax]
+        num_groups = max((len(row.inp.groups) for row in rows), default=0)
+        if num_groups:
+            commit = expand_to_groups(commit, group_ids.to(dev), num_groups)
+
+        tokens_host = tokens.tolist()
+        commit_host = commit.tolist()
+        picks_host = group_picks.tolist() if group_picks is not None else None
+        outcomes = []
+        for i, row in enumerate(rows):
+            n = row.inp.block_len
+            choices: list[tuple[int, float]] = []
+            if picks_host is not None:
+                choices = [
+                    (int(picks_host[i][g][0]), picks_host[i][g][1]) for g in range(len(row.inp.groups))
+                ]
+            outcomes.append(RowOutcome(tokens_host[i][:n], commit_host[i][:n], choices))
+        return outcomes
+
+    def _restrict_ids(self, block_logits: Tensor, rows: list[RowSpec]) -> None:
+        """Positions restricted to a set of ids: every other id gets -inf (in place)."""
+        restricted = [
+            (i, o, ids) for i, row in enumerate(rows) for o, ids in enumerate(row.inp.allowed_ids) if ids
+        ]
+        if not restricted:
+            return
+        allowed = torch.zeros(block_logits.shape, dtype=torch.bool)  # [R, Bmax, V]
+        for i, o, ids in restricted:
+            allowed[i, o, list(ids)] = True
+        unrestricted = ~allowed.any(dim=-1, keepdim=True)  # [R, Bmax, 1]
+        block_logits.masked_fill_(~(allowed | unrestricted).to(block_logits.device), float("-inf"))
+
+    def _choose_sequences(
+        self, block_logits: Tensor, rows: list[RowSpec], tokens: Tensor, confidence: Tensor, uniforms: Tensor
+    ) -> Tensor | None:
+        """Restricted slots: score each candidate by summed log-probs over the slot's positions
+        in this block, pick the best (or draw at temperature > 0), write its tokens and its
+        normalised probability as the confidence of those positions (in place).
+
+        Returns [R, G, 2] (candidate index, normalised probability) or None without slots.
+        """
+        num_groups = max((len(row.inp.groups) for row in rows), default=0)
+        if num_groups == 0:
+            return None
+        picks = torch.zeros(len(rows), num_groups, 2, dtype=torch.float64, device=block_logits.device)
+        for i, row in enumerate(rows):
+            if not row.inp.groups:
+                continue
+            logp = torch.log_softmax(block_logits[i], dim=-1)  # [Bmax, V]
+            for g, group in enumerate(row.inp.groups):
+                offs = torch.tensor(group.offsets, device=logp.device)  # [n]
+                cands = torch.tensor(group.candidates, device=logp.device)  # [C, n]
+                scores = logp[offs[None, :], cands].sum(dim=-1)  # [C]
+                probs = torch.softmax(scores, dim=-1)  # [C]
+                if row.temperature > 0:
+                    tempered = torch.softmax(scores / row.temperature, dim=-1)
+                    cdf = tempered.cumsum(0)
+                    u = uniforms[i, group.offsets[0]] * cdf[-1]
+                    pick = torch.searchsorted(cdf, u[None], right=True).clamp(max=len(group.candidates) - 1)[
+                        0
+                    ]
+                else:
+                    pick = scores.argmax()
+                tokens[i, offs] = cands[pick]
+                confidence[i, offs] = probs[pick]
+                picks[i, g, 0] = pick.to(picks.dtype)
+                picks[i, g, 1] = probs[pick].to(picks.dtype)
+        return picks

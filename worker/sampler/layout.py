@@ -1,0 +1,153 @@
+"""Where a request's generated region lies and which of its positions are fixed or restricted.
+
+A plain request generates ``max_new_tokens`` after the prompt, rounded up to whole blocks
+(aligned to absolute positions). A template request (infilling) generates exactly its template:
+fixed tokens are committed up front, slots are masks, restricted slots only take allowed values.
+Building the layout validates the request, so input problems surface as one clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.engine.types import GenerationRequest, InfillTemplate
+
+
+class RequestError(ValueError):
+    """The request itself is invalid (reported in the result, never retried)."""
+
+
+@dataclass(frozen=True)
+class SequenceSlot:
+    """A restricted slot: committed as one unit, choosing among ``candidates``."""
+
+    index: int  # index into the template's slots
+    start: int  # region-relative
+    length: int
+    candidates: tuple[tuple[int, ...], ...]  # each exactly ``length`` long (padded)
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """The generated region of one request (positions are region-relative unless named abs)."""
+
+    region_start: int  # absolute position of the region's first token (= prompt length)
+    region_len: int  # positions decoded (whole blocks for plain requests, the template otherwise)
+    output_len: int  # the output is cut to this many tokens (max_new_tokens / template length)
+    fixed: tuple[int | None, ...]  # [region_len] fixed token or None (masked)
+    allowed_ids: tuple[tuple[int, ...] | None, ...]  # [region_len] allowed ids per position
+    sequence_slots: tuple[SequenceSlot, ...]
+    slot_of_position: tuple[int, ...]  # [region_len] index into sequence_slots, -1 if none
+    stop_at_eos: bool  # plain requests stop after the block with an EOS; templates never do
+    unrestricted_slots: tuple[int, ...]  # template slot indexes decoded as plain masks
+
+    @property
+    def total_len(self) -> int:
+        return self.region_start + self.region_len
+
+
+def _check_params(request: GenerationRequest, block_size: int, vocab_size: int) -> None:
+    p = request.params
+    if block_size < 1:
+        raise RequestError(f"block_size must be >= 1, got {block_size}")
+    if p.steps_per_block < 1:
+        raise RequestError(f"steps_per_block must be >= 1, got {p.steps_per_block}")
+    if p.max_new_tokens < 1 and request.template is None:
+        raise RequestError(f"max_new_tokens must be >= 1, got {p.max_new_tokens}")
+    if p.strategy not in ("static", "dynamic"):
+        raise RequestError(f"strategy must be 'static' or 'dynamic', got {p.strategy!r}")
+    if p.temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {p.temperature}")
+    if p.top_k is not None and p.top_k < 0:
+        raise RequestError(f"top_k must be >= 0, got {p.top_k}")
+    if p.top_p is not None and not 0.0 < p.top_p <= 1.0:
+        raise RequestError(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.step_budget is not None and p.step_budget < 0:
+        raise RequestError(f"step_budget must be >= 0, got {p.step_budget}")
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+
+
+def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> RegionLayout:
+    n = len(template.token_ids)
+    if n == 0:
+        raise RequestError("template is empty")
+    fixed: list[int | None] = list(template.token_ids)
+    allowed: list[tuple[int, ...] | None] = [None] * n
+    slot_of: list[int] = [-1] * n
+    seq_slots: list[SequenceSlot] = []
+    unrestricted: list[int] = []
+    for i, slot in enumerate(template.slots):
+        if slot.length < 1 or slot.start < 0 or slot.start + slot.length > n:
+            raise RequestError(f"slot {i} ({slot.start}+{slot.length}) lies outside the template (len {n})")
+        span = range(slot.start, slot.start + slot.length)
+        if any(fixed[j] is None for j in span):
+            raise RequestError(f"slot {i} overlaps another slot")
+        for j in span:
+            fixed[j] = None
+        ids = slot.allowed_token_ids
+        if ids is not None:
+            if not ids or any(not 0 <= t < vocab_size for t in ids):
+                raise RequestError(f"slot {i}: allowed_token_ids empty or out of range")
+            for j in span:
+                allowed[j] = tuple(ids)
+        if slot.allowed_sequences is None:
+            unrestricted.append(i)
+            continue
+        candidates = []
+        for seq in slot.allowed_sequences:
+            if len(seq) > slot.length or (len(seq) < slot.length and template.pad_id is None):
+                raise RequestError(
+                    f"slot {i}: allowed sequence of length {len(seq)} does not fit length {slot.length}"
+                    " (shorter ones need the template's pad_id)"
+                )
+            padded = tuple(seq) + (template.pad_id,) * (slot.length - len(seq))  # type: ignore[operator]
+            if any(not 0 <= t < vocab_size for t in padded):
+                raise RequestError(f"slot {i}: allowed sequence has token ids out of range")
+            candidates.append(padded)
+        if not candidates:
+            raise RequestError(f"slot {i}: allowed_sequences is empty")
+        for j in span:
+            slot_of[j] = len(seq_slots)
+        seq_slots.append(SequenceSlot(i, slot.start, slot.length, tuple(candidates)))
+    if any(t is not None and not 0 <= t < vocab_size for t in fixed):
+        raise RequestError("template has token ids out of range")
+    return RegionLayout(
+        region_start=start,
+        region_len=n,
+        output_len=n,
+        fixed=tuple(fixed),
+        allowed_ids=tuple(allowed),
+        sequence_slots=tuple(seq_slots),
+        slot_of_position=tuple(slot_of),
+        stop_at_eos=False,
+        unrestricted_slots=tuple(unrestricted),
+    )
+
+
+def build_layout(request: GenerationRequest, block_size: int, vocab_size: int, max_len: int) -> RegionLayout:
+    """Validate ``request`` and lay out its generated region; raises RequestError."""
+    _check_params(request, block_size, vocab_size)
+    start = len(request.prompt_ids)
+    if request.template is not None:
+        layout = _template_layout(request.template, start, vocab_size)
+    else:
+        new = request.params.max_new_tokens
+        end = -(-(start + new) // block_size) * block_size  # round up to a whole block
+        layout = RegionLayout(
+            region_start=start,
+            region_len=end - start,
+            output_len=new,
+            fixed=(None,) * (end - start),
+            allowed_ids=(None,) * (end - start),
+            sequence_slots=(),
+            slot_of_position=(-1,) * (end - start),
+            stop_at_eos=True,
+            unrestricted_slots=(),
+        )
+    if layout.total_len > max_len:
+        raise RequestError(
+            f"prompt + generated region = {layout.total_len} positions exceeds max_len {max_len}"
+        )
+    return layout

@@ -1,0 +1,317 @@
+"""The decoding state of one request: which block is current, what is committed, what is cached.
+
+Pure bookkeeping over Python lists (no tensors except the request's own random generator), so
+the engine's policy code never touches the device. One denoising pass of a row feeds
+``tokens[cached_len : block_end]``: the committed-but-uncached tokens (the prompt's whole blocks
+on the first pass, the previous block afterwards), whose K/V the pass appends to the cache, plus
+the current block, whose masks it predicts. That fuses prefill and the commit of a finished
+block with the next block's first pass; block-causal attention makes the outputs the same as
+separate passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.engine.types import FinishReason, GenerationRequest, Progress, SlotChoice
+from worker.sampler.layout import RegionLayout
+from worker.sampler.schedule import plan_block_steps, step_quotas
+
+
+@dataclass
+class SlotDecision:
+    """Running choice of a restricted slot that may span several blocks."""
+
+    candidates: list[int]  # indexes into SequenceSlot.candidates still consistent
+    confidence: float = 1.0
+    chosen: int | None = None
+
+
+@dataclass
+class SlotGroup:
+    """The part of a restricted slot inside the current block, scored as one unit."""
+
+    slot: int  # index into RegionLayout.sequence_slots
+    offsets: list[int]  # block offsets of its still-masked positions
+    candidates: list[tuple[int, ...]]  # per consistent candidate: its tokens at ``offsets``
+
+
+@dataclass
+class PassInput:
+    """What one row feeds into a denoising pass (host lists; the runner makes tensors)."""
+
+    tokens: list[int]  # [commit_len + block_len] with mask ids at masked positions
+    start_pos: int  # absolute position of tokens[0]
+    commit_len: int  # leading tokens whose K/V this pass appends to the cache
+    block_len: int  # current block's positions (trailing part of tokens)
+    masked: list[bool]  # [block_len] positions still masked
+    quota: int  # this step's k, capped at the masks left
+    allowed_ids: list[tuple[int, ...] | None]  # [block_len] per-position restriction
+    group_ids: list[int]  # [block_len] restricted-slot group (index into ``groups``) or -1
+    groups: list[SlotGroup]  # restricted slots with masks in this block
+    uniforms: torch.Tensor | None  # [block_size] draws from the request's generator
+
+
+@dataclass
+class SequenceState:
+    """Decoding state of one admitted request."""
+
+    request: GenerationRequest
+    layout: RegionLayout
+    block_size: int
+    mask_token_id: int
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)  # [total_len]
+    committed: list[bool] = field(default_factory=list)  # [region_len]
+    cached_len: int = 0
+    block_index: int = 0  # absolute block index of the current block
+    quotas: list[int] = field(default_factory=list)
+    step_in_block: int = 0
+    steps_used: int = 0
+    blocks_done: int = 0
+    finish_reason: FinishReason | None = None
+    slot_decisions: list[SlotDecision] = field(default_factory=list)
+    block_masks_left: list[int] = field(default_factory=list)  # masks per region block
+    _pass_groups: list[SlotGroup] = field(default_factory=list)
+
+    @classmethod
+    def start(
+        cls,
+        request: GenerationRequest,
+        layout: RegionLayout,
+        *,
+        block_size: int,
+        mask_token_id: int,
+        eos_token_ids: frozenset[int],
+    ) -> SequenceState:
+        seed = request.params.seed
+        generator = torch.Generator(device="cpu")
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        state = cls(request, layout, block_size, mask_token_id, eos_token_ids, generator)
+        fixed = layout.fixed
+        state.tokens = list(request.prompt_ids) + [mask_token_id if t is None else t for t in fixed]
+        state.committed = [t is not None for t in fixed]
+        state.slot_decisions = [SlotDecision(list(range(len(s.candidates)))) for s in layout.sequence_slots]
+        first = layout.region_start // block_size
+        last = (layout.total_len - 1) // block_size
+        state.block_masks_left = [
+            sum(
+                not c
+                for c in state.committed[
+                    max(b * block_size - layout.region_start, 0) : (b + 1) * block_size - layout.region_start
+                ]
+            )
+            for b in range(first, last + 1)
+        ]
+        state.block_index = first
+        state._begin_block()
+        return state
+
+    # ---- geometry --------------------------------------------------------------------------
+    @property
+    def first_block(self) -> int:
+        return self.layout.region_start // self.block_size
+
+    @property
+    def block_start(self) -> int:
+        return self.block_index * self.block_size
+
+    @property
+    def block_end(self) -> int:
+        return min(self.block_start + self.block_size, self.layout.total_len)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def budget_left(self) -> int | None:
+        budget = self.request.params.step_budget
+        return None if budget is None else budget - self.steps_used
+
+    # ---- block lifecycle -------------------------------------------------------------------
+    def _block_masks(self) -> list[bool]:
+        r0 = self.layout.region_start
+        return [p >= r0 and not self.committed[p - r0] for p in range(self.block_start, self.block_end)]
+
+    def _begin_block(self) -> None:
+        """Plan the current block; blocks without masks complete at once (they cost no pass)."""
+        while not self.finished:
+            masks = sum(self._block_masks())
+            if masks == 0:
+                self._complete_block()
+                continue
+            blocks_left = sum(
+                1 for m in self.block_masks_left[self.block_index - self.first_block :] if m > 0
+            )
+            steps = plan_block_steps(self.request.params.steps_per_block, blocks_left, self.budget_left)
+            if steps == 0:
+                self.finish_reason = FinishReason.BUDGET
+                return
+            self.quotas = step_quotas(masks, steps)
+            self.step_in_block = 0
+            return
+
+    def _complete_block(self) -> None:
+        self.blocks_done += 1
+        layout = self.layout
+        if layout.stop_at_eos:
+            upto = min(self.block_end - layout.region_start, layout.output_len)
+            if any(
+                t in self.eos_token_ids for t in self.tokens[layout.region_start : layout.region_start + upto]
+            ):
+                self.finish_reason = FinishReason.EOS
+                return
+        if self.block_end >= layout.total_len:
+            self.finish_reason = FinishReason.LENGTH
+            return
+        self.block_index += 1
+
+    # ---- passes ----------------------------------------------------------------------------
+    def pass_input(self) -> PassInput:
+        """The row this request feeds into the next denoising pass."""
+        masked = self._block_masks()
+        masks_left = sum(masked)
+        quota = min(self.quotas[self.step_in_block], masks_left)
+        r0 = self.layout.region_start
+        block_rel = range(self.block_start - r0, self.block_end - r0)
+        allowed = [self.layout.allowed_ids[j] if j >= 0 else None for j in block_rel]
+        group_ids: list[int] = []
+        groups: list[SlotGroup] = []
+        by_slot: dict[int, SlotGroup] = {}
+        for offset, j in enumerate(block_rel):
+            s = self.layout.slot_of_position[j] if j >= 0 else -1
+            if s < 0 or not masked[offset]:
+                group_ids.append(-1)
+                continue
+            if s not in by_slot:
+                by_slot[s] = SlotGroup(slot=s, offsets=[], candidates=[])
+                groups.append(by_slot[s])
+            by_slot[s].offsets.append(offset)
+            group_ids.append(groups.index(by_slot[s]))
+        for g in groups:
+            slot = self.layout.sequence_slots[g.slot]
+            rel = [self.block_start + o - r0 - slot.start for o in g.offsets]  # slot-relative
+            g.candidates = [
+                tuple(slot.candidates[c][k] for k in rel) for c in self.slot_decisions[g.slot].candidates
+            ]
+        self._pass_groups = groups
+        uniforms = None
+        if self.request.params.temperature > 0:
+            uniforms = torch.rand(self.block_size, generator=self.generator)  # [block_size]
+        return PassInput(
+            tokens=self.tokens[self.cached_len : self.block_end],
+            start_pos=self.cached_len,
+            commit_len=self.block_start - self.cached_len,
+            block_len=self.block_end - self.block_start,
+            masked=masked,
+            quota=quota,
+            allowed_ids=allowed,
+            group_ids=group_ids,
+            groups=groups,
+            uniforms=uniforms,
+        )
+
+    def apply_pass(
+        self,
+        chosen: list[int],
+        commit: list[bool],
+        group_choices: Sequence[tuple[int, float]] = (),
+    ) -> bool:
+        """Record one pass's outcome; returns True when a block completed.
+
+        chosen/commit: [block_len]; group_choices: per group of the pass input, the chosen
+        candidate (index into that pass's candidate list) and its normalised probability.
+        """
+        self.cached_len = self.block_start
+        self.steps_used += 1
+        self.step_in_block += 1
+        r0 = self.layout.region_start
+        offsets = [o for o, c in enumerate(commit) if c]
+        for o in offsets:
+            self.tokens[self.block_start + o] = chosen[o]
+            self.committed[self.block_start + o - r0] = True
+        self._record_groups(offsets, group_choices)
+        self.block_masks_left[self.block_index - self.first_block] -= len(offsets)
+        if any(self._block_masks()):
+            if self.step_in_block >= len(self.quotas):
+                raise RuntimeError("schedule exhausted with masks left (commit rule broke its quota)")
+            return False
+        self._complete_block()
+        if not self.finished:
+            self._begin_block()
+        return True
+
+    def _record_groups(self, offsets: list[int], group_choices: Sequence[tuple[int, float]]) -> None:
+        """Narrow each restricted slot committed this pass to the candidates that match."""
+        done = set(offsets)
+        r0 = self.layout.region_start
+        for group, (choice, prob) in zip(self._pass_groups, group_choices, strict=True):
+            if not done.issuperset(group.offsets):
+                continue
+            decision = self.slot_decisions[group.slot]
+            slot = self.layout.sequence_slots[group.slot]
+            picked = decision.candidates[choice]
+            upto = self.block_end - r0 - slot.start  # slot-relative end of what is now decided
+            key = slot.candidates[picked][:upto]
+            decision.candidates = [c for c in decision.candidates if slot.candidates[c][:upto] == key]
+            decision.confidence *= prob
+            if slot.start + slot.length <= self.block_end - r0:
+                decision.chosen = picked
+
+    def finish(self, reason: FinishReason) -> None:
+        if not self.finished:
+            self.finish_reason = reason
+
+    # ---- results ---------------------------------------------------------------------------
+    def output_ids(self) -> list[int]:
+        """Committed region tokens up to the first uncommitted one, cut to the output length and
+        (plain requests) before the first EOS."""
+        r0 = self.layout.region_start
+        n = self.layout.output_len
+        out: list[int] = []
+        for j in range(n):
+            if not self.committed[j]:
+                break
+            out.append(self.tokens[r0 + j])
+        if self.layout.stop_at_eos:
+            for i, t in enumerate(out):
+                if t in self.eos_token_ids:
+                    return out[:i]
+        return out
+
+    def slot_choices(self) -> list[SlotChoice]:
+        """One entry per template slot (unrestricted slots get index -1)."""
+        template = self.request.template
+        if template is None:
+            return []
+        r0 = self.layout.region_start
+        by_slot = {s.index: (k, s) for k, s in enumerate(self.layout.sequence_slots)}
+        choices = []
+        for i, slot in enumerate(template.slots):
+            ids = self.tokens[r0 + slot.start : r0 + slot.start + slot.length]
+            if i in by_slot:
+                k, _ = by_slot[i]
+                d = self.slot_decisions[k]
+                index = d.chosen if d.chosen is not None else -1
+                choices.append(SlotChoice(index=index, token_ids=ids, confidence=d.confidence))
+            else:
+                choices.append(SlotChoice(index=-1, token_ids=ids, confidence=1.0))
+        return choices
+
+    def progress(self) -> Progress:
+        out = self.output_ids()
+        return Progress(
+            blocks_done=self.blocks_done,
+            steps_used=self.steps_used,
+            step_budget=self.request.params.step_budget,
+            tokens_committed=len(out),
+            committed_token_ids=out,
+        )
