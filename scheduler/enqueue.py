@@ -1,0 +1,53 @@
+"""Publishing a job's Celery message (id only) and recording that it exists.
+
+The ``enqueued`` marker key is what the reconciler checks: a queued row without it has no
+message in Redis (publish failed, Redis flushed, retry due) and is published again. A
+duplicate message is harmless: the fenced claim lets only one delivery run the job.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import redis
+import structlog
+from celery import Celery
+
+from scheduler import redis_keys
+from scheduler.celery_app import RUN_JOB_TASK
+
+log = structlog.get_logger(__name__)
+
+# Publishing must fail fast (the row stays queued; the reconciler publishes later).
+PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0.0, "interval_step": 0.2, "interval_max": 0.2}
+
+
+def publish_job(
+    *, job_id: uuid.UUID | str, queue: str, app: Celery, redis_client: redis.Redis,
+    request_id: str | None = None,
+) -> None:
+    """Send ``cloverq.run_job(job_id)`` to ``queue`` and set the job's enqueued marker."""
+    headers = {"cloverq_request_id": request_id} if request_id else None
+    app.send_task(
+        RUN_JOB_TASK,
+        args=[str(job_id)],
+        queue=queue,
+        routing_key=queue,
+        retry=True,
+        retry_policy=PUBLISH_RETRY_POLICY,
+        headers=headers,
+    )
+    redis_client.set(redis_keys.enqueued(job_id), queue, ex=redis_keys.ENQUEUED_TTL_SECONDS)
+
+
+def try_publish_job(
+    *, job_id: uuid.UUID | str, queue: str, app: Celery, redis_client: redis.Redis,
+    request_id: str | None = None,
+) -> bool:
+    """``publish_job``, but a broker failure is logged and left to the reconciler."""
+    try:
+        publish_job(job_id=job_id, queue=queue, app=app, redis_client=redis_client, request_id=request_id)
+    except Exception as exc:  # any broker/transport error: the row is durable, recovery is periodic
+        log.warning("job.publish_failed", job_id=str(job_id), queue=queue, error=repr(exc))
+        return False
+    return True

@@ -1,0 +1,201 @@
+"""Recovery and housekeeping run by beat: reconciler, reaper, aging, expiry.
+
+Plain functions over a session (testable without a broker) plus thin Celery tasks that call
+them with the process-wide resources. All of them are idempotent and safe to run concurrently
+with workers: every transition is a conditional UPDATE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import redis
+import structlog
+from celery import Celery, shared_task
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from scheduler import redis_keys
+from scheduler.models import FINAL_STATUSES, ErrorCode, Job, JobStatus, QueueName, utcnow
+from scheduler.retry import backoff_seconds
+from scheduler.settings import Settings, get_settings
+
+log = structlog.get_logger(__name__)
+
+BATCH = 1000  # rows handled per tick; the next tick continues
+
+
+def enqueue_due_jobs(
+    session: Session, *, app: Celery, redis_client: redis.Redis, settings: Settings,
+    now: datetime | None = None,
+) -> int:
+    """Reconciler: publish every due queued job that has no message in Redis. Returns how many."""
+    from scheduler.enqueue import try_publish_job
+
+    now = now or utcnow()
+    due_before = now - timedelta(seconds=settings.reconcile_grace_seconds)
+    rows = session.execute(
+        select(Job.id, Job.queue, Job.request_id)
+        .where(Job.status == JobStatus.QUEUED.value, Job.available_at <= due_before,
+               Job.cancel_requested.is_(False))
+        .order_by(Job.available_at)
+        .limit(BATCH)
+    ).all()
+    session.commit()
+    if not rows:
+        return 0
+    pipe = redis_client.pipeline(transaction=False)
+    for row in rows:
+        pipe.exists(redis_keys.enqueued(row.id))
+    present = pipe.execute()
+    published = 0
+    for row, exists in zip(rows, present, strict=True):
+        if not exists and try_publish_job(
+            job_id=row.id, queue=row.queue, app=app, redis_client=redis_client, request_id=row.request_id
+        ):
+            published += 1
+    if published:
+        log.info("reconciler.republished", jobs=published)
+    return published
+
+
+@dataclass(frozen=True)
+class ReapResult:
+    requeued: int
+    failed: int
+    cancelled: int
+
+
+def reap_expired_leases(
+    session: Session, *, redis_client: redis.Redis, settings: Settings, now: datetime | None = None
+) -> ReapResult:
+    """Reaper: a running job whose lease expired (worker died) is requeued, failed or cancelled."""
+    now = now or utcnow()
+    rows = session.execute(
+        select(Job.id, Job.attempt, Job.max_attempts, Job.cancel_requested)
+        .where(Job.status == JobStatus.RUNNING.value, Job.lease_deadline < now)
+        .limit(BATCH)
+    ).all()
+    requeued = failed = cancelled = 0
+    expires = now + timedelta(seconds=settings.result_ttl_seconds)
+    for row in rows:
+        fence = (Job.id == row.id, Job.attempt == row.attempt, Job.status == JobStatus.RUNNING.value,
+                 Job.lease_deadline < now)
+        if row.cancel_requested:
+            values = {"status": JobStatus.CANCELLED.value, "finished_at": now, "expires_at": expires}
+        elif row.attempt >= row.max_attempts:
+            values = {"status": JobStatus.FAILED.value, "finished_at": now, "expires_at": expires,
+                      "error_code": ErrorCode.RETRIES_EXHAUSTED.value,
+                      "error_message": f"lease expired on attempt {row.attempt} (worker lost)"}
+        else:
+            delay = backoff_seconds(row.attempt, settings)
+            values = {"status": JobStatus.QUEUED.value, "available_at": now + timedelta(seconds=delay),
+                      "worker_id": None,
+                      "error_message": f"attempt {row.attempt}: lease expired (worker lost)"}
+        written = session.execute(
+            update(Job).where(*fence).values(lease_deadline=None, updated_at=now, **values)
+        ).rowcount
+        if not written:
+            continue
+        if values["status"] == JobStatus.QUEUED.value:
+            requeued += 1
+        elif values["status"] == JobStatus.FAILED.value:
+            failed += 1
+        else:
+            cancelled += 1
+    session.commit()
+    if requeued:  # their old message is gone with the dead worker's reservation: allow a republish
+        redis_client.delete(*(redis_keys.enqueued(row.id) for row in rows))
+    if rows:
+        log.info("reaper.reaped", requeued=requeued, failed=failed, cancelled=cancelled)
+    return ReapResult(requeued=requeued, failed=failed, cancelled=cancelled)
+
+
+AGING_SOURCES: tuple[str, ...] = (QueueName.STANDARD.value, QueueName.BULK.value)
+
+
+def promote_aged_jobs(
+    session: Session, *, app: Celery, redis_client: redis.Redis, settings: Settings,
+    now: datetime | None = None,
+) -> int:
+    """Aging: a job queued longer than ``aging_seconds`` moves to ``interactive`` (starvation bound).
+
+    The new message goes to the back of ``interactive``; the old one, when consumed, finds the
+    job already claimed (or claims it first — either way one outcome).
+    """
+    from scheduler.enqueue import try_publish_job
+
+    now = now or utcnow()
+    cutoff = now - timedelta(seconds=settings.aging_seconds)
+    rows = session.execute(
+        select(Job.id, Job.request_id)
+        .where(Job.status == JobStatus.QUEUED.value, Job.queue.in_(AGING_SOURCES),
+               Job.available_at <= cutoff, Job.cancel_requested.is_(False))
+        .order_by(Job.available_at)
+        .limit(BATCH)
+    ).all()
+    promoted = 0
+    for row in rows:
+        written = session.execute(
+            update(Job)
+            .where(Job.id == row.id, Job.status == JobStatus.QUEUED.value, Job.queue.in_(AGING_SOURCES))
+            .values(queue=QueueName.INTERACTIVE.value, updated_at=now)
+        ).rowcount
+        session.commit()
+        if written and try_publish_job(job_id=row.id, queue=QueueName.INTERACTIVE.value, app=app,
+                                       redis_client=redis_client, request_id=row.request_id):
+            promoted += 1
+    if promoted:
+        log.info("aging.promoted", jobs=promoted)
+    return promoted
+
+
+def expire_finished_jobs(session: Session, *, now: datetime | None = None) -> int:
+    """Expiry: finished jobs past their result TTL become ``expired``; payloads are dropped."""
+    now = now or utcnow()
+    finished = [s.value for s in FINAL_STATUSES if s is not JobStatus.EXPIRED]
+    expired = session.execute(
+        update(Job)
+        .where(Job.status.in_(finished), Job.expires_at < now)
+        .values(status=JobStatus.EXPIRED.value, input=None, result=None, progress=None, updated_at=now)
+    ).rowcount
+    session.commit()
+    return expired
+
+
+# --- Celery tasks (run by the light beat worker on the ``maintenance`` queue) -------------------
+
+
+def _resources() -> tuple[Session, redis.Redis, Settings]:
+    from scheduler.db import get_session_factory
+    from scheduler.redis_client import get_redis
+
+    settings = get_settings()
+    session = get_session_factory(settings.resolved_database_url)()
+    return session, get_redis(settings.resolved_redis_url), settings
+
+
+@shared_task(name="cloverq.reconcile", ignore_result=True)
+def reconcile_task() -> int:
+    from scheduler.celery_app import get_celery_app
+
+    session, client, settings = _resources()
+    with session:
+        promoted = promote_aged_jobs(session, app=get_celery_app(), redis_client=client, settings=settings)
+        return promoted + enqueue_due_jobs(session, app=get_celery_app(), redis_client=client,
+                                           settings=settings)
+
+
+@shared_task(name="cloverq.reap", ignore_result=True)
+def reap_task() -> int:
+    session, client, settings = _resources()
+    with session:
+        return reap_expired_leases(session, redis_client=client, settings=settings).requeued
+
+
+@shared_task(name="cloverq.expire", ignore_result=True)
+def expire_task() -> int:
+    session, _client, _settings = _resources()
+    with session:
+        return expire_finished_jobs(session)
