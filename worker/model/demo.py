@@ -1,0 +1,165 @@
+"""A deterministic demo checkpoint in the published Hugging Face layout (random weights).
+
+The embedded default serves it and the tests load it, so it goes through exactly the code path a
+real SDAR-MoE checkpoint does: ``config.json``, safetensors with Qwen3-MoE tensor names,
+``tokenizer.json``, ``tokenizer_config.json`` (chat template), ``generation_config.json`` and
+``manifest.json``. The same seed and size always give byte-identical files.
+
+Weights are drawn at a scale that keeps every layer's contribution comparable to the embedding
+(std ``1/sqrt(fan_in)``) so that, although untrained, the model's predictions depend on context
+and vary across positions instead of collapsing onto one token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import save_file
+
+from worker.model.checkpoint import SINGLE_NAME, hf_targets
+from worker.model.config import ModelConfig
+from worker.model.demo_tokenizer import (
+    CHAT_TEMPLATE,
+    ENDOFTEXT,
+    IM_END,
+    MASK,
+    PAD,
+    SPECIAL_TOKENS,
+    build_demo_tokenizer,
+)
+from worker.model.manifest import write_manifest
+
+DemoSize = Literal["tiny", "small"]
+
+_SHAPES: dict[str, dict[str, Any]] = {
+    # ~0.6 M parameters, fp32 on disk (~2.4 MB): unit tests and the embedded default
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=(0,),
+        block_size=4,
+        dtype=torch.float32,
+    ),
+    # ~87 M total / ~19 M active parameters, bf16 on disk: benchmarks
+    "small": dict(
+        vocab_size=512,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        moe_intermediate_size=224,
+        num_experts=32,
+        num_experts_per_tok=4,
+        mlp_only_layers=(0,),
+        block_size=8,
+        dtype=torch.bfloat16,
+    ),
+}
+
+
+def demo_config(size: DemoSize, *, special_ids: dict[str, int]) -> tuple[ModelConfig, torch.dtype]:
+    """The architecture of a demo size and the dtype its weights are stored in."""
+    shape = dict(_SHAPES[size])
+    dtype: torch.dtype = shape.pop("dtype")
+    config = ModelConfig(
+        **shape,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        mask_token_id=special_ids[MASK],
+        eos_token_ids=(special_ids[IM_END],),
+        pad_token_id=special_ids[PAD],
+        bos_token_id=None,
+        extra={"dtype": str(dtype).removeprefix("torch."), "use_cache": True},
+    )
+    return config, dtype
+
+
+def _random_weights(config: ModelConfig, *, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, target in sorted(hf_targets(config).items()):
+        shape = target.shape
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape)
+        elif name == "model.embed_tokens.weight":
+            t = torch.randn(shape, generator=gen)
+        elif name == "lm_head.weight":
+            t = torch.randn(shape, generator=gen) * (2.0 / math.sqrt(config.hidden_size))
+        else:  # [out, in] projections, router, experts
+            t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+        tensors[name] = t.to(dtype).contiguous()
+    return tensors
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_demo_checkpoint(path: Path | str, *, seed: int = 0, size: DemoSize = "tiny") -> Path:
+    """Write the demo checkpoint into folder ``path`` (created if needed) and return it."""
+    if size not in _SHAPES:
+        raise ValueError(f"size must be one of {sorted(_SHAPES)}, not {size!r}")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_demo_tokenizer(_SHAPES[size]["vocab_size"])
+    special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    config, dtype = demo_config(size, special_ids=special_ids)
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            "added_tokens_decoder": {
+                str(special_ids[t]): {
+                    "content": t,
+                    "special": True,
+                    "normalized": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "single_word": False,
+                }
+                for t in SPECIAL_TOKENS
+            },
+            "bos_token": None,
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": IM_END,
+            "mask_token": MASK,
+            "model_max_length": config.max_position_embeddings,
+            "pad_token": PAD,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        },
+    )
+    _write_json(folder / "config.json", config.to_hf_dict())
+    _write_json(
+        folder / "generation_config.json",
+        {
+            "eos_token_id": [special_ids[IM_END], special_ids[ENDOFTEXT]],
+            "pad_token_id": special_ids[PAD],
+            "do_sample": False,
+            "block_size": config.block_size,
+            "mask_token_id": config.mask_token_id,
+        },
+    )
+    save_file(
+        _random_weights(config, seed=seed, dtype=dtype), str(folder / SINGLE_NAME), metadata={"format": "pt"}
+    )
+    write_manifest(folder)
+    return folder

@@ -1,0 +1,82 @@
+"""Committed keys/values of a batch of sequences ("slots") of different lengths.
+
+Block diffusion only ever appends whole committed blocks, so the cache is a preallocated
+``[max_seqs, kv_heads, max_len, head_dim]`` pair per layer plus a length per slot. A forward reads
+the first ``lengths[slot]`` positions of each row's slot and may append new positions at the end.
+Preallocation keeps the hot path free of allocation and lets slots be reused without fragmentation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.model.config import ModelConfig
+
+
+class CacheFullError(RuntimeError):
+    """No free slot (or no room left in a slot)."""
+
+
+class KVCache:
+    """Committed K/V of up to ``max_seqs`` sequences ("slots"), each up to ``max_len`` positions."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_seqs: int,
+        max_len: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.max_seqs = max_seqs
+        self.max_len = max_len
+        self.device = torch.device(device)
+        self.dtype = dtype
+        shape = (max_seqs, config.num_key_value_heads, max_len, config.head_dim)
+        self.k: list[torch.Tensor] = [  # per layer [S, KVH, L, D]
+            torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(config.num_hidden_layers)
+        ]
+        self.v: list[torch.Tensor] = [  # per layer [S, KVH, L, D]
+            torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(config.num_hidden_layers)
+        ]
+        self.lengths: torch.Tensor = torch.zeros(max_seqs, dtype=torch.long, device=self.device)  # [S]
+        self._free: list[int] = list(range(max_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        self._in_use: set[int] = set()
+
+    @staticmethod
+    def bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Memory of one cached position across all layers (K and V)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
+
+    def allocate(self) -> int:
+        """A free slot with length 0; raises ``CacheFullError`` when none is free."""
+        if not self._free:
+            raise CacheFullError(f"all {self.max_seqs} KV-cache slots are in use")
+        slot = self._free.pop()
+        self._in_use.add(slot)
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return ``slot`` to the pool (its contents become garbage)."""
+        if slot not in self._in_use:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._in_use.remove(slot)
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget the positions of ``slot`` from ``length`` on (e.g. to re-run a block)."""
+        if slot not in self._in_use:
+            raise ValueError(f"slot {slot} is not allocated")
+        self.lengths[slot] = torch.clamp(self.lengths[slot], max=length)
+
+    def length(self, slot: int) -> int:
+        """Committed positions of one slot (a host sync; not for hot loops)."""
+        return int(self.lengths[slot].item())

@@ -1,0 +1,127 @@
+"""The Qwen3-MoE decoder run as a block-diffusion denoiser (SDAR-MoE).
+
+One forward runs ``T`` new positions per row against the row's committed KV cache under the
+block-causal mask, returns float32 logits for every new position (logits at ``p`` predict the
+token at ``p``: no shift) and optionally appends the first ``commit_lens[b]`` new positions of
+each row to its cache slot. Parameter names are our own; ``checkpoint.py`` maps Hugging Face
+names onto them at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.model.attention import Attention, CacheView
+from worker.model.config import ModelConfig
+from worker.model.kv_cache import CacheFullError, KVCache
+from worker.model.mask import block_causal_mask
+from worker.model.moe import DenseMLP, SparseMoE
+from worker.model.norm import RMSNorm
+from worker.model.rope import rope_cos_sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.is_moe = config.is_moe_layer(layer)
+        self.mlp: SparseMoE | DenseMLP = (
+            SparseMoE(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        view: CacheView | None,
+        token_weight: torch.Tensor | None,
+        counts_out: torch.Tensor | None,
+    ) -> torch.Tensor:  # [B, T, H]
+        x = x + self.attn(self.input_norm(x), cos, sin, mask, view)
+        h = self.post_attn_norm(x)
+        if self.is_moe:
+            return x + self.mlp(h, token_weight=token_weight, counts_out=counts_out)
+        return x + self.mlp(h)
+
+
+class CloverForBlockDiffusion(nn.Module):
+    """Embedding, decoder layers, final norm, LM head (tied to the embedding or not)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T] absolute positions
+        block_ids: torch.Tensor,  # [B, T] block index per new token
+        *,
+        valid: torch.Tensor | None = None,  # [B, T] bool, False = padding
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,  # [B]
+        commit_lens: torch.Tensor | None = None,  # [B] new positions to append per row
+        router_counts: torch.Tensor | None = None,  # [L, E] int64
+    ) -> torch.Tensor:  # [B, T, V] float32
+        view = self._cache_view(input_ids.shape[1], cache, slots, commit_lens)
+        cached_lengths = cache.lengths[slots] if view is not None else None  # [B]
+        mask = block_causal_mask(block_ids, valid, cached_lengths, view.context_len if view else 0)
+        x = self.embed(input_ids)  # [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        token_weight = valid.reshape(-1).to(torch.float32) if valid is not None else None  # [B*T]
+        for i, layer in enumerate(self.layers):
+            counts = router_counts[i] if router_counts is not None else None
+            x = layer(x, cos, sin, mask, view, token_weight, counts)
+        if view is not None and commit_lens is not None:
+            cache.lengths.index_add_(0, slots, commit_lens.to(cache.lengths))
+        return self.lm_head(self.norm(x)).float()
+
+    def _cache_view(
+        self,
+        t: int,
+        cache: KVCache | None,
+        slots: torch.Tensor | None,
+        commit_lens: torch.Tensor | None,
+    ) -> CacheView | None:
+        """Where each row reads and appends; one host sync for the gather length and bounds."""
+        if cache is None:
+            if commit_lens is not None:
+                raise ValueError("commit_lens needs a cache")
+            return None
+        if slots is None:
+            raise ValueError("slots are required with a cache")
+        lengths = cache.lengths[slots]  # [B]
+        if commit_lens is None:
+            context_len = int(lengths.max().item())
+            return CacheView(cache, slots, context_len, None, None, None, None)
+        commit_lens = commit_lens.to(device=lengths.device, dtype=torch.long)
+        stats = torch.stack((lengths.max(), (lengths + commit_lens).max(), commit_lens.max())).tolist()
+        context_len, end, most = stats
+        if most > t:
+            raise ValueError(f"commit_lens asks for {most} positions of a {t}-position forward")
+        if end > cache.max_len:
+            raise CacheFullError(f"appending would reach {end} positions; the cache holds {cache.max_len}")
+        cols = torch.arange(t, device=lengths.device)  # [T]
+        take = cols[None, :] < commit_lens[:, None]  # [B, T]
+        rows, write_cols = take.nonzero(as_tuple=True)  # [N], [N]
+        return CacheView(
+            cache=cache,
+            slots=slots,
+            context_len=context_len,
+            write_rows=rows,
+            write_cols=write_cols,
+            write_slots=slots[rows],
+            write_pos=lengths[rows] + write_cols,
+        )

@@ -1,0 +1,159 @@
+"""The checkpoint's tokenizer (``tokenizer.json``) and chat template (``tokenizer_config.json``).
+
+Special-token ids (mask, EOS, pad, ``<think>``) are resolved once from the files a published
+checkpoint ships (config.json, generation_config.json, tokenizer_config.json, tokenizer.json), so
+the engine never hard-codes an id. The chat template is rendered with Jinja in a sandbox, the way
+Hugging Face renders it, with Qwen3's ``enable_thinking`` switch passed through.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+MASK_TOKEN_CANDIDATES: tuple[str, ...] = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+class TokenizerError(RuntimeError):
+    """The tokenizer files are missing or inconsistent."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as strings or as ``{"content": ...}`` dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+class Tokenizer:
+    """Text <-> ids plus the chat template and the special ids the engine needs."""
+
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        *,
+        chat_template: str | None,
+        mask_token_id: int,
+        eos_token_ids: tuple[int, ...],
+        pad_token_id: int,
+        vocab_size: int | None = None,
+    ) -> None:
+        self._backend = backend
+        self.chat_template = chat_template
+        self.mask_token_id = mask_token_id
+        self.eos_token_ids = eos_token_ids
+        self.pad_token_id = pad_token_id
+        self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
+        self.think_start_id = self.token_id(THINK_START)
+        self.think_end_id = self.token_id(THINK_END)
+
+    @staticmethod
+    def find_mask_token_id(tokenizer_json: Path) -> int | None:
+        backend = _HFTokenizer.from_file(str(tokenizer_json))
+        for text in MASK_TOKEN_CANDIDATES:
+            token = backend.token_to_id(text)
+            if token is not None:
+                return token
+        return None
+
+    @classmethod
+    def from_dir(cls, path: Path | str) -> Tokenizer:
+        """Read ``tokenizer.json`` and the config files of a checkpoint folder."""
+        folder = Path(path)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise TokenizerError(f"tokenizer.json is missing from {folder}")
+        backend = _HFTokenizer.from_file(str(file))
+        tok_cfg = _read_json(folder / "tokenizer_config.json")
+        model_cfg = _read_json(folder / "config.json")
+        gen_cfg = _read_json(folder / "generation_config.json")
+
+        def lookup(text: str | None) -> int | None:
+            return backend.token_to_id(text) if text else None
+
+        mask = model_cfg.get("mask_token_id")
+        if mask is None:
+            mask = lookup(_token_text(tok_cfg.get("mask_token"))) or cls.find_mask_token_id(file)
+        if mask is None:
+            raise TokenizerError(f"no mask token in {folder} (config mask_token_id or a <|mask|> token)")
+        eos_from_tok = lookup(_token_text(tok_cfg.get("eos_token")))
+        eos = tuple(
+            dict.fromkeys(
+                (
+                    *_ids(gen_cfg.get("eos_token_id")),
+                    *_ids(model_cfg.get("eos_token_id")),
+                    *(() if eos_from_tok is None else (eos_from_tok,)),
+                )
+            )
+        )
+        if not eos:
+            raise TokenizerError(f"no EOS token id in {folder}")
+        pad = lookup(_token_text(tok_cfg.get("pad_token")))
+        if pad is None:
+            pad = gen_cfg.get("pad_token_id", model_cfg.get("pad_token_id"))
+        template = tok_cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(
+            backend,
+            chat_template=template,
+            mask_token_id=int(mask),
+            eos_token_ids=eos,
+            pad_token_id=int(pad if pad is not None else eos[0]),
+        )
+
+    # --- text <-> ids ---------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``; special-token strings in it become their ids (chat markup)."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, text: str) -> int | None:
+        """Id of one token given its text, or None."""
+        return self._backend.token_to_id(text)
+
+    # --- chat -----------------------------------------------------------------------------------
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if not self.chat_template:
+            raise TokenizerError("this checkpoint has no chat_template in tokenizer_config.json")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        enable_thinking: bool,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``)."""
+        return self._template.render(
+            messages=messages,
+            enable_thinking=enable_thinking,
+            add_generation_prompt=add_generation_prompt,
+        )
