@@ -1,0 +1,256 @@
+"""Batches: many job specs stored in ONE transaction, read back in submission order.
+
+A batch is a row in ``batches`` plus one job per spec; ``batch_jobs`` keeps each job's index
+in the submission, so results stream in that order with keyset pages (no long transaction,
+constant memory). Batch jobs are pipeline work: they go to the ``bulk`` class (joint-mode
+decisions keep their own ``joint`` queue, which is capped anyway). Messages are published
+after the commit; a publish that fails leaves the rows queued for the reconciler.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import redis
+import structlog
+from celery import Celery
+from sqlalchemy import Boolean, ForeignKey, Integer, String, Text, Uuid, func, insert, select, update
+from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
+
+from scheduler import redis_keys
+from scheduler.enqueue import try_publish_job
+from scheduler.jobs import request_fingerprint
+from scheduler.models import Base, Job, JobStatus, JSONType, QueueName, UTCDateTime, utcnow
+from scheduler.routing import route_job
+from scheduler.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+BATCH_PRIORITY = QueueName.BULK.value
+RESULTS_PAGE = 500
+
+
+class Batch(Base):
+    """One submitted batch."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid(as_uuid=True), primary_key=True, default=uuid.uuid4)
+    tenant: Mapped[str] = mapped_column(String(128), nullable=False, index=True)
+    total: Mapped[int] = mapped_column(Integer, nullable=False)
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONType, nullable=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+
+
+class BatchJob(Base):
+    """A job's position in its batch's submission order."""
+
+    __tablename__ = "batch_jobs"
+
+    batch_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid(as_uuid=True), ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(Uuid(as_uuid=True), nullable=False)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job of a batch (the same fields as ``POST /v1/jobs``, already validated)."""
+
+    kind: str
+    input: Mapping[str, Any]
+    params: Mapping[str, Any]
+    priority: str | None = None
+    metadata: Mapping[str, Any] | None = None
+    webhook_url: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """A batch with its job counts by status."""
+
+    batch: Batch
+    counts: dict[str, int]
+
+    @property
+    def finished(self) -> int:
+        return sum(n for status, n in self.counts.items() if JobStatus(status).is_final)
+
+    @property
+    def status(self) -> str:
+        """``cancelled`` / ``completed`` once every job is final, else ``running``."""
+        if self.finished < self.batch.total:
+            return "cancelling" if self.batch.cancel_requested else "running"
+        return "cancelled" if self.batch.cancel_requested else "completed"
+
+
+def _job_row(spec: JobSpec, *, tenant: str, batch_id: uuid.UUID, settings: Settings, now: datetime,
+             request_id: str | None) -> dict[str, Any]:
+    # A client may lower the class further, never raise it above bulk (route_job only lowers).
+    route = route_job(kind=spec.kind, input=spec.input, params=spec.params,
+                      priority=spec.priority or BATCH_PRIORITY, settings=settings)
+    if route.queue != QueueName.JOINT:
+        route = type(route)(cost=route.cost, priority=QueueName.BULK, queue=QueueName.BULK)
+    metadata = dict(spec.metadata) if spec.metadata is not None else None
+    return {
+        "id": uuid.uuid4(), "tenant": tenant, "kind": str(spec.kind), "status": JobStatus.QUEUED.value,
+        "priority": route.priority.value, "queue": route.queue.value, "cost": route.cost,
+        "input": dict(spec.input), "params": dict(spec.params), "meta": metadata,
+        "step_budget": spec.params.get("step_budget"), "steps_used": 0, "attempt": 0,
+        "max_attempts": settings.max_attempts, "cancel_requested": False, "idempotency_key": None,
+        "request_fingerprint": request_fingerprint(
+            kind=spec.kind, input=spec.input, params=spec.params, priority=spec.priority,
+            metadata=spec.metadata, webhook_url=spec.webhook_url,
+        ),
+        "request_id": request_id, "webhook_url": spec.webhook_url, "batch_id": batch_id,
+        "created_at": now, "available_at": now, "updated_at": now,
+    }
+
+
+def create_batch(
+    session: Session,
+    *,
+    tenant: str,
+    specs: Sequence[JobSpec],
+    settings: Settings,
+    webhook_url: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    request_id: str | None = None,
+) -> tuple[Batch, list[tuple[uuid.UUID, str]]]:
+    """Store the batch and all its jobs in one transaction (committed here).
+
+    Returns the batch and ``(job_id, queue)`` in submission order, for ``publish_batch``.
+    """
+    if not specs:
+        raise ValueError("a batch needs at least one job")
+    if len(specs) > settings.batch_max_jobs:
+        raise ValueError(f"a batch holds at most {settings.batch_max_jobs} jobs")
+    now = utcnow()
+    batch = Batch(id=uuid.uuid4(), tenant=tenant, total=len(specs), webhook_url=webhook_url,
+                  meta=dict(metadata) if metadata is not None else None, cancel_requested=False,
+                  request_id=request_id, created_at=now)
+    rows = [_job_row(spec, tenant=tenant, batch_id=batch.id, settings=settings, now=now,
+                     request_id=request_id) for spec in specs]
+    session.add(batch)
+    session.flush()
+    session.execute(insert(Job), rows)
+    order = [{"batch_id": batch.id, "seq": i, "job_id": row["id"]} for i, row in enumerate(rows)]
+    session.execute(insert(BatchJob), order)
+    session.commit()
+    return batch, [(row["id"], row["queue"]) for row in rows]
+
+
+def publish_batch(
+    jobs: Sequence[tuple[uuid.UUID, str]], *, app: Celery, redis_client: redis.Redis,
+    request_id: str | None = None,
+) -> int:
+    """Publish every job's message (after the commit). Returns how many went out; the rest
+    stay queued for the reconciler."""
+    sent = 0
+    for job_id, queue in jobs:
+        sent += try_publish_job(job_id=job_id, queue=queue, app=app, redis_client=redis_client,
+                                request_id=request_id)
+    if sent < len(jobs):
+        log.warning("batch.publish_incomplete", sent=sent, total=len(jobs))
+    return sent
+
+
+def get_batch(session: Session, *, batch_id: uuid.UUID | str, tenant: str | None) -> Batch | None:
+    """The batch, or None if missing or another tenant's (``tenant=None``: admin)."""
+    try:
+        parsed = batch_id if isinstance(batch_id, uuid.UUID) else uuid.UUID(str(batch_id))
+    except ValueError:
+        return None
+    batch = session.get(Batch, parsed, populate_existing=True)
+    if batch is None or (tenant is not None and batch.tenant != tenant):
+        return None
+    return batch
+
+
+def summarize(session: Session, batch: Batch) -> BatchSummary:
+    """Counts by status (one GROUP BY over the batch's jobs)."""
+    rows = session.execute(
+        select(Job.status, func.count()).where(Job.batch_id == batch.id).group_by(Job.status)
+    ).all()
+    return BatchSummary(batch=batch, counts={status: int(n) for status, n in rows})
+
+
+def result_line(seq: int, job: Job) -> dict[str, Any]:
+    """One line of the results JSONL."""
+    return {
+        "index": seq,
+        "job_id": str(job.id),
+        "status": job.status,
+        "metadata": job.meta,
+        "result": job.result,
+        "error": {"code": job.error_code, "message": job.error_message} if job.error_code else None,
+    }
+
+
+def iter_results(
+    sessions: sessionmaker[Session], *, batch_id: uuid.UUID, page: int = RESULTS_PAGE
+) -> Iterator[dict[str, Any]]:
+    """Every job of the batch in submission order, one short transaction per keyset page."""
+    after = -1
+    while True:
+        with sessions() as session:
+            rows = session.execute(
+                select(BatchJob.seq, Job)
+                .join(Job, Job.id == BatchJob.job_id)
+                .where(BatchJob.batch_id == batch_id, BatchJob.seq > after)
+                .order_by(BatchJob.seq)
+                .limit(page)
+            ).all()
+            lines = [result_line(seq, job) for seq, job in rows]
+        yield from lines
+        if len(rows) < page:
+            return
+        after = rows[-1][0]
+
+
+def cancel_batch(
+    session: Session, *, batch: Batch, settings: Settings, redis_client: redis.Redis
+) -> BatchSummary:
+    """Queued jobs -> ``cancelled`` in one UPDATE; running ones get the cancel flag and signal."""
+    now = utcnow()
+    batch.cancel_requested = True
+    session.execute(
+        update(Job)
+        .where(Job.batch_id == batch.id, Job.status == JobStatus.QUEUED.value)
+        .values(status=JobStatus.CANCELLED.value, cancel_requested=True, finished_at=now, updated_at=now,
+                expires_at=now + timedelta(seconds=settings.result_ttl_seconds))
+    )
+    running = list(session.scalars(
+        select(Job.id).where(Job.batch_id == batch.id, Job.status == JobStatus.RUNNING.value)
+    ))
+    if running:
+        session.execute(update(Job).where(Job.id.in_(running)).values(cancel_requested=True, updated_at=now))
+    session.commit()
+    if running:
+        with redis_client.pipeline(transaction=False) as pipe:
+            for job_id in running:
+                pipe.set(redis_keys.cancel(job_id), "1", ex=redis_keys.CANCEL_TTL_SECONDS)
+            pipe.execute()
+    return summarize(session, batch)
+
+
+def batch_webhook(session: Session, batch_id: uuid.UUID) -> tuple[str, dict[str, Any]] | None:
+    """``(url, payload)`` of a finished batch's webhook, or None when it has no URL."""
+    batch = session.get(Batch, batch_id)
+    if batch is None or not batch.webhook_url:
+        return None
+    summary = summarize(session, batch)
+    payload = {
+        "event": "batch.finished",
+        "batch": {"id": str(batch.id), "status": summary.status, "total": batch.total,
+                  "counts": summary.counts, "metadata": batch.meta},
+    }
+    return batch.webhook_url, payload
