@@ -1,0 +1,298 @@
+// cloverq operator dashboard: polls the admin JSON endpoints and renders with plain DOM calls.
+// No build step, no framework. Every server value goes through textContent (never innerHTML),
+// so a tenant name or an error message cannot inject markup.
+"use strict";
+
+const KEY_STORAGE = "cloverq.adminKey";
+const REFRESH_MS = 2000;
+const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled", "expired"];
+const QUEUE_COLORS = { interactive: "#2f6fdb", standard: "#1f9d55", bulk: "#c08a1e", joint: "#8e44ad" };
+
+const state = { key: sessionStorage.getItem(KEY_STORAGE), selectedJob: null, timer: null };
+
+function $(id) { return document.getElementById(id); }
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === undefined || value === null) continue;
+    if (name === "class") node.className = value;
+    else if (name === "style") node.setAttribute("style", value);
+    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else node.setAttribute(name, value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [name, value] of Object.entries(attrs || {})) node.setAttribute(name, value);
+  for (const child of children) node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  return node;
+}
+
+class AuthError extends Error {}
+
+async function api(path) {
+  const headers = { Accept: "application/json" };
+  if (state.key) headers.Authorization = "Bearer " + state.key;
+  const response = await fetch(path, { headers });
+  if (response.status === 401 || response.status === 403) {
+    let message = "This key is not an admin key.";
+    try { message = (await response.json()).error.message || message; } catch (_) { /* keep default */ }
+    throw new AuthError(message);
+  }
+  if (!response.ok) throw new Error(path + " answered " + response.status);
+  return response.json();
+}
+
+function fmtSeconds(s) {
+  if (s === null || s === undefined) return "–";
+  if (s < 1) return (s * 1000).toFixed(0) + " ms";
+  if (s < 120) return s.toFixed(2) + " s";
+  return (s / 60).toFixed(1) + " min";
+}
+
+function fmtBytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return n.toFixed(i ? 1 : 0) + " " + units[i];
+}
+
+function fmtTime(iso) {
+  if (!iso) return "–";
+  return new Date(iso).toLocaleTimeString();
+}
+
+function badge(status) {
+  return el("span", { class: "badge status-" + status, style: "--c: var(--" + status + ", #999)" }, status);
+}
+
+function replaceRows(tbody, rows) {
+  tbody.replaceChildren(...rows);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Overview: status tiles, queues, workers
+
+function renderOverview(data) {
+  const tiles = STATUSES.map((s) =>
+    el("div", { class: "tile", style: "--c: var(--" + s + ")", "data-status": s },
+      el("div", { class: "n" }, data.counts.by_status[s] || 0),
+      el("div", { class: "label" }, s)));
+  $("status-tiles").replaceChildren(...tiles);
+
+  const latency = data.latency || {};
+  const rows = data.queues.map((q) => {
+    const counts = data.counts.by_queue[q.name] || {};
+    const lat = latency[q.name];
+    const pair = (p) => (p ? fmtSeconds(p.p50) + " / " + fmtSeconds(p.p95) : "–");
+    return el("tr", { "data-queue": q.name },
+      el("td", {}, el("i", { class: "dot", style: "color:" + (QUEUE_COLORS[q.name] || "#999") }, "● "), q.name),
+      el("td", { class: "num" }, q.queued), el("td", { class: "num" }, q.running),
+      el("td", { class: "num" }, counts.succeeded || 0), el("td", { class: "num" }, counts.failed || 0),
+      el("td", { class: "num" }, q.workers_ready),
+      el("td", { class: "num" }, lat ? pair(lat.wait) : "–"), el("td", { class: "num" }, lat ? pair(lat.run) : "–"));
+  });
+  replaceRows($("queues-table").tBodies[0], rows);
+  $("throughput").textContent = data.throughput.finished_last_minute + " jobs finished in the last minute · "
+    + data.throughput.tokens_per_second.toFixed(1) + " tokens/s across workers";
+
+  const workers = data.workers.map((w) => el("tr", { "data-worker": w.worker },
+    el("td", {}, w.worker), el("td", {}, w.state || "–"), el("td", {}, (w.queues || []).join(", ")),
+    el("td", {}, (w.model_name || "?") + "@" + (w.model_version || "?")),
+    el("td", { class: "num" }, (w.tokens_per_second || 0).toFixed(1)),
+    el("td", { class: "num" }, Math.round((w.batch_occupancy || 0) * 100) + "%"),
+    el("td", { class: "num" }, fmtBytes(w.memory_used_bytes) + " / " + fmtBytes(w.memory_total_bytes))));
+  if (!workers.length) workers.push(el("tr", {}, el("td", { colspan: 7, class: "muted" }, "no worker is publishing")));
+  replaceRows($("workers-table").tBodies[0], workers);
+  const versions = Object.entries(data.model_versions || {}).map(([v, n]) => v + " × " + n);
+  $("versions").textContent = versions.length ? "model versions: " + versions.join(", ") : "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Latency charts: inline SVG scatter, one dot per finished job, coloured by queue
+
+function drawChart(node, points, field) {
+  const W = 560, H = 180, left = 44, right = 8, top = 8, bottom = 20;
+  const ordered = points.slice().reverse(); // oldest first
+  const values = ordered.map((p) => p[field] || 0);
+  const max = Math.max(0.001, ...values) * 1.1;
+  const children = [];
+  for (let i = 0; i <= 4; i += 1) {
+    const v = (max * i) / 4;
+    const y = top + (H - top - bottom) * (1 - i / 4);
+    children.push(svg("line", { x1: left, x2: W - right, y1: y, y2: y, stroke: "#e3e6eb" }));
+    children.push(svg("text", { x: left - 4, y: y + 3, "text-anchor": "end" }, fmtSeconds(v)));
+  }
+  const n = ordered.length;
+  ordered.forEach((p, i) => {
+    const x = left + ((W - left - right) * (n === 1 ? 0.5 : i / (n - 1)));
+    const y = top + (H - top - bottom) * (1 - (p[field] || 0) / max);
+    const dot = svg("circle", { cx: x.toFixed(1), cy: y.toFixed(1), r: 3, fill: QUEUE_COLORS[p.queue] || "#999", "fill-opacity": 0.8 });
+    dot.append(svg("title", {}, p.queue + " · " + p.id.slice(0, 8) + " · " + fmtSeconds(p[field])));
+    children.push(dot);
+  });
+  children.push(svg("text", { x: left, y: H - 5 }, n ? fmtTime(ordered[0].finished_at) : "no finished jobs yet"));
+  if (n) children.push(svg("text", { x: W - right, y: H - 5, "text-anchor": "end" }, fmtTime(ordered[n - 1].finished_at)));
+  node.replaceChildren(...children);
+}
+
+function renderLatency(data) {
+  drawChart($("chart-run"), data.points, "run_seconds");
+  drawChart($("chart-wait"), data.points, "wait_seconds");
+  $("legend").replaceChildren(...Object.entries(QUEUE_COLORS).map(([q, c]) =>
+    el("span", {}, el("i", { style: "background:" + c }), q)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Jobs table and detail
+
+function filterQuery() {
+  const params = new URLSearchParams();
+  for (const [name, value] of new FormData($("filters")).entries()) if (value) params.set(name, value);
+  params.set("limit", "50");
+  return params.toString();
+}
+
+function renderJobs(data) {
+  const rows = data.items.map((job) => {
+    const row = el("tr", { "data-job-id": job.id, class: job.id === state.selectedJob ? "selected" : "",
+      onclick: () => selectJob(job.id) },
+      el("td", { title: job.id }, el("code", {}, job.id.slice(0, 8))), el("td", {}, job.tenant),
+      el("td", {}, job.kind), el("td", {}, job.queue), el("td", {}, badge(job.status)),
+      el("td", { class: "num" }, job.attempt + "/" + job.max_attempts),
+      el("td", { class: "num" }, job.steps_used + (job.step_budget ? "/" + job.step_budget : "")),
+      el("td", { class: "num" }, fmtSeconds(job.wait_seconds)), el("td", { class: "num" }, fmtSeconds(job.run_seconds)),
+      el("td", {}, fmtTime(job.created_at)));
+    return row;
+  });
+  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 10, class: "muted" }, "no jobs match")));
+  replaceRows($("jobs-table").tBodies[0], rows);
+}
+
+function kv(pairs) {
+  return el("dl", { class: "kv" }, pairs.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v === null || v === undefined ? "–" : v)]));
+}
+
+function renderDetail(job) {
+  const body = $("job-detail-body");
+  const progress = job.progress || {};
+  const budget = job.step_budget || progress.step_budget;
+  const used = job.steps_used || progress.steps_used || 0;
+  const pct = budget ? Math.min(100, Math.round((100 * used) / budget)) : (job.status === "succeeded" ? 100 : 0);
+  const parts = [
+    el("h3", { class: "job-id" }, el("code", {}, job.id), " ", badge(job.status)),
+    kv([["tenant", job.tenant], ["kind", job.kind], ["queue / class", job.queue + " / " + job.priority],
+      ["attempt", job.attempt + " of " + job.max_attempts], ["worker", job.worker_id], ["model version", job.model_version],
+      ["request id", job.request_id], ["finish reason", job.finish_reason],
+      ["wait / run", fmtSeconds(job.wait_seconds) + " / " + fmtSeconds(job.run_seconds)]]),
+    el("h4", {}, "Steps"),
+    el("div", { class: "muted" }, used + (budget ? " of " + budget + " denoising passes" : " denoising passes (no budget)")
+      + (progress.blocks_done !== undefined ? " · " + progress.blocks_done + " blocks" : "")
+      + (progress.tokens_committed !== undefined ? " · " + progress.tokens_committed + " tokens" : "")),
+    el("div", { class: "bar" }, el("div", { style: "width:" + pct + "%" })),
+    el("h4", {}, "Timeline"),
+    el("ul", { class: "timeline" }, job.timeline.map((t) => el("li", {}, el("b", {}, t.event), " ", new Date(t.at).toLocaleString()))),
+  ];
+  if (job.usage) parts.push(el("h4", {}, "Usage"), kv(Object.entries(job.usage)));
+  if (job.params) parts.push(el("h4", {}, "Params"), kv(Object.entries(job.params).map(([k, v]) => [k, typeof v === "object" ? JSON.stringify(v) : v])));
+  if (job.error_code || job.error_message) {
+    parts.push(el("h4", {}, "Error"), el("pre", { class: "err" }, (job.error_code || "") + (job.error_message ? ": " + job.error_message : "")));
+  }
+  body.replaceChildren(...parts);
+  body.hidden = false;
+  $("job-detail-empty").hidden = true;
+}
+
+async function selectJob(id) {
+  state.selectedJob = id;
+  for (const row of $("jobs-table").tBodies[0].rows) row.classList.toggle("selected", row.dataset.jobId === id);
+  try {
+    renderDetail(await api("/v1/admin/jobs/" + encodeURIComponent(id)));
+  } catch (err) { handleError(err); }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Refresh loop and sign-in
+
+async function refresh() {
+  try {
+    const [overview, jobs, latency] = await Promise.all([
+      api("/v1/admin/overview"), api("/v1/admin/jobs?" + filterQuery()), api("/v1/admin/latency?limit=200")]);
+    showApp();
+    renderOverview(overview);
+    renderJobs(jobs);
+    renderLatency(latency);
+    if (state.selectedJob) renderDetail(await api("/v1/admin/jobs/" + encodeURIComponent(state.selectedJob)));
+    $("status-line").textContent = "updated " + new Date().toLocaleTimeString();
+    document.body.dataset.loaded = "true";
+  } catch (err) { handleError(err); }
+}
+
+function handleError(err) {
+  if (err instanceof AuthError) {
+    stop();
+    state.key = null;
+    sessionStorage.removeItem(KEY_STORAGE);
+    showLogin(err.message);
+  } else {
+    $("status-line").textContent = "refresh failed: " + err.message;
+  }
+}
+
+function showApp() {
+  $("login").hidden = true;
+  $("app").hidden = false;
+  $("logout").hidden = !state.key;
+}
+
+function showLogin(message) {
+  $("app").hidden = true;
+  $("login").hidden = false;
+  $("logout").hidden = true;
+  $("status-line").textContent = "not signed in";
+  const error = $("login-error");
+  error.hidden = !message;
+  error.textContent = message || "";
+}
+
+function start() {
+  stop();
+  refresh();
+  state.timer = setInterval(refresh, REFRESH_MS);
+}
+
+function stop() {
+  if (state.timer) clearInterval(state.timer);
+  state.timer = null;
+}
+
+$("login-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const key = $("login-key").value.trim();
+  if (!key) return;
+  state.key = key;
+  sessionStorage.setItem(KEY_STORAGE, key);
+  $("login-key").value = "";
+  start();
+});
+
+$("logout").addEventListener("click", () => {
+  stop();
+  state.key = null;
+  sessionStorage.removeItem(KEY_STORAGE);
+  showLogin("");
+});
+
+$("filters").addEventListener("change", refresh);
+$("filters").addEventListener("submit", (event) => { event.preventDefault(); refresh(); });
+
+// With a stored key, or with auth disabled on the server, the first refresh succeeds at once.
+start();

@@ -1,0 +1,311 @@
+"""The operator dashboard (``/dashboard``) and the admin JSON endpoints it reads.
+
+The page itself is static HTML + one small script (``api/dashboard/``, no build step) and needs
+no key to load; the script asks for an admin key, keeps it in ``sessionStorage`` and sends it
+as ``Authorization: Bearer`` to the admin-scoped JSON endpoints below, which read SQL (the
+system of record) and the workers' metric snapshots in Redis. Payloads (prompts, outputs) are
+never returned here: operators see counts, timings and errors.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi.responses import FileResponse, HTMLResponse
+from sqlalchemy import func, select
+
+from api.auth import Caller, require_scope
+from api.deps import RedisDep, SessionDep
+from scheduler import redis_keys
+from scheduler.metrics import read_worker_snapshots
+from scheduler.models import Job, JobStatus, QueueName
+
+DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
+LATENCY_WINDOW = 500  # finished jobs used for latency percentiles and the charts
+MAX_JOBS_PAGE = 200
+
+router = APIRouter(tags=["dashboard"])
+AdminDep = Annotated[Caller, Depends(require_scope("admin"))]
+
+
+@lru_cache(maxsize=1)
+def _index_html() -> str:
+    return (DASHBOARD_DIR / "index.html").read_text(encoding="utf-8")
+
+
+@router.get("/dashboard", include_in_schema=False)
+def dashboard_page() -> HTMLResponse:
+    """The single-page dashboard (static; data comes from the admin endpoints)."""
+    return HTMLResponse(_index_html(), headers={"Cache-Control": "no-store"})
+
+
+@router.get("/dashboard/{asset}", include_in_schema=False)
+def dashboard_asset(asset: str) -> FileResponse:
+    """The page's script and stylesheet (a fixed allow-list, never a path from the client)."""
+    allowed = {"app.js": "text/javascript", "style.css": "text/css"}
+    if asset not in allowed:
+        raise HTTPException(404, detail={"code": "not_found", "message": "No such asset.", "details": None})
+    return FileResponse(
+        DASHBOARD_DIR / asset, media_type=allowed[asset], headers={"Cache-Control": "no-store"}
+    )
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _seconds(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return max(0.0, (end - start).total_seconds())
+
+
+def _job_row(job: Job) -> dict[str, Any]:
+    """A job as the dashboard lists it: identity, state and timings; no payload."""
+    return {
+        "id": str(job.id),
+        "tenant": job.tenant,
+        "kind": job.kind,
+        "status": job.status,
+        "priority": job.priority,
+        "queue": job.queue,
+        "attempt": job.attempt,
+        "max_attempts": job.max_attempts,
+        "steps_used": job.steps_used,
+        "step_budget": job.step_budget,
+        "model_version": job.model_version,
+        "worker_id": job.worker_id,
+        "error_code": job.error_code,
+        "created_at": _iso(job.created_at),
+        "started_at": _iso(job.started_at),
+        "finished_at": _iso(job.finished_at),
+        "wait_seconds": _seconds(job.created_at, job.started_at),
+        "run_seconds": _seconds(job.started_at, job.finished_at),
+    }
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float | None]:
+    if values.size == 0:
+        return {"p50": None, "p95": None}
+    p50, p95 = np.percentile(values, [50, 95])
+    return {"p50": float(p50), "p95": float(p95)}
+
+
+def _recent_finished(session: Any, limit: int) -> list[Job]:
+    stmt = (
+        select(Job)
+        .where(Job.finished_at.is_not(None), Job.started_at.is_not(None))
+        .order_by(Job.finished_at.desc())
+        .limit(limit)
+    )
+    return list(session.scalars(stmt))
+
+
+def _latency_points(jobs: list[Job]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": str(job.id),
+            "queue": job.queue,
+            "kind": job.kind,
+            "status": job.status,
+            "finished_at": _iso(job.finished_at),
+            "wait_seconds": _seconds(job.created_at, job.started_at),
+            "run_seconds": _seconds(job.started_at, job.finished_at),
+        }
+        for job in jobs
+    ]
+
+
+def _latency_by_queue(points: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """p50/p95 wait and run time per queue over the recent window (vectorised per queue)."""
+    if not points:
+        return {}
+    queues = np.asarray([p["queue"] for p in points])  # [N]
+    waits = np.asarray([p["wait_seconds"] for p in points], dtype=np.float64)  # [N]
+    runs = np.asarray([p["run_seconds"] for p in points], dtype=np.float64)  # [N]
+    out: dict[str, dict[str, Any]] = {}
+    for queue in sorted(set(queues.tolist())):  # a handful of queues
+        sel = queues == queue
+        out[queue] = {
+            "n": int(sel.sum()),
+            "wait": _percentiles(waits[sel]),
+            "run": _percentiles(runs[sel]),
+        }
+    return out
+
+
+def _workers(redis_client: Any) -> list[dict[str, Any]]:
+    """Workers as they describe themselves in their metric snapshots (refreshed every few s)."""
+    workers = []
+    for snap in read_worker_snapshots(redis_client):
+        memory = {f"{m['kind']}": m["bytes"] for m in snap.get("device_memory", [])}
+        imbalance = snap.get("expert_imbalance") or []
+        workers.append(
+            {
+                "worker": snap["worker"],
+                "state": snap.get("state"),
+                "queues": snap.get("queues", []),
+                "model_name": snap.get("model_name"),
+                "model_version": snap.get("model_version"),
+                "model_load_seconds": snap.get("model_load_seconds"),
+                "tokens_per_second": snap.get("tokens_per_second"),
+                "batch_occupancy": snap.get("batch_occupancy"),
+                "memory_used_bytes": memory.get("used"),
+                "memory_total_bytes": memory.get("total"),
+                "expert_imbalance_max": max(imbalance) if imbalance else None,
+                "updated_at": datetime.fromtimestamp(snap["updated_at"], UTC).isoformat(),
+            }
+        )
+    return workers
+
+
+@router.get("/v1/admin/overview")
+def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminDep) -> dict[str, Any]:
+    """Everything the dashboard's top half and ``cloverq top`` show, in one round trip."""
+    rows = session.execute(select(Job.queue, Job.status, func.count()).group_by(Job.queue, Job.status)).all()
+    by_queue: dict[str, dict[str, int]] = {q.value: {s.value: 0 for s in JobStatus} for q in QueueName}
+    by_status: dict[str, int] = {s.value: 0 for s in JobStatus}
+    for queue, status, n in rows:  # one row per (queue, status) pair
+        by_queue.setdefault(str(queue), {s.value: 0 for s in JobStatus})[str(status)] = int(n)
+        by_status[str(status)] = by_status.get(str(status), 0) + int(n)
+    since = datetime.now(UTC) - timedelta(minutes=1)
+    finished_last_minute = session.scalar(
+        select(func.count()).select_from(Job).where(Job.finished_at >= since)
+    )
+    points = _latency_points(_recent_finished(session, LATENCY_WINDOW))
+    workers = _workers(redis_client)
+    ready_by_queue: dict[str, int] = {q.value: 0 for q in QueueName}
+    versions: dict[str, int] = {}
+    for worker in workers:  # bookkeeping over a handful of workers
+        if worker["state"] == "ready":
+            for queue in worker["queues"]:
+                ready_by_queue[queue] = ready_by_queue.get(queue, 0) + 1
+        label = f"{worker['model_name'] or '?'}@{worker['model_version'] or '?'}"
+        versions[label] = versions.get(label, 0) + 1
+    queues = [
+        {
+            "name": name,
+            "queued": counts.get(JobStatus.QUEUED.value, 0),
+            "running": counts.get(JobStatus.RUNNING.value, 0),
+            "workers_ready": ready_by_queue.get(name, 0),
+        }
+        for name, counts in by_queue.items()
+    ]
+    return {
+        "generated_at": datetime.now(UTC).isoformat(),
+        "counts": {"by_status": by_status, "by_queue": by_queue},
+        "queues": queues,
+        "workers": workers,
+        "model_versions": versions,
+        "throughput": {
+            "finished_last_minute": int(finished_last_minute or 0),
+            "tokens_per_second": float(sum(w["tokens_per_second"] or 0.0 for w in workers)),
+        },
+        "latency": _latency_by_queue(points),
+    }
+
+
+@router.get("/v1/admin/latency")
+def admin_latency(
+    session: SessionDep,
+    _: AdminDep,
+    limit: Annotated[int, Query(ge=1, le=LATENCY_WINDOW)] = 200,
+) -> dict[str, Any]:
+    """Wait and run time of the most recently finished jobs (the dashboard's charts)."""
+    points = _latency_points(_recent_finished(session, limit))
+    return {"points": points, "by_queue": _latency_by_queue(points)}
+
+
+@router.get("/v1/admin/jobs")
+def admin_jobs(
+    session: SessionDep,
+    _: AdminDep,
+    status: Annotated[JobStatus | None, Query()] = None,
+    queue: Annotated[QueueName | None, Query()] = None,
+    kind: Annotated[str | None, Query(max_length=16)] = None,
+    tenant: Annotated[str | None, Query(max_length=128)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = 50,
+) -> dict[str, Any]:
+    """Most recent jobs across tenants, newest first, with optional filters."""
+    stmt = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    if status is not None:
+        stmt = stmt.where(Job.status == status.value)
+    if queue is not None:
+        stmt = stmt.where(Job.queue == queue.value)
+    if kind:
+        stmt = stmt.where(Job.kind == kind)
+    if tenant:
+        stmt = stmt.where(Job.tenant == tenant)
+    return {"items": [_job_row(job) for job in session.scalars(stmt)]}
+
+
+def _timeline(job: Job) -> list[dict[str, Any]]:
+    events: list[tuple[str, datetime | None]] = [
+        ("created", job.created_at),
+        ("available", job.available_at if _later(job.available_at, job.created_at) else None),
+        ("started", job.started_at),
+        ("finished", job.finished_at),
+        ("expires", job.expires_at),
+    ]
+    return [{"event": name, "at": _iso(at)} for name, at in events if at is not None]
+
+
+def _later(at: datetime | None, than: datetime | None, *, slack_seconds: float = 1.0) -> bool:
+    """Whether ``at`` is meaningfully after ``than`` (a retry backoff or an aging move)."""
+    return at is not None and than is not None and (at - than).total_seconds() > slack_seconds
+
+
+def _hot_progress(redis_client: Any, job_id: uuid.UUID) -> dict[str, Any] | None:
+    raw = redis_client.get(redis_keys.progress(job_id))
+    if raw is None:
+        return None
+    progress = json.loads(raw)
+    if isinstance(progress, dict):
+        return _without_payload(progress)
+    return None
+
+
+@router.get("/v1/admin/jobs/{job_id}")
+def admin_job_detail(job_id: str, session: SessionDep, redis_client: RedisDep, _: AdminDep) -> dict[str, Any]:
+    """One job for the detail pane: timeline, steps, progress, error (no prompt, no output)."""
+    try:
+        parsed = uuid.UUID(job_id)
+    except ValueError:
+        parsed = None
+    job = session.get(Job, parsed) if parsed is not None else None
+    if job is None:
+        raise HTTPException(
+            404, detail={"code": "job_not_found", "message": f"No job with id '{job_id}'.", "details": None}
+        )
+    result = job.result or {}
+    detail = _job_row(job)
+    detail.update(
+        {
+            "timeline": _timeline(job),
+            "params": job.params,
+            "request_id": job.request_id,
+            "cancel_requested": job.cancel_requested,
+            "error_message": job.error_message,
+            "progress": _hot_progress(redis_client, job.id) or _without_payload(job.progress),
+            "finish_reason": result.get("finish_reason"),
+            "usage": result.get("usage"),
+        }
+    )
+    return detail
+
+
+def _without_payload(progress: dict[str, Any] | None) -> dict[str, Any] | None:
+    if progress is None:
+        return None
+    return {k: v for k, v in progress.items() if k not in _PAYLOAD_PROGRESS_KEYS}
+
+
+# Progress fields that carry generated content: operators see counts, not text.
+_PAYLOAD_PROGRESS_KEYS = frozenset({"partial_text", "committed_token_ids", "text", "token_ids"})

@@ -1,0 +1,125 @@
+"""``GET /metrics`` (Prometheus text exposition) and the request middleware that feeds it.
+
+:func:`install_observability` is the one call ``create_app`` makes: it adds
+:class:`ObservabilityMiddleware` (request id + HTTP metrics) and mounts ``/metrics`` and the
+operator dashboard. ``/metrics`` needs no key (scrapers run inside the deployment's network;
+it exposes counts, never payloads or tenants).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import anyio.to_thread
+from fastapi import APIRouter, FastAPI, Request, Response
+from sqlalchemy import func, select
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from scheduler.logging import REQUEST_ID_HEADER, accept_request_id, bind_request_id, get_logger
+from scheduler.metrics import read_worker_snapshots, ready_from_snapshots, record_http_request, render_metrics
+from scheduler.models import Job, JobStatus, QueueName
+from scheduler.settings import Settings
+
+log = get_logger(__name__)
+router = APIRouter(tags=["observability"])
+
+UNMATCHED_ROUTE = "unmatched"
+_REQUEST_ID_HEADER_BYTES = REQUEST_ID_HEADER.lower().encode()
+
+
+class ObservabilityMiddleware:
+    """Pure ASGI middleware: binds a request id (echoed in ``X-Request-ID``), counts requests
+    and observes latency per *route template* (``/v1/jobs/{job_id}``, never the raw path, so
+    label cardinality stays bounded)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        header = _header(scope, _REQUEST_ID_HEADER_BYTES)
+        request_id = accept_request_id(header)
+        bind_request_id(request_id)
+        scope.setdefault("state", {})["request_id"] = request_id
+        status_code = 500
+        request_id_bytes = request_id.encode()
+
+        async def send_with_request_id(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = int(message["status"])
+                headers = list(message.get("headers", []))
+                headers.append((_REQUEST_ID_HEADER_BYTES, request_id_bytes))
+                message["headers"] = headers
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_request_id)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or UNMATCHED_ROUTE
+            record_http_request(
+                route=template,
+                method=scope.get("method", "GET"),
+                status=status_code,
+                seconds=time.perf_counter() - started,
+            )
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def queue_depths(session_factory: Any) -> dict[str, int]:
+    """Jobs waiting per queue, from SQL (the system of record; Redis may have been flushed)."""
+    depths = {queue.value: 0 for queue in QueueName}
+    with session_factory() as session:
+        rows = session.execute(
+            select(Job.queue, func.count()).where(Job.status == JobStatus.QUEUED.value).group_by(Job.queue)
+        ).all()
+    for queue, n in rows:
+        depths[str(queue)] = int(n)
+    return depths
+
+
+def workers_ready(redis_client: Any) -> Mapping[str, int]:
+    """Ready workers per queue (every known queue listed, 0 when none)."""
+    ready = {queue.value: 0 for queue in QueueName}
+    ready.update(ready_from_snapshots(read_worker_snapshots(redis_client)))
+    return ready
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition: this process's HTTP/submit families + cluster-wide job and worker
+    families read from Redis + queue depth from SQL (computed now, in a worker thread)."""
+    state = request.app.state
+    settings: Settings = state.settings
+    redis_client = state.redis
+    session_factory = state.session_factory
+    body, content_type = await anyio.to_thread.run_sync(
+        lambda: render_metrics(
+            redis_client,
+            queue_depths=lambda: queue_depths(session_factory),
+            workers_ready=lambda: workers_ready(redis_client),
+            multiproc_dir=settings.prometheus_multiproc_dir,
+        )
+    )
+    return Response(content=body, media_type=content_type)
+
+
+def install_observability(app: FastAPI) -> None:
+    """Add the request-id/metrics middleware and mount ``/metrics`` and the dashboard."""
+    from api.routes import dashboard  # local: dashboard imports this module's helpers
+
+    app.add_middleware(ObservabilityMiddleware)
+    app.include_router(router)
+    app.include_router(dashboard.router)
