@@ -1,0 +1,73 @@
+"""The FastAPI application factory.
+
+``create_app(settings)`` wires the process-wide resources (database engine, Redis client,
+prompt token counter) onto ``app.state`` once, installs the error shape and the body-size
+limit, and mounts one router per resource. ``cloverq api`` serves it with uvicorn
+(``uvicorn --factory api.app:create_app``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio.to_thread
+from fastapi import FastAPI
+from redis import Redis
+
+from api.auth import install_security
+from api.body_limit import BodyLimitMiddleware
+from api.errors import install_error_handlers
+from api.prompt_tokens import PromptTokenCounter
+from api.routes import health, jobs
+from api.routes.metrics import install_observability
+from scheduler.celery_app import create_celery_app
+from scheduler.db import make_engine, session_factory
+from scheduler.settings import Settings, get_settings
+
+# Sync routes and dependencies run in anyio's thread pool; its default of 40 threads would
+# queue requests behind each other at high concurrency while they wait on the database.
+API_THREADS = 128
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the API for ``settings`` (default: the process settings from the environment)."""
+    settings = settings or get_settings()
+    engine = make_engine(settings.resolved_database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = API_THREADS
+        app.state.token_counter = await anyio.to_thread.run_sync(
+            PromptTokenCounter.from_model_dir, settings.resolved_model_dir
+        )
+        try:
+            yield
+        finally:
+            app.state.redis.close()
+            engine.dispose()
+
+    app = FastAPI(
+        title="cloverq",
+        summary="Asynchronous jobs on MoE block-diffusion language models.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = session_factory(engine)
+    # decode_responses: the scheduler's Redis helpers (worker registry, hot progress) use str.
+    app.state.redis = Redis.from_url(
+        settings.resolved_redis_url, socket_timeout=2.0, socket_connect_timeout=1.0, decode_responses=True
+    )
+    app.state.celery = create_celery_app(settings)
+    install_security(app, settings, session_factory=app.state.session_factory)
+    # Replaced at start-up by the lifespan; the byte bound is the safe default meanwhile.
+    app.state.token_counter = PromptTokenCounter(None)
+
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    install_observability(app)  # outermost middleware: request id + HTTP metrics for every answer
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    return app

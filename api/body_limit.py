@@ -1,0 +1,100 @@
+"""Reject over-large request bodies before anything parses them (413 ``body_too_large``).
+
+A pure ASGI middleware: it answers at once when ``Content-Length`` is above the limit and
+otherwise counts the bytes as they stream in (chunked uploads have no length), so a client
+can never make the API buffer more than ``max_body_bytes`` of one request.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import error_body
+
+
+class BodyTooLarge(HTTPException):
+    """Raised inside ``receive`` when a streamed body passes the limit.
+
+    An ``HTTPException`` on purpose: FastAPI turns any other exception raised while reading a
+    body into a generic 400, but re-raises HTTP exceptions, which our handler renders as 413.
+    """
+
+    def __init__(self, max_body_bytes: int) -> None:
+        super().__init__(413, detail=_too_large_body(max_body_bytes))
+
+
+class BodyLimitMiddleware:
+    """Enforce ``max_body_bytes`` on every HTTP request."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await self._reject(send)
+            return
+
+        received = 0
+        response_started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyTooLarge(self.max_body_bytes)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not response_started:
+                await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = json.dumps(_too_large_body(self.max_body_bytes)).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _too_large_body(max_body_bytes: int) -> dict[str, object]:
+    return error_body(
+        "body_too_large",
+        f"The request body is larger than {max_body_bytes} bytes.",
+        {"max_body_bytes": max_body_bytes},
+    )

@@ -1,0 +1,128 @@
+"""The one error shape of the API: ``{"error": {"code", "message", "details"}}``.
+
+Clients branch on ``code`` (stable, snake_case), humans read ``message``, and ``details``
+carries structured context (e.g. which field failed). Every failure path of the service goes
+through :class:`ApiError` or one of the handlers below, so no client ever sees a framework's
+default error body and no client mistake turns into a 5xx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = structlog.get_logger(__name__)
+
+# HTTP status -> the code used when a framework-level HTTPException carries no code of its own.
+_DEFAULT_CODES: Mapping[int, str] = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    429: "rate_limited",
+    503: "unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error the API reports on purpose, with a stable ``code``."""
+
+    def __init__(
+        self,
+        status_code: int,
+        code: str,
+        message: str,
+        details: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.code = code
+        self.message = message
+        self.details = details
+        self.headers = dict(headers or {})
+
+
+def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
+    """The JSON body of every error response."""
+    return {"error": {"code": code, "message": message, "details": details}}
+
+
+def error_response(
+    status_code: int,
+    code: str,
+    message: str,
+    details: Any = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """A JSONResponse in the error shape."""
+    return JSONResponse(error_body(code, message, details), status_code=status_code, headers=headers)
+
+
+def validation_details(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Pydantic errors reduced to what a client needs: where, what, and the error type."""
+    return [
+        {"loc": list(err.get("loc", ())), "message": str(err.get("msg", "")), "type": err.get("type")}
+        for err in errors
+    ]
+
+
+async def _api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status_code, exc.code, exc.message, exc.details, exc.headers)
+
+
+async def _validation_handler(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    details = validation_details(exc.errors())
+    return error_response(422, "invalid_request", "The request is not valid.", details)
+
+
+async def _http_exception_handler(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    detail = exc.detail
+    # Dependencies (e.g. auth) may raise HTTPException with detail already in our shape.
+    if isinstance(detail, Mapping) and "error" in detail:
+        return JSONResponse(dict(detail), status_code=exc.status_code, headers=exc.headers)
+    if isinstance(detail, Mapping) and "code" in detail:
+        body = error_body(str(detail["code"]), str(detail.get("message", "")), detail.get("details"))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    code = _DEFAULT_CODES.get(exc.status_code, "error")
+    return error_response(exc.status_code, code, str(detail), None, exc.headers)
+
+
+async def _database_unavailable_handler(_: Request, exc: Exception) -> JSONResponse:
+    # Connection-level failures only (see _is_connection_problem); anything else is a bug -> 500.
+    log.warning("database_unavailable", error=type(exc).__name__)
+    return error_response(503, "unavailable", "The database is not reachable; retry later.", None,
+                          {"Retry-After": "1"})
+
+
+async def _unexpected_handler(_: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return await _database_unavailable_handler(_, exc)
+    log.exception("unhandled_error", error=type(exc).__name__)
+    return error_response(500, "internal_error", "An internal error occurred.")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception type to the JSON error shape."""
+    app.add_exception_handler(ApiError, _api_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
+    app.add_exception_handler(OperationalError, _database_unavailable_handler)
+    app.add_exception_handler(PoolTimeoutError, _database_unavailable_handler)
+    app.add_exception_handler(Exception, _unexpected_handler)

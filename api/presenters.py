@@ -1,0 +1,70 @@
+"""Job rows (SQL) and hot progress (Redis) turned into the API's response models."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from api.schemas.jobs import JobErrorInfo, JobOut, JobProgress, JobResult, JobTimings
+from scheduler.models import Job, JobStatus
+
+_PROGRESS_FIELDS = tuple(JobProgress.model_fields)
+_RESULT_FIELDS = tuple(JobResult.model_fields)
+
+
+def _ms(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return round((end - start).total_seconds() * 1000.0, 3)
+
+
+def _progress(job: Job, hot: Mapping[str, Any] | None) -> JobProgress | None:
+    """Redis hot status wins over the coarser SQL snapshot while the job runs."""
+    merged: dict[str, Any] = {}
+    if job.progress:
+        merged.update(job.progress)
+    if hot and job.status == JobStatus.RUNNING:
+        merged.update(hot)
+    merged.setdefault("steps_used", job.steps_used)
+    merged.setdefault("step_budget", job.step_budget)
+    if not merged:
+        return None
+    return JobProgress(**{name: merged.get(name) for name in _PROGRESS_FIELDS})
+
+
+def job_out(job: Job, hot_progress: Mapping[str, Any] | None = None) -> JobOut:
+    """The public view of ``job``; the input and internal bookkeeping are not echoed."""
+    result = JobResult(**{name: job.result.get(name) for name in _RESULT_FIELDS}) if job.result else None
+    error = (
+        JobErrorInfo(code=job.error_code, message=job.error_message)
+        if job.error_code or job.error_message
+        else None
+    )
+    timings = JobTimings(
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        expires_at=job.expires_at,
+        queued_ms=_ms(job.created_at, job.started_at),
+        run_ms=_ms(job.started_at, job.finished_at),
+        total_ms=_ms(job.created_at, job.finished_at),
+    )
+    return JobOut(
+        id=str(job.id),
+        kind=job.kind,
+        status=job.status,
+        queue=job.queue,
+        priority=job.priority,
+        tenant=job.tenant,
+        attempt=job.attempt,
+        max_attempts=job.max_attempts,
+        model_version=job.model_version,
+        params=job.params,
+        metadata=job.meta,
+        progress=_progress(job, hot_progress),
+        result=result,
+        error=error,
+        timings=timings,
+        cancel_requested=job.cancel_requested,
+    )

@@ -1,0 +1,172 @@
+"""``/v1/jobs``: submit, read, list, cancel.
+
+Routes are thin: validate against the deployment limits, call the job domain in
+``scheduler.jobs`` (keyword-only functions), present the row. Every query is scoped to the
+caller's tenant (admin keys see all tenants); another tenant's job is a plain 404.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Header, Query, Request, Response
+from redis import RedisError
+
+from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
+from api.errors import ApiError
+from api.limits import check_generate_limits
+from api.presenters import job_out
+from api.schemas.errors import error_responses
+from api.schemas.jobs import JobCreate, JobList, JobOut
+from scheduler import jobs as job_service
+from scheduler.jobs import IdempotencyConflictError, InvalidCursorError
+from scheduler.models import JobKind, JobStatus, QueueName
+from scheduler.routing import InvalidPriorityError
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+MAX_IDEMPOTENCY_KEY_LENGTH = 200
+MAX_PAGE = 200
+
+
+def _job_not_found(job_id: str) -> ApiError:
+    return ApiError(404, "job_not_found", f"No job with id '{job_id}'.", {"job_id": job_id})
+
+
+def _parse_job_id(job_id: str) -> str:
+    """A malformed id can name no job: 404, never a database type error."""
+    try:
+        return str(uuid.UUID(job_id))
+    except ValueError:
+        raise _job_not_found(job_id) from None
+
+
+def _request_id(request: Request) -> str:
+    """The id the observability middleware bound for this request (else the client's, else new)."""
+    bound = getattr(request.state, "request_id", None)
+    return bound or request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobOut,
+    responses={200: {"model": JobOut, "description": "Idempotent repeat: the original job."},
+               **error_responses(401, 403, 409, 413, 422, 429, 503)},
+)
+def submit_job(
+    body: Annotated[JobCreate, Body()],
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    caller: CallerDep,
+    settings: SettingsDep,
+    counter: TokenCounterDep,
+    idempotency_key: Annotated[
+        str | None, Header(alias="Idempotency-Key", min_length=1, max_length=MAX_IDEMPOTENCY_KEY_LENGTH)
+    ] = None,
+) -> JobOut:
+    """Queue a job and answer at once (202 + ``Location``); poll ``GET /v1/jobs/{id}``.
+
+    With an ``Idempotency-Key`` a repeat returns the original job (200); the same key with a
+    different body is a 409 ``idempotency_conflict``.
+    """
+    require(caller, "submit")
+    params = check_generate_limits(
+        body, settings=settings, counter=counter, faults_enabled=settings.fault_injection
+    )
+    state = request.app.state
+    try:
+        job, created = job_service.submit_job(
+            session,
+            tenant=caller.tenant,
+            kind=body.kind,
+            input=body.input.model_dump(exclude_none=True),
+            params=params,
+            priority=body.priority,
+            metadata=body.metadata,
+            idempotency_key=idempotency_key,
+            webhook_url=str(body.webhook_url) if body.webhook_url is not None else None,
+            request_id=_request_id(request),
+            settings=settings,
+            celery=state.celery,
+            redis_client=state.redis,
+        )
+    except IdempotencyConflictError as exc:
+        raise ApiError(
+            409,
+            "idempotency_conflict",
+            "This Idempotency-Key was already used with a different request body.",
+            {"job_id": str(exc.job.id)},
+        ) from exc
+    except InvalidPriorityError as exc:
+        raise ApiError(422, "invalid_request", str(exc),
+                       [{"loc": ["body", "priority"], "message": str(exc), "type": "value_error"}]) from exc
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    response.status_code = 202 if created else 200
+    return job_out(job)
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=error_responses(401, 403, 404, 503))
+def get_job(job_id: str, session: SessionDep, caller: CallerDep, redis: RedisDep) -> JobOut:
+    """Status, live progress, result or error, timings, attempts and model version of a job."""
+    require(caller, "read")
+    job = job_service.get_job(session, job_id=_parse_job_id(job_id), tenant=visible_tenant(caller))
+    if job is None:
+        raise _job_not_found(job_id)
+    hot = None
+    if job.status == JobStatus.RUNNING:
+        try:
+            hot = job_service.read_progress(job.id, redis_client=redis)
+        except RedisError:  # hot status is a nicety: fall back to the SQL snapshot
+            hot = None
+    return job_out(job, hot_progress=hot)
+
+
+@router.get("", response_model=JobList, responses=error_responses(401, 403, 422, 503))
+def list_jobs(
+    session: SessionDep,
+    caller: CallerDep,
+    status: Annotated[JobStatus | None, Query(description="Filter by status.")] = None,
+    kind: Annotated[JobKind | None, Query(description="Filter by kind.")] = None,
+    queue: Annotated[QueueName | None, Query(description="Filter by queue.")] = None,
+    created_after: Annotated[datetime | None, Query()] = None,
+    created_before: Annotated[datetime | None, Query()] = None,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+) -> JobList:
+    """Newest first; ``next_cursor`` is null on the last page."""
+    require(caller, "read")
+    try:
+        jobs, next_cursor = job_service.list_jobs(
+            session,
+            tenant=visible_tenant(caller),
+            status=status,
+            kind=kind,
+            queue=queue,
+            created_after=created_after,
+            created_before=created_before,
+            cursor=cursor,
+            limit=limit,
+        )
+    except InvalidCursorError as exc:
+        raise ApiError(422, "invalid_request", str(exc), [{"loc": ["query"], "message": str(exc)}]) from exc
+    return JobList(items=[job_out(job) for job in jobs], next_cursor=next_cursor)
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut, responses=error_responses(401, 403, 404, 503))
+def cancel_job(job_id: str, request: Request, session: SessionDep, caller: CallerDep) -> JobOut:
+    """Cancel: a queued job at once, a running one within one denoising pass.
+
+    Cancelling a finished job changes nothing and returns it as it is.
+    """
+    require(caller, "submit")
+    job = job_service.cancel_job(
+        session, job_id=_parse_job_id(job_id), tenant=visible_tenant(caller),
+        settings=request.app.state.settings, redis_client=request.app.state.redis,
+    )
+    if job is None:
+        raise _job_not_found(job_id)
+    return job_out(job)

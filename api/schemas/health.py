@@ -1,0 +1,25 @@
+"""Liveness and readiness responses."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+class Health(BaseModel):
+    """``/healthz``: the process is alive."""
+
+    status: str = "ok"
+
+
+class ReadinessCheck(BaseModel):
+    """One dependency of readiness."""
+
+    ok: bool
+    detail: str | None = None
+
+
+class Readiness(BaseModel):
+    """``/readyz``: can this API accept work that will actually run?"""
+
+    ready: bool
+    checks: dict[str, ReadinessCheck]

@@ -1,0 +1,157 @@
+"""Job requests and responses.
+
+The create body is a discriminated union on ``kind`` (:data:`JobCreate`): a new kind (the
+decision jobs) adds one model to the union and nothing else changes. All request models
+forbid unknown fields so typos fail loudly instead of being silently ignored. Numeric limits
+that depend on the deployment (``max_new_tokens`` etc.) are checked against ``Settings`` in
+:mod:`api.limits`; the static bounds here only reject values that are never meaningful.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
+
+MAX_METADATA_KEYS = 32
+MAX_MESSAGES = 256
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(_Strict):
+    """One chat turn; the worker renders the checkpoint's chat template."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class GenerateInput(_Strict):
+    """What to continue: a raw ``prompt`` or chat ``messages`` (exactly one of them)."""
+
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> GenerateInput:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+    def text_parts(self) -> list[str]:
+        """Every piece of user-supplied text (for size and token-count limits)."""
+        if self.prompt is not None:
+            return [self.prompt]
+        return [message.content for message in self.messages or ()]
+
+
+class GenerateParams(_Strict):
+    """Decoding parameters (see the decoding contract in DESIGN.md); ``None`` = default."""
+
+    max_new_tokens: int | None = Field(None, ge=1, description="Default: settings.default_max_new_tokens.")
+    block_size: int | None = Field(None, ge=1, le=1024, description="Default: the checkpoint's block size.")
+    steps_per_block: int | None = Field(None, ge=1, description="Default: settings.default_steps_per_block.")
+    strategy: Literal["static", "dynamic"] = "static"
+    threshold: float = Field(0.9, gt=0.0, le=1.0, description="Confidence threshold (dynamic strategy).")
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    step_budget: int | None = Field(None, ge=1, description="Max denoising passes for the whole job.")
+    thinking: bool = Field(False, description="enable_thinking for the chat template.")
+    fault: str | None = Field(None, description="Test-only fault injection; rejected unless enabled.")
+
+
+# Classes, plus the aliases high/normal/low (see scheduler.routing.PRIORITY_ALIASES).
+Priority = Literal["interactive", "standard", "bulk", "high", "normal", "low"]
+Metadata = Annotated[dict[str, str | int | float | bool | None], Field(max_length=MAX_METADATA_KEYS)]
+
+
+class _JobCreateBase(_Strict):
+    priority: Priority | None = Field(
+        None, description="Requested class; may only lower the class the cost estimate gives."
+    )
+    metadata: Metadata | None = None
+    webhook_url: HttpUrl | None = None
+
+
+class GenerateJobCreate(_JobCreateBase):
+    """Create a text generation job."""
+
+    kind: Literal["generate"]
+    input: GenerateInput
+    params: GenerateParams = Field(default_factory=GenerateParams)
+
+
+# Add new kinds here (e.g. ``DecideJobCreate``); the discriminator picks the model by ``kind``.
+JobCreate = Annotated[GenerateJobCreate, Field(discriminator="kind")]
+
+
+class JobProgress(BaseModel):
+    """Live progress of a running job (from the Redis hot status when available)."""
+
+    blocks_done: int | None = None
+    blocks_total: int | None = None
+    steps_used: int | None = None
+    step_budget: int | None = None
+    tokens_committed: int | None = None
+    partial_text: str | None = None
+
+
+class JobResult(BaseModel):
+    """The outcome of a succeeded job."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class JobErrorInfo(BaseModel):
+    """Why a job failed."""
+
+    code: str | None = None
+    message: str | None = None
+
+
+class JobTimings(BaseModel):
+    """Timestamps plus the derived durations in milliseconds."""
+
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    expires_at: datetime | None = None
+    queued_ms: float | None = None
+    run_ms: float | None = None
+    total_ms: float | None = None
+
+
+class JobOut(BaseModel):
+    """A job as clients see it."""
+
+    id: str
+    kind: str
+    status: str
+    queue: str | None = None
+    priority: str | None = None
+    tenant: str | None = None
+    attempt: int = 0
+    max_attempts: int | None = None
+    model_version: str | None = None
+    params: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    progress: JobProgress | None = None
+    result: JobResult | None = None
+    error: JobErrorInfo | None = None
+    timings: JobTimings
+    cancel_requested: bool = False
+
+
+class JobList(BaseModel):
+    """One page of jobs; pass ``next_cursor`` back as ``cursor`` for the next page."""
+
+    items: list[JobOut]
+    next_cursor: str | None = None

