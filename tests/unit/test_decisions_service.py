@@ -30,6 +30,7 @@ class CharTokenizer:
 
     pad_token_id = PAD
     eos_token_ids = (EOS,)
+    vocab_size = 140
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) + OFFSET for c in text]
@@ -175,6 +176,17 @@ def test_second_invalid_rationale_fails_with_invalid_model_output() -> None:
     assert outcome.error_code == "invalid_model_output"
     assert alerts == [1, 2] and outcome.attempts == 2
     assert len(engine.requests) == 6  # 3 questions x 2 attempts, never a third
+
+
+def test_rationale_slot_restricted_to_json_safe_tokens() -> None:
+    plan = plan_decision(_spec("joint", rationale=True), CharTokenizer(), request_id="j",
+                         params=SamplingParams(), rationale_tokens=8, slot_class="joint")
+    free = [slot for slot in plan.requests[0].template.slots if slot.allowed_sequences is None]
+    assert len(free) == 3
+    allowed = {chr(i - OFFSET) for i in free[0].allowed_token_ids}
+    assert {"a", "Z", " ", "."} <= allowed
+    assert not allowed & {'"', "\\", "\n", "\t"}
+    assert all(i >= OFFSET for i in free[0].allowed_token_ids)  # no special tokens
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ class DecisionTokenizer(Protocol):
 
     pad_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 
 from worker.decisions.spec import DecisionQuestion, DecisionTokenizer
+from worker.decisions.validation import rationale_problem
 from worker.engine.types import InfillSlot, InfillTemplate
 
 
@@ -45,10 +47,30 @@ class _Builder:
     def text(self, fragment: str) -> None:
         self.ids.extend(self._tokenizer.encode(fragment))
 
-    def slot(self, length: int, allowed: tuple[tuple[int, ...], ...] | None) -> int:
-        self.slots.append(InfillSlot(start=len(self.ids), length=length, allowed_sequences=allowed))
+    def slot(
+        self, length: int, allowed: tuple[tuple[int, ...], ...] | None, tokens: tuple[int, ...] | None = None
+    ) -> int:
+        self.slots.append(
+            InfillSlot(
+                start=len(self.ids), length=length, allowed_sequences=allowed, allowed_token_ids=tokens
+            )
+        )
         self.ids.extend([self._pad_id] * length)
         return len(self.slots) - 1
+
+
+@lru_cache(maxsize=4)
+def safe_text_token_ids(tokenizer: DecisionTokenizer) -> tuple[int, ...]:
+    """Ids whose text is safe inside a JSON string: printable, non-empty, whole characters,
+    no quote or backslash, not special. Rationale positions are restricted to these, so the
+    free text almost always validates; validation still runs (emptiness, length).
+
+    One pass over the vocabulary per tokenizer (cached): setup work, not per-request.
+    """
+    texts = ((i, tokenizer.decode([i], skip_special_tokens=True)) for i in range(tokenizer.vocab_size))
+    return tuple(
+        i for i, text in texts if text == " " or rationale_problem(text, max_chars=len(text)) is None
+    )
 
 
 def choice_sequences(
@@ -74,7 +96,7 @@ def _answer_object(
     rationale_slot = None
     if rationale_tokens is not None:
         builder.text(', "rationale": "')
-        rationale_slot = builder.slot(rationale_tokens, None)
+        rationale_slot = builder.slot(rationale_tokens, None, safe_text_token_ids(tokenizer))
         builder.text('"')
     builder.text("}")
     return AnswerLayout(question_index, choice_slot, rationale_slot)
