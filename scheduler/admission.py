@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from scheduler.keys import REVOKED_SET
+from scheduler.models import Job, JobStatus
 from scheduler.settings import Settings
 
 LIMITS_KEY = "cloverq:limits"  # Redis hash of runtime overrides (field -> number)
@@ -163,6 +166,16 @@ class Admission:
         return cap
 
 
+def count_active_jobs(session: Session, *, tenant: str) -> int:
+    """The tenant's queued + running jobs (index ``ix_jobs_tenant_status_created``)."""
+    query = (
+        select(func.count())
+        .select_from(Job)
+        .where(Job.tenant == tenant, Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)))
+    )
+    return int(session.scalar(query) or 0)
+
+
 def _int_or(value: bytes | str | None, default: int | None) -> int | None:
     if value in (None, b"", ""):
         return default
@@ -217,6 +230,18 @@ def update_limits(client: redis.Redis, updates: Mapping[str, float | None]) -> N
         else:
             pipe.hset(LIMITS_KEY, field, repr(float(value)))
     pipe.execute()
+
+
+def queue_depths(client: redis.Redis, queues: Iterable[str]) -> dict[str, int]:
+    """Messages waiting in each Celery queue (all priority lists), one pipelined round trip."""
+    names = list(queues)
+    pipe = client.pipeline(transaction=False)
+    for queue in names:
+        for suffix in _PRIORITY_SUFFIXES:
+            pipe.llen(queue + suffix)
+    lengths = pipe.execute()
+    per = len(_PRIORITY_SUFFIXES)
+    return {queue: int(sum(lengths[i * per:(i + 1) * per])) for i, queue in enumerate(names)}
 
 
 def mark_revoked(client: redis.Redis, key_ids: Iterable[str]) -> None:

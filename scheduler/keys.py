@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy import Boolean, DateTime, String, Text, select, update
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy import Boolean, Index, String, Text, select, update
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from scheduler.models import Base, UTCDateTime
 
 SCOPE_SUBMIT = "submit"
 SCOPE_READ = "read"
@@ -51,23 +53,23 @@ REVOKED_SET = "cloverq:keys:revoked"  # Redis set of revoked key ids (read by th
 DEV_KEY_FILE = "dev_api_key"  # under data_dir: the key `cloverq up` prints (embedded default only)
 
 
-class KeysBase(DeclarativeBase):
-    """Metadata of the key table; its schema lives in the Alembic revision ``0002_api_keys``."""
+class ApiKey(Base):
+    """One API key. ``key_hash`` is sha256 of ``<key_id>:<secret>``; the secret is never stored.
 
-
-class ApiKey(KeysBase):
-    """One API key. ``key_hash`` is sha256 of ``<key_id>:<secret>``; the secret is never stored."""
+    Schema: Alembic revision ``0002_api_keys``.
+    """
 
     __tablename__ = "api_keys"
+    __table_args__ = (Index("ix_api_keys_tenant_created", "tenant", "created_at"),)
 
     key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
     key_hash: Mapped[str] = mapped_column(String(64), nullable=False)
-    tenant: Mapped[str] = mapped_column(String(64), nullable=False, index=True)
+    tenant: Mapped[str] = mapped_column(String(128), nullable=False)
     scopes: Mapped[str] = mapped_column(Text, nullable=False)  # space-separated, sorted
     label: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
     revoked: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,71 @@
+"""Admission of a new job at the API: queue-depth and tenant caps -> 429 before anything is stored.
+
+The per-key rate limit already ran in ``api.auth.get_caller``; this adds the two rules that
+depend on the request itself (``scheduler.admission``): the queue the job would be routed to
+must not be full, and the tenant must be under its cap of queued + running jobs. The route is
+computed with the same pure function ``scheduler.jobs.submit_job`` uses, so the checked queue
+is the queue the job would go to. An idempotent repeat (same tenant + ``Idempotency-Key``
+already stored) stores nothing new, so it is never refused here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+import structlog
+from fastapi import Request
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.auth import Caller, security_of
+from api.errors import ApiError
+from scheduler.admission import AdmissionRefused, count_active_jobs
+from scheduler.models import Job
+from scheduler.routing import InvalidPriorityError, route_job
+from scheduler.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def admit_submission(
+    request: Request,
+    session: Session,
+    caller: Caller,
+    *,
+    settings: Settings,
+    kind: str,
+    input: Mapping[str, Any] | None,
+    params: Mapping[str, Any],
+    priority: str | None,
+    idempotency_key: str | None = None,
+) -> None:
+    """Raise a 429 ``ApiError`` (``queue_full`` / ``tenant_limit``) if the job must be refused."""
+    if idempotency_key is not None and _exists(session, tenant=caller.tenant, key=idempotency_key):
+        return
+    try:
+        route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
+    except InvalidPriorityError:
+        return  # submit_job reports the bad priority with its own 4xx
+    admission = security_of(request).admission
+    try:
+        admission.check_submission(
+            tenant=caller.tenant,
+            queue=route.queue.value,
+            active_jobs=count_active_jobs(session, tenant=caller.tenant),
+        )
+    except AdmissionRefused as refused:
+        log.info("admission.refused", code=refused.code, tenant=caller.tenant, key_id=caller.key_id,
+                 queue=route.queue.value)
+        raise ApiError(429, refused.code, refused.message, refused.details,
+                       {"Retry-After": str(refused.retry_after_seconds)}) from None
+    except redis.RedisError as exc:
+        # Fail open like the rate limit: publishing will fail the same way and the row stays
+        # queued for the reconciler, which is the documented behaviour without Redis.
+        log.warning("admission.unavailable", error=type(exc).__name__)
+
+
+def _exists(session: Session, *, tenant: str, key: str) -> bool:
+    query = select(Job.id).where(Job.tenant == tenant, Job.idempotency_key == key)
+    return session.scalar(query) is not None

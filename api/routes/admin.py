@@ -1,0 +1,197 @@
+"""``/v1/admin``: operate the service (admin scope only). Every call writes an audit line.
+
+- workers: the live worker processes, their state and model version (worker registry);
+- queues: depth, cap and drain state; drain / resume (``scheduler.drain``);
+- limits: rate limits and caps, changed at runtime (Redis; every API process sees them);
+- keys: create / list / revoke API keys (the key is shown once, in the create response).
+
+The model-version switch arrives with the model-lifecycle work.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Annotated, Any
+
+from celery import Celery
+from fastapi import APIRouter, Body, Depends, Query, Request
+
+from api.auth import Caller, require_scope, security_of
+from api.deps import SessionDep, SettingsDep
+from api.errors import ApiError
+from api.schemas.admin import (
+    KeyCreate,
+    KeyCreated,
+    KeyId,
+    KeyList,
+    KeyOut,
+    LimitsOut,
+    LimitsUpdate,
+    QueueAction,
+    QueueList,
+    QueueOut,
+    TenantName,
+    WorkerList,
+    WorkerOut,
+    key_out,
+)
+from api.schemas.errors import error_responses
+from scheduler import drain
+from scheduler.admission import effective_limits, mark_revoked, queue_depths, update_limits
+from scheduler.audit import audit
+from scheduler.celery_app import create_celery_app
+from scheduler.keys import create_key, list_keys, revoke_key
+from scheduler.models import QueueName
+from scheduler.redis_client import get_redis
+from scheduler.settings import Settings
+from scheduler.workers import list_workers
+
+require_admin = require_scope("admin")
+AdminDep = Annotated[Caller, Depends(require_admin)]
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 429, 503))
+
+_celery_lock = threading.Lock()
+
+
+def _registry(settings: Settings) -> Any:
+    return get_redis(settings.resolved_redis_url)
+
+
+def _celery(request: Request, settings: Settings) -> Celery:
+    """A Celery app for remote control, built once per API app from its settings."""
+    app = getattr(request.app.state, "admin_celery", None)
+    if app is None:
+        with _celery_lock:
+            app = getattr(request.app.state, "admin_celery", None)
+            if app is None:
+                app = create_celery_app(settings)
+                request.app.state.admin_celery = app
+    return app
+
+
+def _audit(caller: Caller, action: str, target: str | None = None, **details: Any) -> None:
+    audit(action, actor_tenant=caller.tenant, actor_key_id=caller.key_id, via="api", target=target, **details)
+
+
+def _node_name(hostname: str) -> str:
+    """Celery's node name of a registered worker (``celery@host`` unless it already is one)."""
+    return hostname if "@" in hostname else f"celery@{hostname}"
+
+
+@router.get("/workers", response_model=WorkerList)
+def get_workers(caller: AdminDep, settings: SettingsDep) -> WorkerList:
+    """Live workers: state, queues and model version (from their heartbeats in Redis)."""
+    client = _registry(settings)
+    workers = list_workers(client)
+    _audit(caller, "workers.list", count=len(workers))
+    return WorkerList(
+        items=[
+            WorkerOut(id=w.id, hostname=w.hostname, pid=w.pid, queues=list(w.queues), state=w.state,
+                      model_version=w.model_version, started_at=w.started_at, heartbeat_at=w.heartbeat_at)
+            for w in workers
+        ],
+        drained_queues=sorted(drain.drained_queues(client)),
+    )
+
+
+@router.get("/queues", response_model=QueueList)
+def get_queues(caller: AdminDep, settings: SettingsDep, request: Request) -> QueueList:
+    """Every job queue: waiting messages, depth cap, drain state."""
+    client = _registry(settings)
+    names = [queue.value for queue in QueueName]
+    depths = queue_depths(client, names)
+    drained = drain.drained_queues(client)
+    caps = effective_limits(client, settings)["effective"]["queue_max_depth"]
+    _audit(caller, "queues.list")
+    return QueueList(
+        items=[QueueOut(name=name, depth=depths[name], max_depth=caps.get(name, 0), drained=name in drained)
+               for name in names]
+    )
+
+
+@router.post("/queues/{queue}/drain", response_model=QueueAction, responses=error_responses(422))
+def drain_queue(queue: QueueName, caller: AdminDep, settings: SettingsDep, request: Request) -> QueueAction:
+    """Workers stop taking jobs from ``queue`` (running jobs finish; submits still queue)."""
+    nodes = drain.drain_queue(_registry(settings), _celery(request, settings), queue.value)
+    _audit(caller, "queue.drain", target=queue.value, nodes=nodes)
+    return QueueAction(queue=queue.value, drained=True, nodes=nodes)
+
+
+@router.post("/queues/{queue}/resume", response_model=QueueAction, responses=error_responses(422))
+def resume_queue(queue: QueueName, caller: AdminDep, settings: SettingsDep, request: Request) -> QueueAction:
+    """Workers configured for ``queue`` consume it again."""
+    client = _registry(settings)
+    destinations = [_node_name(w.hostname) for w in list_workers(client) if queue.value in w.queues]
+    nodes = drain.resume_queue(client, _celery(request, settings), queue.value, destinations=destinations)
+    _audit(caller, "queue.resume", target=queue.value, nodes=nodes)
+    return QueueAction(queue=queue.value, drained=False, nodes=nodes)
+
+
+@router.get("/limits", response_model=LimitsOut)
+def get_limits(caller: AdminDep, settings: SettingsDep) -> dict[str, Any]:
+    """Rate limits and caps: defaults, runtime overrides, and what is in force."""
+    _audit(caller, "limits.get")
+    return effective_limits(_registry(settings), settings)
+
+
+@router.patch("/limits", response_model=LimitsOut, responses=error_responses(422))
+def patch_limits(
+    update: Annotated[LimitsUpdate, Body()], caller: AdminDep, settings: SettingsDep
+) -> dict[str, Any]:
+    """Change limits at runtime for every API process. Omitted fields stay; null clears."""
+    changes = _limit_changes(update)
+    client = _registry(settings)
+    update_limits(client, changes)
+    _audit(caller, "limits.update", changes=changes)
+    return effective_limits(client, settings)
+
+
+def _limit_changes(update: LimitsUpdate) -> dict[str, float | None]:
+    changes: dict[str, float | None] = {}
+    for name in ("rate_per_second", "rate_burst", "tenant_max_active"):
+        if name in update.model_fields_set:
+            changes[name] = getattr(update, name)
+    for queue, cap in (update.queue_max_depth or {}).items():
+        changes[f"queue_max_depth:{queue.value}"] = cap
+    for tenant, limit in (update.tenants or {}).items():
+        if "max_active" in limit.model_fields_set:
+            changes[f"tenant_max_active:{tenant}"] = limit.max_active
+    for key_id, rate in (update.keys or {}).items():
+        for name in ("rate_per_second", "rate_burst"):
+            if name in rate.model_fields_set:
+                changes[f"{name}:{key_id}"] = getattr(rate, name)
+    return changes
+
+
+@router.get("/keys", response_model=KeyList)
+def get_keys(
+    caller: AdminDep,
+    session: SessionDep,
+    tenant: Annotated[TenantName | None, Query(description="Only this tenant's keys.")] = None,
+) -> KeyList:
+    """API keys of every tenant (ids and scopes; secrets are never stored)."""
+    _audit(caller, "keys.list", tenant=tenant)
+    return KeyList(items=[KeyOut(**key_out(info)) for info in list_keys(session, tenant=tenant)])
+
+
+@router.post("/keys", response_model=KeyCreated, status_code=201, responses=error_responses(422))
+def post_key(body: Annotated[KeyCreate, Body()], caller: AdminDep, session: SessionDep) -> KeyCreated:
+    """Create a key; the response is the only place its secret ever appears."""
+    created = create_key(session, tenant=body.tenant, scopes=body.scopes, label=body.label)
+    _audit(caller, "key.create", target=created.info.key_id, tenant=body.tenant,
+           scopes=sorted(created.info.scopes))
+    return KeyCreated(key=created.key, **key_out(created.info))
+
+
+@router.post("/keys/{key_id}/revoke", response_model=KeyOut, responses=error_responses(404, 422))
+def post_revoke_key(key_id: KeyId, caller: AdminDep, session: SessionDep, settings: SettingsDep,
+                    request: Request) -> KeyOut:
+    """Revoke a key: every API process refuses it from now on."""
+    info = revoke_key(session, key_id=key_id)
+    if info is None:
+        raise ApiError(404, "key_not_found", f"No key with id '{key_id}'.", {"key_id": key_id})
+    mark_revoked(_registry(settings), [key_id])
+    security_of(request).authenticator.forget(key_id)
+    _audit(caller, "key.revoke", target=key_id, tenant=info.tenant)
+    return KeyOut(**key_out(info))

@@ -1,0 +1,71 @@
+"""Drain and resume a queue: workers stop (or start again) consuming it.
+
+Two mechanisms, so a drain holds even for workers that start later or miss a broadcast:
+
+1. The durable flag: the Redis set ``DRAINED_SET`` names drained queues. A worker consumes
+   ``consumable_queues(configured, drained)`` at start and re-checks at its heartbeat
+   (``queues_to_change``), so a restart never silently resumes a drained queue.
+2. The fast path: a Celery remote-control broadcast (``cancel_consumer`` / ``add_consumer``)
+   reaches every running worker at once. ``add_consumer`` goes only to workers whose
+   *configured* queues include the queue (from the worker registry), so resuming never makes a
+   GPU worker of another pool pick up work it was not deployed for.
+
+Draining does not refuse submissions: jobs keep queueing (up to the queue-depth cap) and run
+when the queue is resumed. Running jobs are not touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from celery import Celery
+
+DRAINED_SET = "cloverq:queues:drained"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def drained_queues(client: redis.Redis) -> set[str]:
+    """The queues an operator has drained."""
+    return {_text(name) for name in client.smembers(DRAINED_SET)}
+
+
+def consumable_queues(configured: Iterable[str], drained: Iterable[str]) -> list[str]:
+    """The configured queues a worker should consume now (order kept: it is the priority)."""
+    skip = set(drained)
+    return [queue for queue in configured if queue not in skip]
+
+
+def queues_to_change(
+    *, configured: Iterable[str], consuming: Iterable[str], drained: Iterable[str]
+) -> tuple[list[str], list[str]]:
+    """``(to_cancel, to_add)`` that bring a worker's consumers in line with the drain flags."""
+    wanted = set(consumable_queues(configured, drained))
+    current = set(consuming)
+    return sorted(current - wanted), sorted(wanted - current)
+
+
+def _nodes(replies: list[dict[str, Any]] | None) -> list[str]:
+    return sorted(node for reply in replies or [] for node in reply)
+
+
+def drain_queue(client: redis.Redis, app: Celery, queue: str, *, timeout: float = 1.0) -> list[str]:
+    """Flag ``queue`` drained and tell every worker to stop consuming it; returns the nodes that
+    answered (a worker that does not answer picks the flag up at its next heartbeat)."""
+    client.sadd(DRAINED_SET, queue)
+    return _nodes(app.control.cancel_consumer(queue, reply=True, timeout=timeout))
+
+
+def resume_queue(
+    client: redis.Redis, app: Celery, queue: str, *, destinations: Iterable[str], timeout: float = 1.0
+) -> list[str]:
+    """Clear the drain flag and tell ``destinations`` (Celery node names) to consume again."""
+    client.srem(DRAINED_SET, queue)
+    nodes = sorted(set(destinations))
+    if not nodes:
+        return []
+    return _nodes(app.control.add_consumer(queue, destination=nodes, reply=True, timeout=timeout))
