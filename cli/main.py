@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "cli.jobs",  # submit / jobs / cancel
     "cli.keys",  # keys create / list / revoke
     "cli.top",  # live terminal view
+    "cli.probe",  # probe worker [--ready]: exec probes for containers (deploy/)
 )
 
 
