@@ -20,6 +20,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from cli.jobs import DEV_KEY_FILE
+from scheduler.settings import Settings, get_settings
+
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
 STATUS_STYLES = {
     "queued": "bright_black",
