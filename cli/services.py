@@ -77,13 +77,12 @@ def worker(celery_args: tuple[str, ...]) -> None:
     run_worker(get_settings(), list(celery_args))
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
-@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
-def beat(celery_args: tuple[str, ...]) -> None:
-    """Run Celery beat (reconciler, reaper, expiry)."""
+@click.command()
+def beat() -> None:
+    """Run the beat process (reconciler + aging, reaper, expiry). Run exactly one."""
     from scheduler.beat import run_beat
 
-    run_beat(get_settings(), list(celery_args))
+    run_beat(get_settings())
 
 
 @click.command("settings-table")
