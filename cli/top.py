@@ -159,15 +159,24 @@ def fetch_overview(client: httpx.Client) -> dict[str, Any]:
     return data
 
 
+def _default_key(settings: Settings) -> str | None:
+    """Like the other client commands: ``CLOVERQ_API_KEY``, else the dev key ``up`` wrote."""
+    if settings.api_key:
+        return settings.api_key
+    path = settings.data_dir / DEV_KEY_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
 @click.command("top")
-@click.option(
-    "--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL of the cloverq API."
-)
-@click.option("--key", envvar="CLOVERQ_API_KEY", default=None, help="Admin API key (or CLOVERQ_API_KEY).")
+@click.option("--url", default=None, help="Base URL of the API (default: CLOVERQ_API_URL).")
+@click.option("--key", default=None, help="Admin API key (default: CLOVERQ_API_KEY, else the dev key).")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2), help="Seconds.")
 @click.option("--once", is_flag=True, help="Print one frame and exit (for scripts).")
-def top(url: str, key: str | None, interval: float, once: bool) -> None:
+def top(url: str | None, key: str | None, interval: float, once: bool) -> None:
     """Live view of queues, workers and throughput (Ctrl-C to quit)."""
+    settings = get_settings()
+    url = url or settings.api_url
+    key = key or _default_key(settings)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     rates = Rates()
     console = Console()
