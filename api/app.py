@@ -19,7 +19,7 @@ from api.auth import install_security
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
 from api.prompt_tokens import PromptTokenCounter
-from api.routes import health, jobs
+from api.routes import admin, health, jobs
 from api.routes.metrics import install_observability
 from scheduler.celery_app import create_celery_app
 from scheduler.db import make_engine, session_factory
@@ -70,4 +70,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_observability(app)  # outermost middleware: request id + HTTP metrics for every answer
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(admin.router)
     return app

@@ -60,10 +60,11 @@ def _registry(settings: Settings) -> Any:
 
 def _celery(request: Request, settings: Settings) -> Celery:
     """A Celery app for remote control, built once per API app from its settings."""
-    app = getattr(request.app.state, "admin_celery", None)
+    state = request.app.state
+    app = getattr(state, "celery", None) or getattr(state, "admin_celery", None)
     if app is None:
         with _celery_lock:
-            app = getattr(request.app.state, "admin_celery", None)
+            app = getattr(state, "admin_celery", None)
             if app is None:
                 app = create_celery_app(settings)
                 request.app.state.admin_celery = app

@@ -14,6 +14,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Header, Query, Request, Response
 from redis import RedisError
 
+from api.admission import admit_submission
 from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
 from api.errors import ApiError
 from api.limits import check_generate_limits
@@ -77,6 +78,9 @@ def submit_job(
     params = check_generate_limits(
         body, settings=settings, counter=counter, faults_enabled=settings.fault_injection
     )
+    admit_submission(request, session, caller, settings=settings, kind=body.kind,
+                     input=body.input.model_dump(exclude_none=True), params=params,
+                     priority=body.priority, idempotency_key=idempotency_key)  # 429 before storing
     state = request.app.state
     try:
         job, created = job_service.submit_job(
