@@ -41,10 +41,10 @@ def filter_logits(logits: Tensor, params: RowSampling) -> Tensor:
     sorted_vals, sorted_idx = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [R, T, V]
     ranks = torch.arange(vocab, device=scaled.device)  # [V]
     k = torch.where(params.top_k > 0, params.top_k, torch.full_like(params.top_k, vocab))  # [R]
-    remove_sorted = ranks[None, None, :] >= k[:, None, None]  # [R, T, V]
+    remove_sorted = (ranks[None, None, :] >= k[:, None, None]).expand_as(sorted_vals)  # [R, T, V]
     probs_sorted = torch.softmax(sorted_vals.masked_fill(remove_sorted, float("-inf")), dim=-1)
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted  # [R, T, V] mass of better tokens
-    remove_sorted |= mass_before > params.top_p[:, None, None]  # the first token always stays
+    remove_sorted = remove_sorted | (mass_before > params.top_p[:, None, None])  # first token stays
     remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
     return scaled.masked_fill(remove, float("-inf"))
 

@@ -1,0 +1,217 @@
+"""The engine against the decoding contract on the tiny demo checkpoint.
+
+The reference below is deliberately plain: no cache, no batching, the whole sequence recomputed
+under the block-causal mask for every denoising pass, one request at a time, Python loops.
+At temperature 0 the engine must give the same tokens, token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from worker.model.checkpoint import LoadedModel, load_checkpoint
+from worker.model.demo import write_demo_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = write_demo_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0, size="tiny")
+    return load_checkpoint(Path(path))
+
+
+def make_engine(lm: LoadedModel, *, eos: Sequence[int] | None = None, **config: int) -> Engine:
+    cfg = lm.config
+    engine = Engine(
+        lm.model,
+        EngineConfig(**{"max_batch": 16, "max_len": 512, **config}),
+        mask_token_id=cfg.mask_token_id,
+        eos_token_ids=cfg.eos_token_ids if eos is None else eos,
+        default_block_size=cfg.block_size,
+    )
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: LoadedModel) -> Iterator[Engine]:
+    eng = make_engine(tiny)
+    yield eng
+    eng.stop()
+
+
+def reference_generate(
+    lm: LoadedModel,
+    prompt: list[int],
+    *,
+    max_new: int,
+    block: int,
+    steps: int,
+    strategy: str,
+    threshold: float,
+    eos: Sequence[int],
+) -> tuple[list[int], int]:
+    """Greedy block diffusion with full recompute; returns (tokens cut at EOS, passes)."""
+    mask = lm.config.mask_token_id
+    start = len(prompt)
+    end = -(-(start + max_new) // block) * block
+    seq = list(prompt) + [mask] * (end - start)
+    passes = 0
+    for b in range(start // block, end // block):
+        lo, hi = b * block, (b + 1) * block
+        m = sum(1 for p in range(max(lo, start), hi))
+        quotas = [m // steps + (1 if i < m % steps else 0) for i in range(steps)]
+        for quota in (q for q in quotas if q > 0):
+            open_positions = [p for p in range(max(lo, start), hi) if seq[p] == mask]
+            if not open_positions:  # dynamic committed more than its quotas: block done
+                break
+            pos = torch.arange(hi)[None]  # [1, hi]
+            logits = lm.model(torch.tensor([seq[:hi]]), pos, pos // block)[0]  # [hi, V], no cache
+            logits[:, mask] = float("-inf")
+            probs = torch.softmax(logits, dim=-1)
+            conf, tok = probs.max(dim=-1)
+            ranked = sorted(open_positions, key=lambda p: (-conf[p].item(), p))
+            quota = min(quota, len(open_positions))
+            chosen = ranked[:quota]
+            if strategy == "dynamic":
+                above = [p for p in open_positions if conf[p].item() > threshold]
+                if len(above) >= quota:
+                    chosen = above
+            for p in chosen:
+                seq[p] = int(tok[p])
+            passes += 1
+        if any(t in eos for t in seq[start : min(hi, start + max_new)]):
+            break
+    out = seq[start : start + max_new]
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[:i], passes
+    return out, passes
+
+
+def run(engine: Engine, prompt: list[int], **params: object) -> GenerationResult:
+    return engine.submit(GenerationRequest("t", prompt, SamplingParams(**params))).result(timeout=120)  # type: ignore[arg-type]
+
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12], [8, 9, 10, 11], [42]]
+
+
+@pytest.mark.parametrize(
+    ("block", "steps", "strategy", "threshold"),
+    [
+        (4, 4, "static", 0.9),
+        (4, 2, "static", 0.9),
+        (8, 3, "static", 0.9),
+        (2, 1, "static", 0.9),
+        (4, 4, "dynamic", 0.05),
+        (8, 8, "dynamic", 0.02),
+    ],
+)
+def test_greedy_equals_full_recompute_reference(
+    tiny: LoadedModel, engine: Engine, block: int, steps: int, strategy: str, threshold: float
+) -> None:
+    eos = tiny.config.eos_token_ids
+    futures = [
+        engine.submit(
+            GenerationRequest(
+                f"p{i}",
+                prompt,
+                SamplingParams(
+                    max_new_tokens=13,
+                    block_size=block,
+                    steps_per_block=steps,
+                    strategy=strategy,  # type: ignore[arg-type]
+                    threshold=threshold,
+                ),
+            )
+        )
+        for i, prompt in enumerate(PROMPTS)
+    ]  # all four in one batch: different lengths, partial prompt blocks at different offsets
+    total_passes = total_blocks = 0
+    for prompt, future in zip(PROMPTS, futures, strict=True):
+        result = future.result(timeout=120)
+        expected, passes = reference_generate(
+            tiny,
+            prompt,
+            max_new=13,
+            block=block,
+            steps=steps,
+            strategy=strategy,
+            threshold=threshold,
+            eos=eos,
+        )
+        assert result.token_ids == expected
+        assert result.steps_used == passes
+        total_passes += passes
+        total_blocks += result.blocks
+    if strategy == "dynamic":  # the low threshold really commits several masks in one pass
+        assert total_passes < total_blocks * min(steps, block)
+
+
+def test_partial_prompt_block_is_decoded_first_with_its_prompt_fixed(engine: Engine) -> None:
+    # prompt of 5 with block 4: block 1 holds position 4 (prompt) and 5..7 (3 masks)
+    result = run(engine, [1, 2, 3, 4, 5], max_new_tokens=3, block_size=4, steps_per_block=4)
+    assert result.blocks == 1
+    assert result.steps_used == 3  # quotas [1, 1, 1]; the zero-quota fourth step is skipped
+    assert len(result.token_ids) == 3
+    assert result.finish_reason is FinishReason.LENGTH
+
+
+def test_steps_follow_quotas_per_block(engine: Engine) -> None:
+    # prompt 6, block 4, 10 new -> region 6..15: blocks of 2, 4, 4 masks; S = 3 -> 2 + 3 + 3 passes
+    result = run(engine, [1, 2, 3, 4, 5, 6], max_new_tokens=10, block_size=4, steps_per_block=3)
+    assert result.blocks == 3
+    assert result.steps_used == 8
+
+
+def test_max_new_tokens_cuts_the_rounded_region(engine: Engine) -> None:
+    result = run(engine, [7, 8, 9, 10], max_new_tokens=6, block_size=4, steps_per_block=2)
+    assert result.tokens == len(result.token_ids) == 6
+    assert result.blocks == 2  # 6 new tokens rounded up to two whole blocks
+    assert result.finish_reason is FinishReason.LENGTH
+
+
+def test_eos_stops_after_its_block_and_cuts_output(tiny: LoadedModel, engine: Engine) -> None:
+    prompt = [11, 12, 13, 14, 15]
+    free = run(engine, prompt, max_new_tokens=24, block_size=4, steps_per_block=2)
+    assert free.finish_reason is FinishReason.LENGTH
+    # declare the token generated at output index 5 an EOS: the same greedy run must stop there
+    eos_token = free.token_ids[5]
+    first = free.token_ids.index(eos_token)
+    eos_engine = make_engine(tiny, eos=[eos_token], max_batch=2)
+    try:
+        stopped = run(eos_engine, prompt, max_new_tokens=24, block_size=4, steps_per_block=2)
+    finally:
+        eos_engine.stop()
+    assert stopped.finish_reason is FinishReason.EOS
+    assert stopped.token_ids == free.token_ids[:first]
+    eos_block = (len(prompt) + first) // 4 - len(prompt) // 4 + 1  # blocks up to the EOS's block
+    assert stopped.blocks == eos_block
+    assert stopped.steps_used < free.steps_used or eos_block == free.blocks
+
+
+def test_budget_is_never_exceeded_and_lowers_steps(engine: Engine) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    full = run(engine, prompt, max_new_tokens=16, block_size=4, steps_per_block=4)
+    assert full.steps_used == 16
+    same = run(engine, prompt, max_new_tokens=16, block_size=4, steps_per_block=4, step_budget=16)
+    assert same.token_ids == full.token_ids  # an affordable budget does not change the output
+    for budget in (15, 9, 4):
+        tight = run(engine, prompt, max_new_tokens=16, block_size=4, steps_per_block=4, step_budget=budget)
+        assert tight.steps_used <= budget
+        assert tight.finish_reason is FinishReason.LENGTH  # every block still decoded
+        assert len(tight.token_ids) == 16
+    short = run(engine, prompt, max_new_tokens=16, block_size=4, steps_per_block=4, step_budget=2)
+    assert short.finish_reason is FinishReason.BUDGET
+    assert short.steps_used == 2
+    assert short.blocks == 2
+    assert len(short.token_ids) == 8
+    none = run(engine, prompt, max_new_tokens=16, block_size=4, steps_per_block=4, step_budget=0)
+    assert none.finish_reason is FinishReason.BUDGET
+    assert none.steps_used == 0
+    assert none.token_ids == []
