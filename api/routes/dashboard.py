@@ -26,6 +26,7 @@ from api.deps import RedisDep, SessionDep
 from scheduler import redis_keys
 from scheduler.metrics import read_worker_snapshots
 from scheduler.models import Job, JobStatus, QueueName
+from scheduler.workers import list_workers
 
 DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
 LATENCY_WINDOW = 500  # finished jobs used for latency percentiles and the charts
@@ -142,25 +143,30 @@ def _latency_by_queue(points: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
 
 
 def _workers(redis_client: Any) -> list[dict[str, Any]]:
-    """Workers as they describe themselves in their metric snapshots (refreshed every few s)."""
+    """Live workers: identity, state, queues and model version from the worker registry, joined
+    with the throughput/memory figures of their metric snapshots (both refreshed every few s)."""
+    snapshots = {snap["worker"]: snap for snap in read_worker_snapshots(redis_client)}
     workers = []
-    for snap in read_worker_snapshots(redis_client):
-        memory = {f"{m['kind']}": m["bytes"] for m in snap.get("device_memory", [])}
+    for info in list_workers(redis_client):  # a handful of workers
+        snap = snapshots.get(info.id, {})
+        memory = {m["kind"]: m["bytes"] for m in snap.get("device_memory", [])}
         imbalance = snap.get("expert_imbalance") or []
         workers.append(
             {
-                "worker": snap["worker"],
-                "state": snap.get("state"),
-                "queues": snap.get("queues", []),
+                "worker": info.id,
+                "hostname": info.hostname,
+                "pid": info.pid,
+                "state": info.state,
+                "queues": list(info.queues),
                 "model_name": snap.get("model_name"),
-                "model_version": snap.get("model_version"),
+                "model_version": info.model_version or snap.get("model_version"),
                 "model_load_seconds": snap.get("model_load_seconds"),
                 "tokens_per_second": snap.get("tokens_per_second"),
                 "batch_occupancy": snap.get("batch_occupancy"),
                 "memory_used_bytes": memory.get("used"),
                 "memory_total_bytes": memory.get("total"),
                 "expert_imbalance_max": max(imbalance) if imbalance else None,
-                "updated_at": datetime.fromtimestamp(snap["updated_at"], UTC).isoformat(),
+                "heartbeat_at": datetime.fromtimestamp(info.heartbeat_at, UTC).isoformat(),
             }
         )
     return workers

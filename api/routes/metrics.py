@@ -18,9 +18,10 @@ from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.logging import REQUEST_ID_HEADER, accept_request_id, bind_request_id, get_logger
-from scheduler.metrics import read_worker_snapshots, ready_from_snapshots, record_http_request, render_metrics
+from scheduler.metrics import record_http_request, render_metrics
 from scheduler.models import Job, JobStatus, QueueName
 from scheduler.settings import Settings
+from scheduler.workers import list_workers
 
 log = get_logger(__name__)
 router = APIRouter(tags=["observability"])
@@ -91,9 +92,12 @@ def queue_depths(session_factory: Any) -> dict[str, int]:
 
 
 def workers_ready(redis_client: Any) -> Mapping[str, int]:
-    """Ready workers per queue (every known queue listed, 0 when none)."""
+    """Ready workers per queue from the worker registry (every known queue listed, 0 when none)."""
     ready = {queue.value: 0 for queue in QueueName}
-    ready.update(ready_from_snapshots(read_worker_snapshots(redis_client)))
+    for worker in list_workers(redis_client):  # a handful of workers
+        if worker.is_ready:
+            for queue in worker.queues:
+                ready[queue] = ready.get(queue, 0) + 1
     return ready
 
 
