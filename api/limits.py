@@ -37,7 +37,10 @@ def check_generate_limits(
     even if the deployment's defaults change while it waits in the queue.
     """
     params = body.params
-    max_new_tokens = params.max_new_tokens or settings.default_max_new_tokens
+    # Thinking jobs get larger defaults (they write the reasoning before the answer).
+    thinking = settings.default_thinking if params.thinking is None else params.thinking
+    default_new = settings.thinking_default_max_new_tokens if thinking else settings.default_max_new_tokens
+    max_new_tokens = params.max_new_tokens or default_new
     steps_per_block = params.steps_per_block or settings.default_steps_per_block
     if max_new_tokens > settings.max_new_tokens_limit:
         raise _limit_error("max_new_tokens", max_new_tokens, settings.max_new_tokens_limit)
@@ -67,4 +70,7 @@ def check_generate_limits(
     stored = params.model_dump(exclude_none=True)
     stored["max_new_tokens"] = max_new_tokens
     stored["steps_per_block"] = steps_per_block
+    stored["thinking"] = thinking
+    if thinking and params.step_budget is None:
+        stored["step_budget"] = min(settings.thinking_default_step_budget, settings.max_step_budget)
     return stored

@@ -74,7 +74,19 @@ def estimate_cost(
     questions = 1
     if kind == JobKind.DECIDE and input:
         questions = max(1, len(input.get("questions") or ()) or 1)
+        max_new = decide_tokens_per_question(input, settings)
+        blocks = max(1, math.ceil(max_new * questions / max(1, block)))
+        if budget:
+            steps = max(1, min(int(params.get("steps_per_block") or settings.default_steps_per_block),
+                               int(budget) // blocks or 1))
     return max_new * steps * questions
+
+
+def decide_tokens_per_question(input: Mapping[str, Any], settings: Settings) -> int:
+    """Generated tokens per question of a decision: the JSON answer object (~16 tokens with
+    its choice) plus the rationale slot when asked for."""
+    rationale = settings.decide_rationale_tokens + 8 if input.get("rationale") else 0
+    return 16 + rationale
 
 
 def class_for_cost(cost: int, settings: Settings) -> QueueName:
@@ -98,7 +110,7 @@ def route_job(
     earned = class_for_cost(cost, settings)
     requested = parse_priority(priority)
     cls = max(earned, requested, key=lambda q: q.rank) if requested else earned
-    if kind == JobKind.DECIDE and params.get("mode") == "joint":
+    if kind == JobKind.DECIDE and (input or {}).get("mode", params.get("mode")) == "joint":
         return Route(cost=cost, priority=cls, queue=QueueName.JOINT)
     return Route(cost=cost, priority=cls, queue=cls)
 

@@ -15,12 +15,13 @@ from fastapi import APIRouter, Body, Header, Query, Request, Response
 from redis import RedisError
 
 from api.admission import admit_submission
+from api.decision_limits import check_decide_limits
 from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
 from api.errors import ApiError
 from api.limits import check_generate_limits
 from api.presenters import job_out
 from api.schemas.errors import error_responses
-from api.schemas.jobs import JobCreate, JobList, JobOut
+from api.schemas.jobs import DecideJobCreate, JobCreate, JobList, JobOut
 from scheduler import jobs as job_service
 from scheduler.jobs import IdempotencyConflictError, InvalidCursorError
 from scheduler.models import JobKind, JobStatus, QueueName
@@ -75,9 +76,13 @@ def submit_job(
     different body is a 409 ``idempotency_conflict``.
     """
     require(caller, "submit")
-    params = check_generate_limits(
-        body, settings=settings, counter=counter, faults_enabled=settings.fault_injection
-    )
+    if isinstance(body, DecideJobCreate):
+        params = check_decide_limits(body.input, body.params, settings=settings, counter=counter,
+                                     faults_enabled=settings.fault_injection)
+    else:
+        params = check_generate_limits(
+            body, settings=settings, counter=counter, faults_enabled=settings.fault_injection
+        )
     admit_submission(request, session, caller, settings=settings, kind=body.kind,
                      input=body.input.model_dump(exclude_none=True), params=params,
                      priority=body.priority, idempotency_key=idempotency_key)  # 429 before storing

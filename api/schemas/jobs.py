@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
+from api.schemas.decisions import DecideInput, DecideParams
+
 MAX_METADATA_KEYS = 32
 MAX_MESSAGES = 256
 
@@ -61,7 +63,9 @@ class GenerateParams(_Strict):
     top_k: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     step_budget: int | None = Field(None, ge=1, description="Max denoising passes for the whole job.")
-    thinking: bool = Field(False, description="enable_thinking for the chat template.")
+    thinking: bool | None = Field(
+        None, description="enable_thinking for the chat template; default settings.default_thinking."
+    )
     fault: str | None = Field(None, description="Test-only fault injection; rejected unless enabled.")
 
 
@@ -86,8 +90,16 @@ class GenerateJobCreate(_JobCreateBase):
     params: GenerateParams = Field(default_factory=GenerateParams)
 
 
-# Add new kinds here (e.g. ``DecideJobCreate``); the discriminator picks the model by ``kind``.
-JobCreate = Annotated[GenerateJobCreate, Field(discriminator="kind")]
+class DecideJobCreate(_JobCreateBase):
+    """Create a decision job: multiple-choice answers about a document, always valid JSON."""
+
+    kind: Literal["decide"]
+    input: DecideInput
+    params: DecideParams = Field(default_factory=DecideParams)
+
+
+# Add new kinds here; the discriminator picks the model by ``kind``.
+JobCreate = Annotated[GenerateJobCreate | DecideJobCreate, Field(discriminator="kind")]
 
 
 class JobProgress(BaseModel):
@@ -108,6 +120,11 @@ class JobResult(BaseModel):
     token_ids: list[int] | None = None
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    reasoning: str | None = Field(None, description="generate with thinking: the text inside <think>.")
+    mode: str | None = Field(None, description="decide: independent | joint.")
+    answers: list[dict[str, Any]] | None = Field(
+        None, description='decide: [{"id", "choice", "confidence", "rationale"?}] in question order.'
+    )
 
 
 class JobErrorInfo(BaseModel):

@@ -1,0 +1,74 @@
+"""Request models of ``kind: "decide"`` jobs (the union member lives in ``api.schemas.jobs``).
+
+Static shape rules are here; limits that depend on the deployment (question count, context
+size, budget) are checked in :mod:`api.decision_limits`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+MAX_ID_CHARS = 64
+MAX_CHOICE_CHARS = 64
+MAX_QUESTION_CHARS = 4000
+
+QuestionId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
+Choice = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CHOICE_CHARS)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DecisionQuestionIn(_Strict):
+    """One question; the answer is always exactly one of ``choices``."""
+
+    id: QuestionId
+    text: Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS)]
+    choices: Annotated[list[Choice], Field(min_length=2)] = Field(default_factory=lambda: ["yes", "no"])
+
+    @model_validator(mode="after")
+    def _distinct_choices(self) -> DecisionQuestionIn:
+        if len(set(self.choices)) != len(self.choices):
+            raise ValueError(f"question {self.id!r}: choices must be distinct")
+        return self
+
+
+class DecideInput(_Strict):
+    """A document and the questions to judge against it."""
+
+    context: str
+    questions: Annotated[list[DecisionQuestionIn], Field(min_length=1)]
+    mode: Literal["independent", "joint"] = Field(
+        "independent",
+        description="independent: one sequence per question (batched); joint: all answered together.",
+    )
+    rationale: bool = Field(False, description="Add a short free-text rationale to every answer.")
+
+    @model_validator(mode="after")
+    def _distinct_ids(self) -> DecideInput:
+        ids = [q.id for q in self.questions]
+        if len(set(ids)) != len(ids):
+            raise ValueError("question ids must be distinct")
+        return self
+
+    def text_parts(self) -> list[str]:
+        """Every piece of user-supplied text (for the prompt-size limit)."""
+        return [self.context, *(q.text for q in self.questions)]
+
+
+class DecideParams(_Strict):
+    """Decoding parameters of a decision (``None`` = default)."""
+
+    block_size: int | None = Field(None, ge=1, le=1024)
+    steps_per_block: int | None = Field(None, ge=1)
+    strategy: Literal["static", "dynamic"] = "static"
+    threshold: float = Field(0.9, gt=0.0, le=1.0)
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, le=2**62)
+    step_budget: int | None = Field(None, ge=1, description="Max denoising passes per sequence.")
+    fault: str | None = Field(None, description="Test-only fault injection; rejected unless enabled.")
