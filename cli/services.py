@@ -55,7 +55,12 @@ def api(host: str, port: int, workers: int, access_log: bool) -> None:
 
     from scheduler.logging import configure_logging
 
-    configure_logging(get_settings())
+    settings = get_settings()
+    configure_logging(settings)
+    if workers > 1:  # several processes on this host: merge their metrics via the mmap dir
+        from scheduler.metrics import enable_multiprocess
+
+        enable_multiprocess(settings)
     uvicorn.run(
         "api.app:create_app",
         factory=True,

@@ -21,6 +21,7 @@ dashboard in ``deploy/``); tests check that every exported family is in it and v
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -46,6 +47,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+
+from scheduler.settings import Settings
 
 MetricType = Literal["counter", "gauge", "histogram"]
 
@@ -231,6 +234,16 @@ def reset_multiprocess_dir(path: Path) -> Path:
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def enable_multiprocess(settings: Settings) -> Path:
+    """Prepare multiprocess mode for a launcher about to start several API processes on this
+    host: empties the directory and exports ``PROMETHEUS_MULTIPROC_DIR`` so the children (which
+    import prometheus-client afresh) write their values there and ``/metrics`` merges them."""
+    path = settings.prometheus_multiproc_dir or (settings.data_dir / "prometheus-multiproc")
+    reset_multiprocess_dir(path)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)  # read by prometheus-client in the children
     return path
 
 
