@@ -24,6 +24,7 @@ from api.schemas.errors import error_responses
 from api.schemas.jobs import DecideJobCreate, JobCreate, JobList, JobOut
 from scheduler import jobs as job_service
 from scheduler.jobs import IdempotencyConflictError, InvalidCursorError
+from scheduler.metrics import record_submitted
 from scheduler.models import JobKind, JobStatus, QueueName
 from scheduler.routing import InvalidPriorityError
 
@@ -113,6 +114,8 @@ def submit_job(
     except InvalidPriorityError as exc:
         raise ApiError(422, "invalid_request", str(exc),
                        [{"loc": ["body", "priority"], "message": str(exc), "type": "value_error"}]) from exc
+    if created:
+        record_submitted(kind=job.kind, queue=job.queue)  # in-process counter; no I/O
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     response.status_code = 202 if created else 200
     return job_out(job)
