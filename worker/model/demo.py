@@ -7,7 +7,10 @@ real SDAR-MoE checkpoint does: ``config.json``, safetensors with Qwen3-MoE tenso
 
 Weights are drawn at a scale that keeps every layer's contribution comparable to the embedding
 (std ``1/sqrt(fan_in)``) so that, although untrained, the model's predictions depend on context
-and vary across positions instead of collapsing onto one token.
+and vary across positions instead of collapsing onto one token. Two more touches serve the same
+end: the mask token's embedding is shrunk (as in a trained denoiser it carries no content, so a
+masked position is driven by its context and position), and the LM-head rows of tokens that must
+never be generated (mask, pad, ``<|im_start|>``) are zero so their logit never wins.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from worker.model.demo_tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
     IM_END,
+    IM_START,
     MASK,
     PAD,
     SPECIAL_TOKENS,
@@ -71,10 +75,17 @@ _SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def demo_config(size: DemoSize, *, special_ids: dict[str, int]) -> tuple[ModelConfig, torch.dtype]:
-    """The architecture of a demo size and the dtype its weights are stored in."""
+def demo_config(
+    size: DemoSize, *, special_ids: dict[str, int], vocab_size: int | None = None
+) -> tuple[ModelConfig, torch.dtype]:
+    """The architecture of a demo size and the dtype its weights are stored in.
+
+    ``vocab_size`` is the tokenizer's (the BPE may learn fewer merges than the size allows).
+    """
     shape = dict(_SHAPES[size])
     dtype: torch.dtype = shape.pop("dtype")
+    if vocab_size is not None:
+        shape["vocab_size"] = vocab_size
     config = ModelConfig(
         **shape,
         norm_topk_prob=True,
@@ -91,7 +102,9 @@ def demo_config(size: DemoSize, *, special_ids: dict[str, int]) -> tuple[ModelCo
     return config, dtype
 
 
-def _random_weights(config: ModelConfig, *, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _random_weights(
+    config: ModelConfig, *, seed: int, dtype: torch.dtype, never_generated: list[int]
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, target in sorted(hf_targets(config).items()):
@@ -100,8 +113,10 @@ def _random_weights(config: ModelConfig, *, seed: int, dtype: torch.dtype) -> di
             t = torch.ones(shape)
         elif name == "model.embed_tokens.weight":
             t = torch.randn(shape, generator=gen)
+            t[config.mask_token_id] *= 0.01
         elif name == "lm_head.weight":
             t = torch.randn(shape, generator=gen) * (2.0 / math.sqrt(config.hidden_size))
+            t[never_generated] = 0.0
         else:  # [out, in] projections, router, experts
             t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
         tensors[name] = t.to(dtype).contiguous()
@@ -121,7 +136,7 @@ def write_demo_checkpoint(path: Path | str, *, seed: int = 0, size: DemoSize = "
 
     tokenizer = build_demo_tokenizer(_SHAPES[size]["vocab_size"])
     special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    config, dtype = demo_config(size, special_ids=special_ids)
+    config, dtype = demo_config(size, special_ids=special_ids, vocab_size=tokenizer.get_vocab_size())
     (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
     _write_json(
         folder / "tokenizer_config.json",
@@ -159,7 +174,11 @@ def write_demo_checkpoint(path: Path | str, *, seed: int = 0, size: DemoSize = "
         },
     )
     save_file(
-        _random_weights(config, seed=seed, dtype=dtype), str(folder / SINGLE_NAME), metadata={"format": "pt"}
+        _random_weights(
+            config, seed=seed, dtype=dtype, never_generated=[special_ids[t] for t in (MASK, PAD, IM_START)]
+        ),
+        str(folder / SINGLE_NAME),
+        metadata={"format": "pt"},
     )
     write_manifest(folder)
     return folder

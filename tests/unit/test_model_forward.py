@@ -1,0 +1,158 @@
+"""The forward contract the sampler relies on: cache reads/appends, ragged rows, padding, stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.model import CacheFullError, KVCache
+from worker.model.checkpoint import LoadedModel, load_checkpoint
+from worker.model.demo import write_demo_checkpoint
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    folder = write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "tiny", seed=0, size="tiny")
+    return load_checkpoint(folder)
+
+
+def _tokens(b: int, t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 470, (b, t), generator=torch.Generator().manual_seed(seed))  # [B, T]
+    return ids, torch.arange(t).expand(b, t)
+
+
+def _cache(loaded: LoadedModel, seqs: int = 4, length: int = 64) -> KVCache:
+    return KVCache(loaded.config, max_seqs=seqs, max_len=length, device="cpu", dtype=torch.float32)
+
+
+def test_logits_are_float32_and_shaped(loaded: LoadedModel) -> None:
+    ids, pos = _tokens(2, 8)
+    logits = loaded.model(ids, pos, pos // BLOCK)
+    assert logits.shape == (2, 8, loaded.config.vocab_size)
+    assert logits.dtype == torch.float32
+
+
+def test_cached_blocks_equal_full_forward(loaded: LoadedModel) -> None:
+    ids, pos = _tokens(2, 12)
+    full = loaded.model(ids, pos, pos // BLOCK)
+    cache = _cache(loaded)
+    slots = torch.tensor([cache.allocate(), cache.allocate()])
+    outs = [
+        loaded.model(
+            ids[:, s : s + BLOCK],
+            pos[:, s : s + BLOCK],
+            pos[:, s : s + BLOCK] // BLOCK,
+            cache=cache,
+            slots=slots,
+            commit_lens=torch.tensor([BLOCK, BLOCK]),
+        )
+        for s in range(0, 12, BLOCK)
+    ]
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-4, rtol=0)
+    assert cache.lengths[slots].tolist() == [12, 12]
+
+
+def test_forward_without_commit_leaves_cache_unchanged(loaded: LoadedModel) -> None:
+    ids, pos = _tokens(1, 8)
+    cache = _cache(loaded)
+    slots = torch.tensor([cache.allocate()])
+    loaded.model(
+        ids[:, :4], pos[:, :4], pos[:, :4] // BLOCK, cache=cache, slots=slots, commit_lens=torch.tensor([4])
+    )
+    k_before = [k.clone() for k in cache.k]
+    first = loaded.model(ids[:, 4:], pos[:, 4:], pos[:, 4:] // BLOCK, cache=cache, slots=slots)
+    second = loaded.model(ids[:, 4:], pos[:, 4:], pos[:, 4:] // BLOCK, cache=cache, slots=slots)
+    assert torch.equal(first, second)
+    assert all(torch.equal(a, b) for a, b in zip(k_before, cache.k, strict=True))
+    assert cache.length(int(slots[0])) == 4
+
+
+def test_ragged_rows_with_padding_match_separate_forwards(loaded: LoadedModel) -> None:
+    ids, pos = _tokens(2, 12, seed=3)
+    cache = _cache(loaded)
+    a, b = cache.allocate(), cache.allocate()
+    # row a has 8 committed positions, row b has 4
+    loaded.model(
+        ids[:1, :8],
+        pos[:1, :8],
+        pos[:1, :8] // BLOCK,
+        cache=cache,
+        slots=torch.tensor([a]),
+        commit_lens=torch.tensor([8]),
+    )
+    loaded.model(
+        ids[1:, :4],
+        pos[1:, :4],
+        pos[1:, :4] // BLOCK,
+        cache=cache,
+        slots=torch.tensor([b]),
+        commit_lens=torch.tensor([4]),
+    )
+    new_ids = torch.stack([ids[0, 8:12], torch.cat([ids[1, 4:7], torch.tensor([0])])])  # [2, 4]
+    new_pos = torch.stack([pos[0, 8:12], torch.tensor([4, 5, 6, 0])])
+    valid = torch.tensor([[True] * 4, [True, True, True, False]])
+    got = loaded.model(
+        new_ids,
+        new_pos,
+        new_pos // BLOCK,
+        valid=valid,
+        cache=cache,
+        slots=torch.tensor([a, b]),
+        commit_lens=torch.tensor([4, 3]),
+    )
+    ref_a = loaded.model(ids[:1], pos[:1], pos[:1] // BLOCK)[0, 8:12]
+    ref_b = loaded.model(ids[1:, :7], pos[1:, :7], pos[1:, :7] // BLOCK)[0, 4:7]
+    torch.testing.assert_close(got[0], ref_a, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[1, :3], ref_b, atol=1e-4, rtol=0)
+    assert cache.lengths[torch.tensor([a, b])].tolist() == [12, 7]
+
+
+def test_fully_padded_row_has_no_nan(loaded: LoadedModel) -> None:
+    ids, pos = _tokens(2, 4)
+    valid = torch.tensor([[True] * 4, [False] * 4])
+    logits = loaded.model(ids, pos, pos // BLOCK, valid=valid)
+    assert not torch.isnan(logits).any()
+    torch.testing.assert_close(
+        logits[0], loaded.model(ids[:1], pos[:1], pos[:1] // BLOCK)[0], atol=1e-4, rtol=0
+    )
+
+
+def test_router_counts_count_valid_tokens_per_moe_layer(loaded: LoadedModel) -> None:
+    cfg = loaded.config
+    ids, pos = _tokens(2, 8)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, 5:] = False
+    counts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts, dtype=torch.long)
+    loaded.model(ids, pos, pos // BLOCK, valid=valid, router_counts=counts)
+    for layer in range(cfg.num_hidden_layers):
+        expected = 13 * cfg.num_experts_per_tok if cfg.is_moe_layer(layer) else 0
+        assert counts[layer].sum().item() == expected
+    assert (counts[list(cfg.moe_layers)] > 0).sum() > cfg.num_experts  # routing spreads over experts
+
+
+def test_cache_slots_allocate_free_and_fill_up(loaded: LoadedModel) -> None:
+    cache = _cache(loaded, seqs=2, length=8)
+    a, b = cache.allocate(), cache.allocate()
+    assert {a, b} == {0, 1} and cache.num_free() == 0
+    with pytest.raises(CacheFullError):
+        cache.allocate()
+    cache.free(a)
+    assert cache.num_free() == 1 and cache.allocate() == a
+    ids, pos = _tokens(1, 12)
+    with pytest.raises(CacheFullError):
+        loaded.model(
+            ids, pos, pos // BLOCK, cache=cache, slots=torch.tensor([b]), commit_lens=torch.tensor([12])
+        )
+
+
+def test_bfloat16_forward_is_close_to_float32(tmp_path: Path, loaded: LoadedModel) -> None:
+    bf16 = load_checkpoint(loaded.path, dtype=torch.bfloat16)
+    ids, pos = _tokens(1, 8)
+    ref = loaded.model(ids, pos, pos // BLOCK)
+    got = bf16.model(ids, pos, pos // BLOCK)
+    assert got.dtype == torch.float32 and not torch.isnan(got).any()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
