@@ -16,13 +16,11 @@ import torch
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint
-from worker.model.demo import write_demo_checkpoint
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = write_demo_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0, size="tiny")
-    return load_checkpoint(Path(path))
+def tiny(demo_checkpoint: Path) -> LoadedModel:
+    return load_checkpoint(demo_checkpoint)
 
 
 def make_engine(lm: LoadedModel, *, eos: Sequence[int] | None = None, **config: int) -> Engine:
