@@ -241,7 +241,7 @@ def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # --- settings -----------------------------------------------------------------------------------
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def make_settings(
     migrated_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., Settings]:
@@ -264,7 +264,7 @@ def make_settings(
     return build
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def test_settings(make_settings: Callable[..., Settings], demo_checkpoint: Path) -> Settings:
     """Default test settings with the tiny demo checkpoint."""
     return make_settings(model_dir=demo_checkpoint)

@@ -1,0 +1,92 @@
+"""The GPU worker process: ``python -m worker.celery_worker`` (what ``cloverq worker`` runs).
+
+A Celery worker with a threads pool sized to the engine batch (no fork: CUDA stays in this
+process). Model load + warm-up happen in ``worker_init``, before the consumer starts, so no
+job is taken before the model is resident; the registry says ``ready`` on ``worker_ready``.
+SIGTERM is Celery's warm shutdown: consuming stops at once (registry ``draining``), running
+tasks finish, then the engine stops and the worker leaves the registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from celery import signals
+
+from scheduler.celery_app import get_celery_app
+from scheduler.settings import Settings, get_settings
+from worker.runtime import WorkerRuntime, get_runtime, set_runtime
+
+
+def worker_argv(settings: Settings, *, queues: Sequence[str], concurrency: int, hostname: str) -> list[str]:
+    """Arguments of ``celery worker`` for the GPU worker."""
+    return [
+        "worker", "--pool=threads", f"--concurrency={concurrency}", f"--queues={','.join(queues)}",
+        f"--hostname={hostname}", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        f"--loglevel={settings.log_level}",
+    ]
+
+
+def _connect_signals(runtime: WorkerRuntime) -> None:
+    # weak=False: the receivers are closures and must outlive this function.
+    def on_init(**_: Any) -> None:
+        runtime.start()
+
+    def on_ready(**_: Any) -> None:
+        runtime.mark_ready()
+
+    def on_shutting_down(**_: Any) -> None:
+        runtime.mark_draining()
+
+    def on_shutdown(**_: Any) -> None:
+        runtime.stop()
+
+    signals.worker_init.connect(on_init, weak=False)
+    signals.worker_ready.connect(on_ready, weak=False)
+    signals.worker_shutting_down.connect(on_shutting_down, weak=False)
+    signals.worker_shutdown.connect(on_shutdown, weak=False)
+
+
+def run_worker(
+    settings: Settings | None = None,
+    *,
+    queues: Sequence[str] | None = None,
+    concurrency: int | None = None,
+    hostname: str | None = None,
+) -> None:
+    """Run the worker in the foreground until SIGTERM/SIGINT."""
+    settings = settings or get_settings()
+    queue_list = tuple(queues or [q.strip() for q in settings.worker_queues.split(",") if q.strip()])
+    node = hostname or f"cloverq-{os.getpid()}@{socket.gethostname()}"
+    app = get_celery_app()
+    app.set_current()
+    app.set_default()
+    import worker.tasks  # noqa: F401  (registers cloverq.run_job on the app)
+
+    runtime = WorkerRuntime(settings, worker_id=node, queues=queue_list)
+    set_runtime(runtime)
+    _connect_signals(runtime)
+    app.worker_main(worker_argv(settings, queues=queue_list,
+                                concurrency=concurrency or settings.engine_max_batch, hostname=node))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m worker.celery_worker", description=__doc__)
+    parser.add_argument("--queues", help="comma-separated queues in priority order (default: settings)")
+    parser.add_argument("--concurrency", type=int, help="task threads (default: engine_max_batch)")
+    parser.add_argument("--hostname", help="Celery node name / worker id")
+    args = parser.parse_args(argv)
+    queues = [q.strip() for q in args.queues.split(",")] if args.queues else None
+    run_worker(queues=queues, concurrency=args.concurrency, hostname=args.hostname)
+
+
+__all__ = ["get_runtime", "main", "run_worker", "worker_argv"]
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,227 @@
+"""The worker runtime: the resident model, the engine thread, the job monitor, the job lifecycle.
+
+One per worker process. ``start`` loads the checkpoint ONCE, builds and starts the engine,
+warms it up and only then lets the process report ready. ``run_job`` is what the Celery task
+calls from a pool thread: fenced claim -> engine -> fenced outcome. Nothing here forks, so
+CUDA is initialised in the process that uses it (threads pool; DESIGN.md decision 6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import structlog
+import torch
+
+from scheduler import redis_keys
+from scheduler.db import get_session_factory
+from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
+from scheduler.models import ErrorCode, JobStatus
+from scheduler.redis_client import get_redis
+from scheduler.retry import InputJobError, TransientJobError
+from scheduler.routing import deadline_seconds
+from scheduler.settings import Settings
+from scheduler.workers import WorkerInfo, WorkerState, heartbeat_ttl, publish_worker, remove_worker
+from worker.execution import EngineContext, JobSpec, Outcome, run_kind
+from worker.monitor import JobMonitor, RunningJob
+
+log = structlog.get_logger(__name__)
+
+# Test-only faults (honoured only when settings.fault_injection is on; never by default).
+FAULTS: tuple[str, ...] = ("transient", "transient_once", "stall_first_attempt", "input")
+
+
+class WorkerRuntime:
+    """Everything a worker process holds; see the module docstring."""
+
+    def __init__(self, settings: Settings, *, worker_id: str | None = None,
+                 queues: tuple[str, ...] = ()) -> None:
+        self.settings = settings
+        self.worker_id = worker_id or f"cloverq-{os.getpid()}@{socket.gethostname()}"
+        self.queues = queues
+        self.sessions = get_session_factory(settings.resolved_database_url)
+        self.redis = get_redis(settings.resolved_redis_url)
+        self.info = WorkerInfo(id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
+                               queues=list(queues), state=WorkerState.STARTING, started_at=time.time())
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self.model_version: str | None = None
+        self.monitor: JobMonitor | None = None
+        self._ready = threading.Event()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load the model, start and warm the engine, start the monitor (blocks until done)."""
+        from worker.engine.engine import Engine, EngineConfig
+        from worker.model.checkpoint import load_checkpoint
+
+        self.heartbeat()
+        began = time.monotonic()
+        loaded = load_checkpoint(
+            self.settings.resolved_model_dir, device=self.settings.device,
+            dtype=getattr(torch, self.settings.dtype), verify=not self.settings.skip_verify,
+        )
+        loaded.model.eval()
+        self.tokenizer = loaded.tokenizer
+        self.model_version = f"{loaded.path.name}@{loaded.manifest_digest[:12]}"
+        self.info.model_version = self.model_version
+        self.engine = Engine(
+            loaded.model,
+            EngineConfig(max_batch=self.settings.engine_max_batch,
+                         max_tokens_in_flight=self.settings.engine_max_tokens_in_flight,
+                         slot_caps={"joint": self.settings.engine_joint_slot_cap}),
+            mask_token_id=loaded.tokenizer.mask_token_id,
+            eos_token_ids=loaded.tokenizer.eos_token_ids,
+            default_block_size=loaded.config.block_size,
+        )
+        self.engine.start()
+        self.engine.warm_up()
+        self.info.stats["model_load_seconds"] = round(time.monotonic() - began, 3)
+        self.monitor = JobMonitor(settings=self.settings, sessions=self.sessions, redis_client=self.redis,
+                                  worker_id=self.worker_id, decode=self._decode, heartbeat=self.heartbeat)
+        self.monitor.start()
+        log.info("worker.loaded", worker_id=self.worker_id, model_version=self.model_version,
+                 seconds=self.info.stats["model_load_seconds"])
+
+    def mark_ready(self) -> None:
+        self.info.state = WorkerState.READY
+        self._ready.set()
+        self.heartbeat()
+
+    def mark_draining(self) -> None:
+        """SIGTERM: the consumer stops taking jobs; running ones finish; say so in the registry."""
+        self.info.state = WorkerState.DRAINING
+        self.heartbeat()
+
+    def stop(self) -> None:
+        """After the pool drained: stop the engine (finishing anything left), leave the registry."""
+        self.info.state = WorkerState.STOPPED
+        if self.engine is not None:
+            self.engine.stop(drain=True, timeout=30)
+        if self.monitor is not None:
+            self.monitor.stop()
+        remove_worker(self.redis, self.worker_id)
+
+    def heartbeat(self) -> None:
+        if self.engine is not None:
+            stats = self.engine.stats()
+            self.info.stats.update(running_jobs=self.monitor.running_count() if self.monitor else 0,
+                                   batch_occupancy=stats.batch_occupancy,
+                                   tokens_per_second=round(stats.tokens_per_second, 2))
+        ttl = heartbeat_ttl(self.settings.worker_heartbeat_seconds)
+        publish_worker(self.redis, self.info, ttl_seconds=ttl)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # --- one job ----------------------------------------------------------------------------------
+    def run_job(self, job_id: str) -> str:
+        """Claim, run and record one job; returns what happened (for logs/tests)."""
+        try:
+            parsed = uuid.UUID(str(job_id))
+        except ValueError:
+            log.warning("job.bad_message", job_id=str(job_id))
+            return "invalid"
+        with self.sessions() as session:
+            job = claim_job(session, job_id=parsed, worker_id=self.worker_id,
+                            model_version=self.model_version, settings=self.settings)
+            if job is None:
+                log.info("job.not_claimed", job_id=str(parsed))  # duplicate, cancelled or not due
+                return "skipped"
+            spec = JobSpec(job_id=str(job.id), kind=job.kind, queue=job.queue, attempt=job.attempt,
+                           input=dict(job.input or {}), params=dict(job.params or {}))
+            step_budget = job.step_budget
+        assert self.monitor is not None
+        structlog.contextvars.bind_contextvars(job_id=spec.job_id, kind=spec.kind, queue=spec.queue,
+                                               attempt=spec.attempt, model_version=self.model_version)
+        lease = Lease(parsed, spec.attempt)
+        cancel_event = threading.Event()
+        running = self.monitor.add(lease, cancel_event=cancel_event, step_budget=step_budget)
+        try:
+            return self._execute(spec, lease, running)
+        finally:
+            self.monitor.remove(parsed)
+            structlog.contextvars.unbind_contextvars("job_id", "kind", "queue", "attempt", "model_version")
+
+    def _execute(self, spec: JobSpec, lease: Lease, running: RunningJob) -> str:
+        ctx = EngineContext(
+            submit=self.engine.submit, tokenizer=self.tokenizer, settings=self.settings,
+            deadline=time.monotonic() + deadline_seconds(spec.queue, self.settings),
+            cancel_event=running.cancel_event, on_progress=self.monitor.on_progress(lease.job_id),
+        )
+        try:
+            self._inject_fault(spec, running)
+            outcome = run_kind(spec, ctx)
+        except InputJobError as exc:
+            outcome = Outcome(JobStatus.FAILED, error_code=ErrorCode.INVALID_INPUT.value,
+                              error_message=str(exc))
+        except Exception as exc:  # device fault (OOM), engine stopped, transient infra: retry with backoff
+            return self._retry(spec, lease, running, repr(exc))
+        if running.lost:
+            log.warning("job.handed_back")  # another attempt owns it; write nothing
+            return "lost"
+        if outcome.status is JobStatus.CANCELLED and not running.cancel_seen:
+            return self._retry(spec, lease, running, "interrupted (engine stopping)")
+        with self.sessions() as session:
+            written = finish_job(session, lease=lease, status=outcome.status, settings=self.settings,
+                                 result=outcome.result, steps_used=outcome.steps_used,
+                                 error_code=outcome.error_code, error_message=outcome.error_message)
+        running.status = outcome.status.value if written else running.status
+        self._final_hot_status(running, outcome.status.value if written else "lost")
+        log.info("job.finished", status=outcome.status.value, written=written, steps=outcome.steps_used,
+                 finish_reason=outcome.finish_reason, error_code=outcome.error_code)
+        return outcome.status.value if written else "lost"
+
+    def _retry(self, spec: JobSpec, lease: Lease, running: RunningJob, error: str) -> str:
+        if running.lost:
+            return "lost"
+        with self.sessions() as session:
+            status = retry_or_fail(session, lease=lease, error=error, settings=self.settings)
+        if status is JobStatus.QUEUED:
+            self.redis.delete(redis_keys.enqueued(lease.job_id))  # the reconciler republishes when due
+        running.status = status.value if status else running.status
+        self._final_hot_status(running, status.value if status else "lost")
+        log.warning("job.attempt_failed", error=error, next_status=status.value if status else None)
+        return f"retry:{status.value}" if status else "lost"
+
+    def _final_hot_status(self, running: RunningJob, status: str) -> None:
+        assert self.monitor is not None
+        running.status = status
+        doc = self.monitor.snapshot(running)
+        pipe = self.redis.pipeline(transaction=False)
+        key = redis_keys.progress(running.lease.job_id)
+        pipe.set(key, json.dumps(doc), ex=redis_keys.PROGRESS_TTL_SECONDS)
+        pipe.delete(redis_keys.cancel(running.lease.job_id))
+        pipe.execute()
+
+    def _inject_fault(self, spec: JobSpec, running: RunningJob) -> None:
+        """TESTS ONLY (``settings.fault_injection``): simulate faults named by ``params.fault``."""
+        fault = spec.params.get("fault")
+        if not fault or not self.settings.fault_injection:
+            return
+        if fault == "transient" or (fault == "transient_once" and spec.attempt == 1):
+            raise TransientJobError(f"injected transient fault (attempt {spec.attempt})")
+        if fault == "input":
+            raise InputJobError("injected input error")
+        if fault == "stall_first_attempt" and spec.attempt == 1:
+            running.cancel_event.wait(self.settings.fault_stall_seconds)
+
+
+_runtime: WorkerRuntime | None = None
+
+
+def set_runtime(runtime: WorkerRuntime | None) -> None:
+    global _runtime
+    _runtime = runtime
+
+
+def get_runtime() -> WorkerRuntime:
+    if _runtime is None:
+        raise RuntimeError("the worker runtime is not started (run through worker.celery_worker)")
+    return _runtime
