@@ -54,3 +54,7 @@ def worker_probe(check_ready: bool, hostname: str | None) -> None:
 def register(group: click.Group) -> None:
     """Add ``probe`` to the ``cloverq`` group."""
     group.add_command(probe_group)
+
+
+if __name__ == "__main__":  # `python -m cli.probe worker --ready`: skips loading every CLI module
+    probe_group(prog_name="cloverq probe")
