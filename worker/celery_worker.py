@@ -52,17 +52,55 @@ def _connect_signals(runtime: WorkerRuntime) -> None:
     signals.worker_shutdown.connect(on_shutdown, weak=False)
 
 
+def _option(args: Sequence[str], *names: str) -> str | None:
+    """The value of a Celery CLI option in ``args`` (``-Q x``, ``--queues=x``), last one wins."""
+    value = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif name.startswith("--") and arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def _without_options(args: Sequence[str], *names: str) -> list[str]:
+    """``args`` minus the named options and their values (we pass those ourselves)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(n + "=") for n in names if n.startswith("--")):
+            out.append(arg)
+    return out
+
+
 def run_worker(
     settings: Settings | None = None,
+    extra_args: Sequence[str] = (),
     *,
     queues: Sequence[str] | None = None,
     concurrency: int | None = None,
     hostname: str | None = None,
 ) -> None:
-    """Run the worker in the foreground until SIGTERM/SIGINT."""
+    """Run the worker in the foreground until SIGTERM/SIGINT.
+
+    ``extra_args`` go to ``celery worker`` after ours; ``-Q/--queues``, ``-c/--concurrency`` and
+    ``-n/--hostname`` among them are honoured (and published in the worker registry).
+    """
     settings = settings or get_settings()
-    queue_list = tuple(queues or [q.strip() for q in settings.worker_queues.split(",") if q.strip()])
+    queues_opt = _option(extra_args, "-Q", "--queues")
+    concurrency_opt = _option(extra_args, "-c", "--concurrency")
+    hostname = hostname or _option(extra_args, "-n", "--hostname")
+    if queues is None and queues_opt:
+        queues = queues_opt.split(",")
+    queue_list = tuple(q.strip() for q in (queues or settings.worker_queues.split(",")) if q.strip())
     node = hostname or f"cloverq-{os.getpid()}@{socket.gethostname()}"
+    threads = concurrency or (int(concurrency_opt) if concurrency_opt else settings.engine_max_batch)
+    passthrough = _without_options(extra_args, "-Q", "--queues", "-c", "--concurrency", "-n", "--hostname")
     app = get_celery_app()
     app.set_current()
     app.set_default()
@@ -71,8 +109,8 @@ def run_worker(
     runtime = WorkerRuntime(settings, worker_id=node, queues=queue_list)
     set_runtime(runtime)
     _connect_signals(runtime)
-    app.worker_main(worker_argv(settings, queues=queue_list,
-                                concurrency=concurrency or settings.engine_max_batch, hostname=node))
+    argv = worker_argv(settings, queues=queue_list, concurrency=threads, hostname=node)
+    app.worker_main([*argv, *passthrough])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
