@@ -82,7 +82,7 @@ def test_metrics_after_real_jobs(api: TestClient, stack_settings: Settings, laun
         if i == 0:
             assert response.headers["X-Request-ID"] == request_id
         ok_ids.append(response.json()["id"])
-    failing = api.post("/v1/jobs", json={**JOB_BODY, "params": {"max_new_tokens": 8, "fault": "always_fail"}})
+    failing = api.post("/v1/jobs", json={**JOB_BODY, "params": {"max_new_tokens": 8, "fault": "transient"}})
     assert failing.status_code == 202, failing.text
     jobs = [_wait_final(api, job_id) for job_id in ok_ids]
     assert all(job["status"] == "succeeded" for job in jobs), jobs
