@@ -47,8 +47,88 @@ def verify(directory: Path) -> None:
     click.echo(f"OK   {directory}")
 
 
+# Shape of the Clover-35B-A3B class (Qwen3-30B-A3B-like) when neither flags nor --config say.
+_DEFAULT_SHAPE = {"layers": 48, "attention_heads": 32, "kv_heads": 4, "head_dim": 128}
+
+
+@click.command("plan")
+@click.option("--total-params", type=float, help="Total parameters (all experts), e.g. 35e9.")
+@click.option("--active-params", type=float, help="Parameters active per token, e.g. 3e9.")
+@click.option(
+    "--dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8", "int4"]), default="bf16", show_default=True
+)
+@click.option(
+    "--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="bf16", show_default=True
+)
+@click.option("--context", type=int, default=32768, show_default=True, help="Positions per sequence.")
+@click.option("--batch", type=int, default=64, show_default=True, help="Concurrent sequences.")
+@click.option("--layers", type=int, help=f"Decoder layers [{_DEFAULT_SHAPE['layers']}].")
+@click.option("--attention-heads", type=int, help=f"Query heads [{_DEFAULT_SHAPE['attention_heads']}].")
+@click.option("--kv-heads", type=int, help=f"Key/value heads [{_DEFAULT_SHAPE['kv_heads']}].")
+@click.option("--head-dim", type=int, help=f"Head dimension [{_DEFAULT_SHAPE['head_dim']}].")
+@click.option(
+    "--gpu-memory", type=float, default=141.0, show_default=True, help="GiB per GPU of your choice."
+)
+@click.option("--headroom", type=click.FloatRange(1.3, 1.5), default=1.4, show_default=True)
+@click.option(
+    "--config",
+    "config_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Take shapes and parameter counts from a checkpoint folder's config.json.",
+)
+def plan_command(
+    total_params: float | None,
+    active_params: float | None,
+    dtype: str,
+    kv_dtype: str,
+    context: int,
+    batch: int,
+    layers: int | None,
+    attention_heads: int | None,
+    kv_heads: int | None,
+    head_dim: int | None,
+    gpu_memory: float,
+    headroom: float,
+    config_dir: Path | None,
+) -> None:
+    """Weight and KV-cache memory, compute per token, and GPUs needed to serve a model."""
+    from worker.model.planner import PlanInput, format_plan, plan
+
+    shape = dict(_DEFAULT_SHAPE)
+    if config_dir is not None:
+        from worker.model.checkpoint import read_config
+
+        config = read_config(config_dir)
+        total, active = config.param_counts()
+        shape = {
+            "layers": config.num_hidden_layers,
+            "attention_heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+        }
+        total_params = total_params or total
+        active_params = active_params or active
+    if total_params is None or active_params is None:
+        raise click.UsageError("give --total-params and --active-params, or --config DIR")
+    given = {"layers": layers, "attention_heads": attention_heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    shape.update({k: v for k, v in given.items() if v is not None})
+    inp = PlanInput(
+        total_params=total_params,
+        active_params=active_params,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        context=context,
+        batch=batch,
+        gpu_memory_gib=gpu_memory,
+        headroom=headroom,
+        **shape,
+    )
+    click.echo(format_plan(plan(inp)))
+
+
 def register(group: click.Group) -> None:
     """Add the ``model`` group (init-demo, verify, plan) to the root CLI."""
     model = _model_group(group)
     model.add_command(init_demo)
     model.add_command(verify)
+    model.add_command(plan_command)

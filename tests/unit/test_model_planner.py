@@ -1,0 +1,51 @@
+"""The capacity planner's arithmetic and its CLI."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from worker.model.planner import PlanInput, plan
+
+
+def _clover(**overrides: object) -> PlanInput:
+    args: dict[str, object] = dict(
+        total_params=35e9, active_params=3e9, dtype="bf16", context=32768, batch=64,
+        layers=48, kv_heads=4, head_dim=128, attention_heads=32, gpu_memory_gib=141.0, headroom=1.4,
+    )  # fmt: skip
+    args.update(overrides)
+    return PlanInput(**args)  # type: ignore[arg-type]
+
+
+def test_memory_compute_and_gpu_count() -> None:
+    p = plan(_clover())
+    bf16, int8, int4 = p.rows
+    assert [r.weight_dtype for r in p.rows] == ["bf16", "int8", "int4"]
+    assert bf16.weights_gib == pytest.approx(35e9 * 2 / 1024**3)
+    assert int8.weights_gib == pytest.approx(bf16.weights_gib / 2)
+    assert int4.weights_gib == pytest.approx(bf16.weights_gib / 4)
+    assert p.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
+    assert bf16.kv_gib == pytest.approx(192.0)  # 96 KiB x 2 Mi positions
+    assert bf16.with_headroom_gib == pytest.approx((bf16.weights_gib + 192.0) * 1.4)
+    assert bf16.gpus_80gib == 5  # 360 GiB / 80
+    assert bf16.gpus_chosen == 3  # 360 GiB / 141
+    assert p.flops_per_token == pytest.approx(6e9 + 4 * 48 * 32 * 128 * 32768)
+
+
+def test_headroom_outside_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="headroom"):
+        _clover(headroom=2.0)
+
+
+def test_cli_prints_the_table() -> None:
+    result = CliRunner().invoke(
+        cli,
+        ["model", "plan", "--total-params", "35e9", "--active-params", "3e9", "--dtype", "bf16",
+         "--context", "32768", "--batch", "64", "--gpu-memory", "141"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "GPUs@80GiB" in result.output and "GPUs@141GiB" in result.output
+    for dtype in ("bf16", "int8", "int4"):
+        assert f"\n    {dtype}" in result.output
+    assert "31.77 GFLOP per token" in result.output

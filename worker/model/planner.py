@@ -1,0 +1,109 @@
+"""Back-of-the-envelope capacity plan for serving an MoE model: memory, compute, GPU count.
+
+An MoE model must hold *all* its experts in memory (weights scale with total parameters) while each
+token only runs through the routed ones (compute scales with active parameters). The KV cache
+scales with layers x KV heads x head dim x context x concurrent sequences. Plans are sized with a
+headroom factor (activations, fragmentation, CUDA context) of 1.3-1.5x.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BYTES_PER_PARAM: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    total_params: float
+    active_params: float
+    dtype: str  # weight dtype, a key of BYTES_PER_PARAM
+    context: int  # positions per sequence
+    batch: int  # concurrent sequences
+    layers: int
+    kv_heads: int
+    head_dim: int
+    attention_heads: int
+    kv_dtype: str = "bf16"
+    gpu_memory_gib: float = 80.0
+    headroom: float = 1.4
+
+    def __post_init__(self) -> None:
+        for name in (self.dtype, self.kv_dtype):
+            if name not in BYTES_PER_PARAM:
+                raise ValueError(f"dtype {name!r} is not one of {sorted(BYTES_PER_PARAM)}")
+        if not 1.3 <= self.headroom <= 1.5:
+            raise ValueError(f"headroom {self.headroom} is outside 1.3-1.5")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """Memory and GPU count for one weight precision."""
+
+    weight_dtype: str
+    weights_gib: float
+    kv_gib: float
+    total_gib: float  # weights + KV
+    with_headroom_gib: float
+    gpus_80gib: int
+    gpus_chosen: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    input: PlanInput
+    kv_bytes_per_token: float  # all layers, K and V
+    flops_per_token: float  # forward: 2 x active params + attention over the full context
+    rows: tuple[PlanRow, ...]  # the chosen dtype first, then int8 and int4
+
+
+def _gpus(gib: float, per_gpu: float) -> int:
+    return max(1, math.ceil(gib / per_gpu))
+
+
+def plan(inp: PlanInput) -> Plan:
+    kv_per_token = 2 * inp.layers * inp.kv_heads * inp.head_dim * BYTES_PER_PARAM[inp.kv_dtype]
+    kv_gib = kv_per_token * inp.context * inp.batch / GIB
+    attention_flops = 4 * inp.layers * inp.attention_heads * inp.head_dim * inp.context  # QK^T + AV
+    dtypes = [inp.dtype] + [d for d in ("int8", "int4") if d != inp.dtype]
+    rows = []
+    for dtype in dtypes:
+        weights = inp.total_params * BYTES_PER_PARAM[dtype] / GIB
+        total = weights + kv_gib
+        sized = total * inp.headroom
+        rows.append(
+            PlanRow(
+                dtype, weights, kv_gib, total, sized, _gpus(sized, 80.0), _gpus(sized, inp.gpu_memory_gib)
+            )
+        )
+    return Plan(inp, kv_per_token, 2 * inp.active_params + attention_flops, tuple(rows))
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def format_plan(p: Plan) -> str:
+    """A plain-text report of ``p`` (what ``cloverq model plan`` prints)."""
+    i = p.input
+    lines = [
+        f"model: {_count(i.total_params)} total, {_count(i.active_params)} active parameters; "
+        f"{i.layers} layers, {i.attention_heads} q heads, {i.kv_heads} KV heads x {i.head_dim}",
+        f"load: batch {i.batch} x context {i.context} = {i.batch * i.context:,} cached positions "
+        f"(KV in {i.kv_dtype}: {p.kv_bytes_per_token / 1024:.1f} KiB per position)",
+        f"compute: {p.flops_per_token / 1e9:.2f} GFLOP per token "
+        f"(2 x active = {2 * i.active_params / 1e9:.2f}, attention at full context = "
+        f"{(p.flops_per_token - 2 * i.active_params) / 1e9:.2f})",
+        f"headroom: x{i.headroom}",
+        "",
+        f"{'weights':>8} {'weights GiB':>12} {'KV GiB':>10} {'total GiB':>10} {'sized GiB':>10} "
+        f"{'GPUs@80GiB':>10} {f'GPUs@{i.gpu_memory_gib:g}GiB':>12}",
+    ]
+    for r in p.rows:
+        lines.append(
+            f"{r.weight_dtype:>8} {r.weights_gib:>12.1f} {r.kv_gib:>10.1f} {r.total_gib:>10.1f} "
+            f"{r.with_headroom_gib:>10.1f} {r.gpus_80gib:>10d} {r.gpus_chosen:>12d}"
+        )
+    return "\n".join(lines)
