@@ -19,7 +19,7 @@ from api.auth import install_security
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
 from api.prompt_tokens import PromptTokenCounter
-from api.routes import admin, health, jobs
+from api.routes import admin, batches, health, jobs, webhooks
 from api.routes.metrics import install_observability
 from scheduler.celery_app import create_celery_app
 from scheduler.db import make_engine, session_factory
@@ -66,9 +66,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.token_counter = PromptTokenCounter(None)
 
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       path_limits={"/v1/batches": settings.batch_max_body_bytes})
     install_observability(app)  # outermost middleware: request id + HTTP metrics for every answer
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(batches.router)
+    app.include_router(webhooks.router)
     app.include_router(admin.router)
     return app

@@ -8,6 +8,7 @@ can never make the API buffer more than ``max_body_bytes`` of one request.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,17 +30,22 @@ class BodyTooLarge(HTTPException):
 class BodyLimitMiddleware:
     """Enforce ``max_body_bytes`` on every HTTP request."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, path_limits: Mapping[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        # Exact paths with their own (larger) limit, e.g. batch uploads on ``/v1/batches``.
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_body_bytes)
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await self._reject(send)
+        if declared is not None and declared > limit:
+            await self._reject(send, limit)
             return
 
         received = 0
@@ -50,8 +56,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise BodyTooLarge(self.max_body_bytes)
+                if received > limit:
+                    raise BodyTooLarge(limit)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -64,10 +70,10 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not response_started:
-                await self._reject(send)
+                await self._reject(send, limit)
 
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(_too_large_body(self.max_body_bytes)).encode()
+    async def _reject(self, send: Send, limit: int) -> None:
+        body = json.dumps(_too_large_body(limit)).encode()
         await send(
             {
                 "type": "http.response.start",

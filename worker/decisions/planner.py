@@ -8,12 +8,13 @@ question, whose generated region is the JSON list of all answers, decoded togeth
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from worker.decisions.prompts import independent_prompts, joint_prompt
 from worker.decisions.spec import DecisionSpec, DecisionTokenizer
 from worker.decisions.templates import AnswerTemplate, answer_template
-from worker.engine.types import GenerationRequest, SamplingParams
+from worker.engine.types import GenerationRequest, Progress, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,14 @@ def plan_decision(
     slot_class: str,
     deadline: float | None = None,
     cancel_event: threading.Event | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> DecisionPlan:
     """Build the requests of one attempt.
 
     ``params`` applies to every sequence; its ``max_new_tokens`` is replaced by the template
     length. Independent sequences get ``seed + i`` so each question draws on its own stream.
-    ``cancel_event`` is shared by every request so one cancel stops them all.
+    ``cancel_event`` is shared by every request so one cancel stops them all; ``on_progress``
+    is attached to a joint decision's one sequence (independent ones report no progress).
     """
     pad_id = _pad_id(tokenizer)
     rationale = rationale_tokens if spec.rationale else None
@@ -77,6 +80,7 @@ def plan_decision(
                 slot_class=slot_class,
                 deadline=deadline,
                 cancel_event=cancel,
+                on_progress=on_progress if len(prompts) == 1 else None,
             )
         )
     return DecisionPlan(spec=spec, requests=tuple(requests), templates=tuple(templates))

@@ -16,7 +16,7 @@ from typing import Any
 from worker.decisions.assemble import IncompleteOutput, InvalidModelOutput, assemble_result
 from worker.decisions.planner import plan_decision
 from worker.decisions.spec import DecisionSpec, DecisionTokenizer
-from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, Progress, SamplingParams
 
 # Added to the seed of the retry so it draws a different stream.
 RETRY_SEED_OFFSET = 1_000_003
@@ -82,6 +82,7 @@ def run_decision(
     deadline: float | None = None,
     cancel_event: threading.Event | None = None,
     on_invalid_output: Callable[[int, str], None] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> DecisionOutcome:
     """Decode the decision; retry once with a new seed when a rationale is invalid.
 
@@ -96,7 +97,7 @@ def run_decision(
         plan = plan_decision(
             spec, tokenizer, request_id=f"{request_id}:a{attempt}", params=attempt_params,
             rationale_tokens=options.rationale_tokens, slot_class=slot_class, deadline=deadline,
-            cancel_event=cancel,
+            cancel_event=cancel, on_progress=on_progress,
         )
         results = _gather(plan.requests, submit)
         outcome.attempts = attempt + 1

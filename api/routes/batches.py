@@ -1,0 +1,259 @@
+"""``/v1/batches``: submit many jobs at once, follow them, stream their results in order.
+
+``POST /v1/batches`` takes a JSON object ``{"jobs": [...], "webhook_url", "metadata"}`` or
+JSONL (one job spec per line) as the raw body or a multipart ``file``. Every spec is validated
+exactly like ``POST /v1/jobs`` (same models, same limits); one bad spec rejects the batch with
+its index. All rows are stored in ONE transaction, then published after the response (the
+reconciler covers a failed publish). Batch jobs go to the ``bulk`` class. Tenant job caps do
+not apply to batches (a batch may legitimately exceed them); ``batch_max_jobs`` bounds them.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anyio.to_thread
+from fastapi import APIRouter, BackgroundTasks, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import TypeAdapter, ValidationError
+
+from api.decision_limits import check_decide_limits
+from api.deps import CallerDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
+from api.errors import ApiError
+from api.limits import check_generate_limits
+from api.prompt_tokens import PromptTokenCounter
+from api.schemas.batches import BatchCreate, BatchOptions, BatchOut
+from api.schemas.errors import error_responses
+from api.schemas.jobs import DecideJobCreate, JobCreate
+from scheduler import batches as batch_service
+from scheduler.settings import Settings
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-lines", "text/jsonl")
+MAX_REPORTED_ERRORS = 20
+_SPEC = TypeAdapter(JobCreate)
+
+_OPENAPI_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/BatchCreate"}},
+            "application/x-ndjson": {"schema": {"type": "string", "description": "one job spec per line"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary", "description": "JSONL job specs"},
+                        "webhook_url": {"type": "string"},
+                        "metadata": {"type": "string", "description": "a JSON object"},
+                    },
+                }
+            },
+        },
+    }
+}
+
+
+def _batch_not_found(batch_id: str) -> ApiError:
+    return ApiError(404, "batch_not_found", f"No batch with id '{batch_id}'.", {"batch_id": batch_id})
+
+
+def _invalid(message: str, details: Any) -> ApiError:
+    return ApiError(422, "invalid_request", message, details)
+
+
+def _batch_out(summary: batch_service.BatchSummary) -> BatchOut:
+    batch = summary.batch
+    return BatchOut(
+        id=str(batch.id), status=summary.status, total=batch.total, finished=summary.finished,
+        counts=summary.counts, created_at=batch.created_at, cancel_requested=batch.cancel_requested,
+        webhook_url=batch.webhook_url, metadata=batch.meta, results_url=f"/v1/batches/{batch.id}/results",
+    )
+
+
+def _parse_jsonl(text: str) -> list[Any]:
+    specs = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            specs.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise _invalid(f"line {number} is not JSON: {exc.msg}", {"line": number}) from None
+    return specs
+
+
+def _validate_specs(raw: list[Any], *, settings: Settings, counter: PromptTokenCounter) -> list[
+    batch_service.JobSpec
+]:
+    """Every spec through the job models and limits; errors name the spec's index."""
+    if not raw:
+        raise _invalid("a batch needs at least one job", {"loc": ["body", "jobs"]})
+    if len(raw) > settings.batch_max_jobs:
+        raise ApiError(422, "batch_too_large", f"a batch holds at most {settings.batch_max_jobs} jobs",
+                       {"jobs": len(raw), "max_jobs": settings.batch_max_jobs})
+    specs, errors = [], []
+    for index, item in enumerate(raw):
+        try:
+            body = _SPEC.validate_python(item)
+            if isinstance(body, DecideJobCreate):
+                params = check_decide_limits(body.input, body.params, settings=settings, counter=counter,
+                                             faults_enabled=settings.fault_injection)
+            else:
+                params = check_generate_limits(body, settings=settings, counter=counter,
+                                               faults_enabled=settings.fault_injection)
+        except ValidationError as exc:
+            errors.append({"index": index, "errors": exc.errors(include_url=False, include_context=False)})
+        except ApiError as exc:
+            errors.append({"index": index, "code": exc.code, "message": exc.message})
+        else:
+            specs.append(batch_service.JobSpec(
+                kind=body.kind, input=body.input.model_dump(exclude_none=True), params=params,
+                priority=body.priority, metadata=body.metadata,
+                webhook_url=str(body.webhook_url) if body.webhook_url is not None else None,
+            ))
+        if len(errors) >= MAX_REPORTED_ERRORS:
+            break
+    if errors:
+        raise _invalid(f"{len(errors)} job spec(s) are invalid (first {MAX_REPORTED_ERRORS} reported)",
+                       json.loads(json.dumps(errors, default=str)))
+    return specs
+
+
+async def _read_batch(request: Request) -> tuple[list[Any], str | None, dict[str, Any] | None]:
+    """(raw specs, webhook_url, metadata) from JSON, raw JSONL or a multipart upload."""
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if content_type == "multipart/form-data":
+        form = await request.form()
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise _invalid("multipart batches need a 'file' field with JSONL", {"loc": ["body", "file"]})
+        text = (await upload.read()).decode("utf-8", errors="strict")
+        webhook = form.get("webhook_url")
+        metadata = form.get("metadata")
+        return _parse_jsonl(text), str(webhook) if webhook else None, (
+            json.loads(str(metadata)) if metadata else None
+        )
+    body = await request.body()
+    if content_type in JSONL_TYPES:
+        webhook = request.query_params.get("webhook_url")
+        return _parse_jsonl(body.decode("utf-8")), webhook, None
+    if content_type != "application/json":
+        raise ApiError(415, "unsupported_media_type",
+                       "send application/json, application/x-ndjson or multipart/form-data",
+                       {"content_type": content_type})
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise _invalid(f"the body is not JSON: {exc.msg}", {"loc": ["body"]}) from None
+    if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
+        raise _invalid('the body must be an object with a "jobs" list', {"loc": ["body", "jobs"]})
+    unknown = set(data) - set(BatchCreate.model_fields)
+    if unknown:
+        raise _invalid(f"unknown fields: {sorted(unknown)}", {"loc": ["body"], "fields": sorted(unknown)})
+    return data["jobs"], data.get("webhook_url"), data.get("metadata")
+
+
+def _validate_options(webhook_url: Any, metadata: Any) -> BatchOptions:
+    try:
+        return BatchOptions.model_validate({"webhook_url": webhook_url, "metadata": metadata})
+    except ValidationError as exc:
+        errors = json.loads(json.dumps(exc.errors(include_url=False, include_context=False), default=str))
+        raise _invalid("invalid webhook_url or metadata", errors) from None
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=BatchOut,
+    openapi_extra=_OPENAPI_BODY,
+    responses=error_responses(401, 403, 413, 415, 422, 429, 503),
+)
+async def create_batch(
+    request: Request,
+    response: Response,
+    background: BackgroundTasks,
+    session: SessionDep,
+    caller: CallerDep,
+    settings: SettingsDep,
+    counter: TokenCounterDep,
+) -> BatchOut:
+    """Store up to ``batch_max_jobs`` job specs in one transaction (202 + ``Location``)."""
+    require(caller, "submit")
+    try:
+        raw, webhook_url, metadata = await _read_batch(request)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _invalid(f"the upload is not UTF-8 JSONL: {exc}", {"loc": ["body"]}) from None
+    options = _validate_options(webhook_url, metadata)
+    webhook = str(options.webhook_url) if options.webhook_url is not None else None
+    specs = await anyio.to_thread.run_sync(lambda: _validate_specs(raw, settings=settings, counter=counter))
+    request_id = getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
+
+    def store() -> tuple[batch_service.Batch, list[tuple[uuid.UUID, str]], batch_service.BatchSummary]:
+        batch, jobs = batch_service.create_batch(
+            session, tenant=caller.tenant, specs=specs, settings=settings, webhook_url=webhook,
+            metadata=options.metadata, request_id=request_id,
+        )
+        return batch, jobs, batch_service.summarize(session, batch)
+
+    batch, jobs, summary = await anyio.to_thread.run_sync(store)
+    state = request.app.state
+    background.add_task(batch_service.publish_batch, jobs, app=state.celery, redis_client=state.redis,
+                        request_id=request_id)
+    response.headers["Location"] = f"/v1/batches/{batch.id}"
+    return _batch_out(summary)
+
+
+def _load(session: SessionDep, caller: CallerDep, batch_id: str) -> batch_service.Batch:
+    batch = batch_service.get_batch(session, batch_id=batch_id, tenant=visible_tenant(caller))
+    if batch is None:
+        raise _batch_not_found(batch_id)
+    return batch
+
+
+@router.get("/{batch_id}", response_model=BatchOut, responses=error_responses(401, 403, 404, 503))
+def get_batch(batch_id: str, session: SessionDep, caller: CallerDep) -> BatchOut:
+    """The batch with its job counts by status."""
+    require(caller, "read")
+    return _batch_out(batch_service.summarize(session, _load(session, caller, batch_id)))
+
+
+@router.get(
+    "/{batch_id}/results",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-ndjson": {}},
+                     "description": "One JSON object per job, in submission order."},
+               **error_responses(401, 403, 404, 503)},
+)
+def batch_results(
+    batch_id: str, request: Request, session: SessionDep, caller: CallerDep
+) -> StreamingResponse:
+    """JSONL, one line per job in submission order: index, job_id, status, result, error.
+
+    Streamed in keyset pages (constant memory); jobs not yet final appear with their status
+    and no result.
+    """
+    require(caller, "read")
+    batch = _load(session, caller, batch_id)
+    sessions = request.app.state.session_factory
+
+    def lines() -> Iterator[bytes]:
+        for line in batch_service.iter_results(sessions, batch_id=batch.id):
+            yield (json.dumps(line, separators=(",", ":"), default=str) + "\n").encode()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchOut, responses=error_responses(401, 403, 404, 503))
+def cancel_batch(batch_id: str, request: Request, session: SessionDep, caller: CallerDep) -> BatchOut:
+    """Cancel every queued job at once and signal the running ones (they stop within a pass)."""
+    require(caller, "submit")
+    batch = _load(session, caller, batch_id)
+    summary = batch_service.cancel_batch(session, batch=batch, settings=request.app.state.settings,
+                                         redis_client=request.app.state.redis)
+    return _batch_out(summary)

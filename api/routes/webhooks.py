@@ -1,0 +1,43 @@
+"""``/v1/webhooks``: a tenant reads (or rotates) the secret its webhooks are signed with.
+
+Verification, for receivers: take ``t`` and ``v1`` from ``X-Cloverq-Signature: t=<ts>,v1=<hex>``,
+compute ``HMAC-SHA256(secret, "<t>." + raw_body)`` in hex, compare in constant time, and
+reject timestamps older than a few minutes (replays). See ``scheduler.webhooks``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from api.deps import CallerDep, SessionDep, require
+from api.schemas.errors import error_responses
+from scheduler import webhooks
+
+router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
+
+
+class WebhookSecretOut(BaseModel):
+    """The caller's tenant secret and how signatures are built with it."""
+
+    tenant: str
+    secret: str
+    algorithm: str = "HMAC-SHA256"
+    header: str = webhooks.SIGNATURE_HEADER
+    format: str = "t=<unix seconds>,v1=<hex HMAC-SHA256(secret, '<t>.' + body)>"
+
+
+@router.get("/secret", response_model=WebhookSecretOut, responses=error_responses(401, 403, 503))
+def get_secret(session: SessionDep, caller: CallerDep) -> WebhookSecretOut:
+    """The signing secret of the caller's tenant (created on first use)."""
+    require(caller, "submit")
+    secret = webhooks.tenant_secret(session, tenant=caller.tenant)
+    return WebhookSecretOut(tenant=caller.tenant, secret=secret)
+
+
+@router.post("/secret/rotate", response_model=WebhookSecretOut, responses=error_responses(401, 403, 503))
+def rotate_secret(session: SessionDep, caller: CallerDep) -> WebhookSecretOut:
+    """Replace the tenant's secret; deliveries from now on are signed with the new one."""
+    require(caller, "submit")
+    secret = webhooks.rotate_secret(session, tenant=caller.tenant)
+    return WebhookSecretOut(tenant=caller.tenant, secret=secret)
