@@ -2,7 +2,8 @@
 
 ``cloverq beat`` runs a small Celery worker that consumes only the ``maintenance`` queue with
 an embedded beat scheduler (``-B``): it never touches the GPU and never loads a model. Run
-exactly one. Tasks: reconciler (+ aging), reaper, expiry — see ``scheduler/maintenance.py``.
+exactly one. Tasks: reconciler (+ aging), reaper, expiry — see ``scheduler/maintenance.py`` —
+and webhook deliveries (``webhooks`` queue) + their sweeper (``scheduler/webhook_tasks.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from scheduler.settings import Settings, get_settings
 
 MAINTENANCE_QUEUE = "maintenance"
+WEBHOOKS_QUEUE = "webhooks"  # webhook deliveries (scheduler.webhook_tasks): never on a GPU worker
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
@@ -28,6 +30,7 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
         "reconcile": entry("cloverq.reconcile", settings.reconcile_interval_seconds),
         "reap": entry("cloverq.reap", settings.reaper_interval_seconds),
         "expire": entry("cloverq.expire", settings.expiry_interval_seconds),
+        "sweep-webhooks": entry("cloverq.sweep_webhooks", settings.webhook_sweep_interval_seconds),
     }
 
 
@@ -36,8 +39,10 @@ def beat_argv(settings: Settings) -> list[str]:
     schedule_file = Path(settings.data_dir) / "celerybeat-schedule"
     schedule_file.parent.mkdir(parents=True, exist_ok=True)
     return [
-        "worker", "--beat", f"--schedule={schedule_file}", "--pool=solo", "--concurrency=1",
-        f"--queues={MAINTENANCE_QUEUE}", f"--hostname=beat@{socket.gethostname()}",
+        # threads: a slow webhook endpoint must not hold up maintenance ticks (or other hooks).
+        "worker", "--beat", f"--schedule={schedule_file}", "--pool=threads",
+        f"--concurrency={settings.light_worker_threads}",
+        f"--queues={MAINTENANCE_QUEUE},{WEBHOOKS_QUEUE}", f"--hostname=beat@{socket.gethostname()}",
         "--without-gossip", "--without-mingle", f"--loglevel={settings.log_level}",
     ]
 

@@ -21,7 +21,8 @@ from scheduler.settings import Settings, get_settings
 
 RUN_JOB_TASK = "cloverq.run_job"
 
-ALL_QUEUES: tuple[str, ...] = (*(q.value for q in QueueName), MAINTENANCE_QUEUE)
+WEBHOOKS_QUEUE = "webhooks"  # webhook deliveries; consumed by the light beat process too
+ALL_QUEUES: tuple[str, ...] = (*(q.value for q in QueueName), MAINTENANCE_QUEUE, WEBHOOKS_QUEUE)
 
 
 def create_celery_app(settings: Settings) -> Celery:
@@ -47,7 +48,7 @@ def create_celery_app(settings: Settings) -> Celery:
         worker_send_task_events=False,
         task_send_sent_event=False,
         enable_utc=True,
-        imports=("scheduler.maintenance",),
+        imports=("scheduler.maintenance", "scheduler.webhook_tasks"),
     )
     app.conf.beat_schedule = beat_schedule(settings)
     return app

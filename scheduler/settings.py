@@ -111,6 +111,12 @@ class Settings(BaseSettings):
     webhook_backoff_base_seconds: float = Field(1.0, ge=0, description="Webhook retry n waits base*2^(n-1).")
     webhook_backoff_max_seconds: float = Field(300.0, ge=0, description="Cap of the webhook backoff.")
     webhook_timeout_seconds: float = Field(5.0, gt=0, description="Timeout of one webhook POST.")
+    webhook_sweep_interval_seconds: float = Field(
+        10.0, gt=0, description="Beat: record missed webhook deliveries and re-publish lost ones."
+    )
+    light_worker_threads: int = Field(
+        4, ge=1, description="Threads of the beat process (maintenance tasks + webhook deliveries)."
+    )
 
     # --- CLI client (cloverq submit / jobs / cancel) -------------------------------------------
     api_url: str = Field("http://127.0.0.1:8000", description="Where the CLI client finds the API.")

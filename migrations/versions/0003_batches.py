@@ -71,9 +71,14 @@ def upgrade() -> None:
         sa.UniqueConstraint("event", "batch_id", name="uq_webhook_deliveries_event_batch"),
     )
     op.create_index("ix_webhook_deliveries_status_next", "webhook_deliveries", ["status", "next_attempt_at"])
+    # The webhook sweeper's scan: final jobs that asked for a webhook (partial: most jobs do not).
+    op.create_index("ix_jobs_webhook_finished", "jobs", ["finished_at"],
+                    postgresql_where=sa.text("webhook_url IS NOT NULL"),
+                    sqlite_where=sa.text("webhook_url IS NOT NULL"))
 
 
 def downgrade() -> None:
+    op.drop_index("ix_jobs_webhook_finished", table_name="jobs")
     op.drop_table("webhook_deliveries")
     op.drop_table("webhook_secrets")
     op.drop_table("batch_jobs")
