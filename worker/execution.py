@@ -16,6 +16,7 @@ from scheduler.models import ErrorCode, JobKind, JobStatus
 from scheduler.retry import InputJobError
 from scheduler.settings import Settings
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, Progress, SamplingParams
+from worker.thinking import thinking_fields
 
 SAMPLING_KEYS: tuple[str, ...] = (
     "max_new_tokens", "block_size", "steps_per_block", "strategy", "threshold", "temperature",
@@ -128,11 +129,22 @@ def run_generate(job: JobSpec, ctx: EngineContext) -> Outcome:
         on_progress=ctx.on_progress,
         cancel_event=ctx.cancel_event,
     )
-    return outcome_of(ctx.submit(request).result(), ctx.tokenizer)
+    outcome = outcome_of(ctx.submit(request).result(), ctx.tokenizer)
+    if job.params.get("thinking") and outcome.result is not None:
+        outcome.result.update(thinking_fields(outcome.result["token_ids"], ctx.tokenizer))  # type: ignore[arg-type]
+    return outcome
+
+
+def run_decide(job: JobSpec, ctx: EngineContext) -> Outcome:
+    """A ``decide`` job (``worker.decide_job``; imported here lazily: it builds on this module)."""
+    from worker.decide_job import run_decide as run
+
+    return run(job, ctx)
 
 
 KIND_HANDLERS: dict[str, Callable[[JobSpec, EngineContext], Outcome]] = {
     JobKind.GENERATE.value: run_generate,
+    JobKind.DECIDE.value: run_decide,
 }
 
 

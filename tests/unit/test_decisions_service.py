@@ -19,7 +19,7 @@ from worker.engine.types import (
     SamplingParams,
     SlotChoice,
 )
-from worker.thinking import split_thinking
+from worker.thinking import split_thinking, thinking_fields
 
 PAD, EOS, THINK, END_THINK = 1, 2, 3, 4
 OFFSET = 10
@@ -226,3 +226,11 @@ def test_split_thinking(ids: list[int], reasoning: str, text: str) -> None:
     split = split_thinking(ids, think_start_id=THINK, think_end_id=END_THINK,
                            decode=lambda xs: CharTokenizer().decode(xs, skip_special_tokens=True))
     assert (split.reasoning, split.text) == (reasoning, text)
+
+
+def test_thinking_fields_replace_text_with_the_answer() -> None:
+    class Thinking(CharTokenizer):
+        think_start_id, think_end_id = THINK, END_THINK
+
+    fields = thinking_fields([THINK, A, B, END_THINK, C], Thinking())
+    assert fields == {"reasoning": "ab", "text": "c"}
