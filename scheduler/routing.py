@@ -115,8 +115,9 @@ def route_job(
     return Route(cost=cost, priority=cls, queue=cls)
 
 
-def deadline_seconds(queue: str, settings: Settings) -> float:
-    """Max run time of one attempt for jobs of ``queue``."""
-    if queue == QueueName.JOINT:
-        return settings.joint_deadline_seconds
-    return settings.job_deadline_seconds
+def deadline_seconds(queue: str, settings: Settings, params: Mapping[str, Any] | None = None) -> float:
+    """Max run time of one attempt for jobs of ``queue`` (thinking jobs get their own, longer one)."""
+    base = settings.joint_deadline_seconds if queue == QueueName.JOINT else settings.job_deadline_seconds
+    if params and params.get("thinking"):
+        return max(base, settings.thinking_deadline_seconds)
+    return base
