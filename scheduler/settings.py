@@ -153,7 +153,8 @@ class Settings(BaseSettings):
     @property
     def broker_visibility_timeout_seconds(self) -> float:
         """Redis redelivery timeout: above the longest deadline, so no running job is redelivered."""
-        return 2 * max(self.job_deadline_seconds, self.joint_deadline_seconds) + self.lease_seconds
+        longest = max(self.job_deadline_seconds, self.joint_deadline_seconds, self.thinking_deadline_seconds)
+        return 2 * longest + self.lease_seconds
 
     @property
     def resolved_model_dir(self) -> Path:
