@@ -1,0 +1,241 @@
+"""Images, compose and the systemd unit follow the deployment rules, checked offline.
+
+Rules (issue 8): non-root user, pinned versions, weights mounted and never baked into an image,
+Redis with AOF, one service per role (api, worker, worker-joint, beat, PostgreSQL, Redis,
+Prometheus, Grafana), graceful stop longer than a job's deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from scheduler.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
+PINNED_IMAGE = re.compile(r"^[a-z0-9./-]+:[0-9v][A-Za-z0-9._-]*[0-9][A-Za-z0-9._-]*$")  # a version tag
+
+
+def _instructions(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / name).read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def _final_stage(name: str) -> list[tuple[str, str]]:
+    instructions = _instructions(name)
+    last_from = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
+    return instructions[last_from:]
+
+
+def _base_images(name: str) -> list[str]:
+    instructions = _instructions(name)
+    args = dict(rest.split("=", 1) for keyword, rest in instructions if keyword == "ARG" and "=" in rest)
+    images = []
+    for keyword, rest in instructions:
+        if keyword == "FROM":
+            image = rest.split()[0]
+            images.append(re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image))
+    return images
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_base_images_are_pinned(name: str) -> None:
+    for image in _base_images(name):
+        assert PINNED_IMAGE.match(image), f"{name}: base image {image!r} is not pinned to a version"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_runs_as_a_non_root_user(name: str) -> None:
+    users = [rest for keyword, rest in _final_stage(name) if keyword == "USER"]
+    assert users, f"{name}: the final stage never switches user"
+    user = users[-1].split(":")[0]
+    assert user not in {"root", "0"}, name
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_never_bakes_weights(name: str) -> None:
+    instructions = _instructions(name)
+    for keyword, rest in instructions:
+        if keyword in {"COPY", "ADD"}:
+            sources = [s for s in rest.split()[:-1] if not s.startswith("--")]
+            for source in sources:
+                assert not re.search(r"safetensors|\.bin$|models?(/|$)|\.cloverq", source), (name, source)
+                if keyword == "COPY" and not rest.startswith("--from"):
+                    assert (ROOT / source).exists(), f"{name}: COPY source {source} does not exist"
+        if keyword == "RUN":
+            assert "init-demo" not in rest and "model pull" not in rest, f"{name}: weights in a layer"
+    final = _final_stage(name)
+    volumes = " ".join(rest for keyword, rest in final if keyword == "VOLUME")
+    assert "/models" in volumes, f"{name}: the model store must be a mount point"
+    env = " ".join(rest for keyword, rest in final if keyword == "ENV")
+    assert "CLOVERQ_MODEL_ROOT=/models" in env
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_pins_python_packages(name: str) -> None:
+    runs = [rest for keyword, rest in _instructions(name) if keyword == "RUN" and "pip install" in rest]
+    assert any("torch==2.13.0" in run for run in runs), f"{name}: torch must be pinned to 2.13.0"
+    for run in runs:
+        if "/src" in run:
+            assert "--constraint /tmp/constraints.txt" in run, f"{name}: project installed unpinned"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerignore_keeps_weights_and_state_out_of_the_context(name: str) -> None:
+    text = (DEPLOY / f"{name}.dockerignore").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    assert lines[0] == "**", "exclude everything, then allow the sources"
+    for pattern in ("**/*.safetensors", "**/.cloverq"):
+        assert pattern in lines
+    for keyword, rest in _instructions(name):
+        if keyword == "COPY" and not rest.startswith("--from"):
+            for source in rest.split()[:-1]:
+                assert f"!{source}" in lines or f"!{source}/**" in lines, f"{source} excluded from context"
+
+
+def _project_dependencies() -> list[Requirement]:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return [Requirement(dep) for dep in pyproject["project"]["dependencies"]]
+
+
+def _constraints() -> dict[str, str]:
+    pins = {}
+    for line in (DEPLOY / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"constraint {line!r} is not an exact pin"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def test_constraints_pin_every_runtime_dependency_within_its_range() -> None:
+    pins = _constraints()
+    for requirement in _project_dependencies():
+        key = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        assert key in pins, f"{requirement.name} is not pinned in deploy/constraints.txt"
+        assert requirement.specifier.contains(pins[key], prereleases=True), (requirement, pins[key])
+    assert pins["torch"] == "2.13.0"
+
+
+# --- compose ----------------------------------------------------------------------------------
+
+
+def _compose(name: str = "compose.yaml") -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def test_compose_has_every_role() -> None:
+    services = _compose()["services"]
+    for role in (
+        "api",
+        "worker",
+        "worker-joint",
+        "beat",
+        "migrate",
+        "redis",
+        "postgres",
+        "prometheus",
+        "grafana",
+    ):
+        assert role in services, role
+
+
+def test_compose_images_are_pinned() -> None:
+    for name, spec in _compose()["services"].items():
+        assert PINNED_IMAGE.match(spec["image"]), f"{name}: image {spec['image']!r} is not pinned"
+
+
+def test_compose_redis_uses_aof_and_a_volume() -> None:
+    redis = _compose()["services"]["redis"]
+    command = " ".join(redis["command"])
+    assert "--appendonly yes" in command
+    assert any(str(v).endswith(":/data") for v in redis["volumes"])
+
+
+def test_compose_orders_startup_and_mounts_models_read_only() -> None:
+    services = _compose()["services"]
+    for role in ("api", "worker", "worker-joint", "beat"):
+        assert services[role]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for role in ("worker", "worker-joint"):
+        assert "models:/models:ro" in services[role]["volumes"], role
+        assert services[role]["healthcheck"]["test"][-1] == "--ready"
+    assert services["worker-joint"]["environment"]["CLOVERQ_WORKER_QUEUES"] == "joint"
+
+
+def _seconds(duration: str) -> int:
+    units = {"s": 1, "m": 60, "h": 3600}
+    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([smh])", duration))
+
+
+def test_compose_stop_grace_covers_job_deadlines() -> None:
+    services = _compose()["services"]
+    settings = Settings()
+    assert _seconds(services["worker"]["stop_grace_period"]) >= settings.job_deadline_seconds
+    assert _seconds(services["worker-joint"]["stop_grace_period"]) >= settings.joint_deadline_seconds
+
+
+def test_compose_bind_mounts_exist() -> None:
+    for name, spec in _compose()["services"].items():
+        for volume in spec.get("volumes", []):
+            source = str(volume).split(":")[0]
+            if source.startswith("./"):
+                assert (DEPLOY / source).exists(), f"{name}: {source} does not exist"
+
+
+def test_compose_gpu_override_gives_each_worker_a_gpu() -> None:
+    services = _compose("compose.gpu.yaml")["services"]
+    for role in ("worker", "worker-joint"):
+        (device,) = services[role]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert services[role]["build"]["dockerfile"] == "deploy/Dockerfile.cuda"
+        assert PINNED_IMAGE.match(services[role]["image"])
+
+
+# --- systemd --------------------------------------------------------------------------------
+
+
+def _unit() -> dict[str, dict[str, list[str]]]:
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] = {}
+    for line in (DEPLOY / "systemd" / "cloverq-worker.service").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, _, value = line.partition("=")
+        current.setdefault(key, []).append(value)
+    return sections
+
+
+def test_systemd_unit_runs_the_worker_safely() -> None:
+    unit = _unit()
+    assert set(unit) == {"Unit", "Service", "Install"}
+    service = unit["Service"]
+    (exec_start,) = service["ExecStart"]
+    assert exec_start.split()[0].endswith("/cloverq") and exec_start.split()[1:] == ["worker"]
+    assert service["User"] != ["root"]
+    assert service["KillSignal"] == ["SIGTERM"]
+    assert int(service["TimeoutStopSec"][0]) >= Settings().job_deadline_seconds
+    assert service["Restart"] == ["on-failure"]
+    env_names = {value.split("=", 1)[0] for value in service["Environment"]}
+    assert "CLOVERQ_WORKER_QUEUES" in env_names and "CLOVERQ_DEVICE" in env_names
+    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
