@@ -187,8 +187,11 @@ def _seconds(duration: str) -> int:
 def test_compose_stop_grace_covers_job_deadlines() -> None:
     services = _compose()["services"]
     settings = Settings()
-    assert _seconds(services["worker"]["stop_grace_period"]) >= settings.job_deadline_seconds
-    assert _seconds(services["worker-joint"]["stop_grace_period"]) >= settings.joint_deadline_seconds
+    thinking = settings.thinking_deadline_seconds  # thinking jobs may run on any queue
+    assert _seconds(services["worker"]["stop_grace_period"]) >= max(settings.job_deadline_seconds, thinking)
+    assert _seconds(services["worker-joint"]["stop_grace_period"]) >= max(
+        settings.joint_deadline_seconds, thinking
+    )
 
 
 def test_compose_bind_mounts_exist() -> None:
@@ -234,7 +237,10 @@ def test_systemd_unit_runs_the_worker_safely() -> None:
     assert exec_start.split()[0].endswith("/cloverq") and exec_start.split()[1:] == ["worker"]
     assert service["User"] != ["root"]
     assert service["KillSignal"] == ["SIGTERM"]
-    assert int(service["TimeoutStopSec"][0]) >= Settings().job_deadline_seconds
+    settings = Settings()
+    assert int(service["TimeoutStopSec"][0]) >= max(
+        settings.job_deadline_seconds, settings.thinking_deadline_seconds
+    )
     assert service["Restart"] == ["on-failure"]
     env_names = {value.split("=", 1)[0] for value in service["Environment"]}
     assert "CLOVERQ_WORKER_QUEUES" in env_names and "CLOVERQ_DEVICE" in env_names

@@ -191,7 +191,10 @@ def test_gpu_workers_have_a_gpu_probes_and_a_grace_period(name: str) -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
     # Running jobs finish on SIGTERM: the grace period covers the longest deadline of the queue.
     settings = Settings()
-    deadline = settings.joint_deadline_seconds if name.endswith("joint") else settings.job_deadline_seconds
+    queue_deadline = (
+        settings.joint_deadline_seconds if name.endswith("joint") else settings.job_deadline_seconds
+    )
+    deadline = max(queue_deadline, settings.thinking_deadline_seconds)  # thinking jobs run on any queue
     assert pod["terminationGracePeriodSeconds"] >= deadline
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts["/models"].get("readOnly") is True, "workers never write the model store"
@@ -203,7 +206,9 @@ def test_configured_deadlines_fit_the_worker_grace_periods() -> None:
     data = config["data"]
     for name, key in (
         ("cloverq-worker", "CLOVERQ_JOB_DEADLINE_SECONDS"),
+        ("cloverq-worker", "CLOVERQ_THINKING_DEADLINE_SECONDS"),
         ("cloverq-worker-joint", "CLOVERQ_JOINT_DEADLINE_SECONDS"),
+        ("cloverq-worker-joint", "CLOVERQ_THINKING_DEADLINE_SECONDS"),
     ):
         grace = _pod_spec(_deployment(name))["terminationGracePeriodSeconds"]
         assert grace >= float(data[key]), (name, key)
