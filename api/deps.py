@@ -19,8 +19,11 @@ from api.errors import ApiError
 from api.prompt_tokens import PromptTokenCounter
 from scheduler.settings import Settings
 
+# The accessors are ``async`` on purpose: FastAPI runs sync dependencies in the thread pool,
+# and a thread hop per trivial lookup is measurable on the submit path.
 
-def _settings(request: Request) -> Settings:
+
+async def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
@@ -30,12 +33,12 @@ def _session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def _redis(request: Request) -> Redis:
+async def _redis(request: Request) -> Redis:
     client: Redis = request.app.state.redis
     return client
 
 
-def _token_counter(request: Request) -> PromptTokenCounter:
+async def _token_counter(request: Request) -> PromptTokenCounter:
     counter: PromptTokenCounter = request.app.state.token_counter
     return counter
 

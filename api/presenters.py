@@ -33,6 +33,17 @@ def _progress(job: Job, hot: Mapping[str, Any] | None) -> JobProgress | None:
     return JobProgress(**{name: merged.get(name) for name in _PROGRESS_FIELDS})
 
 
+def _engine_ms(result: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """Engine-side time of the outcome (the worker stores seconds under ``result.timings``)."""
+    timings = (result or {}).get("timings") or {}
+
+    def ms(key: str) -> float | None:
+        value = timings.get(key)
+        return round(float(value) * 1000.0, 3) if isinstance(value, (int, float)) else None
+
+    return {"engine_queue_ms": ms("engine_queue_seconds"), "engine_run_ms": ms("engine_run_seconds")}
+
+
 def job_out(job: Job, hot_progress: Mapping[str, Any] | None = None) -> JobOut:
     """The public view of ``job``; the input and internal bookkeeping are not echoed."""
     result = JobResult(**{name: job.result.get(name) for name in _RESULT_FIELDS}) if job.result else None
@@ -49,6 +60,7 @@ def job_out(job: Job, hot_progress: Mapping[str, Any] | None = None) -> JobOut:
         queued_ms=_ms(job.created_at, job.started_at),
         run_ms=_ms(job.started_at, job.finished_at),
         total_ms=_ms(job.created_at, job.finished_at),
+        **_engine_ms(job.result),
     )
     return JobOut(
         id=str(job.id),

@@ -166,7 +166,9 @@ def jobs(status: str | None, kind: str | None, queue: str | None, limit: int, cu
             str(item.get("attempt", "")), str(progress.get("steps_used") or ""),
             result.get("finish_reason") or "", (item["timings"].get("created_at") or "")[:19],
         )
-    Console().print(table)
+    console = Console()
+    console.width = max(console.width, 160)  # full ids even when piped
+    console.print(table)
     if page.get("next_cursor"):
         click.echo(f"next page: cloverq jobs --cursor {page['next_cursor']}")
 

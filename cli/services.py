@@ -76,7 +76,12 @@ def api(host: str, port: int, workers: int, access_log: bool) -> None:
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 def worker(celery_args: tuple[str, ...]) -> None:
-    """Run a Celery worker with the resident model (extra arguments go to Celery)."""
+    """Run a Celery worker with the resident model.
+
+    Options: --queues interactive,standard (priority order; default CLOVERQ_WORKER_QUEUES),
+    --concurrency N (task threads; default the engine batch), --hostname NAME; anything else
+    goes to ``celery worker``.
+    """
     from worker.celery_worker import run_worker
 
     run_worker(get_settings(), list(celery_args))

@@ -144,6 +144,8 @@ class JobTimings(BaseModel):
     queued_ms: float | None = None
     run_ms: float | None = None
     total_ms: float | None = None
+    engine_queue_ms: float | None = None
+    engine_run_ms: float | None = None
 
 
 class JobOut(BaseModel):

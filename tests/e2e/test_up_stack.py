@@ -1,0 +1,185 @@
+"""``cloverq up`` end to end: start it like the README does, drive it over HTTP, stop it.
+
+The stack runs in a fresh temp dir with its defaults (SQLite, the embedded redis-server, the
+demo checkpoint, API + worker + beat), on free ports. Checks: submit -> poll -> succeeded
+with generated tokens, cancel, client mistakes as 4xx JSON, then SIGTERM and every process
+``up`` started is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+STARTUP_TIMEOUT = 180.0
+JOB_TIMEOUT = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) for every live process (Linux /proc)."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        table[int(entry.name)] = (int(fields[1]), fields[0])
+    return table
+
+
+def _descendants(root: int) -> set[int]:
+    table = _proc_table()
+    found: set[int] = set()
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, (ppid, _) in table.items() if ppid == parent and pid not in found]
+        found.update(children)
+        frontier.extend(children)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    state = _proc_table().get(pid)
+    return state is not None and state[1] not in ("Z", "X")
+
+
+@dataclass
+class Stack:
+    process: subprocess.Popen[bytes]
+    base_url: str
+    api_key: str
+    output: Path
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("up")
+    port = _free_port()
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CLOVERQ_")}
+    env.update({"CLOVERQ_EMBEDDED_REDIS_PORT": str(_free_port()), "CLOVERQ_LOG_LEVEL": "WARNING",
+                "PYTHONUNBUFFERED": "1"})
+    output = workdir / "up.out"
+    with output.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cli", "up", "--port", str(port)],
+            cwd=workdir, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    key_match = None
+    while time.monotonic() < deadline:
+        text = output.read_text(errors="replace")
+        key_match = re.search(r"dev API key \(tenant 'default'\): (\S+)", text)
+        if key_match and "cloverq is up" in text:
+            break
+        if process.poll() is not None:
+            pytest.fail(f"cloverq up exited with {process.returncode}:\n{text[-4000:]}")
+        time.sleep(0.2)
+    else:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"cloverq up was not ready in {STARTUP_TIMEOUT}s:\n{output.read_text()[-4000:]}")
+    assert key_match is not None
+    assert (workdir / ".cloverq" / "cloverq.db").is_file()  # state under ./.cloverq by default
+    yield Stack(process=process, base_url=f"http://127.0.0.1:{port}", api_key=key_match.group(1),
+                output=output)
+    if process.poll() is None:  # the last test stops it; this is only the safety net
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def client(stack: Stack) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    with httpx.Client(base_url=stack.base_url, headers=headers, timeout=10.0) as http:
+        yield http
+
+
+def _wait_status(client: httpx.Client, job_id: str, statuses: set[str]) -> dict[str, object]:
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in statuses:
+            return job
+        time.sleep(0.1)
+    pytest.fail(f"job {job_id} did not reach {statuses}: {job}")
+
+
+def test_ready_and_documented(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    assert client.get("/docs").status_code == 200
+
+
+def test_submit_poll_succeeded_with_generated_tokens(client: httpx.Client) -> None:
+    body = {"kind": "generate", "input": {"prompt": "Once upon a time"}, "params": {"max_new_tokens": 16}}
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    assert response.headers["Location"].endswith(response.json()["id"])
+    job = _wait_status(client, response.json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job
+    result = job["result"]
+    assert isinstance(result, dict)
+    assert 0 < len(result["token_ids"]) <= 16
+    assert isinstance(result["text"], str)
+    assert result["finish_reason"] in {"eos", "length", "budget"}
+    assert job["model_version"]
+
+
+def test_cancel(client: httpx.Client) -> None:
+    body = {"kind": "generate", "input": {"prompt": "A long story"},
+            "params": {"max_new_tokens": 1024, "steps_per_block": 16}}
+    job_id = client.post("/v1/jobs", json=body).json()["id"]
+    response = client.post(f"/v1/jobs/{job_id}/cancel")
+    assert response.status_code == 200
+    job = _wait_status(client, job_id, {"cancelled", "succeeded", "failed"})
+    assert job["status"] == "cancelled", job
+
+
+def test_client_mistakes_are_4xx_json(client: httpx.Client, stack: Stack) -> None:
+    body = {"kind": "generate", "input": {"prompt": "x"}, "params": {"bogus": 1}}
+    invalid = client.post("/v1/jobs", json=body)
+    assert invalid.status_code == 422
+    assert invalid.json()["error"]["code"] == "invalid_request"
+    missing = client.get("/v1/jobs/00000000-0000-0000-0000-000000000000")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "job_not_found"
+    anonymous = httpx.post(f"{stack.base_url}/v1/jobs", json={"kind": "generate", "input": {"prompt": "x"}})
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["code"] == "unauthorized"
+
+
+def test_sigterm_stops_every_child(stack: Stack) -> None:
+    children = _descendants(stack.process.pid)
+    assert len(children) >= 4, stack.text()  # redis-server, worker, beat, api (and theirs)
+    stack.process.send_signal(signal.SIGTERM)
+    assert stack.process.wait(timeout=120) == 0, stack.text()[-4000:]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        time.sleep(0.1)
+    assert [pid for pid in children if _alive(pid)] == [], stack.text()[-4000:]
