@@ -26,18 +26,28 @@ def publish_job(
     *, job_id: uuid.UUID | str, queue: str, app: Celery, redis_client: redis.Redis,
     request_id: str | None = None,
 ) -> None:
-    """Send ``cloverq.run_job(job_id)`` to ``queue`` and set the job's enqueued marker."""
+    """Set the job's enqueued marker, then send ``cloverq.run_job(job_id)`` to ``queue``.
+
+    The marker is set FIRST: a worker may run (and fail, and clear the marker of) the job
+    before ``send_task`` even returns; a marker written after that would hide the retry from
+    the reconciler. If sending fails the marker is removed again.
+    """
     headers = {"cloverq_request_id": request_id} if request_id else None
-    app.send_task(
-        RUN_JOB_TASK,
-        args=[str(job_id)],
-        queue=queue,
-        routing_key=queue,
-        retry=True,
-        retry_policy=PUBLISH_RETRY_POLICY,
-        headers=headers,
-    )
-    redis_client.set(redis_keys.enqueued(job_id), queue, ex=redis_keys.ENQUEUED_TTL_SECONDS)
+    marker = redis_keys.enqueued(job_id)
+    redis_client.set(marker, queue, ex=redis_keys.ENQUEUED_TTL_SECONDS)
+    try:
+        app.send_task(
+            RUN_JOB_TASK,
+            args=[str(job_id)],
+            queue=queue,
+            routing_key=queue,
+            retry=True,
+            retry_policy=PUBLISH_RETRY_POLICY,
+            headers=headers,
+        )
+    except Exception:
+        redis_client.delete(marker)
+        raise
 
 
 def try_publish_job(

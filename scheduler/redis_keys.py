@@ -6,7 +6,7 @@ PREFIX = "cloverq"
 
 # Set while a Celery message for the job is believed to exist; the reconciler re-enqueues
 # queued jobs without one (Redis flushed, publish failed, retry due).
-ENQUEUED_TTL_SECONDS = 7 * 24 * 3600
+ENQUEUED_TTL_SECONDS = 24 * 3600  # a job queued longer gets a (harmless, fenced) duplicate
 # Hot status of a job: JSON written by the worker at block boundaries.
 PROGRESS_TTL_SECONDS = 24 * 3600
 # A cancel signal lives long enough for any worker to notice it.

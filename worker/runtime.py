@@ -22,7 +22,8 @@ import torch
 from scheduler import redis_keys
 from scheduler.db import get_session_factory
 from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
-from scheduler.models import ErrorCode, JobStatus
+from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot
+from scheduler.models import ErrorCode, JobStatus, utcnow
 from scheduler.redis_client import get_redis
 from scheduler.retry import InputJobError, TransientJobError
 from scheduler.routing import deadline_seconds
@@ -30,6 +31,13 @@ from scheduler.settings import Settings
 from scheduler.workers import WorkerInfo, WorkerState, heartbeat_ttl, publish_worker, remove_worker
 from worker.execution import EngineContext, JobSpec, Outcome, run_kind
 from worker.monitor import JobMonitor, RunningJob
+from worker.telemetry import (
+    JobFacts,
+    TelemetryThread,
+    observe_job_finished,
+    retry_reason,
+    snapshot_from_stats,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +62,11 @@ class WorkerRuntime:
         self.model_version: str | None = None
         self.monitor: JobMonitor | None = None
         self._ready = threading.Event()
+        # Observability: job outcomes and periodic snapshots go to Redis (see worker/telemetry.py).
+        self.metrics = RedisMetricsRecorder(self.redis)
+        self.telemetry: TelemetryThread | None = None
+        self.model_name: str | None = None
+        self._facts: dict[uuid.UUID, JobFacts] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -83,6 +96,10 @@ class WorkerRuntime:
         self.engine.start()
         self.engine.warm_up()
         self.info.stats["model_load_seconds"] = round(time.monotonic() - began, 3)
+        self.model_name = loaded.path.name
+        self.telemetry = TelemetryThread(self.metrics, self._metrics_snapshot,
+                                         interval=self.settings.worker_metrics_interval)
+        self.telemetry.start()
         self.monitor = JobMonitor(settings=self.settings, sessions=self.sessions, redis_client=self.redis,
                                   worker_id=self.worker_id, decode=self._decode, heartbeat=self.heartbeat)
         self.monitor.start()
@@ -93,6 +110,8 @@ class WorkerRuntime:
         self.info.state = WorkerState.READY
         self._ready.set()
         self.heartbeat()
+        if self.telemetry is not None:
+            self.telemetry.publish_now()  # the dashboard sees the worker as ready at once
 
     def mark_draining(self) -> None:
         """SIGTERM: the consumer stops taking jobs; running ones finish; say so in the registry."""
@@ -106,6 +125,8 @@ class WorkerRuntime:
             self.engine.stop(drain=True, timeout=30)
         if self.monitor is not None:
             self.monitor.stop()
+        if self.telemetry is not None:
+            self.telemetry.stop()
         remove_worker(self.redis, self.worker_id)
 
     def heartbeat(self) -> None:
@@ -116,6 +137,14 @@ class WorkerRuntime:
                                    tokens_per_second=round(stats.tokens_per_second, 2))
         ttl = heartbeat_ttl(self.settings.worker_heartbeat_seconds)
         publish_worker(self.redis, self.info, ttl_seconds=ttl)
+
+    def _metrics_snapshot(self) -> WorkerSnapshot:
+        return snapshot_from_stats(
+            self.engine.stats() if self.engine is not None else None, worker_id=self.worker_id,
+            device=self.settings.device, queues=self.queues, state=self.info.state,
+            model_name=self.model_name, model_version=self.model_version,
+            model_load_seconds=self.info.stats.get("model_load_seconds"),
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -132,14 +161,18 @@ class WorkerRuntime:
             job = claim_job(session, job_id=parsed, worker_id=self.worker_id,
                             model_version=self.model_version, settings=self.settings)
             if job is None:
-                log.info("job.not_claimed", job_id=str(parsed))  # duplicate, cancelled or not due
+                log.warning("job.not_claimed", job_id=str(parsed))  # duplicate, cancelled or not due
                 return "skipped"
             spec = JobSpec(job_id=str(job.id), kind=job.kind, queue=job.queue, attempt=job.attempt,
                            input=dict(job.input or {}), params=dict(job.params or {}))
             step_budget = job.step_budget
+            facts = JobFacts(created_at=job.created_at, started_at=job.started_at, step_budget=step_budget,
+                             request_id=job.request_id)
         assert self.monitor is not None
         structlog.contextvars.bind_contextvars(job_id=spec.job_id, kind=spec.kind, queue=spec.queue,
-                                               attempt=spec.attempt, model_version=self.model_version)
+                                               attempt=spec.attempt, model_version=self.model_version,
+                                               request_id=facts.request_id)
+        self._facts[parsed] = facts
         lease = Lease(parsed, spec.attempt)
         cancel_event = threading.Event()
         running = self.monitor.add(lease, cancel_event=cancel_event, step_budget=step_budget)
@@ -147,7 +180,9 @@ class WorkerRuntime:
             return self._execute(spec, lease, running)
         finally:
             self.monitor.remove(parsed)
-            structlog.contextvars.unbind_contextvars("job_id", "kind", "queue", "attempt", "model_version")
+            self._facts.pop(parsed, None)
+            structlog.contextvars.unbind_contextvars("job_id", "kind", "queue", "attempt", "model_version",
+                                                     "request_id")
 
     def _execute(self, spec: JobSpec, lease: Lease, running: RunningJob) -> str:
         ctx = EngineContext(
@@ -174,8 +209,12 @@ class WorkerRuntime:
                                  error_code=outcome.error_code, error_message=outcome.error_message)
         running.status = outcome.status.value if written else running.status
         self._final_hot_status(running, outcome.status.value if written else "lost")
-        log.info("job.finished", status=outcome.status.value, written=written, steps=outcome.steps_used,
-                 finish_reason=outcome.finish_reason, error_code=outcome.error_code)
+        if written:  # the one summary line + finished metrics
+            self._observe_finished(spec, lease, status=outcome.status.value, steps_used=outcome.steps_used,
+                                   tokens=outcome.tokens, finish_reason=outcome.finish_reason,
+                                   error_code=outcome.error_code)
+        else:
+            log.info("job.outcome_not_written", status=outcome.status.value)
         return outcome.status.value if written else "lost"
 
     def _retry(self, spec: JobSpec, lease: Lease, running: RunningJob, error: str) -> str:
@@ -185,10 +224,27 @@ class WorkerRuntime:
             status = retry_or_fail(session, lease=lease, error=error, settings=self.settings)
         if status is JobStatus.QUEUED:
             self.redis.delete(redis_keys.enqueued(lease.job_id))  # the reconciler republishes when due
+            self.metrics.safe(self.metrics.job_retried, kind=spec.kind, queue=spec.queue,
+                              reason=retry_reason(error))
+        elif status is JobStatus.FAILED:  # retries exhausted: a dead letter, kept for inspection
+            self.metrics.safe(self.metrics.dead_letter, kind=spec.kind, queue=spec.queue)
+            self._observe_finished(spec, lease, status=status.value, steps_used=None, tokens=None,
+                                   finish_reason=None, error_code=ErrorCode.RETRIES_EXHAUSTED.value)
         running.status = status.value if status else running.status
         self._final_hot_status(running, status.value if status else "lost")
         log.warning("job.attempt_failed", error=error, next_status=status.value if status else None)
         return f"retry:{status.value}" if status else "lost"
+
+    def _observe_finished(self, spec: JobSpec, lease: Lease, *, status: str, steps_used: int | None,
+                          tokens: int | None, finish_reason: str | None, error_code: str | None) -> None:
+        facts = self._facts.get(lease.job_id) or JobFacts(None, None, None, None)
+        observe_job_finished(
+            self.metrics, job_id=spec.job_id, kind=spec.kind, queue=spec.queue, status=status,
+            attempt=spec.attempt, created_at=facts.created_at, started_at=facts.started_at,
+            finished_at=utcnow(), steps_used=steps_used, step_budget=facts.step_budget, tokens=tokens,
+            model_version=self.model_version, finish_reason=finish_reason, error_code=error_code,
+            request_id=facts.request_id, logger=log,
+        )
 
     def _final_hot_status(self, running: RunningJob, status: str) -> None:
         assert self.monitor is not None

@@ -1,0 +1,226 @@
+"""The job system end to end on real services: SQL (SQLite and PostgreSQL), Redis, Celery
+worker processes running the tiny demo model, and the beat process.
+
+One stack (worker on ``interactive,standard`` + beat) per database backend serves most tests;
+the crash test uses its own ``bulk``-only workers so the stack worker cannot take its job.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_lib
+
+from scheduler.celery_app import create_celery_app
+from scheduler.db import get_session_factory
+from scheduler.enqueue import publish_job
+from scheduler.jobs import cancel_job, get_job, read_progress, submit_job
+from scheduler.models import Job, JobStatus
+from scheduler.settings import Settings
+from tests.conftest import ProcessLauncher, ServiceProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+STACK_QUEUES = "interactive,standard"
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    worker: ServiceProcess
+    beat: ServiceProcess
+    launcher: ProcessLauncher
+    redis: redis_lib.Redis
+    celery: Any
+
+    def session(self) -> Any:
+        return get_session_factory(self.settings.resolved_database_url)()
+
+    def submit(self, **kwargs: Any) -> Job:
+        kwargs.setdefault("tenant", "acme")
+        kwargs.setdefault("kind", "generate")
+        kwargs.setdefault("input", {"prompt": "The quick brown fox"})
+        kwargs.setdefault("params", {"max_new_tokens": 16, "steps_per_block": 2, "seed": 1})
+        with self.session() as session:
+            job, _ = submit_job(session, settings=self.settings, celery=self.celery,
+                                redis_client=self.redis, **kwargs)
+        return job
+
+    def get(self, job_id: uuid.UUID) -> Job:
+        with self.session() as session:
+            job = get_job(session, job_id=job_id, tenant=None)
+        assert job is not None
+        return job
+
+    def wait_status(self, job_id: uuid.UUID, *statuses: str, timeout: float = 30.0) -> Job:
+        def reached() -> Job | None:
+            job = self.get(job_id)
+            return job if job.status in statuses else None
+
+        return wait_for(reached, timeout=timeout, message=f"job {job_id} in {statuses}")
+
+
+@pytest.fixture(scope="module")
+def stack(
+    db_backend_url: str, make_settings: Any, demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    settings = make_settings(database_url=db_backend_url, model_dir=demo_checkpoint)
+    client = redis_lib.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+    client.flushdb()
+    launcher = ProcessLauncher(tmp_path_factory.mktemp("stack-logs"))
+    worker = launcher.start_worker(settings, queues=STACK_QUEUES)
+    beat = launcher.start_beat(settings)
+    yield Stack(settings, worker, beat, launcher, client, create_celery_app(settings))
+    launcher.close()
+
+
+def test_submit_poll_succeeds_with_generated_tokens(stack: Stack) -> None:
+    job = stack.submit(input={"messages": [{"role": "user", "content": "Say hi"}]},
+                       params={"max_new_tokens": 24, "steps_per_block": 2, "seed": 3, "thinking": False})
+    assert job.status == JobStatus.QUEUED
+    done = stack.wait_status(job.id, JobStatus.SUCCEEDED, JobStatus.FAILED)
+    assert done.status == JobStatus.SUCCEEDED, done.error_message
+    assert done.attempt == 1
+    assert done.result is not None
+    assert 0 < len(done.result["token_ids"]) <= 24
+    assert done.result["finish_reason"] in ("eos", "length")
+    assert done.result["usage"]["completion_tokens"] == len(done.result["token_ids"])
+    assert isinstance(done.result["text"], str)
+    assert done.steps_used == done.result["usage"]["steps_used"] > 0
+    assert done.model_version and done.model_version.startswith("tiny@")
+    assert done.worker_id == stack.worker.worker_id
+    assert done.started_at and done.finished_at and done.expires_at
+    assert done.created_at <= done.started_at <= done.finished_at < done.expires_at
+    hot = read_progress(job.id, redis_client=stack.redis)
+    assert hot is not None and hot["status"] == "succeeded"
+    assert hot["tokens_committed"] >= len(done.result["token_ids"])
+
+
+def test_idempotent_repeat_returns_the_original_job_and_runs_once(stack: Stack) -> None:
+    key = f"idem-{uuid.uuid4()}"
+    first = stack.submit(idempotency_key=key)
+    with stack.session() as session:
+        again, created = submit_job(
+            session, tenant="acme", kind="generate", input={"prompt": "The quick brown fox"},
+            params={"max_new_tokens": 16, "steps_per_block": 2, "seed": 1}, idempotency_key=key,
+            settings=stack.settings, celery=stack.celery, redis_client=stack.redis,
+        )
+        other_tenant, other_created = submit_job(
+            session, tenant="globex", kind="generate", input={"prompt": "The quick brown fox"},
+            params={"max_new_tokens": 16, "steps_per_block": 2, "seed": 1}, idempotency_key=key,
+            settings=stack.settings, celery=stack.celery, redis_client=stack.redis,
+        )
+    assert again.id == first.id and created is False
+    assert other_tenant.id != first.id and other_created is True  # keys are per tenant
+    done = stack.wait_status(first.id, JobStatus.SUCCEEDED)
+    assert done.attempt == 1
+
+
+def test_cancel_a_queued_job_at_once(stack: Stack) -> None:
+    # Not published: it stays queued until the reconciler's grace period passes.
+    job = stack.submit(publish=False)
+    with stack.session() as session:
+        cancelled = cancel_job(session, job_id=job.id, tenant="acme", settings=stack.settings,
+                               redis_client=stack.redis)
+    assert cancelled is not None and cancelled.status == JobStatus.CANCELLED
+    time.sleep(stack.settings.reconcile_grace_seconds + 3 * stack.settings.reconcile_interval_seconds)
+    after = stack.get(job.id)
+    assert after.status == JobStatus.CANCELLED and after.attempt == 0 and after.started_at is None
+
+
+def test_cancel_a_running_job_within_a_pass(stack: Stack) -> None:
+    # Long enough to be cancelled mid-decode: 2048 tokens at up to 64 passes per 4-token block.
+    job = stack.submit(params={"max_new_tokens": 2048, "steps_per_block": 64, "strategy": "static",
+                               "seed": 5})
+    stack.wait_status(job.id, JobStatus.RUNNING, timeout=30)
+
+    def decoding() -> bool:
+        hot = read_progress(job.id, redis_client=stack.redis)
+        return bool(hot and hot["steps_used"] > 0)
+
+    wait_for(decoding, timeout=30, message="decoding progress")
+    with stack.session() as session:
+        flagged = cancel_job(session, job_id=job.id, tenant="acme", settings=stack.settings,
+                             redis_client=stack.redis)
+    assert flagged is not None and flagged.cancel_requested
+    asked = time.monotonic()
+    done = stack.wait_status(job.id, JobStatus.CANCELLED, JobStatus.SUCCEEDED, timeout=10)
+    assert done.status == JobStatus.CANCELLED
+    assert time.monotonic() - asked < 3.0
+    assert done.result is not None and done.result["finish_reason"] == "cancelled"
+    assert len(done.result["token_ids"]) < 2048
+
+
+def test_always_failing_job_is_retried_then_retries_exhausted(stack: Stack) -> None:
+    job = stack.submit(params={"max_new_tokens": 8, "fault": "transient"})
+    done = stack.wait_status(job.id, JobStatus.FAILED, JobStatus.SUCCEEDED, timeout=40)
+    assert done.status == JobStatus.FAILED
+    assert done.error_code == "retries_exhausted"
+    assert done.attempt == done.max_attempts == stack.settings.max_attempts
+    assert "injected transient fault" in (done.error_message or "")
+
+
+def test_transient_fault_once_then_success(stack: Stack) -> None:
+    job = stack.submit(params={"max_new_tokens": 8, "fault": "transient_once"})
+    done = stack.wait_status(job.id, JobStatus.SUCCEEDED, JobStatus.FAILED, timeout=30)
+    assert done.status == JobStatus.SUCCEEDED and done.attempt == 2
+
+
+def test_input_errors_are_not_retried(stack: Stack) -> None:
+    job = stack.submit(params={"max_new_tokens": 8, "fault": "input"})
+    done = stack.wait_status(job.id, JobStatus.FAILED, timeout=20)
+    assert done.error_code == "invalid_input" and done.attempt == 1
+
+
+def test_one_message_delivered_twice_gives_one_outcome(stack: Stack) -> None:
+    job = stack.submit(publish=False)
+    for _ in range(2):  # two deliveries of the same job before any worker claims it
+        publish_job(job_id=job.id, queue=job.queue, app=stack.celery, redis_client=stack.redis)
+    done = stack.wait_status(job.id, JobStatus.SUCCEEDED, timeout=30)
+    wait_for(lambda: "job.not_claimed" in stack.worker.log() and str(job.id) in stack.worker.log(),
+             timeout=10, message="the duplicate delivery to be consumed")
+    time.sleep(1.0)
+    again = stack.get(job.id)
+    assert again.attempt == 1
+    assert again.finished_at == done.finished_at and again.result == done.result
+
+
+def test_reconciler_recovers_every_queued_job_after_redis_is_flushed(stack: Stack) -> None:
+    # Hold every worker thread with stalled jobs so the next jobs stay queued in Redis.
+    blockers = [stack.submit(params={"max_new_tokens": 8, "fault": "stall_first_attempt"})
+                for _ in range(stack.settings.engine_max_batch)]
+    for blocker in blockers:
+        stack.wait_status(blocker.id, JobStatus.RUNNING, timeout=20)
+    queued = [stack.submit(params={"max_new_tokens": 8, "seed": i}) for i in range(5)]
+    assert all(stack.get(j.id).status == JobStatus.QUEUED for j in queued)
+    assert stack.redis.llen("interactive") == 5
+    stack.redis.flushdb()  # FLUSHALL on this test's Redis DB: every message and marker is gone
+    assert stack.redis.llen("interactive") == 0
+    with stack.session() as session:
+        for blocker in blockers:
+            cancel_job(session, job_id=blocker.id, tenant="acme", settings=stack.settings,
+                       redis_client=stack.redis)
+    for job in queued:
+        done = stack.wait_status(job.id, JobStatus.SUCCEEDED, timeout=30)
+        assert done.attempt == 1
+    for blocker in blockers:
+        assert stack.wait_status(blocker.id, JobStatus.CANCELLED, timeout=10).status == JobStatus.CANCELLED
+
+
+def test_worker_killed_mid_job_is_recovered_and_succeeds(stack: Stack) -> None:
+    first = stack.launcher.start_worker(stack.settings, queues="bulk", concurrency=2)
+    job = stack.submit(params={"max_new_tokens": 8, "fault": "stall_first_attempt"}, priority="bulk")
+    running = stack.wait_status(job.id, JobStatus.RUNNING, timeout=30)
+    assert running.worker_id == first.worker_id and running.attempt == 1
+    first.kill()  # SIGKILL: no drain, no cleanup, the lease just stops being renewed
+    second = stack.launcher.start_worker(stack.settings, queues="bulk", concurrency=2)
+    done = stack.wait_status(job.id, JobStatus.SUCCEEDED, JobStatus.FAILED, timeout=60)
+    assert done.status == JobStatus.SUCCEEDED
+    assert done.attempt == 2 and done.worker_id == second.worker_id
+    assert done.result is not None and len(done.result["token_ids"]) > 0
