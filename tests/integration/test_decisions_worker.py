@@ -1,0 +1,123 @@
+"""Decisions end to end on the tiny demo model: API -> queue -> real worker -> result.
+
+Both modes keep ids and order and answer every question with exactly one of its choices;
+joint jobs run on the ``joint`` queue; an injected invalid rationale is retried once (metric
+counted, alert logged) and a second one fails the job with ``invalid_model_output``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from scheduler.settings import Settings
+from tests.conftest import ProcessLauncher, ServiceProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+QUESTIONS = [
+    {"id": "terminate", "text": "May the supplier terminate early?"},
+    {"id": "risk", "text": "How risky is the payment clause?", "choices": ["low", "medium", "high"]},
+    {"id": "law", "text": "Which law governs?", "choices": ["english", "german", "french", "none"]},
+    {"id": "notice", "text": "Is written notice required?", "choices": ["yes", "no"]},
+]
+CONTEXT = ("The supplier may terminate this agreement with 30 days written notice. Payment is due "
+           "within 90 days of invoice. This agreement is governed by the laws of England.")
+
+
+@pytest.fixture(scope="module")
+def stack(
+    make_settings: Callable[..., Settings], demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Settings, TestClient, ServiceProcess]]:
+    settings = make_settings(model_dir=demo_checkpoint, auth="disabled", fault_injection=True,
+                             engine_max_batch=8, decide_rationale_tokens=12)
+    launcher = ProcessLauncher(tmp_path_factory.mktemp("decision-logs"))
+    try:
+        worker = launcher.start_worker(settings, queues="interactive,standard,bulk,joint", concurrency=8)
+        with TestClient(create_app(settings)) as client:
+            yield settings, client, worker
+    finally:
+        launcher.close()
+
+
+def _decide(client: TestClient, *, mode: str, rationale: bool = False, params: dict | None = None,
+            questions: list[dict] | None = None) -> dict[str, Any]:
+    body = {"kind": "decide", "input": {"context": CONTEXT, "questions": questions or QUESTIONS,
+                                        "mode": mode, "rationale": rationale},
+            "params": {"seed": 3, **(params or {})}}
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    return dict(response.json())
+
+
+def _final(client: TestClient, job_id: str) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        return job if job["status"] not in ("queued", "running") else None
+
+    return wait_for(done, timeout=90, interval=0.1, message=f"decision {job_id}")
+
+
+def _check_answers(result: dict[str, Any], mode: str, questions: list[dict], rationale: bool) -> None:
+    assert result["mode"] == mode
+    answers = result["answers"]
+    assert [a["id"] for a in answers] == [q["id"] for q in questions]  # ids and order kept, one each
+    for answer, question in zip(answers, questions, strict=True):
+        assert answer["choice"] in question.get("choices", ["yes", "no"])
+        assert 0.0 < answer["confidence"] <= 1.0
+        assert ("rationale" in answer) == rationale
+        if rationale:
+            text = answer["rationale"]
+            assert text.strip() and text.isprintable() and '"' not in text and "\\" not in text
+
+
+@pytest.mark.parametrize("mode", ["independent", "joint"])
+@pytest.mark.parametrize("rationale", [False, True])
+def test_both_modes_answer_every_question_within_its_choices(stack, mode: str, rationale: bool) -> None:  # type: ignore[no-untyped-def]
+    _, client, _ = stack
+    submitted = _decide(client, mode=mode, rationale=rationale)
+    assert submitted["queue"] == ("joint" if mode == "joint" else submitted["queue"])
+    if mode == "joint":
+        assert submitted["queue"] == "joint" and submitted["params"]["step_budget"] >= 1
+    job = _final(client, submitted["id"])
+    assert job["status"] == "succeeded", job
+    _check_answers(job["result"], mode, QUESTIONS, rationale)
+    assert job["result"]["usage"]["sequences"] == (1 if mode == "joint" else len(QUESTIONS))
+
+
+def _invalid_output_count(client: TestClient) -> float:
+    """``cloverq_invalid_output_retries_total{kind="decide"}`` as ``/metrics`` exports it."""
+    text = client.get("/metrics").text
+    for line in text.splitlines():
+        if line.startswith("cloverq_invalid_output_retries_total{") and 'kind="decide"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_invalid_rationale_is_retried_once_then_succeeds(stack) -> None:  # type: ignore[no-untyped-def]
+    _, client, worker = stack
+    before = _invalid_output_count(client)
+    submitted = _decide(client, mode="joint", rationale=True, params={"fault": "invalid_rationale_once"})
+    job = _final(client, submitted["id"])
+    assert job["status"] == "succeeded", job
+    _check_answers(job["result"], "joint", QUESTIONS, rationale=True)
+    assert job["result"]["usage"]["attempts"] == 2 and job["attempt"] == 1  # retried inside the attempt
+    assert _invalid_output_count(client) == before + 1
+    assert "decision.invalid_model_output" in worker.log()
+
+
+def test_second_invalid_rationale_fails_with_invalid_model_output(stack) -> None:  # type: ignore[no-untyped-def]
+    _, client, _ = stack
+    before = _invalid_output_count(client)
+    submitted = _decide(client, mode="independent", rationale=True,
+                        params={"fault": "invalid_rationale_always"}, questions=QUESTIONS[:2])
+    job = _final(client, submitted["id"])
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "invalid_model_output"
+    assert job["result"] is None and job["attempt"] == 1  # not retried as a transient fault
+    assert _invalid_output_count(client) == before + 2
