@@ -28,6 +28,7 @@ from scheduler.redis_client import get_redis
 from scheduler.retry import InputJobError, TransientJobError
 from scheduler.routing import deadline_seconds
 from scheduler.settings import Settings
+from scheduler.webhook_tasks import notify_job_finished
 from scheduler.workers import WorkerInfo, WorkerState, heartbeat_ttl, publish_worker, remove_worker
 from worker.execution import EngineContext, JobSpec, Outcome, run_kind
 from worker.monitor import JobMonitor, RunningJob
@@ -187,7 +188,7 @@ class WorkerRuntime:
     def _execute(self, spec: JobSpec, lease: Lease, running: RunningJob) -> str:
         ctx = EngineContext(
             submit=self.engine.submit, tokenizer=self.tokenizer, settings=self.settings,
-            deadline=time.monotonic() + deadline_seconds(spec.queue, self.settings),
+            deadline=time.monotonic() + deadline_seconds(spec.queue, self.settings, spec.params),
             cancel_event=running.cancel_event, on_progress=self.monitor.on_progress(lease.job_id),
         )
         try:
@@ -209,7 +210,8 @@ class WorkerRuntime:
                                  error_code=outcome.error_code, error_message=outcome.error_message)
         running.status = outcome.status.value if written else running.status
         self._final_hot_status(running, outcome.status.value if written else "lost")
-        if written:  # the one summary line + finished metrics
+        if written:  # webhooks (outbox + publish), the one summary line, finished metrics
+            notify_job_finished(lease.job_id, sessions=self.sessions)
             self._observe_finished(spec, lease, status=outcome.status.value, steps_used=outcome.steps_used,
                                    tokens=outcome.tokens, finish_reason=outcome.finish_reason,
                                    error_code=outcome.error_code)
@@ -227,6 +229,7 @@ class WorkerRuntime:
             self.metrics.safe(self.metrics.job_retried, kind=spec.kind, queue=spec.queue,
                               reason=retry_reason(error))
         elif status is JobStatus.FAILED:  # retries exhausted: a dead letter, kept for inspection
+            notify_job_finished(lease.job_id, sessions=self.sessions)
             self.metrics.safe(self.metrics.dead_letter, kind=spec.kind, queue=spec.queue)
             self._observe_finished(spec, lease, status=status.value, steps_used=None, tokens=None,
                                    finish_reason=None, error_code=ErrorCode.RETRIES_EXHAUSTED.value)
