@@ -139,7 +139,7 @@ FAMILIES: dict[str, FamilySpec] = {
     "cloverq_expert_load_imbalance": FamilySpec(
         "gauge",
         ("worker", "layer"),
-        "Max over mean of tokens routed per expert in a layer (1 = balanced; 0 = no traffic yet).",
+        "Max over mean of tokens per expert in a layer (1 = balanced; layers routing no token omitted).",
     ),
     # --- computed at scrape time ----------------------------------------------------------
     "cloverq_queue_depth": FamilySpec("gauge", ("queue",), "Jobs waiting (status queued) per queue."),
@@ -279,17 +279,22 @@ class WorkerSnapshot:
     state: str = "ready"
 
     def to_payload(self) -> dict[str, Any]:
-        """JSON-ready form, with expert shares and imbalance precomputed (vectorised)."""
-        share: list[list[float]] = []
-        imbalance: list[float] = []
+        """JSON-ready form, with expert shares and imbalance precomputed (vectorised).
+
+        Layers that routed no token (dense ``mlp_only_layers``, or no traffic yet) are left
+        out: a share or an imbalance of nothing would only mislead a dashboard.
+        """
+        share: dict[str, list[float]] = {}
+        imbalance: dict[str, float] = {}
         if self.router_counts is not None and len(self.router_counts) > 0:
             counts = np.asarray(self.router_counts, dtype=np.float64)  # [L, E]
             totals = counts.sum(axis=1, keepdims=True)  # [L, 1]
-            share_arr = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)  # [L, E]
-            means = counts.mean(axis=1)  # [L]
-            imb = np.divide(counts.max(axis=1), means, out=np.zeros_like(means), where=means > 0)  # [L]
-            share = share_arr.tolist()
-            imbalance = imb.tolist()
+            routed = np.flatnonzero(totals[:, 0] > 0)  # [L'] layers that saw tokens
+            share_arr = counts[routed] / totals[routed]  # [L', E]
+            imb = counts[routed].max(axis=1) / counts[routed].mean(axis=1)  # [L']
+            layers = [str(i) for i in routed.tolist()]
+            share = dict(zip(layers, share_arr.tolist(), strict=True))
+            imbalance = dict(zip(layers, imb.tolist(), strict=True))
         return {
             "worker": self.worker,
             "updated_at": time.time(),
@@ -522,11 +527,11 @@ class ClusterCollector(Collector):
                 )
             for entry in snap.get("device_memory", []):
                 memory.add_metric([worker, str(entry["device"]), str(entry["kind"])], float(entry["bytes"]))
-            for layer, row in enumerate(snap.get("expert_share", [])):
+            for layer, row in snap.get("expert_share", {}).items():
                 for expert, value in enumerate(row):  # exposition is text: one line per series
-                    share.add_metric([worker, str(layer), str(expert)], float(value))
-            for layer, value in enumerate(snap.get("expert_imbalance", [])):
-                imbalance.add_metric([worker, str(layer)], float(value))
+                    share.add_metric([worker, layer, str(expert)], float(value))
+            for layer, value in snap.get("expert_imbalance", {}).items():
+                imbalance.add_metric([worker, layer], float(value))
         yield from (tps, occupancy, load, info, memory, share, imbalance)
 
 

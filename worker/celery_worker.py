@@ -19,6 +19,7 @@ from typing import Any
 from celery import signals
 
 from scheduler.celery_app import get_celery_app
+from scheduler.logging import configure_logging
 from scheduler.settings import Settings, get_settings
 from worker.runtime import WorkerRuntime, get_runtime, set_runtime
 
@@ -78,6 +79,10 @@ def _without_options(args: Sequence[str], *names: str) -> list[str]:
     return out
 
 
+def _keep_our_logging(**_: Any) -> None:
+    """Celery's ``setup_logging`` receiver: its presence stops Celery from reconfiguring logging."""
+
+
 def run_worker(
     settings: Settings | None = None,
     extra_args: Sequence[str] = (),
@@ -106,6 +111,8 @@ def run_worker(
     app.set_default()
     import worker.tasks  # noqa: F401  (registers cloverq.run_job on the app)
 
+    configure_logging(settings)  # JSON lines; Celery keeps its hands off (setup_logging receiver)
+    signals.setup_logging.connect(_keep_our_logging, weak=False)
     runtime = WorkerRuntime(settings, worker_id=node, queues=queue_list)
     set_runtime(runtime)
     _connect_signals(runtime)

@@ -14,8 +14,10 @@ and any API process exports the values on ``/metrics``; this works with workers 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -193,3 +195,27 @@ def observe_job_finished(
     )
     if not recorded:
         log.warning("metrics.record_failed", job_id=job_id)
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What the finish path needs from the claimed row for the summary line and the metrics."""
+
+    created_at: datetime | None
+    started_at: datetime | None
+    step_budget: int | None
+    request_id: str | None
+
+
+_EXCEPTION_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\(")
+
+
+def retry_reason(error: str) -> str:
+    """A low-cardinality ``reason`` label for a retried attempt, from the error text."""
+    lowered = error.lower()
+    if "out of memory" in lowered:
+        return "out_of_memory"
+    if lowered.startswith("interrupted"):
+        return "interrupted"
+    match = _EXCEPTION_NAME.match(error)
+    return match.group(1) if match else "other"

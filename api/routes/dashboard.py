@@ -23,6 +23,7 @@ from sqlalchemy import func, select
 
 from api.auth import Caller, require_scope
 from api.deps import RedisDep, SessionDep
+from api.schemas.errors import error_responses
 from scheduler import redis_keys
 from scheduler.metrics import read_worker_snapshots
 from scheduler.models import Job, JobStatus, QueueName
@@ -32,7 +33,8 @@ DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
 LATENCY_WINDOW = 500  # finished jobs used for latency percentiles and the charts
 MAX_JOBS_PAGE = 200
 
-router = APIRouter(tags=["dashboard"])
+# Admin JSON routes answer 401/403 (auth), 429 (rate limit) and 503 (database down) too.
+router = APIRouter(tags=["dashboard"], responses=error_responses(401, 403, 429, 503))
 AdminDep = Annotated[Caller, Depends(require_scope("admin"))]
 
 
@@ -150,7 +152,7 @@ def _workers(redis_client: Any) -> list[dict[str, Any]]:
     for info in list_workers(redis_client):  # a handful of workers
         snap = snapshots.get(info.id, {})
         memory = {m["kind"]: m["bytes"] for m in snap.get("device_memory", [])}
-        imbalance = snap.get("expert_imbalance") or []
+        imbalance = list((snap.get("expert_imbalance") or {}).values())
         workers.append(
             {
                 "worker": info.id,
@@ -278,7 +280,7 @@ def _hot_progress(redis_client: Any, job_id: uuid.UUID) -> dict[str, Any] | None
     return None
 
 
-@router.get("/v1/admin/jobs/{job_id}")
+@router.get("/v1/admin/jobs/{job_id}", responses=error_responses(404))
 def admin_job_detail(job_id: str, session: SessionDep, redis_client: RedisDep, _: AdminDep) -> dict[str, Any]:
     """One job for the detail pane: timeline, steps, progress, error (no prompt, no output)."""
     try:
