@@ -53,11 +53,19 @@ def _nodes(replies: list[dict[str, Any]] | None) -> list[str]:
     return sorted(node for reply in replies or [] for node in reply)
 
 
-def drain_queue(client: redis.Redis, app: Celery, queue: str, *, timeout: float = 1.0) -> list[str]:
+def drain_queue(
+    client: redis.Redis, app: Celery, queue: str, *, live_workers: int, timeout: float = 1.0
+) -> list[str]:
     """Flag ``queue`` drained and tell every worker to stop consuming it; returns the nodes that
-    answered (a worker that does not answer picks the flag up at its next heartbeat)."""
+    answered (a worker that does not answer picks the flag up at its next heartbeat).
+
+    ``live_workers`` (from the registry) lets the broadcast return as soon as all of them
+    answered instead of always waiting ``timeout``; with none there is nobody to tell.
+    """
     client.sadd(DRAINED_SET, queue)
-    return _nodes(app.control.cancel_consumer(queue, reply=True, timeout=timeout))
+    if live_workers <= 0:
+        return []
+    return _nodes(app.control.cancel_consumer(queue, reply=True, timeout=timeout, limit=live_workers))
 
 
 def resume_queue(
@@ -68,4 +76,6 @@ def resume_queue(
     nodes = sorted(set(destinations))
     if not nodes:
         return []
-    return _nodes(app.control.add_consumer(queue, destination=nodes, reply=True, timeout=timeout))
+    return _nodes(
+        app.control.add_consumer(queue, destination=nodes, reply=True, timeout=timeout, limit=len(nodes))
+    )

@@ -114,7 +114,9 @@ def get_queues(caller: AdminDep, settings: SettingsDep, request: Request) -> Que
 @router.post("/queues/{queue}/drain", response_model=QueueAction, responses=error_responses(422))
 def drain_queue(queue: QueueName, caller: AdminDep, settings: SettingsDep, request: Request) -> QueueAction:
     """Workers stop taking jobs from ``queue`` (running jobs finish; submits still queue)."""
-    nodes = drain.drain_queue(_registry(settings), _celery(request, settings), queue.value)
+    client = _registry(settings)
+    live = len(list_workers(client))
+    nodes = drain.drain_queue(client, _celery(request, settings), queue.value, live_workers=live)
     _audit(caller, "queue.drain", target=queue.value, nodes=nodes)
     return QueueAction(queue=queue.value, drained=True, nodes=nodes)
 

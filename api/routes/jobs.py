@@ -28,7 +28,8 @@ from scheduler.metrics import record_submitted
 from scheduler.models import JobKind, JobStatus, QueueName
 from scheduler.routing import InvalidPriorityError
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+# Every route authenticates and is rate-limited per key (api.auth): 401 / 429 are possible anywhere.
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 429))
 
 MAX_IDEMPOTENCY_KEY_LENGTH = 200
 MAX_PAGE = 200
