@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import redis
 import structlog
@@ -17,6 +18,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
+from scheduler.metrics import RedisMetricsRecorder
 from scheduler.models import FINAL_STATUSES, ErrorCode, Job, JobStatus, QueueName, utcnow
 from scheduler.retry import backoff_seconds
 from scheduler.settings import Settings, get_settings
@@ -73,11 +75,13 @@ def reap_expired_leases(
     """Reaper: a running job whose lease expired (worker died) is requeued, failed or cancelled."""
     now = now or utcnow()
     rows = session.execute(
-        select(Job.id, Job.attempt, Job.max_attempts, Job.cancel_requested)
+        select(Job.id, Job.attempt, Job.max_attempts, Job.cancel_requested, Job.kind, Job.queue,
+               Job.created_at, Job.started_at)
         .where(Job.status == JobStatus.RUNNING.value, Job.lease_deadline < now)
         .limit(BATCH)
     ).all()
     requeued = failed = cancelled = 0
+    reaped: list[tuple[Any, str]] = []  # (row, new status) for the metrics below
     expires = now + timedelta(seconds=settings.result_ttl_seconds)
     for row in rows:
         fence = (Job.id == row.id, Job.attempt == row.attempt, Job.status == JobStatus.RUNNING.value,
@@ -98,6 +102,7 @@ def reap_expired_leases(
         ).rowcount
         if not written:
             continue
+        reaped.append((row, str(values["status"])))
         if values["status"] == JobStatus.QUEUED.value:
             requeued += 1
         elif values["status"] == JobStatus.FAILED.value:
@@ -109,7 +114,23 @@ def reap_expired_leases(
         redis_client.delete(*(redis_keys.enqueued(row.id) for row in rows))
     if rows:
         log.info("reaper.reaped", requeued=requeued, failed=failed, cancelled=cancelled)
+    _record_reaped(redis_client, reaped, now=now)
     return ReapResult(requeued=requeued, failed=failed, cancelled=cancelled)
+
+
+def _record_reaped(redis_client: redis.Redis, reaped: list[tuple[Any, str]], *, now: datetime) -> None:
+    """Metrics of reaped attempts (a lost worker): retries, dead letters, finished jobs."""
+    recorder = RedisMetricsRecorder(redis_client)
+    for row, status in reaped:  # a handful of rows, only when workers died
+        if status == JobStatus.QUEUED.value:
+            recorder.safe(recorder.job_retried, kind=row.kind, queue=row.queue, reason="worker_lost")
+            continue
+        if status == JobStatus.FAILED.value:
+            recorder.safe(recorder.dead_letter, kind=row.kind, queue=row.queue)
+        wait = (row.started_at - row.created_at).total_seconds() if row.started_at else None
+        run = (now - row.started_at).total_seconds() if row.started_at else None
+        recorder.safe(recorder.job_finished, kind=row.kind, queue=row.queue, status=status,
+                      wait_seconds=wait, run_seconds=run, steps_used=None, tokens=None)
 
 
 AGING_SOURCES: tuple[str, ...] = (QueueName.STANDARD.value, QueueName.BULK.value)
