@@ -10,7 +10,8 @@ already stored) stores nothing new, so it is never refused here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -48,16 +49,38 @@ def admit_submission(
         route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
     except InvalidPriorityError:
         return  # submit_job reports the bad priority with its own 4xx
+    _admit(request, session, caller, per_queue={route.queue.value: 1})
+
+
+def admit_batch(
+    request: Request, session: Session, caller: Caller, *, settings: Settings, specs: Sequence[Any]
+) -> None:
+    """Like :func:`admit_submission` for a whole batch (all or nothing): every job counts
+    against its queue's cap and the tenant's cap. ``specs`` have ``kind``, ``input``,
+    ``params`` and ``priority`` (``scheduler.batches.JobSpec``)."""
+    per_queue: Counter[str] = Counter()
+    for spec in specs:
+        try:
+            route = route_job(kind=spec.kind, input=spec.input, params=spec.params,
+                              priority=spec.priority, settings=settings)
+        except InvalidPriorityError:
+            continue  # reported by the batch's own validation
+        per_queue[route.queue.value] += 1
+    if per_queue:
+        _admit(request, session, caller, per_queue=dict(per_queue))
+
+
+def _admit(request: Request, session: Session, caller: Caller, *, per_queue: dict[str, int]) -> None:
     admission = security_of(request).admission
     try:
-        admission.check_submission(
+        admission.check_batch(
             tenant=caller.tenant,
-            queue=route.queue.value,
+            per_queue=per_queue,
             active_jobs=count_active_jobs(session, tenant=caller.tenant),
         )
     except AdmissionRefused as refused:
         log.info("admission.refused", code=refused.code, tenant=caller.tenant, key_id=caller.key_id,
-                 queue=route.queue.value)
+                 queues=sorted(per_queue))
         raise ApiError(429, refused.code, refused.message, refused.details,
                        {"Retry-After": str(refused.retry_after_seconds)}) from None
     except redis.RedisError as exc:

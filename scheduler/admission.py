@@ -130,26 +130,38 @@ class Admission:
             remaining=int(remaining),
         )
 
-    def check_submission(self, *, tenant: str, queue: str, active_jobs: int | None) -> None:
-        """Raise :class:`AdmissionRefused` if ``queue`` is full or ``tenant`` is at its cap.
+    def check_submission(
+        self, *, tenant: str, queue: str, active_jobs: int | None, count: int = 1
+    ) -> None:
+        """Raise :class:`AdmissionRefused` unless ``count`` more jobs fit ``queue`` and ``tenant``.
 
         ``active_jobs`` is the tenant's queued + running count from SQL (see
         :func:`count_active_jobs`); None skips the tenant rule.
         """
-        depth, queue_override, tenant_override = self._queue_script(
-            keys=[LIMITS_KEY, *(queue + suffix for suffix in _PRIORITY_SUFFIXES)],
-            args=[queue, tenant],
-        )
-        queue_cap = _int_or(queue_override, self._settings.queue_max_depth.get(queue))
-        if queue_cap is not None and int(depth) >= queue_cap:
-            raise AdmissionRefused(
-                "queue_full",
-                f"The {queue} queue is full ({int(depth)} waiting); retry later.",
-                retry_after_seconds=5,
-                details={"queue": queue, "depth": int(depth), "max_depth": queue_cap},
+        self.check_batch(tenant=tenant, per_queue={queue: count}, active_jobs=active_jobs)
+
+    def check_batch(self, *, tenant: str, per_queue: Mapping[str, int], active_jobs: int | None) -> None:
+        """Like :meth:`check_submission` for jobs spread over queues (``{queue: count}``).
+
+        One script call per queue (a single job: one Redis round trip); all or nothing.
+        """
+        tenant_override: Any = None
+        for queue, count in per_queue.items():
+            depth, queue_override, tenant_override = self._queue_script(
+                keys=[LIMITS_KEY, *(queue + suffix for suffix in _PRIORITY_SUFFIXES)],
+                args=[queue, tenant],
             )
+            queue_cap = _int_or(queue_override, self._settings.queue_max_depth.get(queue))
+            if queue_cap is not None and int(depth) + count > queue_cap:
+                raise AdmissionRefused(
+                    "queue_full",
+                    f"The {queue} queue is full ({int(depth)} waiting, cap {queue_cap}); retry later.",
+                    retry_after_seconds=5,
+                    details={"queue": queue, "depth": int(depth), "max_depth": queue_cap},
+                )
+        total = sum(per_queue.values())
         tenant_cap = _int_or(tenant_override, self._settings.tenant_max_active_jobs)
-        if active_jobs is not None and tenant_cap is not None and active_jobs >= tenant_cap:
+        if active_jobs is not None and tenant_cap is not None and active_jobs + total > tenant_cap:
             raise AdmissionRefused(
                 "tenant_limit",
                 f"Tenant has {active_jobs} queued or running jobs (cap {tenant_cap}); retry later.",

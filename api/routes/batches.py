@@ -20,6 +20,7 @@ from fastapi import APIRouter, BackgroundTasks, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
+from api.admission import admit_batch
 from api.decision_limits import check_decide_limits
 from api.deps import CallerDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
 from api.errors import ApiError
@@ -195,6 +196,7 @@ async def create_batch(
     request_id = getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
 
     def store() -> tuple[batch_service.Batch, list[tuple[uuid.UUID, str]], batch_service.BatchSummary]:
+        admit_batch(request, session, caller, settings=settings, specs=specs)  # 429 before storing
         batch, jobs = batch_service.create_batch(
             session, tenant=caller.tenant, specs=specs, settings=settings, webhook_url=webhook,
             metadata=options.metadata, request_id=request_id,

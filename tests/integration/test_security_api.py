@@ -297,3 +297,19 @@ def test_auth_disabled_is_an_explicit_dev_mode(make_stack: Callable[..., Stack])
     assert dev.client.get(f"/v1/jobs/{response.json()['id']}").status_code == 200
     enabled = make_stack()
     assert_error(enabled.client.get(f"/v1/jobs/{response.json()['id']}"), 401, "unauthorized")
+
+
+def test_batch_over_the_tenant_cap_is_429_and_stores_nothing(stack: Stack) -> None:
+    tenant = tenant_name()
+    key, admin = stack.key(tenant), stack.key(tenant_name(), ("admin",))
+    stack.client.patch(
+        "/v1/admin/limits", headers=bearer(admin), json={"tenants": {tenant: {"max_active": 3}}}
+    )
+    assert stack.submit(key).status_code == 202
+    refused = stack.client.post("/v1/batches", json={"jobs": [JOB, JOB, JOB]}, headers=bearer(key))
+    error = assert_error(refused, 429, "tenant_limit")
+    assert error["details"] == {"active_jobs": 1, "max_active_jobs": 3}
+    assert stack.jobs_of(tenant) == 1
+    accepted = stack.client.post("/v1/batches", json={"jobs": [JOB, JOB]}, headers=bearer(key))
+    assert accepted.status_code == 202, accepted.text
+    assert stack.jobs_of(tenant) == 3
