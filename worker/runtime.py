@@ -118,6 +118,7 @@ class WorkerRuntime:
         """SIGTERM: the consumer stops taking jobs; running ones finish; say so in the registry."""
         self.info.state = WorkerState.DRAINING
         self.heartbeat()
+        log.info("worker.draining", worker_id=self.worker_id)
 
     def stop(self) -> None:
         """After the pool drained: stop the engine (finishing anything left), leave the registry."""
@@ -129,6 +130,7 @@ class WorkerRuntime:
         if self.telemetry is not None:
             self.telemetry.stop()
         remove_worker(self.redis, self.worker_id)
+        log.info("worker.stopped", worker_id=self.worker_id)
 
     def heartbeat(self) -> None:
         if self.engine is not None:

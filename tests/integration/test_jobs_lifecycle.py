@@ -1,8 +1,9 @@
 """The job system end to end on real services: SQL (SQLite and PostgreSQL), Redis, Celery
 worker processes running the tiny demo model, and the beat process.
 
-One stack (worker on ``interactive,standard`` + beat) per database backend serves most tests;
-the crash test uses its own ``bulk``-only workers so the stack worker cannot take its job.
+One stack per database backend: a worker on ``interactive,standard``, the beat process, and two
+``bulk``-only workers for the crash test (so the main worker can never take its job). All start
+in parallel.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Stack:
     settings: Settings
     worker: ServiceProcess
     beat: ServiceProcess
+    bulk_workers: list[ServiceProcess]
     launcher: ProcessLauncher
     redis: redis_lib.Redis
     celery: Any
@@ -74,9 +76,12 @@ def stack(
     client = redis_lib.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
     client.flushdb()
     launcher = ProcessLauncher(tmp_path_factory.mktemp("stack-logs"))
-    worker = launcher.start_worker(settings, queues=STACK_QUEUES)
+    worker = launcher.start_worker(settings, queues=STACK_QUEUES, wait_ready=False)
+    bulk = [launcher.start_worker(settings, queues="bulk", concurrency=2, wait_ready=False) for _ in range(2)]
     beat = launcher.start_beat(settings)
-    yield Stack(settings, worker, beat, launcher, client, create_celery_app(settings))
+    for process in (worker, *bulk):
+        launcher.wait_ready(process, settings, timeout=180)
+    yield Stack(settings, worker, beat, bulk, launcher, client, create_celery_app(settings))
     launcher.close()
 
 
@@ -214,13 +219,13 @@ def test_reconciler_recovers_every_queued_job_after_redis_is_flushed(stack: Stac
 
 
 def test_worker_killed_mid_job_is_recovered_and_succeeds(stack: Stack) -> None:
-    first = stack.launcher.start_worker(stack.settings, queues="bulk", concurrency=2)
     job = stack.submit(params={"max_new_tokens": 8, "fault": "stall_first_attempt"}, priority="bulk")
     running = stack.wait_status(job.id, JobStatus.RUNNING, timeout=30)
-    assert running.worker_id == first.worker_id and running.attempt == 1
-    first.kill()  # SIGKILL: no drain, no cleanup, the lease just stops being renewed
-    second = stack.launcher.start_worker(stack.settings, queues="bulk", concurrency=2)
+    assert running.attempt == 1
+    victim = next(w for w in stack.bulk_workers if w.worker_id == running.worker_id)
+    survivor = next(w for w in stack.bulk_workers if w is not victim)
+    victim.kill()  # SIGKILL: no drain, no cleanup; its lease simply stops being renewed
     done = stack.wait_status(job.id, JobStatus.SUCCEEDED, JobStatus.FAILED, timeout=60)
     assert done.status == JobStatus.SUCCEEDED
-    assert done.attempt == 2 and done.worker_id == second.worker_id
+    assert done.attempt == 2 and done.worker_id == survivor.worker_id
     assert done.result is not None and len(done.result["token_ids"]) > 0
