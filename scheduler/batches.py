@@ -22,7 +22,7 @@ from sqlalchemy import Boolean, ForeignKey, Integer, String, Text, Uuid, func, i
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from scheduler import redis_keys
-from scheduler.enqueue import try_publish_job
+from scheduler.celery_app import RUN_JOB_TASK
 from scheduler.jobs import request_fingerprint
 from scheduler.models import Base, Job, JobStatus, JSONType, QueueName, UTCDateTime, utcnow
 from scheduler.routing import route_job
@@ -152,14 +152,27 @@ def publish_batch(
     jobs: Sequence[tuple[uuid.UUID, str]], *, app: Celery, redis_client: redis.Redis,
     request_id: str | None = None,
 ) -> int:
-    """Publish every job's message (after the commit). Returns how many went out; the rest
-    stay queued for the reconciler."""
+    """Publish every job's message after the commit: enqueued markers first (one pipeline, as
+    ``scheduler.enqueue.publish_job`` does, so a fast worker's retry is never hidden), then the
+    messages over ONE producer connection. On a broker failure the unsent jobs' markers are
+    removed and the reconciler publishes them. Returns how many went out."""
+    headers = {"cloverq_request_id": request_id} if request_id else None
+    with redis_client.pipeline(transaction=False) as pipe:
+        for job_id, queue in jobs:
+            pipe.set(redis_keys.enqueued(job_id), queue, ex=redis_keys.ENQUEUED_TTL_SECONDS)
+        pipe.execute()
     sent = 0
-    for job_id, queue in jobs:
-        sent += try_publish_job(job_id=job_id, queue=queue, app=app, redis_client=redis_client,
-                                request_id=request_id)
-    if sent < len(jobs):
-        log.warning("batch.publish_incomplete", sent=sent, total=len(jobs))
+    try:
+        with app.producer_or_acquire() as producer:
+            for job_id, queue in jobs:
+                app.send_task(RUN_JOB_TASK, args=[str(job_id)], queue=queue, routing_key=queue,
+                              producer=producer, headers=headers)
+                sent += 1
+    except Exception as exc:  # broker trouble: the rows are durable, the reconciler takes over
+        log.warning("batch.publish_incomplete", sent=sent, total=len(jobs), error=repr(exc))
+        unsent = [redis_keys.enqueued(job_id) for job_id, _ in jobs[sent:]]
+        if unsent:
+            redis_client.delete(*unsent)
     return sent
 
 
