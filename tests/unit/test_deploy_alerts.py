@@ -276,3 +276,9 @@ def test_dashboard_layout_and_datasource() -> None:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] in uids, panel["title"]
             assert all(t["datasource"]["uid"] in uids for t in panel["targets"]), panel["title"]
+
+
+def test_the_deploy_readme_documents_every_alert() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    for name in _alerts_by_name():
+        assert f"`{name}`" in readme, f"deploy/README.md does not document {name}"

@@ -91,6 +91,9 @@ def collect_command_lines() -> list[tuple[str, list[str]]]:
                 exec_cmd = container.get(probe, {}).get("exec", {}).get("command")
                 if exec_cmd:
                     lines.append((f"{where} {probe}", [str(a) for a in exec_cmd]))
+    for line in (DEPLOY / "README.md").read_text().splitlines():
+        if line.startswith("cloverq "):  # commands an operator copies from the deploy guide
+            lines.append(("deploy/README.md", shlex.split(line.split("#")[0])))
     for line in (DEPLOY / "systemd" / "cloverq-worker.service").read_text().splitlines():
         if line.startswith("ExecStart="):
             argv = shlex.split(line.removeprefix("ExecStart="))
