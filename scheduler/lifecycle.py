@@ -24,6 +24,22 @@ from scheduler.settings import Settings
 jobs_table = Job.__table__
 
 
+def _sql_safe(value: Any) -> Any:
+    """``value`` with NUL characters replaced (U+FFFD) in every string, recursively.
+
+    PostgreSQL cannot store U+0000 in ``text`` or ``jsonb`` (``UntranslatableCharacter``), and
+    a model can decode a token to it: without this the outcome write fails and the job hangs
+    in ``running`` until its lease expires.
+    """
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, dict):
+        return {key: _sql_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_sql_safe(item) for item in value]
+    return value
+
+
 @dataclass(frozen=True)
 class Lease:
     """What a worker holds after a successful claim."""
@@ -86,9 +102,9 @@ def finish_job(
     now = now or utcnow()
     values: dict[str, Any] = {
         "status": status.value,
-        "result": result,
+        "result": _sql_safe(result),
         "error_code": error_code,
-        "error_message": error_message,
+        "error_message": _sql_safe(error_message),
         "finished_at": now,
         "expires_at": now + timedelta(seconds=settings.result_ttl_seconds),
         "lease_deadline": None,
@@ -97,7 +113,7 @@ def finish_job(
     if steps_used is not None:
         values["steps_used"] = steps_used
     if progress is not None:
-        values["progress"] = progress
+        values["progress"] = _sql_safe(progress)
     written = session.execute(
         update(Job)
         .where(Job.id == lease.job_id, Job.attempt == lease.attempt, Job.status == JobStatus.RUNNING.value)
@@ -197,7 +213,8 @@ def write_progress(
 ) -> None:
     """Coarse progress to SQL for several running jobs in one executemany (fenced by attempt)."""
     params = [
-        {"b_id": lease.job_id, "b_attempt": lease.attempt, "b_progress": progress, "b_steps": steps}
+        {"b_id": lease.job_id, "b_attempt": lease.attempt, "b_progress": _sql_safe(progress),
+         "b_steps": steps}
         for lease, progress, steps in updates
     ]
     if not params:

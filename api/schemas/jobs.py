@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
 from api.schemas.decisions import DecideInput, DecideParams
 
@@ -24,17 +24,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _no_nul(text: str) -> str:
+    # PostgreSQL cannot store U+0000 in text/jsonb: refuse it here (422), never a 5xx later.
+    if "\x00" in text:
+        raise ValueError("text must not contain NUL (U+0000) characters")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
+
+
 class ChatMessage(_Strict):
     """One chat turn; the worker renders the checkpoint's chat template."""
 
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class GenerateInput(_Strict):
     """What to continue: a raw ``prompt`` or chat ``messages`` (exactly one of them)."""
 
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
 
     @model_validator(mode="after")
@@ -71,7 +81,7 @@ class GenerateParams(_Strict):
 
 # Classes, plus the aliases high/normal/low (see scheduler.routing.PRIORITY_ALIASES).
 Priority = Literal["interactive", "standard", "bulk", "high", "normal", "low"]
-Metadata = Annotated[dict[str, str | int | float | bool | None], Field(max_length=MAX_METADATA_KEYS)]
+Metadata = Annotated[dict[Text, Text | int | float | bool | None], Field(max_length=MAX_METADATA_KEYS)]
 
 
 class _JobCreateBase(_Strict):

@@ -123,6 +123,9 @@ def test_missing_or_broken_tokenizer_falls_back_to_the_byte_bound(tmp_path: Path
         {"kind": "generate", "input": {"prompt": "a"}, "webhook_url": "not a url"},
         {"kind": "summarise", "input": {"prompt": "a"}},
         {"input": {"prompt": "a"}},
+        {"kind": "generate", "input": {"prompt": "nul \u0000 inside"}},  # PostgreSQL cannot store it
+        {"kind": "generate", "input": {"messages": [{"role": "user", "content": "\u0000"}]}},
+        {"kind": "generate", "input": {"prompt": "a"}, "metadata": {"k": "\u0000"}},
     ],
 )
 def test_invalid_bodies_are_rejected(raw: dict[str, object]) -> None:

@@ -1,0 +1,63 @@
+"""The API with a real Celery worker on the tiny demo model: what a client sees end to end."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from scheduler.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+def _wait(client: TestClient, job_id: str, statuses: set[str], timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in statuses:
+            return job
+        time.sleep(0.05)
+    pytest.fail(f"job {job_id} never reached {statuses}: {job}")
+
+
+def test_jobs_run_to_completion_and_cancel_through_the_api(
+    test_settings: Settings, celery_worker_process: Callable[..., Any]
+) -> None:
+    settings = test_settings.model_copy(update={"auth": "disabled"})
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/readyz").status_code == 503  # no worker yet
+        celery_worker_process(settings)
+        ready = client.get("/readyz")
+        assert ready.status_code == 200, ready.text
+
+        body = {"kind": "generate", "input": {"messages": [{"role": "user", "content": "Hi"}]},
+                "params": {"max_new_tokens": 12, "block_size": 4, "steps_per_block": 2, "seed": 3}}
+        job_id = client.post("/v1/jobs", json=body).json()["id"]
+        job = _wait(client, job_id, {"succeeded", "failed", "cancelled"})
+        assert job["status"] == "succeeded", job
+        assert 0 < len(job["result"]["token_ids"]) <= 12
+        assert job["result"]["usage"]["completion_tokens"] == len(job["result"]["token_ids"])
+        assert job["attempt"] == 1
+        assert job["model_version"]
+        assert job["progress"]["steps_used"] >= 1
+        timings = job["timings"]
+        assert timings["started_at"] is not None and timings["finished_at"] is not None
+        assert timings["engine_run_ms"] is not None and timings["engine_run_ms"] <= timings["total_ms"]
+
+        long_body = {"kind": "generate", "input": {"prompt": "Tell a long story"},
+                     "params": {"max_new_tokens": 2048, "steps_per_block": 32}}
+        long_id = client.post("/v1/jobs", json=long_body).json()["id"]
+        _wait(client, long_id, {"running"})
+        running = client.get(f"/v1/jobs/{long_id}").json()
+        assert running["status"] == "running"
+        cancelled = client.post(f"/v1/jobs/{long_id}/cancel")
+        assert cancelled.status_code == 200
+        assert cancelled.json()["cancel_requested"] is True
+        final = _wait(client, long_id, {"cancelled", "succeeded", "failed"}, timeout=30)
+        assert final["status"] == "cancelled"
