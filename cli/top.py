@@ -79,6 +79,14 @@ def _fmt_bytes(value: float | None) -> str:
     return f"{n:.1f}{units[i]}"
 
 
+def _model_label(name: str | None, version: str | None) -> str:
+    if not version:
+        return name or "?"
+    if not name or version.startswith(f"{name}@"):
+        return version
+    return f"{name}@{version}"
+
+
 def render(
     overview: Mapping[str, Any], *, url: str, job_rate: float | None, tps_history: Sequence[float]
 ) -> Group:
@@ -128,7 +136,7 @@ def render(
             w["worker"],
             str(w.get("state") or "-"),
             ",".join(w.get("queues") or []),
-            f"{w.get('model_name') or '?'}@{w.get('model_version') or '?'}",
+            _model_label(w.get("model_name"), w.get("model_version")),
             f"{w.get('tokens_per_second') or 0:.1f}",
             f"{(w.get('batch_occupancy') or 0) * 100:.0f}%",
             f"{_fmt_bytes(w.get('memory_used_bytes'))}/{_fmt_bytes(w.get('memory_total_bytes'))}",

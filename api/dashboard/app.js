@@ -8,7 +8,7 @@ const REFRESH_MS = 2000;
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled", "expired"];
 const QUEUE_COLORS = { interactive: "#2f6fdb", standard: "#1f9d55", bulk: "#c08a1e", joint: "#8e44ad" };
 
-const state = { key: sessionStorage.getItem(KEY_STORAGE), selectedJob: null, timer: null };
+const state = { key: sessionStorage.getItem(KEY_STORAGE), selectedJob: null, timer: null, jobsSignature: null };
 
 function $(id) { return document.getElementById(id); }
 
@@ -70,6 +70,13 @@ function fmtTime(iso) {
   return new Date(iso).toLocaleTimeString();
 }
 
+function modelLabel(name, version) {
+  // Versions often already start with the model's name ("demo@0a71..."): do not repeat it.
+  if (!version) return name || "?";
+  if (!name || version.startsWith(name + "@")) return version;
+  return name + "@" + version;
+}
+
 function badge(status) {
   return el("span", { class: "badge status-" + status, style: "--c: var(--" + status + ", #999)" }, status);
 }
@@ -106,7 +113,7 @@ function renderOverview(data) {
 
   const workers = data.workers.map((w) => el("tr", { "data-worker": w.worker },
     el("td", {}, w.worker), el("td", {}, w.state || "–"), el("td", {}, (w.queues || []).join(", ")),
-    el("td", {}, (w.model_name || "?") + "@" + (w.model_version || "?")),
+    el("td", {}, modelLabel(w.model_name, w.model_version)),
     el("td", { class: "num" }, (w.tokens_per_second || 0).toFixed(1)),
     el("td", { class: "num" }, Math.round((w.batch_occupancy || 0) * 100) + "%"),
     el("td", { class: "num" }, fmtBytes(w.memory_used_bytes) + " / " + fmtBytes(w.memory_total_bytes))));
@@ -162,6 +169,11 @@ function filterQuery() {
 }
 
 function renderJobs(data) {
+  // Re-render only when the list changed: a stable DOM keeps clicks from landing on a row
+  // that is being replaced by the refresh loop.
+  const signature = JSON.stringify(data.items) + "|" + state.selectedJob;
+  if (signature === state.jobsSignature) return;
+  state.jobsSignature = signature;
   const rows = data.items.map((job) => {
     const row = el("tr", { "data-job-id": job.id, class: job.id === state.selectedJob ? "selected" : "",
       onclick: () => selectJob(job.id) },

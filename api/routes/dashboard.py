@@ -174,6 +174,15 @@ def _workers(redis_client: Any) -> list[dict[str, Any]]:
     return workers
 
 
+def _model_label(name: str | None, version: str | None) -> str:
+    """``name@version`` without repeating a name the version already starts with."""
+    if not version:
+        return name or "?"
+    if not name or version.startswith(f"{name}@"):
+        return version
+    return f"{name}@{version}"
+
+
 @router.get("/v1/admin/overview")
 def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminDep) -> dict[str, Any]:
     """Everything the dashboard's top half and ``cloverq top`` show, in one round trip."""
@@ -195,7 +204,7 @@ def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminDep) -> 
         if worker["state"] == "ready":
             for queue in worker["queues"]:
                 ready_by_queue[queue] = ready_by_queue.get(queue, 0) + 1
-        label = f"{worker['model_name'] or '?'}@{worker['model_version'] or '?'}"
+        label = _model_label(worker["model_name"], worker["model_version"])
         versions[label] = versions.get(label, 0) + 1
     queues = [
         {
