@@ -15,7 +15,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -116,6 +116,15 @@ async def _database_unavailable_handler(_: Request, exc: Exception) -> JSONRespo
                           {"Retry-After": "1"})
 
 
+async def _data_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    # The database refused a value the request schema let through, e.g. a NUL character in a
+    # string on PostgreSQL (text and JSONB cannot hold U+0000): a client mistake, never a 5xx.
+    log.info("request_data_refused_by_database", error=type(getattr(exc, "orig", exc)).__name__)
+    return error_response(422, "invalid_request",
+                          "The request holds a value that cannot be stored (e.g. a NUL character).",
+                          [{"loc": ["body"], "message": "value cannot be stored", "type": "data_error"}])
+
+
 async def _unexpected_handler(_: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return await _database_unavailable_handler(_, exc)
@@ -128,6 +137,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
+    app.add_exception_handler(DataError, _data_error_handler)
     app.add_exception_handler(OperationalError, _database_unavailable_handler)
     app.add_exception_handler(PoolTimeoutError, _database_unavailable_handler)
     app.add_exception_handler(Exception, _unexpected_handler)

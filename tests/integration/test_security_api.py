@@ -313,3 +313,16 @@ def test_batch_over_the_tenant_cap_is_429_and_stores_nothing(stack: Stack) -> No
     accepted = stack.client.post("/v1/batches", json={"jobs": [JOB, JOB]}, headers=bearer(key))
     assert accepted.status_code == 202, accepted.text
     assert stack.jobs_of(tenant) == 3
+
+
+def test_nul_characters_are_a_client_error_never_a_5xx(stack: Stack) -> None:
+    """PostgreSQL cannot store U+0000 in text or JSONB; found by the schemathesis run."""
+    tenant = tenant_name()
+    key = stack.key(tenant)
+    response = stack.submit(key, {**JOB, "input": {"prompt": "a\u0000b"}})
+    assert response.status_code in (202, 422), response.text  # SQLite stores it, PostgreSQL cannot
+    if response.status_code == 422:
+        assert response.json()["error"]["code"] == "invalid_request"
+        assert stack.jobs_of(tenant) == 0
+    listed = stack.client.get("/v1/jobs", headers=bearer(key), params={"kind": "x\u0000"})
+    assert listed.status_code in (200, 422), listed.text
