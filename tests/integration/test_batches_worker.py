@@ -51,10 +51,9 @@ def _spec(i: int) -> dict:
             "context": f"Contract {i}: the supplier may terminate with {i % 90 + 1} days notice.",
             "questions": [
                 {"id": "terminate", "text": "May the supplier terminate?"},
-                {"id": "risk", "text": "Risk level?", "choices": ["low", "medium", "high"]},
             ],
         },
-        "params": {"steps_per_block": 2, "seed": i},
+        "params": {"steps_per_block": 1, "seed": i},
     }
 
 
@@ -83,8 +82,7 @@ def test_batch_of_1000_decisions_completes_with_results_in_order(stack) -> None:
     assert len({line["job_id"] for line in lines}) == BATCH_SIZE
     for line in lines:
         answers = line["result"]["answers"]
-        assert [a["id"] for a in answers] == ["terminate", "risk"]
-        assert answers[0]["choice"] in ("yes", "no") and answers[1]["choice"] in ("low", "medium", "high")
+        assert [a["id"] for a in answers] == ["terminate"] and answers[0]["choice"] in ("yes", "no")
 
     posts = wait_for(lambda: receiver.on(hook), timeout=30, message="batch webhook")
     secret = client.get("/v1/webhooks/secret").json()["secret"]
