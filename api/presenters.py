@@ -26,6 +26,12 @@ def _progress(job: Job, hot: Mapping[str, Any] | None) -> JobProgress | None:
         merged.update(job.progress)
     if hot and job.status == JobStatus.RUNNING:
         merged.update(hot)
+    usage = (job.result or {}).get("usage") or {}
+    if usage:  # a finished job: the final figures from its outcome
+        if merged.get("blocks_done") is None:
+            merged["blocks_done"] = usage.get("blocks")
+        if merged.get("tokens_committed") is None:
+            merged["tokens_committed"] = usage.get("completion_tokens")
     merged.setdefault("steps_used", job.steps_used)
     merged.setdefault("step_budget", job.step_budget)
     if not merged:
