@@ -8,6 +8,8 @@ Prometheus, Grafana), graceful stop longer than a job's deadline.
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -245,3 +247,42 @@ def test_systemd_unit_runs_the_worker_safely() -> None:
     env_names = {value.split("=", 1)[0] for value in service["Environment"]}
     assert "CLOVERQ_WORKER_QUEUES" in env_names and "CLOVERQ_DEVICE" in env_names
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+# --- compose, validated by docker-compose itself (Debian's `docker-compose`, no daemon needed) --
+
+DOCKER_COMPOSE = shutil.which("docker-compose")
+needs_docker_compose = pytest.mark.skipif(
+    DOCKER_COMPOSE is None, reason="docker-compose not installed (Debian package 'docker-compose')"
+)
+
+
+def _compose_config(*files: str, cwd: Path = DEPLOY) -> subprocess.CompletedProcess[str]:
+    assert DOCKER_COMPOSE is not None
+    argv = [DOCKER_COMPOSE]
+    for name in files:
+        argv += ["-f", name]
+    return subprocess.run([*argv, "config"], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@needs_docker_compose
+def test_docker_compose_accepts_the_files_and_merges_the_gpu_override() -> None:
+    plain = _compose_config("compose.yaml")
+    assert plain.returncode == 0, plain.stderr
+    merged = _compose_config("compose.yaml", "compose.gpu.yaml")
+    assert merged.returncode == 0, merged.stderr
+    services = yaml.safe_load(merged.stdout)["services"]
+    for role, queues in (("worker", "interactive,standard,bulk"), ("worker-joint", "joint")):
+        env = services[role]["environment"]
+        assert env["CLOVERQ_WORKER_QUEUES"] == queues  # the override keeps the shared settings
+        assert env["CLOVERQ_DEVICE"] == "cuda" and env["CLOVERQ_DATABASE_URL"].startswith("postgresql")
+
+
+@needs_docker_compose
+def test_docker_compose_rejects_an_invalid_file(tmp_path: Path) -> None:
+    """Guard the guard: a misspelt key must fail validation."""
+    broken = (DEPLOY / "compose.yaml").read_text().replace("stop_grace_period:", "stop_grace_periode:")
+    (tmp_path / "compose.yaml").write_text(broken)
+    for relative in ("prometheus", "grafana"):
+        shutil.copytree(DEPLOY / relative, tmp_path / relative)
+    assert _compose_config("compose.yaml", cwd=tmp_path).returncode != 0
