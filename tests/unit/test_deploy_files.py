@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -286,3 +287,25 @@ def test_docker_compose_rejects_an_invalid_file(tmp_path: Path) -> None:
     for relative in ("prometheus", "grafana"):
         shutil.copytree(DEPLOY / relative, tmp_path / relative)
     assert _compose_config("compose.yaml", cwd=tmp_path).returncode != 0
+
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+
+def _verify_unit(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``systemd-analyze verify`` on the unit installed as a template, ExecStart on this venv."""
+    cloverq = Path(sys.executable).with_name("cloverq")
+    unit = tmp_path / "cloverq-worker@.service"
+    unit.write_text(text.replace("/opt/cloverq/.venv/bin/cloverq", str(cloverq)))
+    assert SYSTEMD_ANALYZE is not None
+    return subprocess.run([SYSTEMD_ANALYZE, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed")
+def test_systemd_analyze_accepts_the_unit(tmp_path: Path) -> None:
+    text = (DEPLOY / "systemd" / "cloverq-worker.service").read_text()
+    result = _verify_unit(text, tmp_path)
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    # Guard the guard: a misspelt directive is reported.
+    broken = _verify_unit(text.replace("KillMode=", "KillMod="), tmp_path)
+    assert "Unknown key" in broken.stderr
