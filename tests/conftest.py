@@ -295,6 +295,11 @@ class ServiceProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
 
+    def send_sigterm(self) -> None:
+        """Ask for a graceful stop (drain) without waiting for it."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+
     def terminate(self, *, timeout: float = 20.0) -> int | None:
         """SIGTERM (graceful drain), SIGKILL after ``timeout``; returns the exit code."""
         if self.proc.poll() is None:

@@ -63,11 +63,14 @@ class WorkerRuntime:
         self.model_version: str | None = None
         self.monitor: JobMonitor | None = None
         self._ready = threading.Event()
+        self._draining = threading.Event()
         # Observability: job outcomes and periodic snapshots go to Redis (see worker/telemetry.py).
         self.metrics = RedisMetricsRecorder(self.redis)
         self.telemetry: TelemetryThread | None = None
         self.model_name: str | None = None
         self._facts: dict[uuid.UUID, JobFacts] = {}
+        # Follows the operator's drained-queue flags once the worker is ready (worker/queue_drain.py).
+        self.drain_follower: Any = None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,7 +118,12 @@ class WorkerRuntime:
             self.telemetry.publish_now()  # the dashboard sees the worker as ready at once
 
     def mark_draining(self) -> None:
-        """SIGTERM: the consumer stops taking jobs; running ones finish; say so in the registry."""
+        """SIGTERM: the consumer stops taking jobs; running ones finish; say so in the registry.
+
+        Celery cancels its consumer only a moment later; a message delivered in between is handed
+        back unclaimed (see ``run_job``).
+        """
+        self._draining.set()
         self.info.state = WorkerState.DRAINING
         self.heartbeat()
         log.info("worker.draining", worker_id=self.worker_id)
@@ -140,6 +148,8 @@ class WorkerRuntime:
                                    tokens_per_second=round(stats.tokens_per_second, 2))
         ttl = heartbeat_ttl(self.settings.worker_heartbeat_seconds)
         publish_worker(self.redis, self.info, ttl_seconds=ttl)
+        if self.drain_follower is not None and self.info.state == WorkerState.READY:
+            self.drain_follower.sync()
 
     def _metrics_snapshot(self) -> WorkerSnapshot:
         return snapshot_from_stats(
@@ -160,6 +170,11 @@ class WorkerRuntime:
         except ValueError:
             log.warning("job.bad_message", job_id=str(job_id))
             return "invalid"
+        if self._draining.is_set():
+            # Not claimed: dropping the marker lets the reconciler publish it for another worker.
+            self.redis.delete(redis_keys.enqueued(parsed))
+            log.warning("job.handed_back_draining", job_id=str(parsed))
+            return "handed_back"
         with self.sessions() as session:
             job = claim_job(session, job_id=parsed, worker_id=self.worker_id,
                             model_version=self.model_version, settings=self.settings)

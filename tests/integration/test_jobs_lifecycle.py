@@ -150,6 +150,8 @@ def test_cancel_a_running_job_within_a_pass(stack: Stack) -> None:
         return bool(hot and hot["steps_used"] > 0)
 
     wait_for(decoding, timeout=30, message="decoding progress")
+    wait_for(lambda: (stack.get(job.id).progress or {}).get("steps_used", 0) > 0, timeout=10,
+             message="coarse progress in SQL")
     with stack.session() as session:
         flagged = cancel_job(session, job_id=job.id, tenant="acme", settings=stack.settings,
                              redis_client=stack.redis)
@@ -229,3 +231,26 @@ def test_worker_killed_mid_job_is_recovered_and_succeeds(stack: Stack) -> None:
     assert done.status == JobStatus.SUCCEEDED
     assert done.attempt == 2 and done.worker_id == survivor.worker_id
     assert done.result is not None and len(done.result["token_ids"]) > 0
+
+
+def test_sigterm_drains_the_worker_running_jobs_finish_and_no_new_job_is_taken(stack: Stack) -> None:
+    from scheduler.workers import list_workers
+
+    worker = next(w for w in stack.bulk_workers if w.proc.poll() is None)
+    running_job = stack.submit(params={"max_new_tokens": 96, "steps_per_block": 64, "seed": 2},
+                               priority="bulk")
+    running = stack.wait_status(running_job.id, JobStatus.RUNNING, timeout=30)
+    assert running.worker_id == worker.worker_id
+    worker.send_sigterm()
+    def draining() -> bool:
+        return any(w.id == worker.worker_id and w.state == "draining" for w in list_workers(stack.redis))
+
+    wait_for(draining, timeout=10, message="the worker to report draining")
+    late = stack.submit(params={"max_new_tokens": 8}, priority="bulk")
+    done = stack.wait_status(running_job.id, JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.QUEUED,
+                             timeout=60)
+    assert done.status == JobStatus.SUCCEEDED and done.attempt == 1  # finished, not handed back
+    assert worker.proc.wait(timeout=30) == 0
+    assert all(w.id != worker.worker_id for w in list_workers(stack.redis))  # left the registry
+    still = stack.get(late.id)
+    assert still.status == JobStatus.QUEUED and still.attempt == 0  # the draining worker took nothing
