@@ -222,6 +222,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _check_free_space(root: Path, needed: int) -> None:
+    """Refuse before downloading anything if the checkpoint cannot fit (weights are huge)."""
+    free = shutil.disk_usage(root).free
+    if needed > free:
+        raise ModelStoreError(
+            f"not enough disk space under {root}: the checkpoint needs {needed / 1e9:.1f} GB, "
+            f"{free / 1e9:.1f} GB free"
+        )
+
+
 def _copy_file(
     source: _LocalSource | _HttpSource,
     relpath: str,
@@ -271,6 +281,7 @@ def pull(
     try:
         manifest_bytes = source.read_manifest()
         files = _listed_files(manifest_bytes)
+        _check_free_space(root, sum(size or 0 for size in files.values()))
         for relpath, size in files.items():
             _copy_file(source, relpath, temp / relpath, size, on_progress)
         (temp / MANIFEST_NAME).write_bytes(manifest_bytes)

@@ -337,3 +337,15 @@ def test_cli_uses_the_model_root_setting(source: Path, root: Path, monkeypatch: 
         assert (root / "demo" / "v1" / "manifest.json").is_file()
     finally:
         get_settings.cache_clear()
+
+
+def test_a_checkpoint_larger_than_the_free_space_is_refused_up_front(
+    server: CheckpointServer, root: Path
+) -> None:
+    manifest = json.loads((server.folder / "manifest.json").read_text())
+    manifest["files"][WEIGHTS]["size"] = 10**18  # an exabyte: no disk has that much free
+    (server.folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(model_store.ModelStoreError, match="not enough disk space"):
+        model_store.pull(server.url, name="demo", version="v1", root=root)
+    assert server.control.requests == ["/tiny/manifest.json"]  # nothing else was downloaded
+    assert list(root.iterdir()) == []
