@@ -21,6 +21,7 @@ HTTP (``manifest.json`` is fetched first, then each file it lists, streamed with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -101,9 +102,6 @@ class _LocalSource:
             raise ModelStoreError(f"source folder not found: {folder}")
         self.folder = folder
 
-    def describe(self) -> str:
-        return str(self.folder)
-
     def read_manifest(self) -> bytes:
         path = self.folder / MANIFEST_NAME
         if not path.is_file():
@@ -128,9 +126,6 @@ class _HttpSource:
     def __init__(self, base_url: str, *, timeout: float) -> None:
         self.base_url = base_url if base_url.endswith("/") else base_url + "/"
         self.client = httpx.Client(timeout=timeout, follow_redirects=True)
-
-    def describe(self) -> str:
-        return self.base_url
 
     def _url(self, relpath: str) -> str:
         return self.base_url + quote(relpath)  # keeps "/" between path components
@@ -215,9 +210,9 @@ def _fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in ``path`` durable (best effort on odd filesystems)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory; the data files are synced
-        pass
+        # Some filesystems refuse fsync on a directory; the data files themselves are synced.
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -274,10 +269,10 @@ def pull(
     final = version_path(root, name, version)
     if final.exists():
         raise VersionExistsError(f"{name}/{version} is already in the store at {final}")
+    source = _open_source(src, timeout=timeout)
     root.mkdir(parents=True, exist_ok=True)
     temp = root / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
     temp.mkdir()
-    source = _open_source(src, timeout=timeout)
     try:
         manifest_bytes = source.read_manifest()
         files = _listed_files(manifest_bytes)

@@ -349,3 +349,10 @@ def test_a_checkpoint_larger_than_the_free_space_is_refused_up_front(
         model_store.pull(server.url, name="demo", version="v1", root=root)
     assert server.control.requests == ["/tiny/manifest.json"]  # nothing else was downloaded
     assert list(root.iterdir()) == []
+
+
+def test_a_missing_source_folder_leaves_nothing(tmp_path: Path, root: Path) -> None:
+    root.mkdir()
+    with pytest.raises(model_store.ModelStoreError, match="not found"):
+        model_store.pull(tmp_path / "no-such-checkpoint", name="demo", version="v1", root=root)
+    assert list(root.iterdir()) == []
