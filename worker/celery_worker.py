@@ -35,7 +35,14 @@ def worker_argv(settings: Settings, *, queues: Sequence[str], concurrency: int, 
 
 def _connect_signals(runtime: WorkerRuntime) -> None:
     # weak=False: the receivers are closures and must outlive this function.
-    def on_init(**_: Any) -> None:
+    def on_init(sender: Any = None, **_: Any) -> None:
+        from worker.queue_drain import DrainFollower
+
+        follower = DrainFollower(app=get_celery_app(), redis_client=runtime.redis,
+                                 node=runtime.worker_id, configured=runtime.queues)
+        if sender is not None:
+            follower.exclude_at_start(sender.app.amqp.queues)  # operator-drained queues (admin API)
+        runtime.drain_follower = follower
         runtime.start()
 
     def on_ready(**_: Any) -> None:

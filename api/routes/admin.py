@@ -44,7 +44,7 @@ from scheduler.keys import create_key, list_keys, revoke_key
 from scheduler.models import QueueName
 from scheduler.redis_client import get_redis
 from scheduler.settings import Settings
-from scheduler.workers import list_workers
+from scheduler.workers import WorkerInfo, list_workers
 
 require_admin = require_scope("admin")
 AdminDep = Annotated[Caller, Depends(require_admin)]
@@ -75,9 +75,10 @@ def _audit(caller: Caller, action: str, target: str | None = None, **details: An
     audit(action, actor_tenant=caller.tenant, actor_key_id=caller.key_id, via="api", target=target, **details)
 
 
-def _node_name(hostname: str) -> str:
-    """Celery's node name of a registered worker (``celery@host`` unless it already is one)."""
-    return hostname if "@" in hostname else f"celery@{hostname}"
+def _node_name(worker: WorkerInfo) -> str:
+    """Celery's node name of a registered worker: its id (``name@host``, the ``--hostname`` the
+    worker was started with), else Celery's default ``celery@<host>``."""
+    return worker.id if "@" in worker.id else f"celery@{worker.hostname}"
 
 
 @router.get("/workers", response_model=WorkerList)
@@ -125,7 +126,7 @@ def drain_queue(queue: QueueName, caller: AdminDep, settings: SettingsDep, reque
 def resume_queue(queue: QueueName, caller: AdminDep, settings: SettingsDep, request: Request) -> QueueAction:
     """Workers configured for ``queue`` consume it again."""
     client = _registry(settings)
-    destinations = [_node_name(w.hostname) for w in list_workers(client) if queue.value in w.queues]
+    destinations = [_node_name(w) for w in list_workers(client) if queue.value in w.queues]
     nodes = drain.resume_queue(client, _celery(request, settings), queue.value, destinations=destinations)
     _audit(caller, "queue.resume", target=queue.value, nodes=nodes)
     return QueueAction(queue=queue.value, drained=False, nodes=nodes)
