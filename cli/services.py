@@ -280,6 +280,7 @@ def _print_banner(base_url: str, dev_key: str | None, settings: Settings) -> Non
     lines = [
         "",
         f"cloverq is up: {base_url}   (API docs: {base_url}/docs)",
+        f"operator dashboard: {base_url}/dashboard   (admin key; `cloverq top` in a terminal)",
     ]
     if dev_key is None:
         lines += ["", "!!! AUTHENTICATION IS DISABLED (CLOVERQ_AUTH=disabled): anyone who can reach",
