@@ -63,12 +63,13 @@ def test_forward_without_commit_leaves_cache_unchanged(loaded: LoadedModel) -> N
     loaded.model(
         ids[:, :4], pos[:, :4], pos[:, :4] // BLOCK, cache=cache, slots=slots, commit_lens=torch.tensor([4])
     )
-    k_before = [k.clone() for k in cache.k]
+    slot = int(slots[0])
+    k_before = [k[slot, :, :4].clone() for k in cache.k]  # the committed entries
     first = loaded.model(ids[:, 4:], pos[:, 4:], pos[:, 4:] // BLOCK, cache=cache, slots=slots)
     second = loaded.model(ids[:, 4:], pos[:, 4:], pos[:, 4:] // BLOCK, cache=cache, slots=slots)
     assert torch.equal(first, second)
-    assert all(torch.equal(a, b) for a, b in zip(k_before, cache.k, strict=True))
-    assert cache.length(int(slots[0])) == 4
+    assert all(torch.equal(a, b[slot, :, :4]) for a, b in zip(k_before, cache.k, strict=True))
+    assert cache.length(slot) == 4
 
 
 def test_ragged_rows_with_padding_match_separate_forwards(loaded: LoadedModel) -> None:
@@ -156,3 +157,48 @@ def test_bfloat16_forward_is_close_to_float32(tmp_path: Path, loaded: LoadedMode
     got = bf16.model(ids, pos, pos // BLOCK)
     assert got.dtype == torch.float32 and not torch.isnan(got).any()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+def test_permuted_slots_and_a_row_near_the_end_of_its_slot(loaded: LoadedModel) -> None:
+    """Gathered (non-contiguous) slots, and padding that would run past ``max_len``, still match."""
+    ids, pos = _tokens(2, 16, seed=5)
+    cache = _cache(loaded, seqs=3, length=16)
+    for _ in range(3):
+        cache.allocate()
+    near_end, short = 2, 0  # slots given in descending order -> gathered, not a view
+    loaded.model(
+        ids[:1, :12],
+        pos[:1, :12],
+        pos[:1, :12] // BLOCK,
+        cache=cache,
+        slots=torch.tensor([near_end]),
+        commit_lens=torch.tensor([12]),
+    )
+    # row 0 decodes its last block (12..15); row 1 prefills 8 positions, so T = 8 and row 0's
+    # padding (columns 16..19) has no room in its slot
+    new_ids = torch.stack([torch.cat([ids[0, 12:16], torch.zeros(4, dtype=torch.long)]), ids[1, :8]])
+    new_pos = torch.stack([torch.cat([pos[0, 12:16], torch.zeros(4, dtype=torch.long)]), pos[1, :8]])
+    valid = torch.tensor([[True] * 4 + [False] * 4, [True] * 8])
+    got = loaded.model(
+        new_ids,
+        new_pos,
+        new_pos // BLOCK,
+        valid=valid,
+        cache=cache,
+        slots=torch.tensor([near_end, short]),
+        commit_lens=torch.tensor([4, 8]),
+    )
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(
+        got[0, :4], loaded.model(ids[:1], pos[:1], pos[:1] // BLOCK)[0, 12:16], atol=1e-4, rtol=0
+    )
+    torch.testing.assert_close(
+        got[1], loaded.model(ids[1:, :8], pos[1:, :8], pos[1:, :8] // BLOCK)[0], atol=1e-4, rtol=0
+    )
+    assert cache.lengths.tolist() == [8, 0, 16]
+    follow = loaded.model(
+        ids[1:, 8:12], pos[1:, 8:12], pos[1:, 8:12] // BLOCK, cache=cache, slots=torch.tensor([short])
+    )
+    torch.testing.assert_close(
+        follow[0], loaded.model(ids[1:, :12], pos[1:, :12], pos[1:, :12] // BLOCK)[0, 8:], atol=1e-4, rtol=0
+    )

@@ -20,15 +20,37 @@ from worker.model.rope import apply_rope
 
 @dataclass(frozen=True)
 class CacheView:
-    """What one forward reads from and writes to the KV cache (shared by every layer)."""
+    """Where one forward stores its new K/V and which cache columns it attends over.
+
+    The new positions of row ``b`` are written in place at ``lengths[b] + t`` before attention
+    (beyond the committed length they are invisible to later forwards until committed), so
+    attention reads the cache directly: a zero-copy view when the rows' slots are one ascending
+    run, otherwise one gather. Committing is then only advancing ``lengths``.
+    """
 
     cache: KVCache
     slots: torch.Tensor  # [B] slot of each row
-    context_len: int  # C: cached positions gathered per row (max over rows; shorter rows masked)
-    write_rows: torch.Tensor | None  # [N] batch row of each position to append
-    write_cols: torch.Tensor | None  # [N] index among the new positions
-    write_slots: torch.Tensor | None  # [N] destination slot
-    write_pos: torch.Tensor | None  # [N] destination position inside the slot
+    key_len: int  # S: cache columns attended over (max over rows of lengths + T, capped at max_len)
+    slot_start: int | None  # first slot when slots == range(slot_start, slot_start + B)
+    write_slots: torch.Tensor  # [B, 1] or [N] destination slot of each new position written
+    write_pos: torch.Tensor  # [B, T] or [N] destination column
+    write_rows: torch.Tensor | None  # None: every new position is written; else [N] row ...
+    write_cols: torch.Tensor | None  # ... and [N] new-token index of each written position
+
+    def rows_of(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        """The batch's rows of one layer's cache up to ``key_len``: ``[B, KVH, S, D]``."""
+        if self.slot_start is not None:
+            return layer_cache[self.slot_start : self.slot_start + self.slots.shape[0], :, : self.key_len]
+        return layer_cache[self.slots, :, : self.key_len]
+
+    def store(self, layer_cache: torch.Tensor, new: torch.Tensor) -> None:
+        """Write ``new`` ``[B, KVH, T, D]`` at the rows' next columns of ``layer_cache``."""
+        new = new.to(layer_cache.dtype)
+        if self.write_rows is None:
+            # two advanced indices around a slice: indexed dims first -> [B, T, KVH, D]
+            layer_cache[self.write_slots, :, self.write_pos] = new.transpose(1, 2)
+        else:
+            layer_cache[self.write_slots, :, self.write_pos] = new[self.write_rows, :, self.write_cols]
 
 
 class Attention(nn.Module):
@@ -51,7 +73,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, hidden]
         cos: torch.Tensor,  # [B, T, D]
         sin: torch.Tensor,  # [B, T, D]
-        mask: torch.Tensor,  # [B, 1, T, C + T] bool, True = may attend
+        mask: torch.Tensor,  # [B, 1, T, S] bool, True = may attend (S = T without cache)
         view: CacheView | None,
     ) -> torch.Tensor:  # [B, T, hidden]
         b, t, _ = x.shape
@@ -61,21 +83,12 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)  # [B, H, T, D]
         k = apply_rope(k, cos, sin)  # [B, KVH, T, D]
 
-        keys, values = k, v
+        keys, values = k, v  # [B, KVH, T, D]
         if view is not None:
-            if view.context_len > 0:
-                cached_k = view.cache.k[self.layer][view.slots, :, : view.context_len]  # [B, KVH, C, D]
-                cached_v = view.cache.v[self.layer][view.slots, :, : view.context_len]
-                keys = torch.cat((cached_k, k), dim=2)  # [B, KVH, C + T, D]
-                values = torch.cat((cached_v, v), dim=2)
-            if view.write_rows is not None:
-                # advanced indices around a slice: the indexed dims come first -> [N, KVH, D]
-                view.cache.k[self.layer][view.write_slots, :, view.write_pos] = k[
-                    view.write_rows, :, view.write_cols
-                ].to(view.cache.dtype)
-                view.cache.v[self.layer][view.write_slots, :, view.write_pos] = v[
-                    view.write_rows, :, view.write_cols
-                ].to(view.cache.dtype)
+            view.store(view.cache.k[self.layer], k)
+            view.store(view.cache.v[self.layer], v)
+            keys = view.rows_of(view.cache.k[self.layer])  # [B, KVH, S, D]
+            values = view.rows_of(view.cache.v[self.layer])
 
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads

@@ -1,8 +1,8 @@
-"""The block-causal attention mask of one forward (cache part + new part), built once per forward.
+"""Block-causal attention masks, built once per forward and shared by every layer.
 
-New token ``i`` sees every committed cache entry of its row's slot, and new token ``j`` iff
-``valid[j]`` and ``block_ids[j] <= block_ids[i]``. Passing ``block_ids = positions`` gives the
-plain causal mask. Every query also sees itself, so a padding row never has an empty softmax.
+New token ``i`` sees new token ``j`` iff ``valid[j]`` and ``block_ids[j] <= block_ids[i]``
+(``block_ids = positions`` gives the plain causal mask), plus every committed cache entry of its
+row. Every query also sees itself, so a padding row never has an empty softmax (no NaN).
 """
 
 from __future__ import annotations
@@ -10,20 +10,35 @@ from __future__ import annotations
 import torch
 
 
-def block_causal_mask(
-    block_ids: torch.Tensor,  # [B, T]
-    valid: torch.Tensor | None,  # [B, T] bool
-    cached_lengths: torch.Tensor | None,  # [B] committed positions per row
-    context_len: int,  # C: cache columns in front of the new ones
-) -> torch.Tensor:  # [B, 1, T, C + T] bool, True = may attend
-    b, t = block_ids.shape
-    device = block_ids.device
+def block_causal_mask(block_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Mask of a forward without cache: ``[B, 1, T, T]`` bool, True = may attend."""
+    t = block_ids.shape[1]
     new = block_ids[:, None, :] <= block_ids[:, :, None]  # [B, Tq, Tk]
     if valid is not None:
         new = new & valid[:, None, :]
-    new = new | torch.eye(t, dtype=torch.bool, device=device)  # a query always sees itself
-    if context_len == 0 or cached_lengths is None:
-        return new[:, None]
-    cols = torch.arange(context_len, device=device)  # [C]
-    cached = (cols[None, :] < cached_lengths[:, None])[:, None, :].expand(b, t, context_len)  # [B, T, C]
-    return torch.cat((cached, new), dim=-1)[:, None]
+    return (new | torch.eye(t, dtype=torch.bool, device=block_ids.device))[:, None]
+
+
+def cached_block_causal_mask(
+    block_ids: torch.Tensor,  # [B, T]
+    valid: torch.Tensor | None,  # [B, T] bool
+    lengths: torch.Tensor,  # [B] committed positions per row
+    key_len: int,  # S: cache columns the forward attends over
+) -> torch.Tensor:  # [B, 1, T, S] bool
+    """Mask in cache coordinates: row ``b``'s new token ``t`` is stored at column ``lengths[b] + t``.
+
+    Column ``j`` of row ``b`` holds a committed entry when ``j < lengths[b]``, new token
+    ``j - lengths[b]`` when that is in ``[0, T)``, and stale data (never visible) beyond.
+    """
+    t = block_ids.shape[1]
+    device = block_ids.device
+    rel = torch.arange(key_len, device=device)[None, :] - lengths[:, None]  # [B, S] new-token index
+    is_new = (rel >= 0) & (rel < t)  # [B, S]
+    rel_c = rel.clamp(0, t - 1)
+    key_block = block_ids.gather(1, rel_c)  # [B, S]
+    visible = is_new[:, None, :] & (key_block[:, None, :] <= block_ids[:, :, None])  # [B, T, S]
+    if valid is not None:
+        visible = visible & valid.gather(1, rel_c)[:, None, :]
+    committed = (rel < 0)[:, None, :]  # [B, 1, S]
+    itself = rel[:, None, :] == torch.arange(t, device=device)[None, :, None]  # [B, T, S]
+    return (visible | committed | itself)[:, None]

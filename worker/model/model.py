@@ -15,7 +15,7 @@ from torch import nn
 from worker.model.attention import Attention, CacheView
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import CacheFullError, KVCache
-from worker.model.mask import block_causal_mask
+from worker.model.mask import block_causal_mask, cached_block_causal_mask
 from worker.model.moe import DenseMLP, SparseMoE
 from worker.model.norm import RMSNorm
 from worker.model.rope import rope_cos_sin
@@ -75,9 +75,11 @@ class CloverForBlockDiffusion(nn.Module):
         commit_lens: torch.Tensor | None = None,  # [B] new positions to append per row
         router_counts: torch.Tensor | None = None,  # [L, E] int64
     ) -> torch.Tensor:  # [B, T, V] float32
-        view = self._cache_view(input_ids.shape[1], cache, slots, commit_lens)
-        cached_lengths = cache.lengths[slots] if view is not None else None  # [B]
-        mask = block_causal_mask(block_ids, valid, cached_lengths, view.context_len if view else 0)
+        view, lengths = self._cache_view(input_ids.shape[1], cache, slots, commit_lens)
+        if view is None:
+            mask = block_causal_mask(block_ids, valid)  # [B, 1, T, T]
+        else:
+            mask = cached_block_causal_mask(block_ids, valid, lengths, view.key_len)  # [B, 1, T, S]
         x = self.embed(input_ids)  # [B, T, H]
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         token_weight = valid.reshape(-1).to(torch.float32) if valid is not None else None  # [B*T]
@@ -85,7 +87,7 @@ class CloverForBlockDiffusion(nn.Module):
             counts = router_counts[i] if router_counts is not None else None
             x = layer(x, cos, sin, mask, view, token_weight, counts)
         if view is not None and commit_lens is not None:
-            cache.lengths.index_add_(0, slots, commit_lens.to(cache.lengths))
+            cache.lengths.index_add_(0, view.slots, commit_lens.to(cache.lengths))  # K/V already stored
         return self.lm_head(self.norm(x)).float()
 
     def _cache_view(
@@ -94,34 +96,42 @@ class CloverForBlockDiffusion(nn.Module):
         cache: KVCache | None,
         slots: torch.Tensor | None,
         commit_lens: torch.Tensor | None,
-    ) -> CacheView | None:
-        """Where each row reads and appends; one host sync for the gather length and bounds."""
+    ) -> tuple[CacheView | None, torch.Tensor | None]:
+        """Where each row's new K/V go and what it reads; one host sync for lengths and bounds."""
         if cache is None:
             if commit_lens is not None:
                 raise ValueError("commit_lens needs a cache")
-            return None
+            return None, None
         if slots is None:
             raise ValueError("slots are required with a cache")
+        slots = slots.to(device=cache.device, dtype=torch.long)
         lengths = cache.lengths[slots]  # [B]
-        if commit_lens is None:
-            context_len = int(lengths.max().item())
-            return CacheView(cache, slots, context_len, None, None, None, None)
-        commit_lens = commit_lens.to(device=lengths.device, dtype=torch.long)
-        stats = torch.stack((lengths.max(), (lengths + commit_lens).max(), commit_lens.max())).tolist()
-        context_len, end, most = stats
-        if most > t:
-            raise ValueError(f"commit_lens asks for {most} positions of a {t}-position forward")
-        if end > cache.max_len:
-            raise CacheFullError(f"appending would reach {end} positions; the cache holds {cache.max_len}")
-        cols = torch.arange(t, device=lengths.device)  # [T]
-        take = cols[None, :] < commit_lens[:, None]  # [B, T]
-        rows, write_cols = take.nonzero(as_tuple=True)  # [N], [N]
-        return CacheView(
+        b = slots.shape[0]
+        commits = torch.zeros_like(lengths) if commit_lens is None else commit_lens.to(lengths)
+        host = torch.cat((slots, lengths, commits)).tolist()
+        slot_list, len_list, commit_list = host[:b], host[b : 2 * b], host[2 * b :]
+        if max(commit_list) > t:
+            raise ValueError(f"commit_lens asks for {max(commit_list)} positions of a {t}-position forward")
+        if max(n + c for n, c in zip(len_list, commit_list, strict=True)) > cache.max_len:
+            raise CacheFullError(f"committing would pass the cache's {cache.max_len} positions per slot")
+        start = slot_list[0]
+        contiguous = slot_list == list(range(start, start + b))
+        key_len = min(cache.max_len, max(len_list) + t)
+        cols = torch.arange(t, device=cache.device)  # [T]
+        pos = lengths[:, None] + cols[None, :]  # [B, T] destination columns
+        rows = write_cols = None
+        write_slots, write_pos = slots[:, None], pos
+        if max(len_list) + t > cache.max_len:  # some padding positions have no room: skip those
+            rows, write_cols = (pos < cache.max_len).nonzero(as_tuple=True)  # [N], [N]
+            write_slots, write_pos = slots[rows], pos[rows, write_cols]
+        view = CacheView(
             cache=cache,
             slots=slots,
-            context_len=context_len,
+            key_len=key_len,
+            slot_start=start if contiguous else None,
+            write_slots=write_slots,
+            write_pos=write_pos,
             write_rows=rows,
             write_cols=write_cols,
-            write_slots=slots[rows],
-            write_pos=lengths[rows] + write_cols,
         )
+        return view, lengths
