@@ -35,6 +35,7 @@ from pathlib import Path
 from sqlalchemy import Boolean, Index, String, Text, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
+from scheduler.audit import audit
 from scheduler.models import Base, UTCDateTime
 
 SCOPE_SUBMIT = "submit"
@@ -264,6 +265,8 @@ def ensure_dev_key(session_factory: Callable[[], Session], *, data_dir: Path) ->
             return existing
     with session_factory() as session:
         created = create_key(session, tenant="default", scopes=ALL_SCOPES, label="dev key (cloverq up)")
+    audit("key.create", actor_tenant=None, actor_key_id=None, via="up", target=created.info.key_id,
+          tenant="default", scopes=sorted(ALL_SCOPES))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(created.key + "\n")
     path.chmod(0o600)
