@@ -140,18 +140,29 @@ class Service:
 # --- measurements -------------------------------------------------------------------------------
 
 
-def _load(port: int, make: Callable[[int, int], bytes], clients: int, total: int,
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _load(service: Service, port: int, make: Callable[[int, int], bytes], clients: int, total: int,
           keep_bodies: bool = False) -> LoadResult:
+    """Run the load; also record the server's CPU milliseconds per request (load-independent)."""
     per_client = max(1, total // clients)
-    return asyncio.run(run_load(HOST, port, make, clients=clients, requests_per_client=per_client,
-                                keep_bodies=keep_bodies))
+    cpu_before = _cpu_seconds(service.proc.pid)
+    result = asyncio.run(run_load(HOST, port, make, clients=clients, requests_per_client=per_client,
+                                  keep_bodies=keep_bodies))
+    result.server_cpu_ms = (_cpu_seconds(service.proc.pid) - cpu_before) * 1000.0 / max(1, result.requests)
+    return result
 
 
 def _row(label: str, real: LoadResult, bare: LoadResult) -> str:
     ratio = real.throughput / bare.throughput if bare.throughput else float("nan")
     return (f"{label:<22} {real.throughput:9.0f} {bare.throughput:9.0f} {ratio:7.2f}   "
             f"{real.percentile(50):7.2f} {real.percentile(99):7.2f}   "
-            f"{bare.percentile(50):7.2f} {bare.percentile(99):7.2f}   {_statuses(real)}")
+            f"{bare.percentile(50):7.2f} {bare.percentile(99):7.2f}   "
+            f"{real.server_cpu_ms:6.2f} {bare.server_cpu_ms:6.2f}   {_statuses(real)}")
 
 
 def _statuses(result: LoadResult) -> str:
@@ -241,17 +252,18 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
         host_real, host_bare = f"{HOST}:{real_port}", f"{HOST}:{bare_port}"
         submit_real = build_request("POST", "/v1/jobs", host_real, SUBMIT_BODY, headers)
         submit_bare = build_request("POST", "/bare/jobs", host_bare, SUBMIT_BODY)
-        _load(real_port, lambda i, n: submit_real, 8, 400)  # warm-up: pools, caches, JIT-free paths
-        _load(bare_port, lambda i, n: submit_bare, 8, 400)
+        _load(real, real_port, lambda i, n: submit_real, 8, 400)  # warm-up: pools, caches, JIT-free paths
+        _load(bare, bare_port, lambda i, n: submit_bare, 8, 400)
 
         db_kind = "PostgreSQL" if db_url.startswith("postgresql") else "SQLite"
         print(f"\nbench.api — {db_kind}, Redis {redis_url}, auth {args.auth}, {os.cpu_count()} CPUs")
         print(f"{'':<22} {'req/s':>9} {'bare':>9} {'ratio':>7}   {'p50 ms':>7} {'p99 ms':>7}   "
-              f"{'bare50':>7} {'bare99':>7}   statuses")
+              f"{'bare50':>7} {'bare99':>7}   {'cpu ms':>6} {'bare':>6}   statuses")
         ids: list[str] = []
         for clients in levels:
-            bare_result = _load(bare_port, lambda i, n: submit_bare, clients, args.requests)
-            real_result = _load(real_port, lambda i, n: submit_real, clients, args.requests, keep_bodies=True)
+            bare_result = _load(bare, bare_port, lambda i, n: submit_bare, clients, args.requests)
+            real_result = _load(real, real_port, lambda i, n: submit_real, clients, args.requests,
+                                keep_bodies=True)
             ids += [json.loads(body)["id"] for body in real_result.bodies[:200]]
             print(_row(f"submit x{clients}", real_result, bare_result))
 
@@ -267,8 +279,8 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
             return poll_bare[(i * 31 + n) % len(poll_bare)]
 
         for clients in (16, 64):
-            bare_result = _load(bare_port, pick_bare, clients, args.requests * 2)
-            real_result = _load(real_port, pick_real, clients, args.requests * 2)
+            bare_result = _load(bare, bare_port, pick_bare, clients, args.requests * 2)
+            real_result = _load(real, real_port, pick_real, clients, args.requests * 2)
             print(_row(f"poll x{clients}", real_result, bare_result))
 
         if args.overhead_jobs > 0:

@@ -24,6 +24,7 @@ class LoadResult:
     latencies: list[float] = field(default_factory=list)
     statuses: dict[int, int] = field(default_factory=dict)
     bodies: list[bytes] = field(default_factory=list)
+    server_cpu_ms: float = float("nan")  # server CPU per request, when the caller measures it
 
     @property
     def requests(self) -> int:

@@ -12,21 +12,25 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
-from redis import RedisError
+from redis import Redis, RedisError
+from starlette.concurrency import run_in_threadpool
 
 from api.admission import admit_submission
+from api.auth import Caller
 from api.decision_limits import check_decide_limits
 from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
 from api.errors import ApiError
 from api.limits import check_generate_limits
 from api.presenters import job_out
+from api.prompt_tokens import PromptTokenCounter
 from api.schemas.errors import error_responses
-from api.schemas.jobs import DecideJobCreate, JobCreate, JobList, JobOut
+from api.schemas.jobs import DecideJobCreate, GenerateJobCreate, JobCreate, JobList, JobOut
 from scheduler import jobs as job_service
 from scheduler.jobs import IdempotencyConflictError, InvalidCursorError
 from scheduler.metrics import record_submitted
 from scheduler.models import JobKind, JobStatus, QueueName
 from scheduler.routing import InvalidPriorityError
+from scheduler.settings import Settings
 
 # Every route authenticates and is rate-limited per key (api.auth): 401 / 429 are possible anywhere.
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 429))
@@ -60,11 +64,10 @@ def _request_id(request: Request) -> str:
     responses={200: {"model": JobOut, "description": "Idempotent repeat: the original job."},
                **error_responses(401, 403, 409, 413, 422, 429, 503)},
 )
-def submit_job(
+async def submit_job(
     body: Annotated[JobCreate, Body()],
     request: Request,
     response: Response,
-    session: SessionDep,
     caller: CallerDep,
     settings: SettingsDep,
     counter: TokenCounterDep,
@@ -78,6 +81,24 @@ def submit_job(
     different body is a 409 ``idempotency_conflict``.
     """
     require(caller, "submit")
+    # All blocking work (token count, admission, insert, publish) in ONE thread-pool hop: the
+    # submit path is the hot path, and every hop costs a context switch under load.
+    job, created = await run_in_threadpool(
+        _submit_blocking, body, request, caller, settings, counter, idempotency_key
+    )
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    response.status_code = 202 if created else 200
+    return job
+
+
+def _submit_blocking(
+    body: GenerateJobCreate | DecideJobCreate,
+    request: Request,
+    caller: Caller,
+    settings: Settings,
+    counter: PromptTokenCounter,
+    idempotency_key: str | None,
+) -> tuple[JobOut, bool]:
     if isinstance(body, DecideJobCreate):
         params = check_decide_limits(body.input, body.params, settings=settings, counter=counter,
                                      faults_enabled=settings.fault_injection)
@@ -85,57 +106,67 @@ def submit_job(
         params = check_generate_limits(
             body, settings=settings, counter=counter, faults_enabled=settings.fault_injection
         )
-    admit_submission(request, session, caller, settings=settings, kind=body.kind,
-                     input=body.input.model_dump(exclude_none=True), params=params,
-                     priority=body.priority, idempotency_key=idempotency_key)  # 429 before storing
+    job_input = body.input.model_dump(exclude_none=True)
     state = request.app.state
-    try:
-        job, created = job_service.submit_job(
-            session,
-            tenant=caller.tenant,
-            kind=body.kind,
-            input=body.input.model_dump(exclude_none=True),
-            params=params,
-            priority=body.priority,
-            metadata=body.metadata,
-            idempotency_key=idempotency_key,
-            webhook_url=str(body.webhook_url) if body.webhook_url is not None else None,
-            request_id=_request_id(request),
-            settings=settings,
-            celery=state.celery,
-            redis_client=state.redis,
-        )
-    except IdempotencyConflictError as exc:
-        raise ApiError(
-            409,
-            "idempotency_conflict",
-            "This Idempotency-Key was already used with a different request body.",
-            {"job_id": str(exc.job.id)},
-        ) from exc
-    except InvalidPriorityError as exc:
-        raise ApiError(422, "invalid_request", str(exc),
-                       [{"loc": ["body", "priority"], "message": str(exc), "type": "value_error"}]) from exc
-    if created:
-        record_submitted(kind=job.kind, queue=job.queue)  # in-process counter; no I/O
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    response.status_code = 202 if created else 200
-    return job_out(job)
+    with state.session_factory() as session:
+        admit_submission(request, session, caller, settings=settings, kind=body.kind,
+                         input=job_input, params=params,
+                         priority=body.priority, idempotency_key=idempotency_key)  # 429 before storing
+        try:
+            job, created = job_service.submit_job(
+                session,
+                tenant=caller.tenant,
+                kind=body.kind,
+                input=job_input,
+                params=params,
+                priority=body.priority,
+                metadata=body.metadata,
+                idempotency_key=idempotency_key,
+                webhook_url=str(body.webhook_url) if body.webhook_url is not None else None,
+                request_id=_request_id(request),
+                settings=settings,
+                celery=state.celery,
+                redis_client=state.redis,
+            )
+        except IdempotencyConflictError as exc:
+            raise ApiError(
+                409,
+                "idempotency_conflict",
+                "This Idempotency-Key was already used with a different request body.",
+                {"job_id": str(exc.job.id)},
+            ) from exc
+        except InvalidPriorityError as exc:
+            details = [{"loc": ["body", "priority"], "message": str(exc), "type": "value_error"}]
+            raise ApiError(422, "invalid_request", str(exc), details) from exc
+        if created:
+            record_submitted(kind=job.kind, queue=job.queue)  # in-process counter; no I/O
+        return job_out(job), created
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=error_responses(401, 403, 404, 503))
-def get_job(job_id: str, session: SessionDep, caller: CallerDep, redis: RedisDep) -> JobOut:
+async def get_job(job_id: str, request: Request, caller: CallerDep, redis: RedisDep) -> JobOut:
     """Status, live progress, result or error, timings, attempts and model version of a job."""
     require(caller, "read")
-    job = job_service.get_job(session, job_id=_parse_job_id(job_id), tenant=visible_tenant(caller))
+    parsed = _parse_job_id(job_id)
+    # One thread-pool hop for the SQL read and the Redis hot status (polling is a hot path too).
+    job = await run_in_threadpool(_read_job, request, parsed, visible_tenant(caller), redis)
     if job is None:
         raise _job_not_found(job_id)
-    hot = None
-    if job.status == JobStatus.RUNNING:
-        try:
-            hot = job_service.read_progress(job.id, redis_client=redis)
-        except RedisError:  # hot status is a nicety: fall back to the SQL snapshot
-            hot = None
-    return job_out(job, hot_progress=hot)
+    return job
+
+
+def _read_job(request: Request, job_id: str, tenant: str | None, redis: Redis) -> JobOut | None:
+    with request.app.state.session_factory() as session:
+        job = job_service.get_job(session, job_id=job_id, tenant=tenant)
+        if job is None:
+            return None
+        hot = None
+        if job.status == JobStatus.RUNNING:
+            try:
+                hot = job_service.read_progress(job.id, redis_client=redis)
+            except RedisError:  # hot status is a nicety: fall back to the SQL snapshot
+                hot = None
+        return job_out(job, hot_progress=hot)
 
 
 @router.get("", response_model=JobList, responses=error_responses(401, 403, 422, 503))
