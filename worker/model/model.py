@@ -74,7 +74,8 @@ class CloverForBlockDiffusion(nn.Module):
         slots: torch.Tensor | None = None,  # [B]
         commit_lens: torch.Tensor | None = None,  # [B] new positions to append per row
         router_counts: torch.Tensor | None = None,  # [L, E] int64
-    ) -> torch.Tensor:  # [B, T, V] float32
+        logits_index: torch.Tensor | None = None,  # [B, K] new-token indices to return logits for
+    ) -> torch.Tensor:  # [B, T, V] float32 ([B, K, V] with logits_index)
         view, lengths = self._cache_view(input_ids.shape[1], cache, slots, commit_lens)
         if view is None:
             mask = block_causal_mask(block_ids, valid)  # [B, 1, T, T]
@@ -88,6 +89,8 @@ class CloverForBlockDiffusion(nn.Module):
             x = layer(x, cos, sin, mask, view, token_weight, counts)
         if view is not None and commit_lens is not None:
             cache.lengths.index_add_(0, view.slots, commit_lens.to(cache.lengths))  # K/V already stored
+        if logits_index is not None:  # e.g. only the block being denoised, not a long prefill
+            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
         return self.lm_head(self.norm(x)).float()
 
     def _cache_view(
