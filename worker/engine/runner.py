@@ -126,9 +126,10 @@ class ModelRunner:
         threshold = torch.tensor([row.threshold for row in rows], dtype=torch.float32, device=dev)
         dynamic = torch.tensor([row.dynamic for row in rows], dtype=torch.bool, device=dev)  # [R]
 
-        # ---- the forward --------------------------------------------------------------------
+        # ---- the forward: logits only for each row's current block ---------------------------
+        offsets = (commit_lens[:, None] + torch.arange(bmax)[None, :]).clamp(max=t - 1)  # [R, Bmax]
         began = time.perf_counter()
-        logits = self.model(
+        block_logits = self.model(
             ids.to(dev),
             positions.to(dev),
             block_ids.to(dev),
@@ -137,17 +138,14 @@ class ModelRunner:
             slots=slots.to(dev),
             commit_lens=commit_lens.to(dev),
             router_counts=self.router_counts if self.model.config.num_experts > 0 else None,
-        )  # [R, T, V]
+            logits_index=offsets.to(dev),
+        )  # [R, Bmax, V]
         if self._sync:
             torch.cuda.synchronize(dev)
         timings.forward_seconds += time.perf_counter() - began
         timings.forwards += 1
 
-        # ---- the current block's logits and decisions ---------------------------------------
-        offsets = commit_lens.to(dev)[:, None] + torch.arange(bmax, device=dev)[None, :]  # [R, Bmax]
-        offsets = offsets.clamp(max=t - 1)
-        vocab = logits.shape[-1]
-        block_logits = logits.gather(1, offsets[..., None].expand(r, bmax, vocab))  # [R, Bmax, V]
+        # ---- decisions ----------------------------------------------------------------------
         block_logits[..., self.mask_token_id] = float("-inf")  # never commit a mask token
         self._restrict_ids(block_logits, rows)
         masked = masked.to(dev)
