@@ -6,6 +6,7 @@ count against its caps, and clears the runtime limit overrides it sets.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -326,3 +327,24 @@ def test_nul_characters_are_a_client_error_never_a_5xx(stack: Stack) -> None:
         assert stack.jobs_of(tenant) == 0
     listed = stack.client.get("/v1/jobs", headers=bearer(key), params={"kind": "x\u0000"})
     assert listed.status_code in (200, 422), listed.text
+
+
+def test_rate_limit_bucket_refills(stack: Stack) -> None:
+    key, admin = stack.key(tenant_name()), stack.key(tenant_name(), ("admin",))
+    key_id = key.split("_")[1]
+    stack.client.patch(
+        "/v1/admin/limits",
+        headers=bearer(admin),
+        json={"keys": {key_id: {"rate_per_second": 10, "rate_burst": 1}}},
+    )
+    assert stack.client.get("/v1/jobs", headers=bearer(key)).status_code == 200
+    refused = stack.client.get("/v1/jobs", headers=bearer(key))
+    assert_error(refused, 429, "rate_limited")
+    assert refused.headers["retry-after"] == "1"  # 0.1 s rounded up to whole seconds
+    time.sleep(0.25)  # 10 tokens/s: one token is back
+    assert stack.client.get("/v1/jobs", headers=bearer(key)).status_code == 200
+    # Clearing the override (null) puts the key back on the defaults.
+    cleared = stack.client.patch(
+        "/v1/admin/limits", headers=bearer(admin), json={"keys": {key_id: {"rate_burst": None}}}
+    )
+    assert f"rate_burst:{key_id}" not in cleared.json()["overrides"]
