@@ -18,12 +18,14 @@ from typing import Any
 
 import structlog
 import torch
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
 from scheduler.db import get_session_factory
 from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
 from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot
-from scheduler.models import ErrorCode, JobStatus, utcnow
+from scheduler.models import ErrorCode, Job, JobStatus, utcnow
 from scheduler.redis_client import get_redis
 from scheduler.retry import InputJobError, TransientJobError
 from scheduler.routing import deadline_seconds
@@ -176,9 +178,14 @@ class WorkerRuntime:
             log.warning("job.handed_back_draining", job_id=str(parsed))
             return "handed_back"
         with self.sessions() as session:
-            job = claim_job(session, job_id=parsed, worker_id=self.worker_id,
-                            model_version=self.model_version, settings=self.settings)
+            try:
+                job = claim_job(session, job_id=parsed, worker_id=self.worker_id,
+                                model_version=self.model_version, settings=self.settings)
+            except Exception:  # database hiccup: this message is spent; let the reconciler republish
+                self.redis.delete(redis_keys.enqueued(parsed))
+                raise
             if job is None:
+                self._release_if_still_queued(session, parsed)
                 log.warning("job.not_claimed", job_id=str(parsed))  # duplicate, cancelled or not due
                 return "skipped"
             spec = JobSpec(job_id=str(job.id), kind=job.kind, queue=job.queue, attempt=job.attempt,
@@ -201,6 +208,13 @@ class WorkerRuntime:
             self._facts.pop(parsed, None)
             structlog.contextvars.unbind_contextvars("job_id", "kind", "queue", "attempt", "model_version",
                                                      "request_id")
+
+    def _release_if_still_queued(self, session: Session, job_id: uuid.UUID) -> None:
+        """A skipped message whose job is still queued (not due yet on this clock) must not leave
+        the enqueued marker behind, or the reconciler would never publish the job again."""
+        status = session.scalar(select(Job.status).where(Job.id == job_id, Job.cancel_requested.is_(False)))
+        if status == JobStatus.QUEUED.value:
+            self.redis.delete(redis_keys.enqueued(job_id))
 
     def _execute(self, spec: JobSpec, lease: Lease, running: RunningJob) -> str:
         ctx = EngineContext(

@@ -254,3 +254,5 @@ def test_sigterm_drains_the_worker_running_jobs_finish_and_no_new_job_is_taken(s
     assert all(w.id != worker.worker_id for w in list_workers(stack.redis))  # left the registry
     still = stack.get(late.id)
     assert still.status == JobStatus.QUEUED and still.attempt == 0  # the draining worker took nothing
+    with stack.session() as session:  # leave nothing queued for later test modules
+        cancel_job(session, job_id=late.id, tenant="acme", settings=stack.settings, redis_client=stack.redis)
