@@ -173,16 +173,22 @@ class ModelRunner:
 
     def _restrict_ids(self, block_logits: Tensor, rows: list[RowSpec]) -> None:
         """Positions restricted to a set of ids: every other id gets -inf (in place)."""
-        restricted = [
-            (i, o, ids) for i, row in enumerate(rows) for o, ids in enumerate(row.inp.allowed_ids) if ids
+        index = [
+            (i, o, t)
+            for i, row in enumerate(rows)
+            for o, ids in enumerate(row.inp.allowed_ids)
+            if ids
+            for t in ids
         ]
-        if not restricted:
+        if not index:
             return
-        allowed = torch.zeros(block_logits.shape, dtype=torch.bool)  # [R, Bmax, V]
-        for i, o, ids in restricted:
-            allowed[i, o, list(ids)] = True
+        where = torch.tensor(index, dtype=torch.long).to(block_logits.device)  # [N, 3]
+        allowed = torch.zeros(
+            block_logits.shape, dtype=torch.bool, device=block_logits.device
+        )  # [R, Bmax, V]
+        allowed[where[:, 0], where[:, 1], where[:, 2]] = True
         unrestricted = ~allowed.any(dim=-1, keepdim=True)  # [R, Bmax, 1]
-        block_logits.masked_fill_(~(allowed | unrestricted).to(block_logits.device), float("-inf"))
+        block_logits.masked_fill_(~(allowed | unrestricted), float("-inf"))
 
     def _choose_sequences(
         self, block_logits: Tensor, rows: list[RowSpec], tokens: Tensor, confidence: Tensor, uniforms: Tensor

@@ -87,6 +87,8 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
         for j in span:
             fixed[j] = None
         ids = slot.allowed_token_ids
+        if ids is not None and slot.allowed_sequences is not None:
+            raise RequestError(f"slot {i}: give allowed_sequences or allowed_token_ids, not both")
         if ids is not None:
             if not ids or any(not 0 <= t < vocab_size for t in ids):
                 raise RequestError(f"slot {i}: allowed_token_ids empty or out of range")
