@@ -32,7 +32,8 @@ from api.schemas.jobs import DecideJobCreate, JobCreate
 from scheduler import batches as batch_service
 from scheduler.settings import Settings
 
-router = APIRouter(prefix="/v1/batches", tags=["batches"])
+# 401 / 429: every route authenticates and is rate-limited per key (api.auth).
+router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(401, 429))
 
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-lines", "text/jsonl")
 MAX_REPORTED_ERRORS = 20

@@ -13,8 +13,10 @@ from pydantic import BaseModel
 from api.deps import CallerDep, SessionDep, require
 from api.schemas.errors import error_responses
 from scheduler import webhooks
+from scheduler.audit import audit
 
-router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
+# 429: every authenticated route is rate-limited per key (api.auth).
+router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], responses=error_responses(429))
 
 
 class WebhookSecretOut(BaseModel):
@@ -40,4 +42,6 @@ def rotate_secret(session: SessionDep, caller: CallerDep) -> WebhookSecretOut:
     """Replace the tenant's secret; deliveries from now on are signed with the new one."""
     require(caller, "submit")
     secret = webhooks.rotate_secret(session, tenant=caller.tenant)
+    audit("webhook_secret.rotate", actor_tenant=caller.tenant, actor_key_id=caller.key_id, via="api",
+          target=caller.tenant)
     return WebhookSecretOut(tenant=caller.tenant, secret=secret)
