@@ -290,3 +290,24 @@ def test_stop_drains_or_cancels(tiny: LoadedModel) -> None:
 def test_warm_up(engine: Engine) -> None:
     engine.warm_up()
     assert engine.stats().running
+
+
+def test_long_prefill_joins_running_batch_in_its_own_forward(tiny: LoadedModel) -> None:
+    eng = make_engine(tiny, max_batch=4)
+    try:
+        short = [
+            GenerationRequest(f"s{i}", [5 + i, 6, 7], SamplingParams(max_new_tokens=24)) for i in range(3)
+        ]
+        long = GenerationRequest(
+            "long", [(3 * j) % 400 + 1 for j in range(203)], SamplingParams(max_new_tokens=8)
+        )
+        alone = [eng.submit(r).result(timeout=60).token_ids for r in [*short, long]]
+        before = eng.stats()
+        futures = [eng.submit(r) for r in short]
+        futures.append(eng.submit(long))
+        together = [f.result(timeout=60).token_ids for f in futures]
+        after = eng.stats()
+    finally:
+        eng.stop()
+    assert together == alone
+    assert after.forwards - before.forwards > after.passes - before.passes  # prefill split off once
