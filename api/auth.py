@@ -27,7 +27,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import sessionmaker
 
 from scheduler.admission import Admission
-from scheduler.keys import ALL_SCOPES, SCOPE_ADMIN, KeyAuthenticator
+from scheduler.keys import ALL_SCOPES, SCOPE_ADMIN, KeyAuthenticator, parse_key
 from scheduler.settings import Settings, get_settings
 
 log = structlog.get_logger(__name__)
@@ -126,10 +126,16 @@ def get_caller(
         request.state.caller = DEV_CALLER
         return DEV_CALLER
     if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+        log.info("auth.refused", reason="missing_key", path=request.url.path)
         raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
     security = security_of(request)
     info = security.authenticator.authenticate(credentials.credentials.strip())
     if info is None:
+        # The key id (not secret) helps an operator spot a revoked key still in use; a string
+        # that is not even key-shaped is not echoed at all.
+        parsed = parse_key(credentials.credentials.strip())
+        log.warning("auth.refused", reason="invalid_key", key_id=parsed[0] if parsed else None,
+                    path=request.url.path)
         raise _unauthorized("Invalid or revoked API key.")
     try:
         decision = security.admission.check_rate(info.key_id, key_id=info.key_id)
@@ -139,6 +145,7 @@ def get_caller(
         decision = None
     if decision is not None and decision.revoked:
         security.authenticator.forget(info.key_id)
+        log.warning("auth.refused", reason="revoked_key", key_id=info.key_id, path=request.url.path)
         raise _unauthorized("Invalid or revoked API key.")
     if decision is not None and not decision.allowed:
         raise _error(429, "rate_limited", "Too many requests for this API key; slow down.",
@@ -154,6 +161,7 @@ def require_scope(scope: str) -> Callable[..., Caller]:
 
     def dependency(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:
         if not caller.has_scope(scope):
+            log.warning("auth.forbidden", key_id=caller.key_id, tenant=caller.tenant, required_scope=scope)
             raise _error(403, "forbidden", f"This API key lacks the '{scope}' scope.",
                          details={"required_scope": scope})
         return caller
