@@ -50,8 +50,10 @@ def beat_argv(settings: Settings) -> list[str]:
 def run_beat(settings: Settings | None = None) -> None:
     """Run the beat process in the foreground until SIGTERM/SIGINT (used by ``cloverq beat``)."""
     from scheduler.celery_app import get_celery_app
+    from scheduler.logging import configure_celery_logging
 
     settings = settings or get_settings()
+    configure_celery_logging(settings)  # JSON lines like every other process
     app = get_celery_app()
     app.set_current()
     app.worker_main(beat_argv(settings))

@@ -186,6 +186,18 @@ def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> No
         lib_logger.propagate = True
 
 
+def _leave_logging_alone(**_: Any) -> None:
+    """Celery ``setup_logging`` receiver: its presence stops Celery from reconfiguring logging."""
+
+
+def configure_celery_logging(settings: Settings) -> None:
+    """:func:`configure_logging` for a Celery process (worker, beat): Celery must not replace it."""
+    from celery import signals  # local: only Celery processes need it
+
+    configure_logging(settings)
+    signals.setup_logging.connect(_leave_logging_alone, weak=False)
+
+
 def get_logger(name: str | None = None) -> Any:
     """A structlog logger (``.info("event", key=value)``)."""
     return structlog.get_logger(name)
