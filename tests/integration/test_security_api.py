@@ -348,3 +348,22 @@ def test_rate_limit_bucket_refills(stack: Stack) -> None:
         "/v1/admin/limits", headers=bearer(admin), json={"keys": {key_id: {"rate_burst": None}}}
     )
     assert f"rate_burst:{key_id}" not in cleared.json()["overrides"]
+
+
+def test_cross_tenant_batches_are_404(stack: Stack) -> None:
+    key_a, key_b = stack.key(tenant_name()), stack.key(tenant_name())
+    admin = stack.key(tenant_name(), ("admin",))
+    created = stack.client.post("/v1/batches", json={"jobs": [JOB]}, headers=bearer(key_a))
+    assert created.status_code == 202, created.text
+    batch_id = created.json()["id"]
+    for method, path in (
+        ("GET", f"/v1/batches/{batch_id}"),
+        ("GET", f"/v1/batches/{batch_id}/results"),
+        ("POST", f"/v1/batches/{batch_id}/cancel"),
+    ):
+        assert_error(stack.client.request(method, path, headers=bearer(key_b)), 404, "batch_not_found")
+    assert stack.client.get(f"/v1/batches/{batch_id}", headers=bearer(key_a)).status_code == 200
+    assert stack.client.get(f"/v1/batches/{batch_id}", headers=bearer(admin)).status_code == 200
+    # The batch's jobs are the owner's jobs: invisible to the other tenant's list.
+    listed = stack.client.get("/v1/jobs", headers=bearer(key_b)).json()["items"]
+    assert listed == []
