@@ -181,7 +181,9 @@ def _settings_overrides(settings: Settings, data_dir: Path) -> dict[str, object]
     overrides: dict[str, object] = {
         "data_dir": data_dir,
         "redis_url": settings.redis_url or f"redis://127.0.0.1:{settings.embedded_redis_port}/0",
-        "worker_queues": ALL_QUEUES if settings.worker_queues == Settings().worker_queues
+        # The one embedded worker serves every queue (joint included) unless told otherwise.
+        "worker_queues": ALL_QUEUES
+        if settings.worker_queues == Settings.model_fields["worker_queues"].default
         else settings.worker_queues,
     }
     if settings.database_url is None:
