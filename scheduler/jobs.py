@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from scheduler import redis_keys
 from scheduler.celery_app import get_celery_app
 from scheduler.enqueue import try_publish_job
+from scheduler.metrics import RedisMetricsRecorder
 from scheduler.models import Job, JobStatus, utcnow
 from scheduler.redis_client import get_redis
 from scheduler.routing import route_job
@@ -268,6 +269,10 @@ def cancel_job(
     if job.status == JobStatus.RUNNING.value:
         client = redis_client or get_redis(settings.resolved_redis_url)
         client.set(redis_keys.cancel(job.id), "1", ex=redis_keys.CANCEL_TTL_SECONDS)
+    elif cancelled_queued:  # finished here, never reached a worker: count it like a worker would
+        recorder = RedisMetricsRecorder(redis_client or get_redis(settings.resolved_redis_url))
+        recorder.safe(recorder.job_finished, kind=job.kind, queue=job.queue, status=JobStatus.CANCELLED.value,
+                      wait_seconds=None, run_seconds=None, steps_used=None, tokens=None)
     return job
 
 
