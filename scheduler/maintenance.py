@@ -14,7 +14,7 @@ from typing import Any
 import redis
 import structlog
 from celery import Celery, shared_task
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
@@ -140,33 +140,49 @@ def promote_aged_jobs(
     session: Session, *, app: Celery, redis_client: redis.Redis, settings: Settings,
     now: datetime | None = None,
 ) -> int:
-    """Aging: a job queued longer than ``aging_seconds`` moves to ``interactive`` (starvation bound).
+    """Aging: the oldest jobs queued longer than ``aging_seconds`` move to ``interactive``.
 
-    The new message goes to the back of ``interactive``; the old one, when consumed, finds the
-    job already claimed (or claims it first — either way one outcome).
+    At most ``aging_max_promoted`` promoted jobs wait in ``interactive`` at any time, so a big
+    aged backlog gets a steady, oldest-first share of the workers (no starvation) without ever
+    putting more than that many long jobs ahead of a new short one. The new message goes to the
+    back of ``interactive``; the old one, when consumed, finds the job already claimed (or
+    claims it first — either way one outcome).
     """
     from scheduler.enqueue import try_publish_job
 
     now = now or utcnow()
+    waiting_promoted = session.scalar(
+        select(func.count()).select_from(Job).where(
+            Job.status == JobStatus.QUEUED.value, Job.queue == QueueName.INTERACTIVE.value,
+            Job.priority.in_(AGING_SOURCES))
+    ) or 0
+    room = min(BATCH, settings.aging_max_promoted - waiting_promoted)
+    if room <= 0:
+        session.commit()
+        return 0
     cutoff = now - timedelta(seconds=settings.aging_seconds)
-    rows = session.execute(
-        select(Job.id, Job.request_id)
+    oldest = [row.id for row in session.execute(
+        select(Job.id)
         .where(Job.status == JobStatus.QUEUED.value, Job.queue.in_(AGING_SOURCES),
                Job.available_at <= cutoff, Job.cancel_requested.is_(False))
-        .order_by(Job.available_at)
-        .limit(BATCH)
-    ).all()
-    promoted = 0
-    for row in rows:
-        written = session.execute(
-            update(Job)
-            .where(Job.id == row.id, Job.status == JobStatus.QUEUED.value, Job.queue.in_(AGING_SOURCES))
-            .values(queue=QueueName.INTERACTIVE.value, updated_at=now)
-        ).rowcount
+        .order_by(Job.available_at, Job.id)
+        .limit(room)
+    )]
+    if not oldest:
         session.commit()
-        if written and try_publish_job(job_id=row.id, queue=QueueName.INTERACTIVE.value, app=app,
-                                       redis_client=redis_client, request_id=row.request_id):
-            promoted += 1
+        return 0
+    moved = session.execute(
+        update(Job)
+        .where(Job.id.in_(oldest), Job.status == JobStatus.QUEUED.value, Job.queue.in_(AGING_SOURCES))
+        .values(queue=QueueName.INTERACTIVE.value, updated_at=now)
+        .returning(Job.id, Job.request_id)
+    ).all()
+    session.commit()
+    promoted = sum(
+        try_publish_job(job_id=row.id, queue=QueueName.INTERACTIVE.value, app=app,
+                        redis_client=redis_client, request_id=row.request_id)
+        for row in moved
+    )
     if promoted:
         log.info("aging.promoted", jobs=promoted)
     return promoted

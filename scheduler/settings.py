@@ -59,6 +59,7 @@ class Settings(BaseSettings):
     interactive_max_cost: int = Field(8192, ge=1, description="Cost (tokens x steps) of the short class.")
     standard_max_cost: int = Field(131072, ge=1, description="Cost bound of the standard class.")
     aging_seconds: float = Field(120.0, gt=0, description="Queued longer than this: promoted to interactive.")
+    aging_max_promoted: int = Field(4, ge=1, description="Aged jobs waiting in interactive at once.")
     reconcile_interval_seconds: float = Field(5.0, gt=0, description="Beat: re-enqueue lost messages.")
     reconcile_grace_seconds: float = Field(2.0, ge=0, description="Age before a queued row counts as lost.")
     reaper_interval_seconds: float = Field(10.0, gt=0, description="Beat: requeue expired leases.")

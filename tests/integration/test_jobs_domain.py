@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import redis as redis_lib
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
@@ -69,7 +69,23 @@ def submit(session: Session, settings: Settings, client: redis_lib.Redis, celery
     kw.setdefault("input", {"prompt": "hi"})
     kw.setdefault("params", PARAMS)
     job, _ = submit_job(session, settings=settings, celery=celery, redis_client=client, **kw)
+    CREATED.append(job.id)
     return job
+
+
+CREATED: list[uuid.UUID] = []
+
+
+@pytest.fixture(autouse=True)
+def cancel_leftovers(session: Session) -> Iterator[None]:
+    """Jobs these tests leave queued are cancelled, so they never reach later tests' workers."""
+    yield
+    if CREATED:
+        session.rollback()
+        session.execute(update(Job).where(Job.id.in_(CREATED), Job.status == JobStatus.QUEUED.value)
+                        .values(status=JobStatus.CANCELLED.value))
+        session.commit()
+        CREATED.clear()
 
 
 def test_list_is_newest_first_with_a_stable_keyset_cursor_and_filters(
@@ -135,6 +151,7 @@ def test_a_failed_publish_leaves_the_row_queued_for_the_reconciler(
     dead = make_settings(database_url=settings.database_url, redis_url="redis://127.0.0.1:1/0")
     job, created = submit_job(session, tenant="t", kind="generate", input={"prompt": "x"}, params=PARAMS,
                               settings=dead, celery=create_celery_app(dead), redis_client=client)
+    CREATED.append(job.id)
     assert created and get_job(session, job_id=job.id, tenant=None).status == JobStatus.QUEUED
     assert client.llen(job.queue) == 0
     later = utcnow() + timedelta(seconds=settings.reconcile_grace_seconds + 1)
@@ -246,3 +263,27 @@ def test_cancel_running_sets_the_flag_and_the_redis_signal(
     session.execute(update(Job).where(Job.id == job.id).values(lease_deadline=expired))
     session.commit()
     assert reap_expired_leases(session, redis_client=client, settings=settings).cancelled == 1
+
+
+def test_aging_promotes_oldest_first_and_caps_promoted_jobs_waiting(
+    session: Session, settings: Settings, client: redis_lib.Redis, celery: Any, make_settings: Any
+) -> None:
+    # The cap is global: leave room for exactly two more beside promoted jobs other tests left waiting.
+    waiting = session.scalar(select(func.count()).select_from(Job).where(
+        Job.status == JobStatus.QUEUED.value, Job.queue == "interactive",
+        Job.priority.in_(["standard", "bulk"])))
+    older_aged = session.scalar(select(func.count()).select_from(Job).where(
+        Job.status == JobStatus.QUEUED.value, Job.queue.in_(["standard", "bulk"])))
+    if older_aged:
+        pytest.skip("other tests left aged jobs queued in this database")
+    capped = make_settings(database_url=settings.database_url, aging_max_promoted=waiting + 2)
+    jobs = [submit(session, capped, client, celery, publish=False,
+                   params={"max_new_tokens": 4096, "steps_per_block": 64}) for _ in range(3)]
+    later = utcnow() + timedelta(seconds=capped.aging_seconds + 1)
+    assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 2
+    queues = [get_job(session, job_id=j.id, tenant=None).queue for j in jobs]
+    assert queues == ["interactive", "interactive", "bulk"]  # the two oldest
+    assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 0
+    claim_job(session, job_id=jobs[0].id, worker_id="w", model_version=None, settings=capped, now=later)
+    assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 1
+    assert get_job(session, job_id=jobs[2].id, tenant=None).queue == "interactive"
