@@ -33,6 +33,7 @@ from scheduler.settings import Settings
 from scheduler.webhook_tasks import notify_job_finished
 from scheduler.workers import WorkerInfo, WorkerState, heartbeat_ttl, publish_worker, remove_worker
 from worker.execution import EngineContext, JobSpec, Outcome, run_kind
+from worker.joint_gate import JOINT_QUEUE, JointGate, joint_gate_for
 from worker.monitor import JobMonitor, RunningJob
 from worker.telemetry import (
     JobFacts,
@@ -66,6 +67,11 @@ class WorkerRuntime:
         self.monitor: JobMonitor | None = None
         self._ready = threading.Event()
         self._draining = threading.Event()
+        # At most engine_joint_slot_cap joint jobs hold task threads (worker/joint_gate.py).
+        self.joint_gate: JointGate | None = (
+            joint_gate_for(cap=settings.engine_joint_slot_cap, node=self.worker_id, redis_client=self.redis)
+            if JOINT_QUEUE in queues else None
+        )
         # Observability: job outcomes and periodic snapshots go to Redis (see worker/telemetry.py).
         self.metrics = RedisMetricsRecorder(self.redis)
         self.telemetry: TelemetryThread | None = None
@@ -165,8 +171,11 @@ class WorkerRuntime:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # --- one job ----------------------------------------------------------------------------------
-    def run_job(self, job_id: str) -> str:
-        """Claim, run and record one job; returns what happened (for logs/tests)."""
+    def run_job(self, job_id: str, *, queue: str | None = None) -> str:
+        """Claim, run and record one job; returns what happened (for logs/tests).
+
+        ``queue`` is the queue the message came from: joint messages pass the joint gate.
+        """
         try:
             parsed = uuid.UUID(str(job_id))
         except ValueError:
@@ -177,6 +186,18 @@ class WorkerRuntime:
             self.redis.delete(redis_keys.enqueued(parsed))
             log.warning("job.handed_back_draining", job_id=str(parsed))
             return "handed_back"
+        gate = self.joint_gate if queue == JOINT_QUEUE else None
+        if gate is not None and not gate.try_enter():
+            self.redis.delete(redis_keys.enqueued(parsed))  # unclaimed: the reconciler republishes it
+            log.info("job.handed_back_joint_cap", job_id=str(parsed), cap=gate.cap)
+            return "handed_back"
+        try:
+            return self._claim_and_run(parsed)
+        finally:
+            if gate is not None:
+                gate.leave()
+
+    def _claim_and_run(self, parsed: uuid.UUID) -> str:
         with self.sessions() as session:
             try:
                 job = claim_job(session, job_id=parsed, worker_id=self.worker_id,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from scheduler.celery_app import RUN_JOB_TASK
 from worker.runtime import get_runtime
 
 
-@shared_task(name=RUN_JOB_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
-def run_job(job_id: str) -> str:
+@shared_task(name=RUN_JOB_TASK, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+def run_job(self: Task, job_id: str) -> str:
     """Run job ``job_id`` on this process's resident model (fenced: duplicates are no-ops)."""
-    return get_runtime().run_job(job_id)
+    queue = (self.request.delivery_info or {}).get("routing_key")
+    return get_runtime().run_job(job_id, queue=queue)

@@ -7,14 +7,19 @@ counted, alert logged) and a second one fails the job with ``invalid_model_outpu
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
 from api.app import create_app
+from scheduler.db import get_session_factory
+from scheduler.models import Job
 from scheduler.settings import Settings
 from tests.conftest import ProcessLauncher, ServiceProcess, wait_for
 
@@ -26,6 +31,7 @@ QUESTIONS = [
     {"id": "law", "text": "Which law governs?", "choices": ["english", "german", "french", "none"]},
     {"id": "notice", "text": "Is written notice required?", "choices": ["yes", "no"]},
 ]
+JOINT_CAP = 2
 CONTEXT = ("The supplier may terminate this agreement with 30 days written notice. Payment is due "
            "within 90 days of invoice. This agreement is governed by the laws of England.")
 
@@ -35,10 +41,11 @@ def stack(
     make_settings: Callable[..., Settings], demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Settings, TestClient, ServiceProcess]]:
     settings = make_settings(model_dir=demo_checkpoint, auth="disabled", fault_injection=True,
-                             engine_max_batch=8, decide_rationale_tokens=12)
+                             engine_max_batch=8, decide_rationale_tokens=12, engine_joint_slot_cap=JOINT_CAP)
     launcher = ProcessLauncher(tmp_path_factory.mktemp("decision-logs"))
     try:
         worker = launcher.start_worker(settings, queues="interactive,standard,bulk,joint", concurrency=8)
+        launcher.start_beat(settings)  # the reconciler republishes joint messages the gate handed back
         with TestClient(create_app(settings)) as client:
             yield settings, client, worker
     finally:
@@ -121,3 +128,31 @@ def test_second_invalid_rationale_fails_with_invalid_model_output(stack) -> None
     assert job["error"]["code"] == "invalid_model_output"
     assert job["result"] is None and job["attempt"] == 1  # not retried as a transient fault
     assert _invalid_output_count(client) == before + 2
+
+
+def test_joint_backlog_never_holds_more_than_its_cap_and_short_jobs_pass(stack) -> None:  # type: ignore[no-untyped-def]
+    settings, client, _ = stack
+    many = [{"id": f"q{i}", "text": f"Is clause {i} binding?"} for i in range(24)]
+    joint = [_decide(client, mode="joint", questions=many, params={"seed": i})["id"] for i in range(6)]
+    short = []
+    for i in range(3):
+        response = client.post("/v1/jobs", json={"kind": "generate", "input": {"prompt": f"hi {i}"},
+                                                 "params": {"max_new_tokens": 4}})
+        short.append(response.json()["id"])
+    sessions = get_session_factory(settings.resolved_database_url)
+    peak = 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with sessions() as session:
+            rows = dict(session.execute(select(Job.id, Job.status).where(
+                Job.id.in_([uuid.UUID(j) for j in joint + short]))).all())
+        running_joint = sum(rows[uuid.UUID(j)] == "running" for j in joint)
+        peak = max(peak, running_joint)
+        if all(rows[uuid.UUID(j)] == "succeeded" for j in joint + short):
+            break
+        time.sleep(0.05)
+    assert peak <= JOINT_CAP
+    jobs = {j: client.get(f"/v1/jobs/{j}").json() for j in joint + short}
+    assert all(job["status"] == "succeeded" for job in jobs.values())
+    last_joint_start = max(jobs[j]["timings"]["started_at"] for j in joint)
+    assert all(jobs[j]["timings"]["finished_at"] < last_joint_start for j in short)  # short work passed
