@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import structlog
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -49,6 +50,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from scheduler.settings import Settings
+
+log = structlog.get_logger(__name__)
 
 MetricType = Literal["counter", "gauge", "histogram"]
 
@@ -447,24 +450,36 @@ class ClusterCollector(Collector):
         return []  # registering must not touch Redis
 
     def collect(self) -> Iterator[Metric]:
+        """Every cluster-wide family. A source that is down (Redis, SQL) drops only the families
+        it feeds, with a warning: ``/metrics`` still answers with the rest (an absent series is
+        what the alert rules expect from an outage, never a scrape error)."""
+        try:
+            yield from self._collect_redis()
+        except Exception as exc:  # Redis down or slow: skip its families
+            log.warning("metrics.redis_unavailable", error=f"{type(exc).__name__}: {exc}")
+        try:
+            depths = self._queue_depths() if self._queue_depths is not None else {}
+        except Exception as exc:  # database down: skip the depth gauge
+            log.warning("metrics.queue_depth_unavailable", error=f"{type(exc).__name__}: {exc}")
+        else:
+            yield self._gauge_by_queue("cloverq_queue_depth", depths)
+
+    def _collect_redis(self) -> Iterator[Metric]:
         pipe = self._redis.pipeline(transaction=False)
         for name in REDIS_COUNTERS:
             pipe.hgetall(_counter_key(name))
         for name in REDIS_HISTOGRAMS:
             pipe.hgetall(_histogram_key(name))
         results = pipe.execute()
+        snapshots = read_worker_snapshots(self._redis)
+        ready = self._workers_ready() if self._workers_ready is not None else ready_from_snapshots(snapshots)
         counter_data = results[: len(REDIS_COUNTERS)]
         histogram_data = results[len(REDIS_COUNTERS) :]
         for name, data in zip(REDIS_COUNTERS, counter_data, strict=True):
             yield self._counter(name, data)
         for name, data in zip(REDIS_HISTOGRAMS, histogram_data, strict=True):
             yield self._histogram(name, data)
-        snapshots = read_worker_snapshots(self._redis)
         yield from self._worker_families(snapshots)
-        yield self._gauge_by_queue(
-            "cloverq_queue_depth", self._queue_depths() if self._queue_depths is not None else {}
-        )
-        ready = self._workers_ready() if self._workers_ready is not None else ready_from_snapshots(snapshots)
         yield self._gauge_by_queue("cloverq_workers_ready", ready)
 
     @staticmethod

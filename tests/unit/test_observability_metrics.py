@@ -73,3 +73,21 @@ def test_multiprocess_mode_sums_api_processes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_has_help(name: str) -> None:
     assert len(FAMILIES[name].help) > 10
+
+
+def test_scrape_survives_redis_and_database_outages() -> None:
+    """A dead Redis and a failing SQL query drop only their families; /metrics still answers."""
+    import redis
+
+    from scheduler.metrics import record_submitted, render_metrics
+
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, socket_timeout=0.2)
+
+    def broken_depths() -> dict[str, int]:
+        raise RuntimeError("database is down")
+
+    record_submitted(kind="generate", queue="bulk")
+    body, _ = render_metrics(dead, queue_depths=broken_depths)
+    names = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert "cloverq_jobs_submitted" in names
+    assert "cloverq_jobs_finished" not in names and "cloverq_queue_depth" not in names
