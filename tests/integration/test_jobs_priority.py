@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis as redis_lib
+from sqlalchemy import update
 
 from scheduler.celery_app import create_celery_app
 from scheduler.db import get_session_factory
@@ -25,6 +26,7 @@ from tests.conftest import ProcessLauncher, wait_for
 
 pytestmark = pytest.mark.integration
 
+TENANT = "priority-tests"
 AGING_SECONDS = 4.0
 SHORT = {"max_new_tokens": 8, "steps_per_block": 2}  # cost 16 -> interactive
 LONG = {"max_new_tokens": 64, "steps_per_block": 64}  # cost 4096 -> bulk
@@ -39,7 +41,7 @@ class Scheduler:
 
     def submit(self, params: dict[str, Any]) -> Job:
         with self.sessions() as session:
-            job, _ = submit_job(session, tenant="acme", kind="generate", input={"prompt": "Once upon"},
+            job, _ = submit_job(session, tenant=TENANT, kind="generate", input={"prompt": "Once upon"},
                                 params=params, settings=self.settings, celery=self.celery,
                                 redis_client=self.redis)
         return job
@@ -56,7 +58,7 @@ class Scheduler:
 
     def cancel(self, job_id: uuid.UUID) -> None:
         with self.sessions() as session:
-            cancel_job(session, job_id=job_id, tenant="acme", settings=self.settings, redis_client=self.redis)
+            cancel_job(session, job_id=job_id, tenant=TENANT, settings=self.settings, redis_client=self.redis)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +76,13 @@ def scheduler(
                                    wait_ready=False)
     launcher.start_beat(settings)
     launcher.wait_ready(worker, settings, timeout=180)
-    yield Scheduler(settings, client)
+    scheduler = Scheduler(settings, client)
+    yield scheduler
     launcher.close()
+    with scheduler.sessions() as session:  # the feeder's leftovers must not reach later modules
+        session.execute(update(Job).where(Job.tenant == TENANT, Job.status == JobStatus.QUEUED.value)
+                        .values(status=JobStatus.CANCELLED.value))
+        session.commit()
 
 
 def test_a_later_short_job_starts_before_a_backlog_of_long_jobs(scheduler: Scheduler) -> None:
