@@ -60,6 +60,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.groups = config.kv_groups
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, hidden]
         cos: torch.Tensor,  # [B, T, D]
         sin: torch.Tensor,  # [B, T, D]
-        mask: torch.Tensor,  # [B, 1, T, S] bool, True = may attend (S = T without cache)
+        bias: torch.Tensor,  # [B, 1, G*T, S] additive mask (S = T without cache), see mask.py
         view: CacheView | None,
     ) -> torch.Tensor:  # [B, T, hidden]
         b, t, _ = x.shape
@@ -90,7 +91,8 @@ class Attention(nn.Module):
             keys = view.rows_of(view.cache.k[self.layer])  # [B, KVH, S, D]
             values = view.rows_of(view.cache.v[self.layer])
 
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )  # [B, H, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        # fold the G query heads of each KV head into the query axis: no K/V repeat
+        q = q.reshape(b, self.num_kv_heads, self.groups * t, self.head_dim)  # [B, KVH, G*T, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)  # [B, KVH, G*T, D]
+        out = out.view(b, self.num_heads, t, self.head_dim).transpose(1, 2)  # [B, T, H, D]
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))

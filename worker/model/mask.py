@@ -42,3 +42,15 @@ def cached_block_causal_mask(
     committed = (rel < 0)[:, None, :]  # [B, 1, S]
     itself = rel[:, None, :] == torch.arange(t, device=device)[None, :, None]  # [B, T, S]
     return (visible | committed | itself)[:, None]
+
+
+def grouped_additive_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, T, S]`` bool mask -> ``[B, 1, G*T, S]`` additive bias (0 / -inf) in ``dtype``.
+
+    Attention folds the ``G`` query heads that share a KV head into the query axis
+    (``[B, KVH, G*T, D]``), so K/V are never repeated; the bias repeats the mask ``G`` times to
+    match. An additive bias is also the faster input for the CPU SDPA kernel.
+    """
+    b, _, t, s = mask.shape
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias[:, :, None].expand(b, 1, groups, t, s).reshape(b, 1, groups * t, s)

@@ -15,7 +15,7 @@ from torch import nn
 from worker.model.attention import Attention, CacheView
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import CacheFullError, KVCache
-from worker.model.mask import block_causal_mask, cached_block_causal_mask
+from worker.model.mask import block_causal_mask, cached_block_causal_mask, grouped_additive_bias
 from worker.model.moe import DenseMLP, SparseMoE
 from worker.model.norm import RMSNorm
 from worker.model.rope import rope_cos_sin
@@ -37,12 +37,12 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [B, T, H]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        bias: torch.Tensor,
         view: CacheView | None,
         token_weight: torch.Tensor | None,
         counts_out: torch.Tensor | None,
     ) -> torch.Tensor:  # [B, T, H]
-        x = x + self.attn(self.input_norm(x), cos, sin, mask, view)
+        x = x + self.attn(self.input_norm(x), cos, sin, bias, view)
         h = self.post_attn_norm(x)
         if self.is_moe:
             return x + self.mlp(h, token_weight=token_weight, counts_out=counts_out)
@@ -81,12 +81,13 @@ class CloverForBlockDiffusion(nn.Module):
             mask = block_causal_mask(block_ids, valid)  # [B, 1, T, T]
         else:
             mask = cached_block_causal_mask(block_ids, valid, lengths, view.key_len)  # [B, 1, T, S]
+        bias = grouped_additive_bias(mask, self.config.kv_groups, self.embed.weight.dtype)  # [B, 1, G*T, S]
         x = self.embed(input_ids)  # [B, T, H]
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         token_weight = valid.reshape(-1).to(torch.float32) if valid is not None else None  # [B*T]
         for i, layer in enumerate(self.layers):
             counts = router_counts[i] if router_counts is not None else None
-            x = layer(x, cos, sin, mask, view, token_weight, counts)
+            x = layer(x, cos, sin, bias, view, token_weight, counts)
         if view is not None and commit_lens is not None:
             cache.lengths.index_add_(0, view.slots, commit_lens.to(cache.lengths))  # K/V already stored
         if logits_index is not None:  # e.g. only the block being denoised, not a long prefill
