@@ -34,13 +34,19 @@ def _default(field: Any) -> str:
     return f"`{value}`"
 
 
+def env_var(name: str, field: Any) -> str:
+    """The environment variable a field is read from (its own alias, else prefix + NAME)."""
+    if isinstance(field.validation_alias, str):
+        return field.validation_alias
+    return f"{Settings.model_config.get('env_prefix', '')}{name.upper()}"
+
+
 def settings_table() -> str:
     """Markdown table: environment variable, default, description for every Settings field."""
-    prefix = str(Settings.model_config.get("env_prefix", ""))
     rows = ["| Variable | Default | Description |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
         description = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `{prefix}{name.upper()}` | {_default(field)} | {description} |")
+        rows.append(f"| `{env_var(name, field)}` | {_default(field)} | {description} |")
     return "\n".join(rows)
 
 

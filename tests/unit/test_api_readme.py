@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cli.settings_doc import BEGIN_MARKER, END_MARKER, settings_block
+from cli.settings_doc import BEGIN_MARKER, END_MARKER, env_var, settings_block
 from scheduler.settings import Settings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -20,7 +20,8 @@ def test_readme_configuration_table_matches_settings() -> None:
 
 def test_every_setting_is_in_the_readme() -> None:
     text = README.read_text()
-    missing = [name for name in Settings.model_fields if f"`CLOVERQ_{name.upper()}`" not in text]
+    fields = Settings.model_fields.items()
+    missing = [name for name, field in fields if f"`{env_var(name, field)}`" not in text]
     assert missing == []
 
 
