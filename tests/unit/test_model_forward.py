@@ -202,3 +202,12 @@ def test_permuted_slots_and_a_row_near_the_end_of_its_slot(loaded: LoadedModel) 
     torch.testing.assert_close(
         follow[0], loaded.model(ids[1:, :12], pos[1:, :12], pos[1:, :12] // BLOCK)[0, 8:], atol=1e-4, rtol=0
     )
+
+
+def test_logits_index_returns_the_selected_positions_only(loaded: LoadedModel) -> None:
+    ids, pos = _tokens(2, 8)
+    full = loaded.model(ids, pos, pos // BLOCK)
+    index = torch.tensor([[4, 5, 6, 7], [0, 2, 2, 7]])
+    picked = loaded.model(ids, pos, pos // BLOCK, logits_index=index)
+    assert picked.shape == (2, 4, loaded.config.vocab_size)
+    torch.testing.assert_close(picked, full.gather(1, index[..., None].expand(-1, -1, full.shape[-1])))
