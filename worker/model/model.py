@@ -92,8 +92,6 @@ class CloverForBlockDiffusion(nn.Module):
             cache.lengths.index_add_(0, view.slots, commit_lens.to(cache.lengths))  # K/V already stored
         if logits_index is not None:  # e.g. only the block being denoised, not a long prefill
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
-        if logits_index is not None:  # the LM head only where the caller reads logits
-            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
         return self.lm_head(self.norm(x)).float()
 
     def _cache_view(
