@@ -211,3 +211,15 @@ def test_logits_index_returns_the_selected_positions_only(loaded: LoadedModel) -
     picked = loaded.model(ids, pos, pos // BLOCK, logits_index=index)
     assert picked.shape == (2, 4, loaded.config.vocab_size)
     torch.testing.assert_close(picked, full.gather(1, index[..., None].expand(-1, -1, full.shape[-1])))
+
+
+def test_expert_loop_fallback_matches_the_grouped_kernel(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.model import moe
+
+    ids, pos = _tokens(2, 8)
+    grouped = loaded.model(ids, pos, pos // BLOCK)
+    monkeypatch.setattr(moe, "_GROUPED_MM_WORKS", {("cpu", None, torch.float32): False})
+    looped = loaded.model(ids, pos, pos // BLOCK)
+    torch.testing.assert_close(looped, grouped, atol=1e-5, rtol=0)

@@ -3,8 +3,9 @@
 Experts are stored stacked (``[E, hidden, 2*inter]`` and ``[E, inter, hidden]``) and dispatched in
 one batch: token copies are sorted by expert and multiplied with ``torch.nn.functional.grouped_mm``
 (one kernel over all experts), so there is no Python loop over tokens or experts. Where the
-grouped kernel is unavailable for a device/dtype, a loop over the experts that received tokens
-is the fallback.
+grouped kernel is unavailable for a device/dtype (probed once), a loop over the experts that
+received tokens is the fallback. Measured on CPU (fp32, 32 experts, 1 thread) the grouped kernel
+was as fast as or faster than that loop at 256 and 2048 routed rows.
 """
 
 from __future__ import annotations
@@ -29,24 +30,45 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# (device type, device index, dtype) -> whether F.grouped_mm runs and agrees with a plain matmul there
+_GROUPED_MM_WORKS: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
 def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows ``offsets[e-1]:offsets[e]`` of ``x`` ``[N, K]`` times ``w[e]`` ``[K, M]`` -> ``[N, M]``."""
-    if _grouped_mm_ok(x):
-        return F.grouped_mm(x, w, offs=offsets)
+    key = (x.device.type, x.device.index, x.dtype)
+    if key not in _GROUPED_MM_WORKS:
+        _GROUPED_MM_WORKS[key] = _probe_grouped_mm(x.device, x.dtype)
+    if _GROUPED_MM_WORKS[key]:
+        try:
+            return F.grouped_mm(x, w, offs=offsets)
+        except RuntimeError:  # a shape/alignment this kernel refuses: use the loop from now on
+            _GROUPED_MM_WORKS[key] = False
+    return _looped_matmul(x, w, offsets)
+
+
+def _looped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The fallback: one matmul per expert that received tokens (one host sync for the bounds)."""
     out = x.new_empty(x.shape[0], w.shape[-1])
     bounds = [0, *offsets.tolist()]
-    for e in range(w.shape[0]):  # only experts that received tokens
+    for e in range(w.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
             out[lo:hi] = x[lo:hi] @ w[e]
     return out
 
 
-def _grouped_mm_ok(x: torch.Tensor) -> bool:
-    # CPU kernels take every float dtype; CUDA's need bf16 (sm90+) for speed and alignment.
-    return x.device.type == "cpu" or (
-        x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-    )
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``F.grouped_mm`` works for this device and dtype (CUDA kernels need bf16 on sm90+)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 32, generator=gen).to(device=device, dtype=dtype)  # [8, K]
+    w = torch.randn(2, 32, 16, generator=gen).to(device=device, dtype=dtype)  # [E, K, M]
+    offsets = torch.tensor([3, 8], dtype=torch.int32, device=device)
+    try:
+        got = F.grouped_mm(x, w, offs=offsets)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return torch.allclose(got.float(), _looped_matmul(x, w, offsets).float(), atol=5e-2, rtol=5e-2)
 
 
 class SparseMoE(nn.Module):
