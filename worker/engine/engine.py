@@ -255,13 +255,19 @@ class Engine:
             w = waiting[i]
             if not w.future.set_running_or_notify_cancel():
                 continue
-            state = SequenceState.start(
-                w.request,
-                w.layout,
-                block_size=w.block_size,
-                mask_token_id=self.mask_token_id,
-                eos_token_ids=self.eos_token_ids,
-            )
+            try:
+                state = SequenceState.start(
+                    w.request,
+                    w.layout,
+                    block_size=w.block_size,
+                    mask_token_id=self.mask_token_id,
+                    eos_token_ids=self.eos_token_ids,
+                )
+            except Exception as exc:  # fails alone
+                log.exception("could not start request %s", w.request.request_id)
+                self._failed += 1
+                w.future.set_exception(exc)
+                continue
             active = _Active(state, self.cache.allocate(), w.future, w.submitted, time.monotonic())
             self._active.append(active)
             admitted.append(active)
@@ -277,33 +283,44 @@ class Engine:
     def _step(self) -> None:
         """One denoising pass over every active sequence."""
         began = time.perf_counter()
-        rows = [self._row(a) for a in self._active]
+        members: list[_Active] = []
+        rows: list[RowSpec] = []
+        for a in self._active:
+            try:
+                rows.append(self._row(a))
+                members.append(a)
+            except Exception as exc:  # a broken request state fails alone
+                self._fail(a, exc)
         timings = PassTimings()
-        outcomes: list[RowOutcome | BaseException]
-        try:
-            outcomes = list(self.runner.run_pass(rows, timings))
-        except Exception:  # isolate the faulty rows
-            log.exception("batched pass failed; retrying row by row")
-            outcomes = []
-            for row in rows:
-                try:
-                    outcomes.append(self.runner.run_pass([row], timings)[0])
-                except Exception as exc:
-                    outcomes.append(exc)
+        outcomes: list[RowOutcome | BaseException] = []
+        if rows:
+            try:
+                outcomes = list(self.runner.run_pass(rows, timings))
+            except Exception:  # isolate the faulty rows
+                log.exception("batched pass failed; retrying row by row")
+                outcomes = []
+                for row in rows:
+                    try:
+                        outcomes.append(self.runner.run_pass([row], timings)[0])
+                    except Exception as exc:
+                        outcomes.append(exc)
         committed = 0
-        for a, outcome in zip(self._active, outcomes, strict=True):
+        for a, outcome in zip(members, outcomes, strict=True):
             if isinstance(outcome, BaseException):
-                a.state.finish(FinishReason.ERROR)
                 self._fail(a, outcome)
                 continue
             before = a.state.blocks_done
-            block_done = a.state.apply_pass(outcome.chosen, outcome.commit, outcome.group_choices)
+            try:
+                block_done = a.state.apply_pass(outcome.chosen, outcome.commit, outcome.group_choices)
+            except Exception as exc:
+                self._fail(a, exc)
+                continue
             committed += sum(outcome.commit)
             if block_done or a.state.blocks_done != before:
                 self._report_progress(a)
         elapsed = time.perf_counter() - began
         with self._cond:
-            self._steps += len(rows)
+            self._steps += len(members)
             self._passes += 1
             self._forwards += timings.forwards
             self._tokens += committed
@@ -365,6 +382,8 @@ class Engine:
             self._finished += 1
 
     def _fail(self, a: _Active, exc: BaseException) -> None:
+        """Fail one active request with ``exc`` (its slot is freed by the next retire)."""
+        a.state.finish(FinishReason.ERROR)
         self._failed += 1
         if not a.future.done():
             a.future.set_exception(exc)
