@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     standard_max_cost: int = Field(131072, ge=1, description="Cost bound of the standard class.")
     aging_seconds: float = Field(120.0, gt=0, description="Queued longer than this: promoted to interactive.")
     aging_max_promoted: int = Field(4, ge=1, description="Aged jobs waiting in interactive at once.")
+    visibility_timeout_seconds: float | None = Field(
+        None, gt=0, description="Redis redelivery timeout; default 2 x the longest deadline + lease."
+    )
     reconcile_interval_seconds: float = Field(5.0, gt=0, description="Beat: re-enqueue lost messages.")
     reconcile_grace_seconds: float = Field(2.0, ge=0, description="Age before a queued row counts as lost.")
     reaper_interval_seconds: float = Field(10.0, gt=0, description="Beat: requeue expired leases.")
@@ -153,7 +156,13 @@ class Settings(BaseSettings):
 
     @property
     def broker_visibility_timeout_seconds(self) -> float:
-        """Redis redelivery timeout: above the longest deadline, so no running job is redelivered."""
+        """Redis redelivery timeout: above the longest deadline, so no running job is redelivered.
+
+        ``visibility_timeout_seconds`` overrides it (the chaos tests set it below a job's run time
+        to show that a redelivered running job is fenced off and runs once).
+        """
+        if self.visibility_timeout_seconds is not None:
+            return self.visibility_timeout_seconds
         longest = max(self.job_deadline_seconds, self.joint_deadline_seconds, self.thinking_deadline_seconds)
         return 2 * longest + self.lease_seconds
 
