@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -46,7 +47,7 @@ from worker.telemetry import (
 log = structlog.get_logger(__name__)
 
 # Test-only faults (honoured only when settings.fault_injection is on; never by default).
-FAULTS: tuple[str, ...] = ("transient", "transient_once", "stall_first_attempt", "input")
+FAULTS: tuple[str, ...] = ("transient", "transient_once", "stall_first_attempt", "input", "crash")
 
 
 class WorkerRuntime:
@@ -320,6 +321,8 @@ class WorkerRuntime:
             raise TransientJobError(f"injected transient fault (attempt {spec.attempt})")
         if fault == "input":
             raise InputJobError("injected input error")
+        if fault == "crash":  # a poison job: the process dies mid-job, every attempt (chaos tests)
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault == "stall_first_attempt" and spec.attempt == 1:
             running.cancel_event.wait(self.settings.fault_stall_seconds)
 
