@@ -58,3 +58,6 @@ def test_requests_are_counted_by_route_template_and_status() -> None:
     assert _count("unmatched", "GET", "404") - before_missing == 1
     assert _count("/boom", "GET", "500") - before_error == 1
     assert sum(b.get() for b in hist._buckets) - before_observed == 3
+    before_other = _count("unmatched", "other", "404")
+    client.request("BREW", "/pot")  # label values a client picks are folded: bounded series
+    assert _count("unmatched", "other", "404") - before_other == 1
