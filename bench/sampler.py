@@ -164,6 +164,9 @@ def passes_per_block(lm: LoadedModel) -> dict[str, float]:
             "dynamic S=8 thr=0.3": SamplingParams(
                 max_new_tokens=64, steps_per_block=8, strategy="dynamic", threshold=0.3
             ),
+            "dynamic S=8 thr=0.1": SamplingParams(
+                max_new_tokens=64, steps_per_block=8, strategy="dynamic", threshold=0.1
+            ),
         }.items():
             futures = [
                 engine.submit(
