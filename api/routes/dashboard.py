@@ -26,12 +26,14 @@ from api.deps import RedisDep, SessionDep
 from api.schemas.errors import error_responses
 from scheduler import redis_keys
 from scheduler.metrics import read_worker_snapshots
-from scheduler.models import Job, JobStatus, QueueName
+from scheduler.models import Job, JobKind, JobStatus, QueueName
 from scheduler.workers import list_workers
 
 DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
 LATENCY_WINDOW = 500  # finished jobs used for latency percentiles and the charts
 MAX_JOBS_PAGE = 200
+# Tenant names as keys allow them; anything else (NUL bytes included) is a 422, not a SQL error.
+TENANT_QUERY_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
 
 # Admin JSON routes answer 401/403 (auth), 429 (rate limit) and 503 (database down) too.
 router = APIRouter(tags=["dashboard"], responses=error_responses(401, 403, 429, 503))
@@ -246,8 +248,8 @@ def admin_jobs(
     _: AdminDep,
     status: Annotated[JobStatus | None, Query()] = None,
     queue: Annotated[QueueName | None, Query()] = None,
-    kind: Annotated[str | None, Query(max_length=16)] = None,
-    tenant: Annotated[str | None, Query(max_length=128)] = None,
+    kind: Annotated[JobKind | None, Query()] = None,
+    tenant: Annotated[str | None, Query(max_length=128, pattern=TENANT_QUERY_PATTERN)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = 50,
 ) -> dict[str, Any]:
     """Most recent jobs across tenants, newest first, with optional filters."""
@@ -256,8 +258,8 @@ def admin_jobs(
         stmt = stmt.where(Job.status == status.value)
     if queue is not None:
         stmt = stmt.where(Job.queue == queue.value)
-    if kind:
-        stmt = stmt.where(Job.kind == kind)
+    if kind is not None:
+        stmt = stmt.where(Job.kind == kind.value)
     if tenant:
         stmt = stmt.where(Job.tenant == tenant)
     return {"items": [_job_row(job) for job in session.scalars(stmt)]}
