@@ -173,22 +173,18 @@ class ModelRunner:
 
     def _restrict_ids(self, block_logits: Tensor, rows: list[RowSpec]) -> None:
         """Positions restricted to a set of ids: every other id gets -inf (in place)."""
-        index = [
-            (i, o, t)
+        restricted = [
+            (i, o, mask)
             for i, row in enumerate(rows)
-            for o, ids in enumerate(row.inp.allowed_ids)
-            if ids
-            for t in ids
+            for o, mask in enumerate(row.inp.allowed_ids)
+            if mask is not None
         ]
-        if not index:
+        if not restricted:
             return
-        where = torch.tensor(index, dtype=torch.long).to(block_logits.device)  # [N, 3]
-        allowed = torch.zeros(
-            block_logits.shape, dtype=torch.bool, device=block_logits.device
-        )  # [R, Bmax, V]
-        allowed[where[:, 0], where[:, 1], where[:, 2]] = True
-        unrestricted = ~allowed.any(dim=-1, keepdim=True)  # [R, Bmax, 1]
-        block_logits.masked_fill_(~(allowed | unrestricted), float("-inf"))
+        allowed = torch.ones(block_logits.shape, dtype=torch.bool)  # [R, Bmax, V]
+        for i, o, mask in restricted:
+            allowed[i, o] = mask
+        block_logits.masked_fill_(~allowed.to(block_logits.device), float("-inf"))
 
     def _choose_sequences(
         self, block_logits: Tensor, rows: list[RowSpec], tokens: Tensor, confidence: Tensor, uniforms: Tensor

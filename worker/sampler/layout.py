@@ -3,12 +3,15 @@
 A plain request generates ``max_new_tokens`` after the prompt, rounded up to whole blocks
 (aligned to absolute positions). A template request (infilling) generates exactly its template:
 fixed tokens are committed up front, slots are masks, restricted slots only take allowed values.
-Building the layout validates the request, so input problems surface as one clear error.
+Building the layout validates the request, so input problems surface as one clear error; it runs
+in the submitting thread, so per-request setup (e.g. vocabulary masks) stays off the engine thread.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from worker.engine.types import GenerationRequest, InfillTemplate
 
@@ -35,7 +38,7 @@ class RegionLayout:
     region_len: int  # positions decoded (whole blocks for plain requests, the template otherwise)
     output_len: int  # the output is cut to this many tokens (max_new_tokens / template length)
     fixed: tuple[int | None, ...]  # [region_len] fixed token or None (masked)
-    allowed_ids: tuple[tuple[int, ...] | None, ...]  # [region_len] allowed ids per position
+    allowed_ids: tuple[torch.Tensor | None, ...]  # [region_len] per position: [V] bool mask or None
     sequence_slots: tuple[SequenceSlot, ...]
     slot_of_position: tuple[int, ...]  # [region_len] index into sequence_slots, -1 if none
     stop_at_eos: bool  # plain requests stop after the block with an EOS; templates never do
@@ -74,7 +77,7 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
     if n == 0:
         raise RequestError("template is empty")
     fixed: list[int | None] = list(template.token_ids)
-    allowed: list[tuple[int, ...] | None] = [None] * n
+    allowed: list[torch.Tensor | None] = [None] * n
     slot_of: list[int] = [-1] * n
     seq_slots: list[SequenceSlot] = []
     unrestricted: list[int] = []
@@ -92,8 +95,10 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
         if ids is not None:
             if not ids or any(not 0 <= t < vocab_size for t in ids):
                 raise RequestError(f"slot {i}: allowed_token_ids empty or out of range")
+            vocab_mask = torch.zeros(vocab_size, dtype=torch.bool)  # [V], built once per request
+            vocab_mask[list(ids)] = True
             for j in span:
-                allowed[j] = tuple(ids)
+                allowed[j] = vocab_mask
         if slot.allowed_sequences is None:
             unrestricted.append(i)
             continue

@@ -49,7 +49,7 @@ class PassInput:
     block_len: int  # current block's positions (trailing part of tokens)
     masked: list[bool]  # [block_len] positions still masked
     quota: int  # this step's k, capped at the masks left
-    allowed_ids: list[tuple[int, ...] | None]  # [block_len] per-position restriction
+    allowed_ids: list[torch.Tensor | None]  # [block_len] per position: [V] bool mask or None
     group_ids: list[int]  # [block_len] restricted-slot group (index into ``groups``) or -1
     groups: list[SlotGroup]  # restricted slots with masks in this block
     uniforms: torch.Tensor | None  # [block_size] draws from the request's generator
