@@ -100,11 +100,11 @@ async def _http_exception_handler(_: Request, exc: Exception) -> JSONResponse:
     if isinstance(detail, Mapping) and "code" in detail:
         body = error_body(str(detail["code"]), str(detail.get("message", "")), detail.get("details"))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-    if exc.status_code == 400 and detail == "There was an error parsing the body":
-        # FastAPI's answer to a body that is not decodable (e.g. invalid UTF-8): the same client
-        # mistake as malformed JSON, which is a 422 ``invalid_request`` -- one code for both.
-        return error_response(422, "invalid_request", "The request body is not valid JSON.",
-                              [{"loc": ["body"], "message": "not valid JSON", "type": "json_invalid"}])
+    if exc.status_code == 400 and isinstance(detail, str):
+        # The framework's answer to a body it cannot parse (undecodable JSON, broken multipart):
+        # the same client mistake as malformed JSON, which is a 422 ``invalid_request``.
+        return error_response(422, "invalid_request", f"The request body cannot be parsed: {detail}",
+                              [{"loc": ["body"], "message": detail, "type": "body_unparsable"}])
     code = _DEFAULT_CODES.get(exc.status_code, "error")
     return error_response(exc.status_code, code, str(detail), None, exc.headers)
 
