@@ -121,6 +121,8 @@ class ModelRunner:
             temperature=torch.tensor([row.temperature for row in rows], dtype=torch.float32, device=dev),
             top_k=torch.tensor([row.top_k for row in rows], dtype=torch.long, device=dev),
             top_p=torch.tensor([row.top_p for row in rows], dtype=torch.float32, device=dev),
+            filtering=any(row.top_k > 0 or row.top_p < 1.0 for row in rows),
+            sampling=any(row.temperature > 0 for row in rows),
         )
         quota = torch.tensor([row.inp.quota for row in rows], dtype=torch.long, device=dev)  # [R]
         threshold = torch.tensor([row.threshold for row in rows], dtype=torch.float32, device=dev)

@@ -21,10 +21,21 @@ class RowSampling:
     temperature: Tensor  # [R] float; 0 = greedy
     top_k: Tensor  # [R] long; 0 = no top-k
     top_p: Tensor  # [R] float; 1.0 = no top-p
+    # host-side summaries (the engine knows them without a device sync); None: read the tensors
+    filtering: bool | None = None  # any row uses top-k or top-p
+    sampling: bool | None = None  # any row has temperature > 0
 
     @property
     def any_filter(self) -> bool:
+        if self.filtering is not None:
+            return self.filtering
         return bool((self.top_k > 0).any() or (self.top_p < 1.0).any())
+
+    @property
+    def any_sampling(self) -> bool:
+        if self.sampling is not None:
+            return self.sampling
+        return bool((self.temperature > 0).any())
 
 
 def filter_logits(logits: Tensor, params: RowSampling) -> Tensor:
@@ -44,7 +55,8 @@ def filter_logits(logits: Tensor, params: RowSampling) -> Tensor:
     remove_sorted = (ranks[None, None, :] >= k[:, None, None]).expand_as(sorted_vals)  # [R, T, V]
     probs_sorted = torch.softmax(sorted_vals.masked_fill(remove_sorted, float("-inf")), dim=-1)
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted  # [R, T, V] mass of better tokens
-    remove_sorted = remove_sorted | (mass_before > params.top_p[:, None, None])  # first token stays
+    uses_p = (params.top_p < 1.0)[:, None, None]  # rows without top-p keep their whole tail
+    remove_sorted = remove_sorted | ((mass_before > params.top_p[:, None, None]) & uses_p)  # first stays
     remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
     return scaled.masked_fill(remove, float("-inf"))
 
@@ -60,8 +72,8 @@ def select_tokens(logits: Tensor, params: RowSampling, uniforms: Tensor | None) 
     filtered = filter_logits(logits, params)  # [R, T, V]
     probs = torch.softmax(filtered, dim=-1)  # [R, T, V]
     tokens = filtered.argmax(dim=-1)  # [R, T]
-    sampling = params.temperature > 0  # [R]
-    if bool(sampling.any()):
+    if params.any_sampling:
+        sampling = params.temperature > 0  # [R]
         if uniforms is None:
             raise ValueError("uniforms are required when a row samples (temperature > 0)")
         cdf = probs.cumsum(dim=-1)  # [R, T, V]
