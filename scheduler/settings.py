@@ -34,6 +34,16 @@ class Settings(BaseSettings):
     model_root: Path | None = Field(
         None, description="Model store: <model_root>/<name>/<version>/; default data_dir/model-store."
     )
+    served_model: str | None = Field(
+        None, description="Worker: serve this store model and follow its active version (cloverq model "
+        "activate); unset: serve model_dir as is.",
+    )
+    served_model_initial_version: str | None = Field(
+        None, description="Worker: version of served_model to activate when none is active yet.",
+    )
+    model_watch_interval_seconds: float = Field(
+        2.0, gt=0, description="Worker: how often it checks the active version of served_model.",
+    )
 
     # --- engine ------------------------------------------------------------------------------
     engine_max_batch: int = Field(16, ge=1, description="Sequences in one batched forward.")
