@@ -21,6 +21,7 @@ class WorkerState:
     STARTING = "starting"  # loading the model / warming up
     READY = "ready"  # consuming jobs
     DRAINING = "draining"  # SIGTERM received: no new jobs, running ones finish
+    FAILED = "failed"  # the engine died; the process is shutting down to be restarted
     STOPPED = "stopped"
 
 

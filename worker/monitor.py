@@ -74,6 +74,7 @@ class JobMonitor:
         self.heartbeat = heartbeat
         self._jobs: dict[uuid.UUID, RunningJob] = {}
         self._lock = threading.Lock()
+        self._push_lock = threading.Lock()  # a final status write never races a progress push
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -87,6 +88,18 @@ class JobMonitor:
     def remove(self, job_id: uuid.UUID) -> None:
         with self._lock:
             self._jobs.pop(job_id, None)
+
+    def finish(self, job: RunningJob, status: str) -> None:
+        """Stop tracking ``job`` and write its final hot status (after any in-flight push)."""
+        with self._push_lock:
+            self.remove(job.lease.job_id)
+            job.status = status
+            job.dirty = False
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(redis_keys.progress(job.lease.job_id), json.dumps(self.snapshot(job)),
+                     ex=redis_keys.PROGRESS_TTL_SECONDS)
+            pipe.delete(redis_keys.cancel(job.lease.job_id))
+            pipe.execute()
 
     def on_progress(self, job_id: uuid.UUID) -> Callable[[Progress], None]:
         """The engine callback for ``job_id``: store the snapshot (cheap; runs on the engine thread)."""
@@ -165,15 +178,16 @@ class JobMonitor:
         return doc
 
     def _push_progress(self, jobs: list[RunningJob]) -> None:
-        dirty = [j for j in jobs if j.dirty]
-        if not dirty:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for job in dirty:
-            job.dirty = False
-            pipe.set(redis_keys.progress(job.lease.job_id), json.dumps(self.snapshot(job)),
-                     ex=redis_keys.PROGRESS_TTL_SECONDS)
-        pipe.execute()
+        with self._push_lock:
+            dirty = [j for j in jobs if j.dirty and j.lease.job_id in self._jobs]
+            if not dirty:
+                return
+            pipe = self.redis.pipeline(transaction=False)
+            for job in dirty:
+                job.dirty = False
+                pipe.set(redis_keys.progress(job.lease.job_id), json.dumps(self.snapshot(job)),
+                         ex=redis_keys.PROGRESS_TTL_SECONDS)
+            pipe.execute()
 
     def _renew(self, jobs: list[RunningJob]) -> None:
         held = [j for j in jobs if not j.lost]

@@ -8,7 +8,6 @@ CUDA is initialised in the process that uses it (threads pool; DESIGN.md decisio
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -133,7 +132,8 @@ class WorkerRuntime:
         back unclaimed (see ``run_job``).
         """
         self._draining.set()
-        self.info.state = WorkerState.DRAINING
+        if self.info.state != WorkerState.FAILED:
+            self.info.state = WorkerState.DRAINING
         self.heartbeat()
         log.info("worker.draining", worker_id=self.worker_id)
 
@@ -152,6 +152,8 @@ class WorkerRuntime:
     def heartbeat(self) -> None:
         if self.engine is not None:
             stats = self.engine.stats()
+            if not stats.running and self.info.state == WorkerState.READY:
+                self._engine_died()
             self.info.stats.update(running_jobs=self.monitor.running_count() if self.monitor else 0,
                                    batch_occupancy=stats.batch_occupancy,
                                    tokens_per_second=round(stats.tokens_per_second, 2))
@@ -159,6 +161,14 @@ class WorkerRuntime:
         publish_worker(self.redis, self.info, ttl_seconds=ttl)
         if self.drain_follower is not None and self.info.state == WorkerState.READY:
             self.drain_follower.sync()
+
+    def _engine_died(self) -> None:
+        """The engine thread is gone: stop advertising readiness, hand back what arrives, and ask
+        Celery for a warm shutdown so the process supervisor restarts a healthy worker."""
+        log.error("worker.engine_dead", worker_id=self.worker_id)
+        self.info.state = WorkerState.FAILED
+        self._draining.set()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _metrics_snapshot(self) -> WorkerSnapshot:
         return snapshot_from_stats(
@@ -304,13 +314,7 @@ class WorkerRuntime:
 
     def _final_hot_status(self, running: RunningJob, status: str) -> None:
         assert self.monitor is not None
-        running.status = status
-        doc = self.monitor.snapshot(running)
-        pipe = self.redis.pipeline(transaction=False)
-        key = redis_keys.progress(running.lease.job_id)
-        pipe.set(key, json.dumps(doc), ex=redis_keys.PROGRESS_TTL_SECONDS)
-        pipe.delete(redis_keys.cancel(running.lease.job_id))
-        pipe.execute()
+        self.monitor.finish(running, status)
 
     def _inject_fault(self, spec: JobSpec, running: RunningJob) -> None:
         """TESTS ONLY (``settings.fault_injection``): simulate faults named by ``params.fault``."""

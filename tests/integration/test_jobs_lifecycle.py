@@ -236,12 +236,12 @@ def test_worker_killed_mid_job_is_recovered_and_succeeds(stack: Stack) -> None:
 def test_sigterm_drains_the_worker_running_jobs_finish_and_no_new_job_is_taken(stack: Stack) -> None:
     from scheduler.workers import list_workers
 
-    worker = next(w for w in stack.bulk_workers if w.proc.poll() is None)
     running_job = stack.submit(params={"max_new_tokens": 96, "steps_per_block": 64, "seed": 2},
                                priority="bulk")
     running = stack.wait_status(running_job.id, JobStatus.RUNNING, timeout=30)
-    assert running.worker_id == worker.worker_id
+    worker = next(w for w in stack.bulk_workers if w.worker_id == running.worker_id)
     worker.send_sigterm()
+
     def draining() -> bool:
         return any(w.id == worker.worker_id and w.state == "draining" for w in list_workers(stack.redis))
 
@@ -253,6 +253,6 @@ def test_sigterm_drains_the_worker_running_jobs_finish_and_no_new_job_is_taken(s
     assert worker.proc.wait(timeout=30) == 0
     assert all(w.id != worker.worker_id for w in list_workers(stack.redis))  # left the registry
     still = stack.get(late.id)
-    assert still.status == JobStatus.QUEUED and still.attempt == 0  # the draining worker took nothing
+    assert still.worker_id != worker.worker_id  # the draining worker took nothing (another may have)
     with stack.session() as session:  # leave nothing queued for later test modules
         cancel_job(session, job_id=late.id, tenant="acme", settings=stack.settings, redis_client=stack.redis)
