@@ -73,6 +73,8 @@ def read_config(folder: Path) -> ModelConfig:
     if gen_eos is not None:
         gen_ids = tuple(gen_eos) if isinstance(gen_eos, list) else (int(gen_eos),)
         updates["eos_token_ids"] = tuple(dict.fromkeys((*gen_ids, *config.eos_token_ids)))
+    if config.block_size is None and gen.get("block_size") is not None:
+        updates["block_size"] = int(gen["block_size"])
     if config.mask_token_id is None and (folder / "tokenizer.json").is_file():
         updates["mask_token_id"] = Tokenizer.find_mask_token_id(folder / "tokenizer.json")
     return dataclasses.replace(config, **updates) if updates else config
@@ -165,6 +167,13 @@ def load_weights(model: CloverForBlockDiffusion, files: list[Path]) -> None:
     config = model.config
     targets = hf_targets(config)
     params = dict(model.named_parameters(remove_duplicate=False))
+    unmapped = (
+        set(params)
+        - {t.param for t in targets.values()}
+        - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    )
+    if unmapped:  # a model parameter no checkpoint tensor fills would stay uninitialised
+        raise CheckpointError(f"no checkpoint name maps to parameters: {', '.join(sorted(unmapped))}")
     seen: set[str] = set()
     unexpected: list[str] = []
     for file in files:

@@ -136,7 +136,12 @@ class Tokenizer:
     def _template(self) -> jinja2.Template:
         if not self.chat_template:
             raise TokenizerError("this checkpoint has no chat_template in tokenizer_config.json")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(
+            value, ensure_ascii=False, indent=indent
+        )
 
         def raise_exception(message: str) -> None:
             raise TokenizerError(f"chat template: {message}")
