@@ -1,6 +1,8 @@
-"""The capacity planner's arithmetic and its CLI."""
+"""The capacity planner's arithmetic and the `cloverq model` commands (plan, init-demo, verify)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -49,3 +51,11 @@ def test_cli_prints_the_table() -> None:
     for dtype in ("bf16", "int8", "int4"):
         assert f"\n    {dtype}" in result.output
     assert "31.77 GFLOP per token" in result.output
+
+
+def test_cli_init_demo_writes_a_verified_checkpoint(tmp_path: Path) -> None:
+    target = tmp_path / "demo"
+    result = CliRunner().invoke(cli, ["model", "init-demo", str(target), "--seed", "3", "--size", "tiny"])
+    assert result.exit_code == 0, result.output
+    assert (target / "manifest.json").is_file()
+    assert CliRunner().invoke(cli, ["model", "verify", str(target)]).exit_code == 0
