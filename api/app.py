@@ -19,7 +19,7 @@ from api.auth import install_security
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
 from api.prompt_tokens import PromptTokenCounter
-from api.routes import admin, batches, health, jobs, webhooks
+from api.routes import admin, admin_models, batches, health, jobs, webhooks
 from api.routes.metrics import install_observability
 from scheduler.celery_app import create_celery_app
 from scheduler.db import make_engine, session_factory
@@ -74,4 +74,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(batches.router)
     app.include_router(webhooks.router)
     app.include_router(admin.router)
+    app.include_router(admin_models.router)
     return app

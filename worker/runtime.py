@@ -14,8 +14,10 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
+import redis
 import structlog
 import torch
 from sqlalchemy import select
@@ -23,8 +25,10 @@ from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
 from scheduler.db import get_session_factory
+from scheduler.drain import drained_queues
 from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
 from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot
+from scheduler.model_versions import Activation, active_version, ensure_active, register_version, store_path
 from scheduler.models import ErrorCode, Job, JobStatus, utcnow
 from scheduler.redis_client import get_redis
 from scheduler.retry import InputJobError, TransientJobError
@@ -34,6 +38,7 @@ from scheduler.webhook_tasks import notify_job_finished
 from scheduler.workers import WorkerInfo, WorkerState, heartbeat_ttl, publish_worker, remove_worker
 from worker.execution import EngineContext, JobSpec, Outcome, run_kind
 from worker.joint_gate import JOINT_QUEUE, JointGate, joint_gate_for
+from worker.model_switch import SWITCHING, JobAdmission, ModelFollower, SwitchTurn, consumer_control
 from worker.monitor import JobMonitor, RunningJob
 from worker.telemetry import (
     JobFacts,
@@ -79,24 +84,49 @@ class WorkerRuntime:
         self._facts: dict[uuid.UUID, JobFacts] = {}
         # Follows the operator's drained-queue flags once the worker is ready (worker/queue_drain.py).
         self.drain_follower: Any = None
+        # Model versions: the version of served_model loaded now, its watcher, and the gate that
+        # keeps jobs out while a switch drains and loads (worker/model_switch.py).
+        self.served_version: str | None = None
+        self.follower: ModelFollower | None = None
+        self.admission = JobAdmission()
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         """Load the model, start and warm the engine, start the monitor (blocks until done)."""
+        self.heartbeat()
+        began = time.monotonic()
+        if self.settings.served_model:  # follow the active version in SQL (worker/model_switch.py)
+            activation = self._initial_activation(self.settings.served_model)
+            self._load_engine(self._store_path(activation.version))
+            self.model_name = self.settings.served_model
+            self.served_version = activation.version
+            self._register_loaded()
+        else:
+            loaded = self._load_engine(self.settings.resolved_model_dir)
+            self.model_name = loaded.path.name
+        self.info.stats["model_load_seconds"] = round(time.monotonic() - began, 3)
+        self.telemetry = TelemetryThread(self.metrics, self._metrics_snapshot,
+                                         interval=self.settings.worker_metrics_interval)
+        self.telemetry.start()
+        self.monitor = JobMonitor(settings=self.settings, sessions=self.sessions, redis_client=self.redis,
+                                  worker_id=self.worker_id, decode=self._decode, heartbeat=self.heartbeat)
+        self.monitor.start()
+        if self.settings.served_model:
+            self.follower = self._model_follower(self.settings.served_model)
+            self.follower.start()
+        log.info("worker.loaded", worker_id=self.worker_id, model_version=self.model_version,
+                 seconds=self.info.stats["model_load_seconds"])
+
+    def _load_engine(self, path: Path) -> Any:
+        """Load (and verify) the checkpoint at ``path``, start and warm up its engine, and make it
+        the one jobs run on; returns the loaded checkpoint."""
         from worker.engine.engine import Engine, EngineConfig
         from worker.model.checkpoint import load_checkpoint
 
-        self.heartbeat()
-        began = time.monotonic()
-        loaded = load_checkpoint(
-            self.settings.resolved_model_dir, device=self.settings.device,
-            dtype=getattr(torch, self.settings.dtype), verify=not self.settings.skip_verify,
-        )
+        loaded = load_checkpoint(path, device=self.settings.device, dtype=getattr(torch, self.settings.dtype),
+                                 verify=not self.settings.skip_verify)
         loaded.model.eval()
-        self.tokenizer = loaded.tokenizer
-        self.model_version = f"{loaded.path.name}@{loaded.manifest_digest[:12]}"
-        self.info.model_version = self.model_version
-        self.engine = Engine(
+        engine = Engine(
             loaded.model,
             EngineConfig(max_batch=self.settings.engine_max_batch,
                          max_tokens_in_flight=self.settings.engine_max_tokens_in_flight,
@@ -105,18 +135,112 @@ class WorkerRuntime:
             eos_token_ids=loaded.tokenizer.eos_token_ids,
             default_block_size=loaded.config.block_size,
         )
-        self.engine.start()
-        self.engine.warm_up()
-        self.info.stats["model_load_seconds"] = round(time.monotonic() - began, 3)
-        self.model_name = loaded.path.name
-        self.telemetry = TelemetryThread(self.metrics, self._metrics_snapshot,
-                                         interval=self.settings.worker_metrics_interval)
-        self.telemetry.start()
-        self.monitor = JobMonitor(settings=self.settings, sessions=self.sessions, redis_client=self.redis,
-                                  worker_id=self.worker_id, decode=self._decode, heartbeat=self.heartbeat)
-        self.monitor.start()
-        log.info("worker.loaded", worker_id=self.worker_id, model_version=self.model_version,
-                 seconds=self.info.stats["model_load_seconds"])
+        engine.start()
+        try:
+            engine.warm_up()
+        except BaseException:
+            engine.stop(drain=False, timeout=30)
+            raise
+        self.engine, self.tokenizer = engine, loaded.tokenizer
+        self.model_version = f"{loaded.path.name}@{loaded.manifest_digest[:12]}"
+        self.info.model_version = self.model_version
+        return loaded
+
+    # --- model versions (worker/model_switch.py) -------------------------------------------------
+    def _store_path(self, version: str) -> Path:
+        assert self.settings.served_model
+        return store_path(self.settings.resolved_model_root, self.settings.served_model, version)
+
+    def _initial_activation(self, name: str) -> Activation:
+        """The version to load at start: the active one, else ``served_model_initial_version``
+        (which becomes active when no version is)."""
+        with self.sessions() as session:
+            current = active_version(session, name=name)
+            if current is not None:
+                return current
+            initial = self.settings.served_model_initial_version
+            if not initial:
+                raise RuntimeError(f"model {name!r} has no active version: run `cloverq model activate "
+                                   f"{name} VERSION` or set CLOVERQ_SERVED_MODEL_INITIAL_VERSION")
+            return ensure_active(session, name=name, version=initial, path=self._store_path(initial))
+
+    def _register_loaded(self) -> None:
+        """Record the served version in SQL (idempotent), so the admin API lists it."""
+        assert self.settings.served_model and self.served_version
+        with self.sessions() as session:
+            register_version(session, name=self.settings.served_model, version=self.served_version,
+                             path=self._store_path(self.served_version))
+
+    def _model_follower(self, name: str) -> ModelFollower:
+        return ModelFollower(
+            model_name=name, sessions=self.sessions,
+            turn=SwitchTurn(self.redis, model_name=name, worker_id=self.worker_id),
+            interval=self.settings.model_watch_interval_seconds,
+            current=lambda: self.served_version, switch=self.switch_model,
+        )
+
+    def switch_model(self, activation: Activation) -> bool:
+        """Drain, load ``activation``'s version, warm up, take jobs again (module doc of
+        worker/model_switch.py). Returns False (still serving the old version) if it cannot load."""
+        target = self._store_path(activation.version)
+        if not (target / "manifest.json").is_file():
+            log.error("worker.model_switch_missing", version=activation.version, path=str(target))
+            self.info.stats["model_switch_error"] = f"{activation.version}: not in the store at {target}"
+            return False
+        if self._draining.is_set():
+            return False
+        began = time.monotonic()
+        previous, old_version = self.served_version, self.model_version
+        log.info("worker.model_switch_started", version=activation.version, previous=old_version)
+        self.info.state = SWITCHING
+        self.heartbeat()
+        queues = self.drain_follower.consuming if self.drain_follower is not None else list(self.queues)
+        self._consumers("cancel", queues)
+        self.admission.close_and_wait()  # every claimed job finishes on the old version
+        self.engine.stop(drain=True, timeout=60)
+        self.engine = None  # frees the old weights before the new ones load
+        loaded_ok = True
+        try:
+            self._load_engine(target)
+            self.served_version = activation.version
+        except Exception as exc:  # corrupt or unloadable version: go back to the one we had
+            loaded_ok = False
+            log.error("worker.model_switch_failed", version=activation.version, error=repr(exc))
+            self.info.stats["model_switch_error"] = f"{activation.version}: {exc!r}"[:500]
+            assert previous is not None
+            try:
+                self._load_engine(self._store_path(previous))
+            except Exception as again:
+                log.error("worker.model_reload_failed", version=previous, error=repr(again))
+                self._engine_died()
+                return False
+        if loaded_ok:
+            self.info.stats.pop("model_switch_error", None)
+            self._register_loaded()
+        self.info.stats["model_switch_seconds"] = round(time.monotonic() - began, 3)
+        self.admission.open()
+        if self._draining.is_set():  # SIGTERM arrived meanwhile: stay out of the pool
+            return loaded_ok
+        self.info.state = WorkerState.READY
+        self._consumers("add", [q for q in queues if q not in drained_queues(self.redis)])
+        self.heartbeat()
+        if self.telemetry is not None:
+            self.telemetry.publish_now()
+        log.info("worker.model_switched", version=self.model_version, previous=old_version,
+                 seconds=self.info.stats["model_switch_seconds"])
+        return loaded_ok
+
+    def _consumers(self, action: str, queues: list[str]) -> None:
+        """Cancel or add this worker's consumers (an optimisation: ``admission`` is the guarantee)."""
+        if not queues:
+            return
+        from scheduler.celery_app import get_celery_app
+
+        cancel, add = consumer_control(get_celery_app(), node=self.worker_id)
+        try:
+            (cancel if action == "cancel" else add)(queues)
+        except Exception as exc:
+            log.warning("worker.consumer_switch_failed", action=action, error=f"{type(exc).__name__}: {exc}")
 
     def mark_ready(self) -> None:
         self.info.state = WorkerState.READY
@@ -140,6 +264,8 @@ class WorkerRuntime:
     def stop(self) -> None:
         """After the pool drained: stop the engine (finishing anything left), leave the registry."""
         self.info.state = WorkerState.STOPPED
+        if self.follower is not None:
+            self.follower.stop()
         if self.engine is not None:
             self.engine.stop(drain=True, timeout=30)
         if self.monitor is not None:
@@ -150,9 +276,10 @@ class WorkerRuntime:
         log.info("worker.stopped", worker_id=self.worker_id)
 
     def heartbeat(self) -> None:
-        if self.engine is not None:
-            stats = self.engine.stats()
-            if not stats.running and self.info.state == WorkerState.READY:
+        engine = self.engine  # a model switch replaces it; read it once
+        if engine is not None:
+            stats = engine.stats()
+            if not stats.running and self.info.state == WorkerState.READY and engine is self.engine:
                 self._engine_died()
             self.info.stats.update(running_jobs=self.monitor.running_count() if self.monitor else 0,
                                    batch_occupancy=stats.batch_occupancy,
@@ -171,8 +298,9 @@ class WorkerRuntime:
         os.kill(os.getpid(), signal.SIGTERM)
 
     def _metrics_snapshot(self) -> WorkerSnapshot:
+        engine = self.engine
         return snapshot_from_stats(
-            self.engine.stats() if self.engine is not None else None, worker_id=self.worker_id,
+            engine.stats() if engine is not None else None, worker_id=self.worker_id,
             device=self.settings.device, queues=self.queues, state=self.info.state,
             model_name=self.model_name, model_version=self.model_version,
             model_load_seconds=self.info.stats.get("model_load_seconds"),
@@ -202,13 +330,29 @@ class WorkerRuntime:
             self.redis.delete(redis_keys.enqueued(parsed))  # unclaimed: the reconciler republishes it
             log.info("job.handed_back_joint_cap", job_id=str(parsed), cap=gate.cap)
             return "handed_back"
+        if not self.admission.enter():  # switching model versions: not claimed, republished later
+            if gate is not None:
+                gate.leave()
+            self.redis.delete(redis_keys.enqueued(parsed))
+            log.info("job.handed_back_switching", job_id=str(parsed))
+            return "handed_back"
         try:
             return self._claim_and_run(parsed)
         finally:
+            self.admission.leave()
             if gate is not None:
                 gate.leave()
 
     def _claim_and_run(self, parsed: uuid.UUID) -> str:
+        # From here on the claim in SQL says where the job is, so the enqueued marker goes first:
+        # a worker killed before its claim commits leaves a queued row WITHOUT a marker, which the
+        # reconciler republishes. Left in place, the marker would hide a message held in the dead
+        # worker's unacked set until the visibility timeout (hours): the job stuck in ``queued``.
+        # (A republish racing this claim is a fenced, harmless duplicate.)
+        try:
+            self.redis.delete(redis_keys.enqueued(parsed))
+        except redis.RedisError as exc:  # Redis down: the claim still decides; recovery is periodic
+            log.warning("job.marker_release_failed", job_id=str(parsed), error=type(exc).__name__)
         with self.sessions() as session:
             try:
                 job = claim_job(session, job_id=parsed, worker_id=self.worker_id,

@@ -5,12 +5,13 @@
 - limits: rate limits and caps, changed at runtime (Redis; every API process sees them);
 - keys: create / list / revoke API keys (the key is shown once, in the create response).
 
-The model-version switch arrives with the model-lifecycle work.
+Model versions (list, activate, roll back) live in ``api/routes/admin_models.py``.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Annotated, Any
 
 from celery import Celery
@@ -94,6 +95,7 @@ def get_workers(caller: AdminDep, settings: SettingsDep) -> WorkerList:
             for w in workers
         ],
         drained_queues=sorted(drain.drained_queues(client)),
+        ready_per_queue=dict(sorted(Counter(q for w in workers if w.is_ready for q in w.queues).items())),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from fastapi import APIRouter, Response
 from sqlalchemy import text
 
@@ -22,6 +24,7 @@ async def healthz() -> Health:
 def readyz(session: SessionDep, redis: RedisDep, response: Response) -> Readiness:
     """Ready when the database and Redis answer and at least one worker is ready."""
     checks: dict[str, ReadinessCheck] = {}
+    per_queue: dict[str, int] = {}
     try:
         session.execute(text("SELECT 1"))
         checks["database"] = ReadinessCheck(ok=True)
@@ -30,12 +33,13 @@ def readyz(session: SessionDep, redis: RedisDep, response: Response) -> Readines
     try:
         redis.ping()
         checks["redis"] = ReadinessCheck(ok=True)
-        workers = len(ready_workers(redis))
-        checks["workers"] = ReadinessCheck(ok=workers > 0, detail=f"{workers} ready")
+        live_ready = ready_workers(redis)
+        per_queue = dict(sorted(Counter(queue for w in live_ready for queue in w.queues).items()))
+        checks["workers"] = ReadinessCheck(ok=len(live_ready) > 0, detail=f"{len(live_ready)} ready")
     except Exception as exc:
         checks["redis"] = ReadinessCheck(ok=False, detail=type(exc).__name__)
         checks["workers"] = ReadinessCheck(ok=False, detail="redis unreachable")
     ready = all(check.ok for check in checks.values())
     if not ready:
         response.status_code = 503
-    return Readiness(ready=ready, checks=checks)
+    return Readiness(ready=ready, checks=checks, ready_workers=per_queue)

@@ -25,7 +25,7 @@ class WorkerOut(BaseModel):
     hostname: str
     pid: int
     queues: list[str] = Field(description="Queues the worker is configured for.")
-    state: str = Field(description="starting, ready, draining or stopped.")
+    state: str = Field(description="starting, ready, switching (model version), draining, failed or stopped.")
     model_version: str | None = None
     started_at: float = Field(description="Unix time the process started.")
     heartbeat_at: float = Field(description="Unix time of its last heartbeat.")
@@ -34,6 +34,9 @@ class WorkerOut(BaseModel):
 class WorkerList(BaseModel):
     items: list[WorkerOut]
     drained_queues: list[str]
+    ready_per_queue: dict[str, int] = Field(
+        default_factory=dict, description="Ready workers (loaded, warmed up, taking jobs) per queue."
+    )
 
 
 class QueueOut(BaseModel):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class Health(BaseModel):
@@ -23,3 +23,7 @@ class Readiness(BaseModel):
 
     ready: bool
     checks: dict[str, ReadinessCheck]
+    ready_workers: dict[str, int] = Field(
+        default_factory=dict,
+        description="Ready workers (model loaded and warmed up, not draining or switching) per queue.",
+    )

@@ -1,0 +1,39 @@
+"""Request and response models of ``/v1/admin/models`` (model versions and their activation)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+# A model name or version is one path component of the model store (see worker/model_store.py).
+StoreComponent = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")]
+
+
+class ActivateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: StoreComponent = Field(description="A registered version, or one published in the store.")
+
+
+class ModelVersionOut(BaseModel):
+    version: str
+    path: str = Field(description="Its folder in the model store (never copied by activation).")
+    registered_at: datetime
+    active: bool
+    ready_workers: int = Field(description="Ready workers serving this version now.")
+
+
+class ModelOut(BaseModel):
+    name: str
+    active_version: str | None = Field(description="The version workers serving this model switch to.")
+    previous_version: str | None = Field(description="Activate it again to roll back.")
+    generation: int = Field(description="Activations so far.")
+    activated_at: datetime | None
+    activated_by: str | None
+    versions: list[ModelVersionOut]
+
+
+class ModelList(BaseModel):
+    items: list[ModelOut]
