@@ -137,6 +137,10 @@ def _wait_with_progress(client: httpx.Client, job: dict[str, Any], poll_interval
             bar.update(steps, completed=progress.get("steps_used") or 0,
                        total=progress.get("step_budget"),
                        detail=f"{progress.get('tokens_committed') or 0} tokens")
+        final = job.get("progress") or {}
+        for task, key in ((blocks, "blocks_done"), (steps, "steps_used")):  # finished: bars end full
+            done = final.get(key) or 0
+            bar.update(task, total=done or None, completed=done)
     return job
 
 
