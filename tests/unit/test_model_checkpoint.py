@@ -162,3 +162,20 @@ def test_config_accepts_published_name_variants() -> None:
         ModelConfig.from_hf_dict({**base, "model_type": "llama"})
     with pytest.raises(ConfigError, match="rope_type"):
         ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_counts_match_the_built_model(pristine: Path, tied: bool) -> None:
+    import dataclasses
+
+    from worker.model.checkpoint import read_config
+    from worker.model.model import CloverForBlockDiffusion
+
+    config = dataclasses.replace(read_config(pristine), tie_word_embeddings=tied, attention_bias=True)
+    with torch.device("meta"):
+        model = CloverForBlockDiffusion(config)
+    total, active = config.param_counts()
+    assert total == sum(p.numel() for p in model.parameters())
+    expert = 3 * config.hidden_size * config.moe_intermediate_size
+    idle_experts = len(config.moe_layers) * (config.num_experts - config.num_experts_per_tok)
+    assert total - active == idle_experts * expert + (0 if tied else config.vocab_size * config.hidden_size)
