@@ -14,6 +14,7 @@ import click
 COMMAND_MODULES: tuple[str, ...] = (
     "cli.model",  # model init-demo / verify / plan
     "cli.model_store",  # model pull / list (adds to the model group)
+    "cli.model_versions",  # model activate / rollback / versions (adds to the model group)
     "cli.generate",  # offline generation through the engine
     "cli.services",  # up / api / worker / beat / migrate
     "cli.jobs",  # submit / jobs / cancel

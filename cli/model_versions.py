@@ -1,0 +1,136 @@
+"""``cloverq model activate NAME VERSION`` and ``cloverq model versions``: switch model versions.
+
+The same operation as ``POST /v1/admin/models/{name}/activate``, run where the database (and
+usually the model store) is reachable: a version published in the store but never registered
+is registered on the way. Workers serving the model (``CLOVERQ_SERVED_MODEL``) notice within
+``model_watch_interval_seconds``, drain, load it, warm up and take jobs again. Rolling back is
+activating the previous version (``cloverq model rollback NAME`` does exactly that); no weights
+are copied. Every activation writes an audit line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import click
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.orm import Session, sessionmaker
+
+from scheduler.audit import audit
+from scheduler.db import make_engine, migrate, session_factory
+from scheduler.logging import configure_logging
+from scheduler.model_versions import (
+    Activation,
+    UnknownModelVersion,
+    activate,
+    active_version,
+    list_active,
+    list_registered,
+)
+from scheduler.settings import Settings, get_settings
+from worker import model_store
+
+
+def _sessions(settings: Settings) -> sessionmaker[Session]:
+    configure_logging(settings)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # migrate() is idempotent; keep it quiet
+    url = settings.resolved_database_url
+    migrate(url)
+    return session_factory(make_engine(url))
+
+
+def _activate(name: str, version: str) -> Activation:
+    settings = get_settings()
+    try:
+        model_store.validate_component(name, what="model name")
+        model_store.validate_component(version, what="version")
+        with _sessions(settings)() as session:
+            result = activate(session, name=name, version=version, actor="cli",
+                              store_root=settings.resolved_model_root)
+    except (UnknownModelVersion, model_store.ModelStoreError) as exc:
+        raise click.ClickException(f"{exc} (pull it first: cloverq model pull SRC --name {name} "
+                                   f"--version {version})") from exc
+    audit("model.activate", actor_tenant=None, actor_key_id=None, via="cli", target=name,
+          version=result.version, previous=result.previous_version, generation=result.generation)
+    return result
+
+
+def _echo_activation(result: Activation) -> None:
+    previous = f" (previous: {result.previous_version})" if result.previous_version else ""
+    click.echo(f"{result.name}: active version {result.version}{previous}, activation #{result.generation}")
+
+
+@click.command("activate")
+@click.argument("name")
+@click.argument("version")
+def activate_command(name: str, version: str) -> None:
+    """Make VERSION the active version of model NAME; serving workers switch to it."""
+    _echo_activation(_activate(name, version))
+
+
+@click.command("rollback")
+@click.argument("name")
+def rollback_command(name: str) -> None:
+    """Activate the version that was active before the current one of model NAME."""
+    with _sessions(get_settings())() as session:
+        current = active_version(session, name=name)
+    if current is None or current.previous_version is None:
+        raise click.ClickException(f"model {name!r} has no previous version to roll back to")
+    _echo_activation(_activate(name, current.previous_version))
+
+
+@click.command("versions")
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="One JSON array on stdout.")
+def versions_command(name: str | None, as_json: bool) -> None:
+    """Registered versions (SQL) and published ones (store), with the active one marked."""
+    settings = get_settings()
+    with _sessions(settings)() as session:
+        registered = list_registered(session, name=name)
+        active = list_active(session)
+    try:
+        in_store = model_store.list_versions(settings.resolved_model_root, name=name)
+    except model_store.ModelStoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    rows: dict[tuple[str, str], dict[str, object]] = {}
+    for v in in_store:
+        rows[(v.name, v.version)] = {"name": v.name, "version": v.version, "path": str(v.path),
+                                     "registered": False, "in_store": True}
+    for r in registered:
+        row = rows.setdefault((r.name, r.version), {"name": r.name, "version": r.version, "path": r.path,
+                                                    "in_store": False})
+        row["registered"] = True
+    for (model, version), row in rows.items():
+        current = active.get(model)
+        row["active"] = current is not None and current.version == version
+        row["previous"] = current is not None and current.previous_version == version
+    ordered = [rows[key] for key in sorted(rows)]
+    if as_json:
+        click.echo(json.dumps(ordered))
+        return
+    if not ordered:
+        click.echo("no model versions registered or in the store")
+        return
+    table = Table("name", "version", "active", "registered", "in store", "path")
+    for row in ordered:
+        mark = "active" if row["active"] else ("previous" if row["previous"] else "")
+        table.add_row(str(row["name"]), str(row["version"]), mark, "yes" if row["registered"] else "no",
+                      "yes" if row["in_store"] else "no", str(row["path"]))
+    Console().print(table)
+
+
+def register(group: click.Group) -> None:
+    """Add ``activate``, ``rollback`` and ``versions`` to the ``model`` group."""
+    model_group = group.commands.get("model")
+    if not isinstance(model_group, click.Group):
+
+        @group.group("model")
+        def model_group_fallback() -> None:
+            """Checkpoints and model versions."""
+
+        model_group = model_group_fallback
+    model_group.add_command(activate_command)
+    model_group.add_command(rollback_command)
+    model_group.add_command(versions_command)
