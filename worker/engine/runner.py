@@ -95,22 +95,20 @@ class ModelRunner:
         bmax = max(row.inp.block_len for row in rows)
         dev = self.device
 
-        # ---- host-side tensors (small), then one copy each to the device --------------------
-        ids = torch.full((r, t), self.mask_token_id, dtype=torch.long)  # [R, T]
-        valid = torch.zeros(r, t, dtype=torch.bool)  # [R, T]
-        masked = torch.zeros(r, bmax, dtype=torch.bool)  # [R, Bmax]
-        group_ids = torch.full((r, bmax), -1, dtype=torch.long)  # [R, Bmax]
+        # ---- host-side tensors (small, built from padded lists), one copy each to the device --
+        mask_id = self.mask_token_id
+        ids = torch.tensor([row.inp.tokens + [mask_id] * (t - len(row.inp.tokens)) for row in rows])  # [R, T]
+        valid = (
+            torch.arange(t)[None, :] < torch.tensor([len(row.inp.tokens) for row in rows])[:, None]
+        )  # [R, T]
+        masked = torch.tensor(
+            [row.inp.masked + [False] * (bmax - row.inp.block_len) for row in rows]
+        )  # [R, Bmax]
+        group_ids = torch.tensor([row.inp.group_ids + [-1] * (bmax - row.inp.block_len) for row in rows])
         uniforms = torch.zeros(r, bmax)  # [R, Bmax]
         for i, row in enumerate(rows):
-            inp = row.inp
-            n = len(inp.tokens)
-            ids[i, :n] = torch.tensor(inp.tokens, dtype=torch.long)
-            valid[i, :n] = True
-            masked[i, : inp.block_len] = torch.tensor(inp.masked, dtype=torch.bool)
-            if inp.groups:
-                group_ids[i, : inp.block_len] = torch.tensor(inp.group_ids, dtype=torch.long)
-            if inp.uniforms is not None:
-                uniforms[i, : inp.block_len] = inp.uniforms[: inp.block_len]
+            if row.inp.uniforms is not None:
+                uniforms[i, : row.inp.block_len] = row.inp.uniforms[: row.inp.block_len]
         start = torch.tensor([row.inp.start_pos for row in rows], dtype=torch.long)  # [R]
         commit_lens = torch.tensor([row.inp.commit_len for row in rows], dtype=torch.long)  # [R]
         block_size = torch.tensor([row.block_size for row in rows], dtype=torch.long)  # [R]

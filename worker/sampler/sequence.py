@@ -138,8 +138,11 @@ class SequenceState:
 
     # ---- block lifecycle -------------------------------------------------------------------
     def _block_masks(self) -> list[bool]:
+        """[block_len] whether each position of the current block is still masked."""
         r0 = self.layout.region_start
-        return [p >= r0 and not self.committed[p - r0] for p in range(self.block_start, self.block_end)]
+        lo, hi = self.block_start, self.block_end
+        head = max(r0 - lo, 0)  # prompt positions of a partial first block
+        return [False] * head + [not c for c in self.committed[lo + head - r0 : hi - r0]]
 
     def _begin_block(self) -> None:
         """Plan the current block; blocks without masks complete at once (they cost no pass)."""
@@ -177,40 +180,28 @@ class SequenceState:
     # ---- passes ----------------------------------------------------------------------------
     def pass_input(self) -> PassInput:
         """The row this request feeds into the next denoising pass."""
-        masked = self._block_masks()
-        masks_left = sum(masked)
-        quota = min(self.quotas[self.step_in_block], masks_left)
+        lo, hi = self.block_start, self.block_end
         r0 = self.layout.region_start
-        block_rel = range(self.block_start - r0, self.block_end - r0)
-        allowed = [self.layout.allowed_ids[j] if j >= 0 else None for j in block_rel]
-        group_ids: list[int] = []
+        masked = self._block_masks()
+        quota = min(
+            self.quotas[self.step_in_block], self.block_masks_left[self.block_index - self.first_block]
+        )
+        block_len = hi - lo
+        allowed: list[torch.Tensor | None] = [None] * block_len
+        group_ids = [-1] * block_len
         groups: list[SlotGroup] = []
-        by_slot: dict[int, SlotGroup] = {}
-        for offset, j in enumerate(block_rel):
-            s = self.layout.slot_of_position[j] if j >= 0 else -1
-            if s < 0 or not masked[offset]:
-                group_ids.append(-1)
-                continue
-            if s not in by_slot:
-                by_slot[s] = SlotGroup(slot=s, offsets=[], candidates=[])
-                groups.append(by_slot[s])
-            by_slot[s].offsets.append(offset)
-            group_ids.append(groups.index(by_slot[s]))
-        for g in groups:
-            slot = self.layout.sequence_slots[g.slot]
-            rel = [self.block_start + o - r0 - slot.start for o in g.offsets]  # slot-relative
-            g.candidates = [
-                tuple(slot.candidates[c][k] for k in rel) for c in self.slot_decisions[g.slot].candidates
-            ]
+        if self.request.template is not None:
+            allowed = [self.layout.allowed_ids[p - r0] if p >= r0 else None for p in range(lo, hi)]
+            groups = self._slot_groups(masked, group_ids)
         self._pass_groups = groups
         uniforms = None
         if self.request.params.temperature > 0:
             uniforms = torch.rand(self.block_size, generator=self.generator)  # [block_size]
         return PassInput(
-            tokens=self.tokens[self.cached_len : self.block_end],
+            tokens=self.tokens[self.cached_len : hi],
             start_pos=self.cached_len,
-            commit_len=self.block_start - self.cached_len,
-            block_len=self.block_end - self.block_start,
+            commit_len=lo - self.cached_len,
+            block_len=block_len,
             masked=masked,
             quota=quota,
             allowed_ids=allowed,
@@ -218,6 +209,29 @@ class SequenceState:
             groups=groups,
             uniforms=uniforms,
         )
+
+    def _slot_groups(self, masked: list[bool], group_ids: list[int]) -> list[SlotGroup]:
+        """Restricted slots with masks in the current block (fills ``group_ids`` in place)."""
+        lo, r0 = self.block_start, self.layout.region_start
+        groups: list[SlotGroup] = []
+        index_of: dict[int, int] = {}
+        for offset in range(len(masked)):
+            j = lo + offset - r0
+            s = self.layout.slot_of_position[j] if j >= 0 else -1
+            if s < 0 or not masked[offset]:
+                continue
+            if s not in index_of:
+                index_of[s] = len(groups)
+                groups.append(SlotGroup(slot=s, offsets=[], candidates=[]))
+            groups[index_of[s]].offsets.append(offset)
+            group_ids[offset] = index_of[s]
+        for g in groups:
+            slot = self.layout.sequence_slots[g.slot]
+            rel = [lo + o - r0 - slot.start for o in g.offsets]  # slot-relative
+            g.candidates = [
+                tuple(slot.candidates[c][k] for k in rel) for c in self.slot_decisions[g.slot].candidates
+            ]
+        return groups
 
     def apply_pass(
         self,
@@ -230,17 +244,19 @@ class SequenceState:
         chosen/commit: [block_len]; group_choices: per group of the pass input, the chosen
         candidate (index into that pass's candidate list) and its normalised probability.
         """
-        self.cached_len = self.block_start
+        lo = self.block_start
+        self.cached_len = lo
         self.steps_used += 1
         self.step_in_block += 1
         r0 = self.layout.region_start
         offsets = [o for o, c in enumerate(commit) if c]
         for o in offsets:
-            self.tokens[self.block_start + o] = chosen[o]
-            self.committed[self.block_start + o - r0] = True
-        self._record_groups(offsets, group_choices)
+            self.tokens[lo + o] = chosen[o]
+            self.committed[lo + o - r0] = True
+        if self._pass_groups:
+            self._record_groups(offsets, group_choices)
         self.block_masks_left[self.block_index - self.first_block] -= len(offsets)
-        if any(self._block_masks()):
+        if self.block_masks_left[self.block_index - self.first_block] > 0:
             if self.step_in_block >= len(self.quotas):
                 raise RuntimeError("schedule exhausted with masks left (commit rule broke its quota)")
             return False
