@@ -120,7 +120,8 @@ class CloverForBlockDiffusion(nn.Module):
             raise CacheFullError(f"committing would pass the cache's {cache.max_len} positions per slot")
         start = slot_list[0]
         contiguous = slot_list == list(range(start, start + b))
-        key_len = min(cache.max_len, max(len_list) + t)
+        # rounded up to a multiple of 8 columns (masked) so GPU attention kernels get aligned rows
+        key_len = min(cache.max_len, -(-(max(len_list) + t) // 8) * 8)
         cols = torch.arange(t, device=cache.device)  # [T]
         pos = lengths[:, None] + cols[None, :]  # [B, T] destination columns
         rows = write_cols = None
