@@ -416,6 +416,10 @@ class WorkerRuntime:
                                  result=outcome.result, steps_used=outcome.steps_used,
                                  error_code=outcome.error_code, error_message=outcome.error_message)
         running.status = outcome.status.value if written else running.status
+        if written:  # final counters from the outcome: the last block may finish after the last report
+            running.extra.update(steps_used=outcome.steps_used, tokens_committed=outcome.tokens)
+            if outcome.result is not None and "text" in outcome.result:
+                running.extra["partial_text"] = outcome.result["text"]
         self._final_hot_status(running, outcome.status.value if written else "lost")
         if written:  # webhooks (outbox + publish), the one summary line, finished metrics
             notify_job_finished(lease.job_id, sessions=self.sessions)

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.integration
 
 TENANT = "priority-tests"
 AGING_SECONDS = 4.0
+FEED_DEPTH = 8  # shorts kept waiting: deep enough that a stalled feeder thread never lets it drain
 SHORT = {"max_new_tokens": 8, "steps_per_block": 2}  # cost 16 -> interactive
 LONG = {"max_new_tokens": 64, "steps_per_block": 64}  # cost 4096 -> bulk
 
@@ -106,7 +107,7 @@ def test_a_long_job_starts_within_its_aging_bound_under_a_stream_of_short_jobs(s
 
     def feed() -> None:  # keep the interactive queue non-empty: without aging, bulk would starve
         while not stop.is_set():
-            if scheduler.redis.llen("interactive") < 3:
+            if scheduler.redis.llen("interactive") < FEED_DEPTH:
                 shorts.append(scheduler.submit(SHORT))
             else:
                 time.sleep(0.01)
@@ -114,7 +115,8 @@ def test_a_long_job_starts_within_its_aging_bound_under_a_stream_of_short_jobs(s
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     try:
-        wait_for(lambda: scheduler.redis.llen("interactive") >= 2, timeout=10, message="a short backlog")
+        wait_for(lambda: scheduler.redis.llen("interactive") >= FEED_DEPTH - 1, timeout=10,
+                 message="a short backlog")
         long = scheduler.submit(LONG)
         assert long.queue == "bulk"
         s = scheduler.settings
