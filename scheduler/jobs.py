@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import redis
+import structlog
 from celery import Celery
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -31,6 +32,8 @@ from scheduler.routing import route_job
 from scheduler.settings import Settings, get_settings
 
 MAX_LIST_LIMIT = 500
+
+log = structlog.get_logger(__name__)
 
 
 class IdempotencyConflictError(Exception):
@@ -268,7 +271,10 @@ def cancel_job(
     assert job is not None
     if job.status == JobStatus.RUNNING.value:
         client = redis_client or get_redis(settings.resolved_redis_url)
-        client.set(redis_keys.cancel(job.id), "1", ex=redis_keys.CANCEL_TTL_SECONDS)
+        try:
+            client.set(redis_keys.cancel(job.id), "1", ex=redis_keys.CANCEL_TTL_SECONDS)
+        except redis.RedisError as exc:  # the SQL flag is durable: the worker sees it at lease renewal
+            log.warning("job.cancel_signal_failed", job_id=str(job.id), error=repr(exc))
     elif cancelled_queued:  # finished here, never reached a worker: count it like a worker would
         recorder = RedisMetricsRecorder(redis_client or get_redis(settings.resolved_redis_url))
         recorder.safe(recorder.job_finished, kind=job.kind, queue=job.queue, status=JobStatus.CANCELLED.value,
@@ -289,5 +295,9 @@ def read_progress(
     ``tokens_committed``, ``partial_text``, ``updated_at`` (unix seconds).
     """
     client = redis_client or get_redis((settings or get_settings()).resolved_redis_url)
-    raw = client.get(redis_keys.progress(job_id))
+    try:
+        raw = client.get(redis_keys.progress(job_id))
+    except redis.RedisError as exc:  # hot status is optional: SQL still has status and coarse progress
+        log.warning("job.progress_unavailable", job_id=str(job_id), error=repr(exc))
+        return None
     return json.loads(raw) if raw else None

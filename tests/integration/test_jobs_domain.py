@@ -287,3 +287,16 @@ def test_aging_promotes_oldest_first_and_caps_promoted_jobs_waiting(
     claim_job(session, job_id=jobs[0].id, worker_id="w", model_version=None, settings=capped, now=later)
     assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 1
     assert get_job(session, job_id=jobs[2].id, tenant=None).queue == "interactive"
+
+
+def test_redis_outage_degrades_cancel_and_progress_instead_of_failing(
+    session: Session, settings: Settings, client: redis_lib.Redis, celery: Any
+) -> None:
+    from scheduler.jobs import read_progress
+
+    dead = redis_lib.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
+    job = submit(session, settings, client, celery, publish=False)
+    claim_job(session, job_id=job.id, worker_id="w", model_version=None, settings=settings)
+    flagged = cancel_job(session, job_id=job.id, tenant=job.tenant, settings=settings, redis_client=dead)
+    assert flagged is not None and flagged.cancel_requested  # the worker sees it at lease renewal
+    assert read_progress(job.id, redis_client=dead) is None
