@@ -223,3 +223,18 @@ def test_expert_loop_fallback_matches_the_grouped_kernel(
     monkeypatch.setattr(moe, "_GROUPED_MM_WORKS", {("cpu", None, torch.float32): False})
     looped = loaded.model(ids, pos, pos // BLOCK)
     torch.testing.assert_close(looped, grouped, atol=1e-5, rtol=0)
+
+
+def test_a_real_position_past_the_slot_is_refused(loaded: LoadedModel) -> None:
+    ids, pos = _tokens(1, 12)
+    cache = _cache(loaded, seqs=1, length=8)
+    slots = torch.tensor([cache.allocate()])
+    loaded.model(
+        ids[:, :4], pos[:, :4], pos[:, :4] // BLOCK, cache=cache, slots=slots, commit_lens=torch.tensor([4])
+    )
+    with pytest.raises(CacheFullError):  # positions 4..11: 8..11 have no room, even uncommitted
+        loaded.model(ids[:, 4:], pos[:, 4:], pos[:, 4:] // BLOCK, cache=cache, slots=slots)
+    valid = torch.tensor([[True] * 4 + [False] * 4])  # padding past the slot is simply not stored
+    out = loaded.model(ids[:, 4:], pos[:, 4:], pos[:, 4:] // BLOCK, valid=valid, cache=cache, slots=slots)
+    ref = loaded.model(ids[:, :8], pos[:, :8], pos[:, :8] // BLOCK)[0, 4:8]
+    torch.testing.assert_close(out[0, :4], ref, atol=1e-4, rtol=0)

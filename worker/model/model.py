@@ -76,7 +76,7 @@ class CloverForBlockDiffusion(nn.Module):
         router_counts: torch.Tensor | None = None,  # [L, E] int64
         logits_index: torch.Tensor | None = None,  # [B, K] new-token indices to return logits for
     ) -> torch.Tensor:  # [B, T, V] float32 ([B, K, V] with logits_index)
-        view, lengths = self._cache_view(input_ids.shape[1], cache, slots, commit_lens)
+        view, lengths = self._cache_view(input_ids.shape[1], cache, slots, commit_lens, valid)
         if view is None:
             mask = block_causal_mask(block_ids, valid)  # [B, 1, T, T]
         else:
@@ -100,6 +100,7 @@ class CloverForBlockDiffusion(nn.Module):
         cache: KVCache | None,
         slots: torch.Tensor | None,
         commit_lens: torch.Tensor | None,
+        valid: torch.Tensor | None,
     ) -> tuple[CacheView | None, torch.Tensor | None]:
         """Where each row's new K/V go and what it reads; one host sync for lengths and bounds."""
         if cache is None:
@@ -126,8 +127,11 @@ class CloverForBlockDiffusion(nn.Module):
         pos = lengths[:, None] + cols[None, :]  # [B, T] destination columns
         rows = write_cols = None
         write_slots, write_pos = slots[:, None], pos
-        if max(len_list) + t > cache.max_len:  # some padding positions have no room: skip those
-            rows, write_cols = (pos < cache.max_len).nonzero(as_tuple=True)  # [N], [N]
+        if max(len_list) + t > cache.max_len:  # some positions have no room: padding may be skipped
+            fits = pos < cache.max_len  # [B, T]
+            if bool((~fits & (True if valid is None else valid)).any()):
+                raise CacheFullError(f"a real new position would pass the cache's {cache.max_len} positions")
+            rows, write_cols = fits.nonzero(as_tuple=True)  # [N], [N]
             write_slots, write_pos = slots[rows], pos[rows, write_cols]
         view = CacheView(
             cache=cache,
