@@ -7,6 +7,9 @@ with workers: every transition is a conditional UPDATE.
 
 from __future__ import annotations
 
+import base64
+import json
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -18,6 +21,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
+from scheduler.celery_app import RUN_JOB_TASK
 from scheduler.metrics import RedisMetricsRecorder
 from scheduler.models import FINAL_STATUSES, ErrorCode, Job, JobStatus, QueueName, utcnow
 from scheduler.retry import backoff_seconds
@@ -26,6 +30,67 @@ from scheduler.settings import Settings, get_settings
 log = structlog.get_logger(__name__)
 
 BATCH = 1000  # rows handled per tick; the next tick continues
+
+# Kombu's Redis transport keeps a delivered, unacknowledged message here until it is acked or
+# the visibility timeout restores it (kombu's default key names; cloverq does not change them).
+KOMBU_UNACKED = "unacked"
+KOMBU_UNACKED_INDEX = "unacked_index"
+
+
+def _job_id_of_delivery(raw: str | bytes | None) -> uuid.UUID | None:
+    """The job id of a ``cloverq.run_job`` message as kombu stores it unacked; None otherwise."""
+    if raw is None:
+        return None
+    try:
+        message = json.loads(raw)[0]
+        if message.get("headers", {}).get("task") != RUN_JOB_TASK:
+            return None
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        return uuid.UUID(str(json.loads(body)[0][0]))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def release_orphaned_deliveries(
+    session: Session, *, redis_client: redis.Redis, settings: Settings, now: datetime | None = None
+) -> int:
+    """Queued jobs whose message was delivered to a worker that died before claiming it.
+
+    Such a message waits in kombu's unacked set until the visibility timeout (longer than the
+    longest deadline: hours) and the job's enqueued marker stays, so the reconciler would not
+    publish it again: the job would sit in ``queued``. A live worker claims a delivery within
+    milliseconds, so a ``run_job`` delivery older than a lease whose job is still queued is
+    orphaned: it is dropped from the unacked set and the marker released, and
+    ``enqueue_due_jobs`` publishes the job again (a late duplicate is fenced off by the claim).
+    Returns how many jobs were released.
+    """
+    cutoff = (now or utcnow()).timestamp() - settings.lease_seconds
+    tags = redis_client.zrangebyscore(KOMBU_UNACKED_INDEX, "-inf", cutoff, start=0, num=BATCH)
+    if not tags:
+        return 0
+    by_job: dict[uuid.UUID, list[Any]] = {}
+    for tag, raw in zip(tags, redis_client.hmget(KOMBU_UNACKED, tags), strict=True):
+        job_id = _job_id_of_delivery(raw)
+        if job_id is not None:
+            by_job.setdefault(job_id, []).append(tag)
+    if not by_job:
+        return 0
+    queued = list(session.scalars(
+        select(Job.id).where(Job.id.in_(list(by_job)), Job.status == JobStatus.QUEUED.value)
+    ))
+    session.commit()
+    if not queued:
+        return 0
+    pipe = redis_client.pipeline(transaction=True)
+    for job_id in queued:
+        for tag in by_job[job_id]:
+            pipe.zrem(KOMBU_UNACKED_INDEX, tag).hdel(KOMBU_UNACKED, tag)
+        pipe.delete(redis_keys.enqueued(job_id))
+    pipe.execute()
+    log.warning("reconciler.orphaned_deliveries_released", jobs=len(queued))
+    return len(queued)
 
 
 def enqueue_due_jobs(
@@ -219,6 +284,7 @@ def reconcile_task() -> int:
 
     session, client, settings = _resources()
     with session:
+        release_orphaned_deliveries(session, redis_client=client, settings=settings)
         promoted = promote_aged_jobs(session, app=get_celery_app(), redis_client=client, settings=settings)
         return promoted + enqueue_due_jobs(session, app=get_celery_app(), redis_client=client,
                                            settings=settings)
