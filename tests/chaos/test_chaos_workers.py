@@ -1,0 +1,158 @@
+"""Worker faults: SIGKILL mid-job (repeatedly), a poison job, SIGTERM with running jobs, and a job
+that outlives the Redis visibility timeout. Every job ends with exactly one outcome write."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+from tests.chaos.conftest import TINY_PARAMS, ChaosStack
+from tests.conftest import ServiceProcess, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+# ~32 denoising passes: long enough that a kill lands mid-job, short enough for 2 CPU cores.
+MEDIUM_PARAMS: dict[str, Any] = {"max_new_tokens": 32, "steps_per_block": 4, "seed": 7}
+
+
+def _running_on(stack: ChaosStack, job_ids: list[str]) -> dict[str, int]:
+    """How many of ``job_ids`` each live worker is running right now (by worker id)."""
+    counts: dict[str, int] = {}
+    for row in stack.rows(job_ids).values():
+        if row["status"] == "running" and row["worker_id"]:
+            counts[row["worker_id"]] = counts.get(row["worker_id"], 0) + 1
+    return counts
+
+
+def _busy_worker(stack: ChaosStack, job_ids: list[str], timeout: float = 30.0) -> ServiceProcess:
+    """A live worker that holds at least one running job of ``job_ids``."""
+
+    def find() -> ServiceProcess | None:
+        counts = _running_on(stack, job_ids)
+        return next((w for w in stack.live_workers() if counts.get(w.worker_id or "", 0) > 0), None)
+
+    return wait_for(find, timeout=timeout, interval=0.05, message="a worker with a running job")
+
+
+def test_workers_sigkilled_mid_job_repeatedly_every_job_succeeds_exactly_once(
+    chaos_stack: ChaosStack,
+) -> None:
+    stack = chaos_stack
+    stack.ensure_workers(2)
+    kills = 4
+    job_ids: list[str] = []
+    killed_holding = 0
+    with stack.client() as client:
+        for round_ in range(kills):  # each round: fresh work, then a kill while it runs
+            job_ids += [stack.submit(client, {**MEDIUM_PARAMS, "seed": 40 * round_ + i}) for i in range(30)]
+            victim = _busy_worker(stack, job_ids)
+            killed_holding += _running_on(stack, job_ids).get(victim.worker_id or "", 0)
+            victim.kill()  # SIGKILL of the whole process group: no drain, no cleanup
+            stack.start_workers(1)  # the supervisor's replacement (the other worker keeps going)
+    rows = stack.wait_final(job_ids, timeout=120)
+    stack.assert_exactly_once(job_ids, rows)
+    retried = sum(1 for row in rows.values() if row["attempt"] > 1)
+    assert killed_holding >= kills  # every kill hit at least one running job
+    assert retried >= kills, f"only {retried} jobs needed a second attempt"
+
+
+def test_poison_job_that_kills_its_worker_fails_after_max_attempts_and_others_finish(
+    chaos_stack: ChaosStack,
+) -> None:
+    stack = chaos_stack
+    stack.ensure_workers(2)
+    with stack.client() as client:
+        poison = stack.submit(client, {**TINY_PARAMS, "fault": "crash"})
+        others = [stack.submit(client, {**TINY_PARAMS, "seed": i}) for i in range(30)]
+    deaths = 0
+    deadline = time.monotonic() + 120
+    while stack.rows([poison])[poison]["status"] not in ("failed", "succeeded", "cancelled"):
+        assert time.monotonic() < deadline, f"poison job not final: {stack.rows([poison])}"
+        alive = len(stack.live_workers())
+        if alive < 2:  # the supervisor restarts what the poison killed
+            deaths += 2 - alive
+            stack.start_workers(2 - alive)
+        time.sleep(0.2)
+    rows = stack.wait_final([poison, *others], timeout=60)
+    assert rows[poison]["status"] == "failed"
+    assert rows[poison]["error_code"] == "retries_exhausted"
+    assert rows[poison]["attempt"] == rows[poison]["max_attempts"] == stack.settings.max_attempts
+    assert deaths >= stack.settings.max_attempts  # each attempt really killed a worker
+    stack.assert_exactly_once([poison], rows, status="failed")
+    stack.assert_exactly_once(others, rows)
+
+
+def test_sigterm_with_running_jobs_they_finish_or_are_handed_back_none_lost(chaos_stack: ChaosStack) -> None:
+    stack = chaos_stack
+    stack.ensure_workers(2)
+    with stack.client() as client:
+        job_ids = [stack.submit(client, {**MEDIUM_PARAMS, "seed": 100 + i}) for i in range(24)]
+    victim = _busy_worker(stack, job_ids)
+    held = _running_on(stack, job_ids).get(victim.worker_id or "", 0)
+    asked = time.monotonic()
+    victim.send_sigterm()
+    assert victim.proc.wait(timeout=60) == 0  # a clean, drained exit
+    drain_seconds = time.monotonic() - asked
+    stack.start_workers(1)
+    rows = stack.wait_final(job_ids, timeout=90)
+    stack.assert_exactly_once(job_ids, rows)
+    assert held >= 1
+    print(f"SIGTERM: worker held {held} running jobs, exited 0 after {drain_seconds:.1f}s")
+
+
+def test_job_longer_than_the_visibility_timeout_is_redelivered_but_runs_once(chaos_stack: ChaosStack) -> None:
+    stack = chaos_stack
+    stack.ensure_workers(2)
+    visibility = 2.0
+    tiny_visibility = stack.settings.model_copy(update={"visibility_timeout_seconds": visibility})
+    long_params = {"max_new_tokens": 256, "steps_per_block": 8, "strategy": "static", "seed": 3}
+    with stack.client() as client:
+        job_id = stack.submit(client, long_params)
+    _busy_worker(stack, [job_id])
+    started = time.monotonic()
+    time.sleep(visibility + 1.0)
+    assert stack.rows([job_id])[job_id]["status"] == "running"
+    # A worker starting with the tiny visibility timeout sweeps the unacked messages at
+    # start-up: the running job's message is older than the timeout, so it goes back to its
+    # queue and is delivered again while the first attempt still runs.
+    (sweeper,) = stack.start_workers(1, settings=tiny_visibility)
+    try:
+        wait_for(lambda: "job.not_claimed" in stack.worker_logs() and job_id in _not_claimed(stack),
+                 timeout=30, message="the redelivered message to be consumed and refused by the fence")
+        rows = stack.wait_final([job_id], timeout=90)
+        ran_for = time.monotonic() - started
+        stack.assert_exactly_once([job_id], rows)
+        assert rows[job_id]["attempt"] == 1  # the lease was renewed; nobody re-ran it
+        assert ran_for > visibility + stack.settings.lease_seconds
+    finally:
+        sweeper.terminate(timeout=30)
+        stack.live_workers()
+
+
+def _not_claimed(stack: ChaosStack) -> str:
+    return "\n".join(line for line in stack.worker_logs().splitlines() if "job.not_claimed" in line)
+
+
+def test_worker_killed_between_delivery_and_claim_leaves_no_job_stuck(chaos_stack: ChaosStack) -> None:
+    """Found by the kill test: the message sat in the dead worker's unacked set (visibility
+    timeout: hours) with the enqueued marker still set, so nothing republished the job."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, settings_env
+
+    stack = chaos_stack
+    stack.ensure_workers(1)
+    env = {**os.environ, **settings_env(stack.settings)}
+    done = subprocess.run([sys.executable, "-m", "tests.chaos.dying_consumer", "chaos-orphan"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    job_id = done.stdout.split("job ", 1)[1].split()[0]
+    assert done.returncode == -9, done.stdout + done.stderr  # it died holding the delivery
+    held = stack.whereabouts(job_id, stack.rows([job_id]).get(job_id))
+    assert held["status"] == "queued" and held["marker"] and held["unacked"], held
+    rows = stack.wait_final([job_id], timeout=30)
+    stack.assert_exactly_once([job_id], rows)
+    assert rows[job_id]["attempt"] == 1
