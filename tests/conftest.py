@@ -11,10 +11,10 @@ Backends come from the environment when given (CI: ``.ci/run``), otherwise embed
 Integration tests that touch SQL should prefer ``db_backend_url`` (parametrized over SQLite
 and PostgreSQL; the PostgreSQL case is skipped when no server is configured).
 
-Processes: ``celery_worker_process`` starts a REAL worker subprocess (``python -m
-worker.celery_worker``, the command ``cloverq worker`` runs) with settings passed through
+Processes: ``celery_worker_process`` starts a REAL worker subprocess (``python -m cli worker``,
+i.e. ``cloverq worker``) with settings passed through
 ``CLOVERQ_*`` environment variables and waits until the worker registry in Redis says it is
-ready; ``beat_process`` starts the light beat process (``python -m scheduler.beat``). Both
+ready; ``beat_process`` starts the light beat process (``cloverq beat``). Both
 are stopped (SIGTERM, then SIGKILL) when the test ends.
 """
 
@@ -340,7 +340,7 @@ class ProcessLauncher:
         timeout: float = WORKER_READY_TIMEOUT,
     ) -> ServiceProcess:
         """A real Celery worker on the demo model; waits until it is ready in the registry."""
-        argv = [sys.executable, "-m", "worker.celery_worker"]
+        argv = [sys.executable, "-m", "cli", "worker"]  # exactly what `cloverq worker` runs
         if queues:
             argv += ["--queues", queues]
         if concurrency:
@@ -368,7 +368,7 @@ class ProcessLauncher:
 
     def start_beat(self, settings: Settings) -> ServiceProcess:
         """The light beat process (reconciler, reaper, aging, expiry)."""
-        return self._spawn([sys.executable, "-m", "scheduler.beat"], settings, "beat")
+        return self._spawn([sys.executable, "-m", "cli", "beat"], settings, "beat")
 
     def close(self) -> None:
         for service in reversed(self.processes):
