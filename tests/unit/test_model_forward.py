@@ -238,3 +238,16 @@ def test_a_real_position_past_the_slot_is_refused(loaded: LoadedModel) -> None:
     out = loaded.model(ids[:, 4:], pos[:, 4:], pos[:, 4:] // BLOCK, valid=valid, cache=cache, slots=slots)
     ref = loaded.model(ids[:, :8], pos[:, :8], pos[:, :8] // BLOCK)[0, 4:8]
     torch.testing.assert_close(out[0, :4], ref, atol=1e-4, rtol=0)
+
+
+def test_a_bfloat16_cache_serves_a_float32_model(loaded: LoadedModel) -> None:
+    ids, pos = _tokens(1, 8)
+    cache = KVCache(loaded.config, max_seqs=1, max_len=16, device="cpu", dtype=torch.bfloat16)
+    slots = torch.tensor([cache.allocate()])
+    loaded.model(
+        ids[:, :4], pos[:, :4], pos[:, :4] // BLOCK, cache=cache, slots=slots, commit_lens=torch.tensor([4])
+    )
+    got = loaded.model(ids[:, 4:], pos[:, 4:], pos[:, 4:] // BLOCK, cache=cache, slots=slots)
+    ref = loaded.model(ids, pos, pos // BLOCK)[:, 4:]
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() < 0.1 * ref.abs().max().item()

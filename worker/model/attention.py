@@ -30,7 +30,7 @@ class CacheView:
 
     cache: KVCache
     slots: torch.Tensor  # [B] slot of each row
-    key_len: int  # S: cache columns attended over (max over rows of lengths + T, capped at max_len)
+    key_len: int  # S: cache columns attended over (max of lengths + T, rounded up to 8, capped at max_len)
     slot_start: int | None  # first slot when slots == range(slot_start, slot_start + B)
     write_slots: torch.Tensor  # [B, 1] or [N] destination slot of each new position written
     write_pos: torch.Tensor  # [B, T] or [N] destination column
@@ -88,8 +88,8 @@ class Attention(nn.Module):
         if view is not None:
             view.store(view.cache.k[self.layer], k)
             view.store(view.cache.v[self.layer], v)
-            keys = view.rows_of(view.cache.k[self.layer])  # [B, KVH, S, D]
-            values = view.rows_of(view.cache.v[self.layer])
+            keys = view.rows_of(view.cache.k[self.layer]).to(q.dtype)  # [B, KVH, S, D] (no-op if same dtype)
+            values = view.rows_of(view.cache.v[self.layer]).to(q.dtype)
 
         # fold the G query heads of each KV head into the query axis: no K/V repeat
         q = q.reshape(b, self.num_kv_heads, self.groups * t, self.head_dim)  # [B, KVH, G*T, D]
