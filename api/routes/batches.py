@@ -4,8 +4,9 @@
 JSONL (one job spec per line) as the raw body or a multipart ``file``. Every spec is validated
 exactly like ``POST /v1/jobs`` (same models, same limits); one bad spec rejects the batch with
 its index. All rows are stored in ONE transaction, then published after the response (the
-reconciler covers a failed publish). Batch jobs go to the ``bulk`` class. Tenant job caps do
-not apply to batches (a batch may legitimately exceed them); ``batch_max_jobs`` bounds them.
+reconciler covers a failed publish). Batch jobs go to the ``bulk`` class. Admission is all or
+nothing: every job counts against its queue cap and the tenant cap (429 before storing);
+``batch_max_jobs`` bounds the size.
 """
 
 from __future__ import annotations
