@@ -40,7 +40,7 @@ def api_settings(
     make_settings: Callable[..., Settings], db_backend_url: str, demo_checkpoint: Path
 ) -> Settings:
     return make_settings(database_url=db_backend_url, model_dir=demo_checkpoint, auth="disabled",
-                         fault_injection=False, batch_max_jobs=50)
+                         fault_injection=False, batch_max_jobs=50, tenant_max_active_jobs=100_000)
 
 
 @pytest.fixture
