@@ -7,11 +7,13 @@ hands back), and workers that serve store model ``demo`` (``served_model``).
 - activating v2 while jobs run fails none of them: running jobs finish on v1 (first attempt),
   every job after the switch records v2, the worker is ``switching`` (not ready) in between;
 - rollback = activating v1 again: nothing copied (same inodes, same store listing);
+- a version that fails verification leaves the worker serving the version it had;
 - with two workers the switch rolls: at every moment at least one worker is ready.
 """
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -107,6 +109,14 @@ def served(redis_url: str, pid: int) -> tuple[str, str | None]:
         if info.pid == pid:
             return info.state, (info.model_version or "").split("@")[0] or None
     return "absent", None
+
+
+def switch_error(redis_url: str, pid: int) -> str | None:
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    for info in list_workers(client):
+        if info.pid == pid:
+            return info.stats.get("model_switch_error")
+    return None
 
 
 def wait_serving(redis_url: str, pid: int, version: str, timeout: float = 90) -> None:
@@ -205,6 +215,24 @@ def test_switch_while_jobs_run_then_roll_back(
                                                 .json()["items"] if m["name"] == MODEL)["versions"]}
     assert versions["v1"]["path"] == str(store_root / MODEL / "v1") and versions["v1"]["active"]
     assert not versions["v2"]["active"]
+
+    # A version that fails verification: the worker reloads the one it had and keeps serving.
+    broken = store_root / MODEL / "v3-broken"
+    shutil.copytree(store_root / MODEL / "v1", broken)
+    weights = next(broken.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    try:
+        activate(client, headers, "v3-broken")
+        wait_for(lambda: switch_error(redis_url, worker.pid), timeout=60, interval=0.1,
+                 message="the failed switch to be reported")
+        wait_serving(redis_url, worker.pid, "v1")
+        [still] = wait_final(client, headers, [submit(client, headers, SHORT_JOB)])
+        assert still["status"] == "succeeded" and still["model_version"].startswith("v1@")
+    finally:
+        activate(client, headers, "v1")
+        shutil.rmtree(broken)
 
 
 def test_two_workers_switch_one_at_a_time(
