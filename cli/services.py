@@ -37,11 +37,17 @@ def register(group: click.Group) -> None:
 @click.command()
 def migrate() -> None:
     """Upgrade the database schema to the newest Alembic revision (idempotent)."""
+    from sqlalchemy.exc import OperationalError
+
     from scheduler.db import migrate as run_migrations
 
     settings = get_settings()
-    run_migrations(settings.resolved_database_url)
-    click.echo(f"database migrated: {_redact_url(settings.resolved_database_url)}")
+    shown = _redact_url(settings.resolved_database_url)
+    try:
+        run_migrations(settings.resolved_database_url)
+    except OperationalError as exc:
+        raise click.ClickException(f"cannot reach the database {shown}: {exc.orig}") from exc
+    click.echo(f"database migrated: {shown}")
 
 
 @click.command()
