@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from scheduler.process import run_then_exit
 from scheduler.settings import Settings, get_settings
 
 MAINTENANCE_QUEUE = "maintenance"
@@ -56,7 +57,7 @@ def run_beat(settings: Settings | None = None) -> None:
     configure_celery_logging(settings)  # JSON lines like every other process
     app = get_celery_app()
     app.set_current()
-    app.worker_main(beat_argv(settings))
+    run_then_exit(lambda: app.worker_main(beat_argv(settings)))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ tasks finish, then the engine stops and the worker leaves the registry.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
@@ -21,6 +20,7 @@ from celery import signals
 
 from scheduler.celery_app import get_celery_app
 from scheduler.logging import configure_logging
+from scheduler.process import run_then_exit
 from scheduler.settings import Settings, get_settings
 from worker.runtime import WorkerRuntime, get_runtime, set_runtime
 
@@ -125,25 +125,7 @@ def run_worker(
     set_runtime(runtime)
     _connect_signals(runtime)
     argv = worker_argv(settings, queues=queue_list, concurrency=threads, hostname=node)
-    try:
-        app.worker_main([*argv, *passthrough])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    else:
-        code = 0
-    _exit_now(code)
-
-
-def _exit_now(code: int) -> None:
-    """Leave without interpreter finalisation once Celery has shut down cleanly.
-
-    Everything that matters is done by then (jobs drained, engine stopped, registry left); tearing
-    down torch and idle pool threads at interpreter exit only adds seconds to every restart.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_then_exit(lambda: app.worker_main([*argv, *passthrough]))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
