@@ -23,6 +23,10 @@ from scheduler.settings import Settings
 
 jobs_table = Job.__table__
 
+# ``available_at`` is written by other hosts' clocks (API, beat, other workers); a worker whose
+# clock lags a little must still take a freshly submitted job rather than skip it.
+CLOCK_SKEW_TOLERANCE = timedelta(seconds=1)
+
 
 def _sql_safe(value: Any) -> Any:
     """``value`` with NUL characters replaced (U+FFFD) in every string, recursively.
@@ -65,7 +69,7 @@ def claim_job(
             Job.id == job_id,
             Job.status == JobStatus.QUEUED.value,
             Job.cancel_requested.is_(False),
-            Job.available_at <= now,
+            Job.available_at <= now + CLOCK_SKEW_TOLERANCE,
         )
         .values(
             status=JobStatus.RUNNING.value,
