@@ -8,14 +8,17 @@ cancelling a queued job, tenancy, limits and error codes, 503 when the database 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import func, select
 
 from api.app import create_app
 from scheduler.db import make_engine, session_factory
 from scheduler.keys import create_key
+from scheduler.models import Job
 from scheduler.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -77,11 +80,12 @@ def test_idempotency_key_returns_the_original_job_and_conflicts_on_a_new_body(cl
 
 
 def test_list_pages_with_a_cursor_newest_first_and_filters(client: TestClient) -> None:
+    since = datetime.now(UTC).isoformat()  # other tests share the database: page only ours
     created = [client.post("/v1/jobs", json=PROMPT_BODY).json()["id"] for _ in range(5)]
     seen: list[str] = []
     cursor: str | None = None
     while True:
-        params: dict[str, str | int] = {"limit": 2}
+        params: dict[str, str | int] = {"limit": 2, "created_after": since}
         if cursor:
             params["cursor"] = cursor
         page = client.get("/v1/jobs", params=params).json()
@@ -90,12 +94,10 @@ def test_list_pages_with_a_cursor_newest_first_and_filters(client: TestClient) -
         cursor = page["next_cursor"]
         if cursor is None:
             break
-    assert len(seen) == len(set(seen))
-    mine = [job_id for job_id in seen if job_id in created]
-    assert mine == list(reversed(created))  # newest first
+    assert seen == list(reversed(created))  # every job once, newest first
 
     client.post(f"/v1/jobs/{created[0]}/cancel")
-    cancelled = client.get("/v1/jobs", params={"status": "cancelled", "limit": 200}).json()["items"]
+    cancelled = client.get("/v1/jobs", params={"status": "cancelled", "created_after": since}).json()["items"]
     assert created[0] in [item["id"] for item in cancelled]
     assert all(item["status"] == "cancelled" for item in cancelled)
 
@@ -142,13 +144,20 @@ def test_unknown_jobs_are_404_job_not_found(client: TestClient, job_id: str) -> 
     ],
 )
 def test_client_mistakes_are_4xx_json_and_store_nothing(
-    client: TestClient, body: dict[str, object], status: int, code: str
+    client: TestClient, api_settings: Settings, body: dict[str, object], status: int, code: str
 ) -> None:
-    before = len(client.get("/v1/jobs", params={"limit": 200}).json()["items"])
+    engine = make_engine(api_settings.resolved_database_url)
+
+    def stored() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(Job)).scalar_one())
+
+    before = stored()
     response = client.post("/v1/jobs", json=body)
     assert response.status_code == status
     assert _error_code(response) == code
-    assert len(client.get("/v1/jobs", params={"limit": 200}).json()["items"]) == before
+    assert stored() == before
+    engine.dispose()
 
 
 def test_body_over_the_limit_is_413(make_settings: Callable[..., Settings]) -> None:
@@ -192,6 +201,23 @@ def test_tenants_see_only_their_own_jobs(make_settings: Callable[..., Settings],
         assert forbidden.status_code == 403
         assert _error_code(forbidden) == "forbidden"
         assert client.get(f"/v1/jobs/{job_id}", headers=as_reader).status_code == 200
+
+
+def test_readyz_reports_database_redis_and_ready_workers(client: TestClient, api_settings: Settings) -> None:
+    import redis
+
+    from scheduler.workers import ready_workers
+
+    response = client.get("/readyz")
+    checks = response.json()["checks"]
+    assert checks["database"]["ok"] is True
+    assert checks["redis"]["ok"] is True
+    # Workers of other tests may share this Redis: readiness must agree with the registry.
+    registry = redis.Redis.from_url(api_settings.resolved_redis_url, decode_responses=True)
+    has_workers = len(ready_workers(registry)) > 0
+    assert checks["workers"]["ok"] is has_workers
+    assert response.status_code == (200 if has_workers else 503)
+    assert response.json()["ready"] is has_workers
 
 
 def test_openapi_documents_the_job_routes(client: TestClient) -> None:
