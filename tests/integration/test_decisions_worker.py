@@ -22,6 +22,8 @@ from scheduler.db import get_session_factory
 from scheduler.models import Job
 from scheduler.settings import Settings
 from tests.conftest import ProcessLauncher, ServiceProcess, wait_for
+from worker.model.tokenizer import Tokenizer
+from worker.thinking import split_thinking
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +158,25 @@ def test_joint_backlog_never_holds_more_than_its_cap_and_short_jobs_pass(stack) 
     assert all(job["status"] == "succeeded" for job in jobs.values())
     last_joint_start = max(jobs[j]["timings"]["started_at"] for j in joint)
     assert all(jobs[j]["timings"]["finished_at"] < last_joint_start for j in short)  # short work passed
+
+
+def test_thinking_generate_returns_reasoning_and_text(stack) -> None:  # type: ignore[no-untyped-def]
+    settings, client, _ = stack
+    response = client.post("/v1/jobs", json={
+        "kind": "generate", "input": {"messages": [{"role": "user", "content": "Think, then answer."}]},
+        "params": {"thinking": True, "max_new_tokens": 16, "seed": 1},
+    })
+    assert response.status_code == 202, response.text
+    submitted = response.json()
+    assert submitted["params"]["thinking"] is True
+    assert submitted["params"]["step_budget"] == settings.thinking_default_step_budget  # larger default
+    job = _final(client, submitted["id"])
+    assert job["status"] == "succeeded", job
+    result = job["result"]
+    tokenizer = Tokenizer.from_dir(settings.model_dir)
+    expected = split_thinking(result["token_ids"], think_start_id=tokenizer.think_start_id,
+                              think_end_id=tokenizer.think_end_id,
+                              decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
+    assert (result["reasoning"], result["text"]) == (expected.reasoning, expected.text)
+    if tokenizer.think_end_id not in result["token_ids"]:  # never closed its thinking: no answer yet
+        assert result["text"] == ""
