@@ -105,11 +105,16 @@ def beat() -> None:
 
 
 @click.command("settings-table")
-def settings_table() -> None:
+@click.option("--write", "readme", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Update the table in this README instead of printing it.")
+def settings_table(readme: Path | None) -> None:
     """Print the configuration table of the README (generated from Settings)."""
-    from cli.settings_doc import settings_block
+    from cli.settings_doc import rewrite_readme, settings_block
 
-    click.echo(settings_block())
+    if readme is None:
+        click.echo(settings_block())
+        return
+    click.echo(f"{readme}: {'updated' if rewrite_readme(readme) else 'already up to date'}")
 
 
 # --- up ---------------------------------------------------------------------------------------

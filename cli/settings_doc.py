@@ -1,7 +1,8 @@
 """The README's configuration table, generated from the ``Settings`` model.
 
-``cloverq settings-table`` prints it; a unit test checks that the README holds exactly this
-table, so the documentation cannot drift from the code.
+``cloverq settings-table`` prints it (``--write README.md`` updates the file in place); a
+unit test checks that the README holds exactly this table, so the documentation cannot drift
+from the code.
 """
 
 from __future__ import annotations
@@ -53,3 +54,14 @@ def settings_table() -> str:
 def settings_block() -> str:
     """The table between its markers, as it appears in the README."""
     return f"{BEGIN_MARKER}\n{settings_table()}\n{END_MARKER}"
+
+
+def rewrite_readme(readme: Path) -> bool:
+    """Replace the table between the markers in ``readme``; True when the file changed."""
+    text = readme.read_text()
+    start, end = text.index(BEGIN_MARKER), text.index(END_MARKER) + len(END_MARKER)
+    updated = text[:start] + settings_block() + text[end:]
+    if updated == text:
+        return False
+    readme.write_text(updated)
+    return True

@@ -14,7 +14,7 @@ def test_readme_configuration_table_matches_settings() -> None:
     text = README.read_text()
     start, end = text.index(BEGIN_MARKER), text.index(END_MARKER) + len(END_MARKER)
     assert text[start:end] == settings_block(), (
-        "README.md configuration table is out of date: replace it with `cloverq settings-table`"
+        "README.md configuration table is out of date: run `cloverq settings-table --write README.md`"
     )
 
 
