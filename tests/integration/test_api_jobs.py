@@ -7,6 +7,7 @@ cancelling a queued job, tenancy, limits and error codes, 503 when the database 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -226,3 +227,18 @@ def test_openapi_documents_the_job_routes(client: TestClient) -> None:
         spec["paths"]
     )
     assert client.get("/docs").status_code == 200
+
+
+def test_redis_down_still_accepts_jobs_durably(make_settings: Callable[..., Settings]) -> None:
+    """SQL is the system of record: without Redis the job is stored (the reconciler publishes it)."""
+    settings = make_settings(auth="disabled", redis_url="redis://127.0.0.1:1/0")
+    with TestClient(create_app(settings)) as client:
+        started = time.monotonic()
+        response = client.post("/v1/jobs", json=PROMPT_BODY)
+        assert response.status_code == 202, response.text
+        assert time.monotonic() - started < 10  # publishing gives up fast
+        job_id = response.json()["id"]
+        assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+        ready = client.get("/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["checks"]["redis"]["ok"] is False
