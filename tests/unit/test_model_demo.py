@@ -35,6 +35,8 @@ def _files(folder: Path) -> dict[str, bytes]:
 def test_layout_and_size(tiny: Path) -> None:
     assert {p.name for p in tiny.iterdir()} == LAYOUT
     assert sum(p.stat().st_size for p in tiny.iterdir()) <= 5 * 1024 * 1024
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tiny.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"]  # readable by whoever reads the JSON
     config = json.loads((tiny / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe"
     assert config["architectures"] == ["Qwen3MoeForCausalLM"]

@@ -180,5 +180,7 @@ def write_demo_checkpoint(path: Path | str, *, seed: int = 0, size: DemoSize = "
         str(folder / SINGLE_NAME),
         metadata={"format": "pt"},
     )
+    # safetensors creates the file owner-only; make it as readable as the JSON files next to it
+    (folder / SINGLE_NAME).chmod((folder / "config.json").stat().st_mode & 0o777)
     write_manifest(folder)
     return folder
