@@ -157,9 +157,12 @@ def test_cancel_a_running_job_within_a_pass(stack: Stack) -> None:
                              redis_client=stack.redis)
     assert flagged is not None and flagged.cancel_requested
     asked = time.monotonic()
-    done = stack.wait_status(job.id, JobStatus.CANCELLED, JobStatus.SUCCEEDED, timeout=10)
-    assert done.status == JobStatus.CANCELLED
-    assert time.monotonic() - asked < 3.0
+    done = stack.wait_status(job.id, JobStatus.CANCELLED, JobStatus.SUCCEEDED, timeout=20)
+    latency = time.monotonic() - asked
+    assert done.status == JobStatus.CANCELLED, done.error_message
+    # Signal (<= one 0.1 s monitor tick) + one denoising pass + the SQL write + this poll; the
+    # bound is loose for loaded CI machines — the whole job would take minutes.
+    assert latency < 10.0, f"cancel took {latency:.2f}s"
     assert done.result is not None and done.result["finish_reason"] == "cancelled"
     assert len(done.result["token_ids"]) < 2048
 
