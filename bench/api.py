@@ -151,12 +151,12 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _load(service: Service, port: int, make: Callable[[int, int], bytes], clients: int, total: int,
-          keep_bodies: bool = False) -> LoadResult:
+          keep_bodies: bool = False, rate: float | None = None) -> LoadResult:
     """Run the load; also record the server's CPU milliseconds per request (load-independent)."""
     per_client = max(1, total // clients)
     cpu_before = _cpu_seconds(service.proc.pid)
     result = asyncio.run(run_load(HOST, port, make, clients=clients, requests_per_client=per_client,
-                                  keep_bodies=keep_bodies))
+                                  keep_bodies=keep_bodies, rate=rate))
     result.server_cpu_ms = (_cpu_seconds(service.proc.pid) - cpu_before) * 1000.0 / max(1, result.requests)
     return result
 
@@ -286,6 +286,13 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
                                 keep_bodies=True)
             ids += [json.loads(body)["id"] for body in real_result.bodies[:200]]
             print(_row(f"submit x{clients}", real_result, bare_result))
+            saturated = real_result.throughput
+        # Closed-loop latency at saturation is queueing (Little's law: 64 clients / throughput).
+        # Latency at a given load: 64 paced clients offering half the real API's capacity.
+        paced = max(1.0, round(saturated * 0.5))
+        bare_result = _load(bare, bare_port, lambda i, n: submit_bare, 64, int(paced * 10), rate=paced)
+        real_result = _load(real, real_port, lambda i, n: submit_real, 64, int(paced * 10), rate=paced)
+        print(_row(f"submit x64 @{paced:.0f}/s", real_result, bare_result))
 
         bare_ids = [str(row[0]) for row in engine.connect().execute(
             text("SELECT id FROM jobs WHERE tenant = 'bench' ORDER BY created_at DESC LIMIT 200"))]

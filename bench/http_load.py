@@ -91,17 +91,29 @@ async def run_load(
     clients: int,
     requests_per_client: int,
     keep_bodies: bool = False,
+    rate: float | None = None,
 ) -> LoadResult:
-    """``clients`` connections each sending ``requests_per_client`` requests back to back.
+    """``clients`` connections each sending ``requests_per_client`` requests.
 
+    Closed loop (``rate=None``): back to back, so latency includes queueing at saturation.
+    Paced (``rate`` requests/s in total): each client sends on a fixed schedule (open loop
+    while the server keeps up), which measures latency at a given offered load.
     ``make_request(client_index, request_index)`` returns the raw request bytes.
     """
     result = LoadResult(clients=clients, seconds=0.0)
     connections = await asyncio.gather(*(asyncio.open_connection(host, port) for _ in range(clients)))
+    started = time.perf_counter()  # every connection is open before the clock starts
+
+    period = clients / rate if rate else 0.0
 
     async def client(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = started + period * index / clients  # spread the clients over one period
         try:
             for n in range(requests_per_client):
+                if period:
+                    delay = first + n * period - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
                 payload = make_request(index, n)
                 sent = time.perf_counter()
                 writer.write(payload)
@@ -113,7 +125,6 @@ async def run_load(
         finally:
             writer.close()
 
-    started = time.perf_counter()  # every connection is open before the clock starts
     await asyncio.gather(*(client(i, r, w) for i, (r, w) in enumerate(connections)))
     result.seconds = time.perf_counter() - started
     return result
