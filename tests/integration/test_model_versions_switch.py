@@ -243,8 +243,10 @@ def test_two_workers_switch_one_at_a_time(
     current = client.get("/v1/admin/models", headers=headers).json()["items"]
     start_version = next(m for m in current if m["name"] == MODEL)["active_version"]
     target = "v2" if start_version == "v1" else "v1"
-    first = launcher.start_worker(stack_settings, concurrency=2)
-    second = launcher.start_worker(stack_settings, concurrency=2)
+    first = launcher.start_worker(stack_settings, concurrency=2, wait_ready=False)
+    second = launcher.start_worker(stack_settings, concurrency=2, wait_ready=False)
+    for service in (first, second):  # both load at once
+        launcher.wait_ready(service, stack_settings, timeout=120)
     recorder = StateRecorder(redis_url)
     recorder.start()
     jobs = [submit(client, headers, SHORT_JOB) for _ in range(6)]
