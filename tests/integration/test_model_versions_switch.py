@@ -17,6 +17,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ MODEL = "demo"
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 # Long enough that a job is still running when the activation lands (tiny model on CPU).
 LONG_JOB = {"kind": "generate", "input": {"prompt": "Clause 1:"},
-            "params": {"max_new_tokens": 192, "steps_per_block": 8, "temperature": 0}}
+            "params": {"max_new_tokens": 384, "steps_per_block": 8, "temperature": 0}}
 SHORT_JOB = {"kind": "generate", "input": {"prompt": "Clause 2:"}, "params": {"max_new_tokens": 8}}
 
 
@@ -179,6 +180,7 @@ def test_switch_while_jobs_run_then_roll_back(
              interval=0.05, message="a job running on v1")
     recorder = StateRecorder(redis_url)
     recorder.start()
+    activated_at = datetime.now(UTC)
     answer = activate(client, headers, "v2")
     assert answer["active_version"] == "v2" and answer["previous_version"] == "v1"
     during = [submit(client, headers, SHORT_JOB) for _ in range(4)]  # queued while it switches
@@ -193,6 +195,10 @@ def test_switch_while_jobs_run_then_roll_back(
     started_on_v1 = [by_id[i] for i in running if by_id[i]["model_version"].startswith("v1@")]
     assert started_on_v1, "a job that was running at activation must finish on v1"
     assert all(j["attempt"] == 1 for j in started_on_v1)  # drained, never interrupted or retried
+    # At least one of them was still running when v2 was activated, and finished on v1 after.
+    spanning = [j for j in started_on_v1
+                if datetime.fromisoformat(j["timings"]["finished_at"]) > activated_at]
+    assert spanning, [(j["timings"], activated_at) for j in started_on_v1]
     assert all(by_id[i]["model_version"].startswith("v2@") for i in after)
     assert all(by_id[i]["model_version"].split("@")[0] in {"v1", "v2"} for i in during)
     states = [sample[worker.pid][0] for sample in recorder.samples if worker.pid in sample]
