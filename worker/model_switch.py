@@ -138,6 +138,9 @@ class ModelFollower:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Start watching (idempotent)."""
+        if self._thread is not None:
+            return
         self._thread = threading.Thread(target=self._run, name="cloverq-model-follower", daemon=True)
         self._thread.start()
 

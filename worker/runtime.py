@@ -111,9 +111,8 @@ class WorkerRuntime:
         self.monitor = JobMonitor(settings=self.settings, sessions=self.sessions, redis_client=self.redis,
                                   worker_id=self.worker_id, decode=self._decode, heartbeat=self.heartbeat)
         self.monitor.start()
-        if self.settings.served_model:
+        if self.settings.served_model:  # started by mark_ready, once Celery consumes
             self.follower = self._model_follower(self.settings.served_model)
-            self.follower.start()
         log.info("worker.loaded", worker_id=self.worker_id, model_version=self.model_version,
                  seconds=self.info.stats["model_load_seconds"])
 
@@ -248,6 +247,8 @@ class WorkerRuntime:
         self.heartbeat()
         if self.telemetry is not None:
             self.telemetry.publish_now()  # the dashboard sees the worker as ready at once
+        if self.follower is not None:  # watch the active version only once consumers exist
+            self.follower.start()
 
     def mark_draining(self) -> None:
         """SIGTERM: the consumer stops taking jobs; running ones finish; say so in the registry.

@@ -91,7 +91,8 @@ def get_workers(caller: AdminDep, settings: SettingsDep) -> WorkerList:
     return WorkerList(
         items=[
             WorkerOut(id=w.id, hostname=w.hostname, pid=w.pid, queues=list(w.queues), state=w.state,
-                      model_version=w.model_version, started_at=w.started_at, heartbeat_at=w.heartbeat_at)
+                      model_version=w.model_version, started_at=w.started_at, heartbeat_at=w.heartbeat_at,
+                      model_switch_error=w.stats.get("model_switch_error"))
             for w in workers
         ],
         drained_queues=sorted(drain.drained_queues(client)),

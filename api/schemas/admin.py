@@ -27,6 +27,9 @@ class WorkerOut(BaseModel):
     queues: list[str] = Field(description="Queues the worker is configured for.")
     state: str = Field(description="starting, ready, switching (model version), draining, failed or stopped.")
     model_version: str | None = None
+    model_switch_error: str | None = Field(
+        None, description="Why its last switch to the active model version failed (it kept the old one)."
+    )
     started_at: float = Field(description="Unix time the process started.")
     heartbeat_at: float = Field(description="Unix time of its last heartbeat.")
 

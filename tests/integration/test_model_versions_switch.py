@@ -112,12 +112,10 @@ def served(redis_url: str, pid: int) -> tuple[str, str | None]:
     return "absent", None
 
 
-def switch_error(redis_url: str, pid: int) -> str | None:
-    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
-    for info in list_workers(client):
-        if info.pid == pid:
-            return info.stats.get("model_switch_error")
-    return None
+def switch_error(client: TestClient, headers: dict[str, str], pid: int) -> str | None:
+    """The failed-switch reason the admin worker list shows for worker ``pid``."""
+    workers = client.get("/v1/admin/workers", headers=headers).json()["items"]
+    return next((w["model_switch_error"] for w in workers if w["pid"] == pid), None)
 
 
 def wait_serving(redis_url: str, pid: int, version: str, timeout: float = 90) -> None:
@@ -231,8 +229,9 @@ def test_switch_while_jobs_run_then_roll_back(
     weights.write_bytes(bytes(data))
     try:
         activate(client, headers, "v3-broken")
-        wait_for(lambda: switch_error(redis_url, worker.pid), timeout=60, interval=0.1,
-                 message="the failed switch to be reported")
+        reason = wait_for(lambda: switch_error(client, headers, worker.pid), timeout=60, interval=0.1,
+                          message="the failed switch to be reported")
+        assert reason.startswith("v3-broken"), reason
         wait_serving(redis_url, worker.pid, "v1")
         [still] = wait_final(client, headers, [submit(client, headers, SHORT_JOB)])
         assert still["status"] == "succeeded" and still["model_version"].startswith("v1@")
