@@ -172,9 +172,10 @@ def test_body_over_the_limit_is_413(make_settings: Callable[..., Settings]) -> N
 def test_database_down_is_503_unavailable_fast(make_settings: Callable[..., Settings]) -> None:
     settings = make_settings(auth="disabled", database_url="postgresql+psycopg://postgres@127.0.0.1:1/none")
     with TestClient(create_app(settings)) as client:
-        response = client.get("/v1/jobs")
-        assert response.status_code == 503
-        assert _error_code(response) == "unavailable"
+        for response in (client.get("/v1/jobs"), client.post("/v1/jobs", json=PROMPT_BODY),
+                         client.get("/v1/jobs/00000000-0000-0000-0000-000000000000")):
+            assert response.status_code == 503
+            assert _error_code(response) == "unavailable"
         ready = client.get("/readyz")
         assert ready.status_code == 503
         assert ready.json()["checks"]["database"]["ok"] is False
