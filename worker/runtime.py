@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,45 +190,73 @@ class WorkerRuntime:
         if self._draining.is_set():
             return False
         began = time.monotonic()
-        previous, old_version = self.served_version, self.model_version
+        old_version = self.model_version
         log.info("worker.model_switch_started", version=activation.version, previous=old_version)
         self.info.state = SWITCHING
-        self.heartbeat()
         queues = self.drain_follower.consuming if self.drain_follower is not None else list(self.queues)
-        self._consumers("cancel", queues)
-        self.admission.close_and_wait()  # every claimed job finishes on the old version
+        outcome: bool | None = False
+        try:
+            self._quietly(self.heartbeat)
+            self._consumers("cancel", queues)
+            self.admission.close_and_wait()  # every claimed job finishes on the old version
+            outcome = self._swap_engine(activation.version)
+        finally:  # whatever happened, a worker with a model takes jobs again
+            if outcome is not None:
+                self._resume_after_switch(queues)
+        if outcome:
+            self.info.stats.pop("model_switch_error", None)
+            self._quietly(self._register_loaded)
+        seconds = self.info.stats["model_switch_seconds"] = round(time.monotonic() - began, 3)
+        log.info("worker.model_switched" if outcome else "worker.model_switch_abandoned",
+                 version=self.model_version, previous=old_version, seconds=seconds)
+        return bool(outcome)
+
+    def _swap_engine(self, version: str) -> bool | None:
+        """Stop the drained engine, load ``version``; on failure reload the served one.
+        True: switched; False: still on the old version; None: no model left (worker fails)."""
+        previous = self.served_version
         self.engine.stop(drain=True, timeout=60)
         self.engine = None  # frees the old weights before the new ones load
-        loaded_ok = True
         try:
-            self._load_engine(target)
-            self.served_version = activation.version
+            self._load_engine(self._store_path(version))
+            self.served_version = version
+            return True
         except Exception as exc:  # corrupt or unloadable version: go back to the one we had
-            loaded_ok = False
-            log.error("worker.model_switch_failed", version=activation.version, error=repr(exc))
-            self.info.stats["model_switch_error"] = f"{activation.version}: {exc!r}"[:500]
+            log.error("worker.model_switch_failed", version=version, error=repr(exc))
+            self.info.stats["model_switch_error"] = f"{version}: {exc!r}"[:500]
+        try:
             assert previous is not None
-            try:
-                self._load_engine(self._store_path(previous))
-            except Exception as again:
-                log.error("worker.model_reload_failed", version=previous, error=repr(again))
-                self._engine_died()
-                return False
-        if loaded_ok:
-            self.info.stats.pop("model_switch_error", None)
-            self._register_loaded()
-        self.info.stats["model_switch_seconds"] = round(time.monotonic() - began, 3)
+            self._load_engine(self._store_path(previous))
+            return False
+        except Exception as again:
+            log.error("worker.model_reload_failed", version=previous, error=repr(again))
+            self._engine_died()
+            return None
+
+    def _resume_after_switch(self, queues: list[str]) -> None:
         self.admission.open()
         if self._draining.is_set():  # SIGTERM arrived meanwhile: stay out of the pool
-            return loaded_ok
+            return
         self.info.state = WorkerState.READY
-        self._consumers("add", [q for q in queues if q not in drained_queues(self.redis)])
-        self.heartbeat()
+        try:
+            drained = drained_queues(self.redis)
+        except Exception as exc:  # Redis hiccup: the drain follower corrects it at a heartbeat
+            log.warning("worker.drain_flags_unreadable", error=type(exc).__name__)
+            drained = set()
+        self._consumers("add", [q for q in queues if q not in drained])
+        self._quietly(self.heartbeat)
         if self.telemetry is not None:
-            self.telemetry.publish_now()
-        log.info("worker.model_switched", version=self.model_version, previous=old_version,
-                 seconds=self.info.stats["model_switch_seconds"])
-        return loaded_ok
+            self._quietly(self.telemetry.publish_now)
+
+    @staticmethod
+    def _quietly(action: Callable[[], None]) -> None:
+        """Registry and bookkeeping writes during a switch: a Redis or SQL hiccup is logged and
+        the switch goes on (the next heartbeat publishes again)."""
+        try:
+            action()
+        except Exception as exc:
+            log.warning("worker.model_switch_write_failed", action=getattr(action, "__name__", "?"),
+                        error=f"{type(exc).__name__}: {exc}")
 
     def _consumers(self, action: str, queues: list[str]) -> None:
         """Cancel or add this worker's consumers (an optimisation: ``admission`` is the guarantee)."""
