@@ -47,7 +47,13 @@ def _client() -> Iterator[httpx.Client]:
     key = _api_key(settings)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(base_url=settings.api_url, headers=headers, timeout=30.0) as client:
-        yield client
+        try:
+            yield client
+        except httpx.TransportError as exc:  # the API is not there: say where we looked
+            raise click.ClickException(
+                f"cannot reach the cloverq API at {settings.api_url} ({exc}); "
+                "is it running? set CLOVERQ_API_URL to point elsewhere"
+            ) from None
 
 
 def _checked(response: httpx.Response) -> dict[str, Any]:
