@@ -1,10 +1,28 @@
 """The inference core: the Qwen3-MoE / SDAR-MoE model under a block-causal mask, its KV cache,
 checkpoint loading and the demo checkpoint. Plain torch: nothing here imports Celery, SQL or HTTP.
+
+The public names are resolved lazily (PEP 562) so that importing a torch-free submodule such as
+``worker.model.manifest`` (the model store, the CLI) does not pay torch's multi-second import.
 """
 
-from worker.model.config import ConfigError, ModelConfig
-from worker.model.kv_cache import CacheFullError, KVCache
-from worker.model.model import CloverForBlockDiffusion
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.model.config import ConfigError, ModelConfig
+    from worker.model.kv_cache import CacheFullError, KVCache
+    from worker.model.model import CloverForBlockDiffusion
+
+# Public name -> the submodule that defines it.
+_LAZY_EXPORTS: dict[str, str] = {
+    "CacheFullError": "worker.model.kv_cache",
+    "CloverForBlockDiffusion": "worker.model.model",
+    "ConfigError": "worker.model.config",
+    "KVCache": "worker.model.kv_cache",
+    "ModelConfig": "worker.model.config",
+}
 
 __all__ = [
     "CacheFullError",
@@ -13,3 +31,12 @@ __all__ = [
     "KVCache",
     "ModelConfig",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY_EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # later look-ups skip this hook
+    return value
