@@ -76,7 +76,7 @@ def _admit(request: Request, session: Session, caller: Caller, *, per_queue: dic
         admission.check_batch(
             tenant=caller.tenant,
             per_queue=per_queue,
-            active_jobs=count_active_jobs(session, tenant=caller.tenant),
+            active_jobs=lambda: count_active_jobs(session, tenant=caller.tenant),  # SQL only when needed
         )
     except AdmissionRefused as refused:
         log.info("admission.refused", code=refused.code, tenant=caller.tenant, key_id=caller.key_id,

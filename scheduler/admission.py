@@ -6,7 +6,10 @@ Three rules, all checked *before* anything is stored, so a refused request leave
    (atomic across every API process; the clock is Redis' ``TIME``, so API hosts with skewed
    clocks agree). The same script answers whether the key was revoked (see ``scheduler.keys``),
    so authentication + rate limiting cost one Redis round trip per request.
-2. Per-tenant cap on queued + running jobs (counted in SQL, the system of record).
+2. Per-tenant cap on queued + running jobs (counted in SQL, the system of record). Far below
+   the cap an API process reuses its last count for ``tenant_count_cache_seconds`` (plus what
+   it admitted since), which saves a SQL round trip per submit; near the cap, and before every
+   refusal, it counts in SQL, so refusals and their details are exact.
 3. Per-queue cap on the broker queue depth (``LLEN`` of the Celery queue lists: O(1)).
 
 Limits have defaults in ``Settings`` and runtime overrides in the Redis hash ``LIMITS_KEY``
@@ -18,7 +21,9 @@ flight at the same instant (count, then insert); it bounds load, it is not a quo
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +86,56 @@ return {depth, lim[1] or '', lim[2] or lim[3] or ''}
 """
 
 
+# A cached tenant count is only trusted this far below the cap: max(MIN, cap // DIVISOR) jobs.
+CACHE_MIN_HEADROOM = 64
+CACHE_HEADROOM_DIVISOR = 10
+
+ActiveJobCount = Callable[[], int]  # counts a tenant's queued + running jobs (SQL)
+
+
+@dataclass(slots=True)
+class _CachedCount:
+    count: int  # last SQL count + jobs admitted by this process since
+    counted_at: float  # time.monotonic() of the SQL count
+
+
+class TenantCountCache:
+    """Per-process estimate of each tenant's active jobs, used only far below the cap.
+
+    The estimate is the last SQL count plus what this process admitted since; it ignores
+    jobs that finished (it only over-counts, which sends the next check to SQL) and jobs
+    other API processes admitted in the same ``ttl_seconds`` (bounded by the headroom).
+    """
+
+    def __init__(self, ttl_seconds: float) -> None:
+        self._ttl = ttl_seconds
+        self._lock = threading.Lock()
+        self._counts: dict[str, _CachedCount] = {}
+
+    def active_jobs(self, tenant: str, *, cap: int, adding: int, count: ActiveJobCount) -> int:
+        """The tenant's active jobs: the cached estimate when far below ``cap``, else ``count()``."""
+        headroom = max(CACHE_MIN_HEADROOM, cap // CACHE_HEADROOM_DIVISOR)
+        if self._ttl > 0:
+            now = time.monotonic()
+            with self._lock:
+                cached = self._counts.get(tenant)
+                if cached is not None and now - cached.counted_at < self._ttl \
+                        and cached.count + adding <= cap - headroom:
+                    return cached.count
+        counted = count()
+        if self._ttl > 0:
+            with self._lock:
+                self._counts[tenant] = _CachedCount(counted, time.monotonic())
+        return counted
+
+    def admitted(self, tenant: str, jobs: int) -> None:
+        """Add ``jobs`` just admitted for ``tenant`` to its estimate."""
+        with self._lock:
+            cached = self._counts.get(tenant)
+            if cached is not None:
+                cached.count += jobs
+
+
 @dataclass(frozen=True, slots=True)
 class RateDecision:
     """Outcome of one rate-limit check."""
@@ -110,6 +165,7 @@ class Admission:
         self._settings = settings
         self._rate_script = client.register_script(_RATE_LIMIT_LUA)
         self._queue_script = client.register_script(_QUEUE_LUA)
+        self._tenant_counts = TenantCountCache(settings.tenant_count_cache_seconds)
 
     def check_rate(self, bucket: str, *, key_id: str | None, cost: int = 1) -> RateDecision:
         """Take ``cost`` tokens from ``bucket``; also reports whether ``key_id`` was revoked."""
@@ -131,16 +187,19 @@ class Admission:
         )
 
     def check_submission(
-        self, *, tenant: str, queue: str, active_jobs: int | None, count: int = 1
+        self, *, tenant: str, queue: str, active_jobs: int | ActiveJobCount | None, count: int = 1
     ) -> None:
         """Raise :class:`AdmissionRefused` unless ``count`` more jobs fit ``queue`` and ``tenant``.
 
         ``active_jobs`` is the tenant's queued + running count from SQL (see
-        :func:`count_active_jobs`); None skips the tenant rule.
+        :func:`count_active_jobs`), or a function that counts it (called only when the
+        process' cached estimate is not far enough below the cap); None skips the tenant rule.
         """
         self.check_batch(tenant=tenant, per_queue={queue: count}, active_jobs=active_jobs)
 
-    def check_batch(self, *, tenant: str, per_queue: Mapping[str, int], active_jobs: int | None) -> None:
+    def check_batch(
+        self, *, tenant: str, per_queue: Mapping[str, int], active_jobs: int | ActiveJobCount | None
+    ) -> None:
         """Like :meth:`check_submission` for jobs spread over queues (``{queue: count}``).
 
         One script call per queue (a single job: one Redis round trip); all or nothing.
@@ -161,13 +220,19 @@ class Admission:
                 )
         total = sum(per_queue.values())
         tenant_cap = _int_or(tenant_override, self._settings.tenant_max_active_jobs)
-        if active_jobs is not None and tenant_cap is not None and active_jobs + total > tenant_cap:
+        if active_jobs is None or tenant_cap is None:
+            return
+        if callable(active_jobs):
+            active_jobs = self._tenant_counts.active_jobs(tenant, cap=tenant_cap, adding=total,
+                                                          count=active_jobs)
+        if active_jobs + total > tenant_cap:
             raise AdmissionRefused(
                 "tenant_limit",
                 f"Tenant has {active_jobs} queued or running jobs (cap {tenant_cap}); retry later.",
                 retry_after_seconds=5,
                 details={"active_jobs": active_jobs, "max_active_jobs": tenant_cap},
             )
+        self._tenant_counts.admitted(tenant, total)
 
     def tenant_cap(self, tenant: str) -> int:
         """The tenant's effective cap (override or default)."""

@@ -98,6 +98,10 @@ class Settings(BaseSettings):
     tenant_max_active_jobs: int = Field(
         1000, ge=1, description="Per-tenant cap on queued + running jobs; more submits get 429."
     )
+    tenant_count_cache_seconds: float = Field(
+        1.0, ge=0, description="How long an API process trusts its tenant active-job count while far "
+        "below the cap (near the cap it always counts in SQL); 0 counts every submit.",
+    )
     queue_max_depth: dict[str, int] = Field(
         default_factory=lambda: {"interactive": 1000, "standard": 5000, "bulk": 20000, "joint": 500},
         description="Per-queue cap on waiting messages; a submit routed to a full queue gets 429.",
