@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from worker.model.config import ModelConfig
 from worker.model.manifest import manifest_digest, verify_manifest
@@ -150,13 +151,36 @@ def _copy_into(param: torch.Tensor, target: _Target, tensor: torch.Tensor) -> No
         param[target.expert].copy_(tensor.T)  # [I, H] <- [H, I]^T
 
 
+class _SkipParameterInit(TorchFunctionMode):
+    """Turns ``torch.nn.init.*`` calls into no-ops while a model is built on the meta device.
+
+    The weights are overwritten by the checkpoint anyway, and on meta tensors some of these
+    initialisers (``normal_``) run torch's Python reference kernels, whose first call imports
+    torch._dynamo and sympy: 3-6 s of every worker start-up for nothing.
+    """
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor") if kwargs else None
+        return func(*args, **(kwargs or {}))
+
+
 def build_empty_model(
     config: ModelConfig, *, device: torch.device | str, dtype: torch.dtype
 ) -> CloverForBlockDiffusion:
-    """The model with uninitialised storage on ``device`` in ``dtype`` (one allocation, no init)."""
-    with torch.device("meta"):
+    """The model with uninitialised storage on ``device`` in ``dtype`` (one allocation, no init).
+
+    Materialised with ``torch.empty(shape)`` rather than ``Module.to_empty`` for the same
+    reason as ``_SkipParameterInit``: ``empty_like`` of a meta tensor goes through torch's
+    Python reference kernels (a slow first import). Tensors built here are contiguous, so a
+    plain ``empty`` of the same shape is equivalent.
+    """
+    with torch.device("meta"), _SkipParameterInit():
         model = CloverForBlockDiffusion(config)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))  # same shapes
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval()
