@@ -76,7 +76,7 @@ def api(host: str, port: int, workers: int, access_log: bool) -> None:
         access_log=access_log,
         log_config=None,
         timeout_graceful_shutdown=10,
-        # A spawned API process re-imports the CLI (torch included): give it time to answer
+        # A spawned API process re-imports the CLI (slow on a loaded machine): give it time to answer
         # uvicorn's start-up health check, or the supervisor kills and respawns it forever.
         timeout_worker_healthcheck=120,
     )
