@@ -30,7 +30,7 @@ class CacheView:
 
     cache: KVCache
     slots: torch.Tensor  # [B] slot of each row
-    key_len: int  # S: cache columns attended over (max of lengths + T, rounded up to 8, capped at max_len)
+    key_len: int  # S: cache columns attended over (max lengths + T, GPU: rounded up to 8; <= max_len)
     slot_start: int | None  # first slot when slots == range(slot_start, slot_start + B)
     write_slots: torch.Tensor  # [B, 1] or [N] destination slot of each new position written
     write_pos: torch.Tensor  # [B, T] or [N] destination column
@@ -72,8 +72,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, hidden]
-        cos: torch.Tensor,  # [B, T, D]
-        sin: torch.Tensor,  # [B, T, D]
+        cos: torch.Tensor,  # [B, 1, T, D] (rope_cos_sin)
+        sin: torch.Tensor,  # [B, 1, T, D] signed sin (rope_cos_sin)
         bias: torch.Tensor,  # [B, 1, G*T, S] additive mask (S = T without cache), see mask.py
         view: CacheView | None,
     ) -> torch.Tensor:  # [B, T, hidden]

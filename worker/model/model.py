@@ -121,8 +121,10 @@ class CloverForBlockDiffusion(nn.Module):
             raise CacheFullError(f"committing would pass the cache's {cache.max_len} positions per slot")
         start = slot_list[0]
         contiguous = slot_list == list(range(start, start + b))
-        # rounded up to a multiple of 8 columns (masked) so GPU attention kernels get aligned rows
-        key_len = min(cache.max_len, -(-(max(len_list) + t) // 8) * 8)
+        # on GPU rounded up to a multiple of 8 columns (masked) so attention kernels get aligned
+        # rows; on CPU every extra column is only extra work
+        align = 1 if cache.device.type == "cpu" else 8
+        key_len = min(cache.max_len, -(-(max(len_list) + t) // align) * align)
         cols = torch.arange(t, device=cache.device)  # [T]
         pos = lengths[:, None] + cols[None, :]  # [B, T] destination columns
         rows = write_cols = None

@@ -1,7 +1,9 @@
 """Rotary position embeddings (the "default" rope type: half-split rotation, as in Qwen3).
 
 Angles come from absolute positions per token, so rows of a batch may sit at different offsets
-(each row continues its own cached sequence).
+(each row continues its own cached sequence). ``cos``/``sin`` are computed once per forward in
+the layout the heads use (``[B, 1, T, D]``) and ``sin`` carries the rotation's sign, so each
+layer's rotation is four small ops instead of eight.
 """
 
 from __future__ import annotations
@@ -12,21 +14,23 @@ import torch
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``[B, T, head_dim]`` for integer ``positions`` ``[B, T]``."""
+    """``cos, signed_sin`` of shape ``[B, 1, T, head_dim]`` for integer ``positions`` ``[B, T]``.
+
+    ``signed_sin`` is ``sin`` with its first half negated: ``rotate_half(x) * sin`` equals
+    ``swap_halves(x) * signed_sin`` exactly (a sign flip is exact in every dtype).
+    """
     exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)  # [D/2]
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin().to(dtype)
+    half = head_dim // 2
+    sin[..., :half] = -sin[..., :half]
+    return emb.cos().to(dtype)[:, None], sin[:, None]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, H, T, D]`` by ``cos/signed_sin`` ``[B, 1, T, D]`` from ``rope_cos_sin``."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, H, T, D]`` by ``cos/sin`` ``[B, T, D]``."""
-    cos = cos[:, None]  # [B, 1, T, D]
-    sin = sin[:, None]
-    return x * cos + _rotate_half(x) * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [B, H, T, D]
+    return x * cos + swapped * signed_sin
