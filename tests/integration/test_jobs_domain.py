@@ -235,9 +235,45 @@ def test_expiry_drops_payloads_of_old_finished_jobs(
     assert final.status == JobStatus.EXPIRED and final.result is None and final.input is None
 
 
+@pytest.fixture
+def own_database(db_backend_url: str, tmp_path: Any) -> Iterator[str]:
+    """A fresh, migrated database of the same backend as ``db_backend_url``, for tests whose
+    subject is global over the table (aging promotes the oldest queued jobs of every tenant, so
+    jobs other tests left queued would be promoted first)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    from scheduler.db import migrate
+
+    if db_backend_url.startswith("sqlite"):
+        url = f"sqlite:///{tmp_path / 'own.db'}"
+        migrate(url)
+        yield url
+        return
+    admin = create_engine(db_backend_url, isolation_level="AUTOCOMMIT")
+    name = f"cloverq_own_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = make_url(db_backend_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        get_session_factory(url).kw["bind"].dispose()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
 def test_aging_promotes_long_waiting_jobs_to_interactive(
-    session: Session, settings: Settings, client: redis_lib.Redis, celery: Any
+    own_database: str, make_settings: Any, client: redis_lib.Redis, celery: Any
 ) -> None:
+    settings = make_settings(database_url=own_database, max_attempts=2)
+    with get_session_factory(own_database)() as session:
+        _check_aging(session, settings, client, celery)
+
+
+def _check_aging(session: Session, settings: Settings, client: redis_lib.Redis, celery: Any) -> None:
     job = submit(session, settings, client, celery,
                  params={"max_new_tokens": 4096, "steps_per_block": 64})
     assert job.queue == "bulk"
