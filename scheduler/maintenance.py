@@ -93,6 +93,51 @@ def release_orphaned_deliveries(
     return len(queued)
 
 
+def release_lost_messages(
+    session: Session, *, redis_client: redis.Redis, settings: Settings, now: datetime | None = None
+) -> int:
+    """Queued jobs whose marker says a message exists, but the message is nowhere.
+
+    Kombu's Redis transport takes a message with BRPOP and only then, client-side, records it
+    as unacked: a worker killed in between (a poison job's SIGKILL hits every thread of the
+    process) loses the message outright, while the job's enqueued marker stays and keeps the
+    reconciler away for the marker's TTL (a day). Proof of loss, cheaply: the job has been
+    due for more than a lease, its marker is older than a lease, its queue is EMPTY (so the
+    message is not waiting in it) and no delivery of it is held unacked. Such markers are
+    released, so ``enqueue_due_jobs`` publishes the job again. Returns how many.
+    """
+    now = now or utcnow()
+    rows = session.execute(
+        select(Job.id, Job.queue)
+        .where(Job.status == JobStatus.QUEUED.value, Job.cancel_requested.is_(False),
+               Job.available_at <= now - timedelta(seconds=settings.lease_seconds))
+        .order_by(Job.available_at)
+        .limit(BATCH)
+    ).all()
+    session.commit()
+    if not rows:
+        return 0
+    queues = sorted({row.queue for row in rows})
+    pipe = redis_client.pipeline(transaction=False)
+    for queue in queues:
+        pipe.llen(queue)
+    for row in rows:
+        pipe.ttl(redis_keys.enqueued(row.id))
+    answers = pipe.execute()
+    empty = {queue for queue, length in zip(queues, answers[:len(queues)], strict=True) if length == 0}
+    oldest_fresh_ttl = redis_keys.ENQUEUED_TTL_SECONDS - settings.lease_seconds
+    suspects = [row.id for row, ttl in zip(rows, answers[len(queues):], strict=True)
+                if row.queue in empty and 0 < ttl < oldest_fresh_ttl]
+    if not suspects:
+        return 0
+    held = {_job_id_of_delivery(raw) for raw in redis_client.hvals(KOMBU_UNACKED)}
+    lost = [job_id for job_id in suspects if job_id not in held]
+    if lost:
+        redis_client.delete(*(redis_keys.enqueued(job_id) for job_id in lost))
+        log.warning("reconciler.lost_messages_released", jobs=len(lost))
+    return len(lost)
+
+
 def enqueue_due_jobs(
     session: Session, *, app: Celery, redis_client: redis.Redis, settings: Settings,
     now: datetime | None = None,
@@ -285,6 +330,7 @@ def reconcile_task() -> int:
     session, client, settings = _resources()
     with session:
         release_orphaned_deliveries(session, redis_client=client, settings=settings)
+        release_lost_messages(session, redis_client=client, settings=settings)
         promoted = promote_aged_jobs(session, app=get_celery_app(), redis_client=client, settings=settings)
         return promoted + enqueue_due_jobs(session, app=get_celery_app(), redis_client=client,
                                            settings=settings)
