@@ -186,10 +186,15 @@ def reap_expired_leases(
     now = now or utcnow()
     rows = session.execute(
         select(Job.id, Job.attempt, Job.max_attempts, Job.cancel_requested, Job.kind, Job.queue,
-               Job.created_at, Job.started_at)
+               Job.created_at, Job.started_at, Job.worker_id)
         .where(Job.status == JobStatus.RUNNING.value, Job.lease_deadline < now)
+        .order_by(Job.worker_id, Job.id)
         .limit(BATCH)
     ).all()
+    # Jobs that died together (one worker) come back one reconcile tick apart. Republished in
+    # the same tick they would land on one worker together again, so a poison job that kills
+    # its process would take the same neighbours down on every attempt and exhaust theirs too.
+    lost_together: dict[str | None, int] = {}
     requeued = failed = cancelled = 0
     reaped: list[tuple[Any, str]] = []  # (row, new status) for the metrics below
     expires = now + timedelta(seconds=settings.result_ttl_seconds)
@@ -203,7 +208,8 @@ def reap_expired_leases(
                       "error_code": ErrorCode.RETRIES_EXHAUSTED.value,
                       "error_message": f"lease expired on attempt {row.attempt} (worker lost)"}
         else:
-            delay = backoff_seconds(row.attempt, settings)
+            rank = lost_together[row.worker_id] = lost_together.get(row.worker_id, -1) + 1
+            delay = backoff_seconds(row.attempt, settings) + rank * settings.reconcile_interval_seconds
             values = {"status": JobStatus.QUEUED.value, "available_at": now + timedelta(seconds=delay),
                       "worker_id": None,
                       "error_message": f"attempt {row.attempt}: lease expired (worker lost)"}
