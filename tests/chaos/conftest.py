@@ -21,6 +21,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -274,7 +275,13 @@ class ChaosStack:
                 return rows
             if time.monotonic() > deadline:
                 sample = {j: self.whereabouts(j, rows.get(j)) for j in pending[:5]}
-                pytest.fail(f"{len(pending)} of {len(job_ids)} jobs not final after {timeout:.0f}s: {sample}")
+                if self.beat.proc.poll() is None:  # Celery logs every thread's stack on SIGUSR1
+                    os.kill(self.beat.pid, signal.SIGUSR1)
+                    time.sleep(2.0)
+                kept = Path(tempfile.gettempdir()) / f"cloverq-chaos-beat-{os.getpid()}.log"
+                kept.write_text(self.beat.log())
+                pytest.fail(f"{len(pending)} of {len(job_ids)} jobs not final after {timeout:.0f}s: "
+                            f"{sample}\nbeat log kept in {kept}; tail:\n{self.beat.log()[-1500:]}")
             time.sleep(0.25)
 
     def whereabouts(self, job_id: str, row: dict[str, Any] | None) -> dict[str, Any]:
@@ -296,7 +303,8 @@ class ChaosStack:
                             status: str = "succeeded") -> None:
         """Every job ``status`` with exactly one outcome write, made by its last attempt."""
         writes = self.outcome_writes(job_ids)
-        wrong = {j: rows[j]["status"] for j in job_ids if rows[j]["status"] != status}
+        wrong = {j: (rows[j]["status"], rows[j]["error_code"], rows[j]["attempt"])
+                 for j in job_ids if rows[j]["status"] != status}
         assert not wrong, f"jobs not {status}: {wrong}"
         counts = {j: writes[j] for j in job_ids if len(writes[j]) != 1}
         assert not counts, f"jobs without exactly one outcome write: {counts}"
