@@ -68,12 +68,25 @@ class ModelRunner:
         self._sync = self.device.type == "cuda"
 
     def run_pass(self, rows: list[RowSpec], timings: PassTimings) -> list[RowOutcome]:
-        """One denoising pass for ``rows`` (one or two forwards); outcomes in row order."""
+        """One denoising pass for ``rows`` (one or two forwards); outcomes in row order. On an
+        exception the rows' cache lengths are as before the pass, so it can be re-run."""
         groups = self._split(rows)
         outcomes: dict[int, RowOutcome] = {}
-        for members in groups:
-            for i, outcome in zip(members, self._run_group([rows[i] for i in members], timings), strict=True):
-                outcomes[i] = outcome
+        slots = torch.tensor([row.slot for row in rows], dtype=torch.long, device=self.device)  # [R]
+        lengths_before = self.cache.lengths[slots]  # [R] (a copy: advanced indexing)
+        try:
+            for members in groups:
+                for i, outcome in zip(
+                    members, self._run_group([rows[i] for i in members], timings), strict=True
+                ):
+                    outcomes[i] = outcome
+        except BaseException:
+            # A pass is all or nothing for the cache: the forward appends the rows' committed
+            # positions before the decisions run (and a split pass runs two forwards), so a fault
+            # after that point would leave them appended and the engine's row-by-row retry would
+            # append them a second time. K/V written past the restored lengths are invisible.
+            self.cache.lengths[slots] = lengths_before
+            raise
         return [outcomes[i] for i in range(len(rows))]
 
     @staticmethod
