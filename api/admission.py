@@ -41,15 +41,20 @@ def admit_submission(
     params: Mapping[str, Any],
     priority: str | None,
     idempotency_key: str | None = None,
-) -> None:
-    """Raise a 429 ``ApiError`` (``queue_full`` / ``tenant_limit``) if the job must be refused."""
+    enqueued_marker: str | None = None,
+) -> bool:
+    """Raise a 429 ``ApiError`` (``queue_full`` / ``tenant_limit``) if the job must be refused.
+
+    ``enqueued_marker``: the new job's enqueued-marker key, set in the admission round trip
+    when the job is admitted (see ``Admission.check_batch``); returns whether it was set.
+    """
     if idempotency_key is not None and _exists(session, tenant=caller.tenant, key=idempotency_key):
-        return
+        return False
     try:
         route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
     except InvalidPriorityError:
-        return  # submit_job reports the bad priority with its own 4xx
-    _admit(request, session, caller, per_queue={route.queue.value: 1})
+        return False  # submit_job reports the bad priority with its own 4xx
+    return _admit(request, session, caller, per_queue={route.queue.value: 1}, enqueued_marker=enqueued_marker)
 
 
 def admit_batch(
@@ -70,12 +75,14 @@ def admit_batch(
         _admit(request, session, caller, per_queue=dict(per_queue))
 
 
-def _admit(request: Request, session: Session, caller: Caller, *, per_queue: dict[str, int]) -> None:
+def _admit(request: Request, session: Session, caller: Caller, *, per_queue: dict[str, int],
+           enqueued_marker: str | None = None) -> bool:
     admission = security_of(request).admission
     try:
-        admission.check_batch(
+        return admission.check_batch(
             tenant=caller.tenant,
             per_queue=per_queue,
+            enqueued_marker=enqueued_marker,
             active_jobs=lambda: count_active_jobs(session, tenant=caller.tenant),  # SQL only when needed
         )
     except AdmissionRefused as refused:
@@ -87,6 +94,7 @@ def _admit(request: Request, session: Session, caller: Caller, *, per_queue: dic
         # Fail open like the rate limit: publishing will fail the same way and the row stays
         # queued for the reconciler, which is the documented behaviour without Redis.
         log.warning("admission.unavailable", error=type(exc).__name__)
+        return False
 
 
 def _exists(session: Session, *, tenant: str, key: str) -> bool:

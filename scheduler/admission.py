@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from scheduler.keys import REVOKED_SET
 from scheduler.models import Job, JobStatus
+from scheduler.redis_keys import ENQUEUED_TTL_SECONDS
 from scheduler.settings import Settings
 
 LIMITS_KEY = "cloverq:limits"  # Redis hash of runtime overrides (field -> number)
@@ -77,12 +78,25 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
 return {0, allowed, retry_ms, math.floor(tokens)}
 """
 
+# KEYS: limits hash, the queue's lists, then (when ARGV[3] == '1') the job's enqueued marker,
+# which is set in the same round trip when the job fits the queue (cap ARGV[4], '' = none;
+# ARGV[5] jobs; marker value ARGV[6], TTL ARGV[7] s). Returns depth, overrides, marker set.
 _QUEUE_LUA = """
 local lim = redis.call('HMGET', KEYS[1], 'queue_max_depth:' .. ARGV[1],
                        'tenant_max_active:' .. ARGV[2], 'tenant_max_active')
+local last = #KEYS
+if ARGV[3] == '1' then last = last - 1 end
 local depth = 0
-for i = 2, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
-return {depth, lim[1] or '', lim[2] or lim[3] or ''}
+for i = 2, last do depth = depth + redis.call('LLEN', KEYS[i]) end
+local marked = 0
+if ARGV[3] == '1' then
+  local cap = tonumber(lim[1]) or tonumber(ARGV[4])
+  if cap == nil or depth + tonumber(ARGV[5]) <= cap then
+    redis.call('SET', KEYS[#KEYS], ARGV[6], 'EX', ARGV[7])
+    marked = 1
+  end
+end
+return {depth, lim[1] or '', lim[2] or lim[3] or '', marked}
 """
 
 
@@ -198,20 +212,33 @@ class Admission:
         self.check_batch(tenant=tenant, per_queue={queue: count}, active_jobs=active_jobs)
 
     def check_batch(
-        self, *, tenant: str, per_queue: Mapping[str, int], active_jobs: int | ActiveJobCount | None
-    ) -> None:
+        self, *, tenant: str, per_queue: Mapping[str, int], active_jobs: int | ActiveJobCount | None,
+        enqueued_marker: str | None = None,
+    ) -> bool:
         """Like :meth:`check_submission` for jobs spread over queues (``{queue: count}``).
 
         One script call per queue (a single job: one Redis round trip); all or nothing.
+        ``enqueued_marker`` (one queue only): the job's enqueued-marker key, set by the same
+        script when the job is admitted, which saves the publisher a round trip; it is removed
+        again if the tenant rule refuses. Returns whether the marker was set.
         """
+        if enqueued_marker is not None and len(per_queue) != 1:
+            raise ValueError("an enqueued marker needs exactly one queue")
         tenant_override: Any = None
+        marked = False
         for queue, count in per_queue.items():
-            depth, queue_override, tenant_override = self._queue_script(
-                keys=[LIMITS_KEY, *(queue + suffix for suffix in _PRIORITY_SUFFIXES)],
-                args=[queue, tenant],
+            cap = self._settings.queue_max_depth.get(queue)
+            marker_keys = [enqueued_marker] if enqueued_marker is not None else []
+            depth, queue_override, tenant_override, marked_now = self._queue_script(
+                keys=[LIMITS_KEY, *(queue + suffix for suffix in _PRIORITY_SUFFIXES), *marker_keys],
+                args=[queue, tenant, "1" if marker_keys else "0", "" if cap is None else cap, count,
+                      queue, ENQUEUED_TTL_SECONDS],
             )
+            marked = bool(marked_now)
             queue_cap = _int_or(queue_override, self._settings.queue_max_depth.get(queue))
             if queue_cap is not None and int(depth) + count > queue_cap:
+                if marked:
+                    self._redis.delete(enqueued_marker)  # type: ignore[arg-type]
                 raise AdmissionRefused(
                     "queue_full",
                     f"The {queue} queue is full ({int(depth)} waiting, cap {queue_cap}); retry later.",
@@ -221,11 +248,18 @@ class Admission:
         total = sum(per_queue.values())
         tenant_cap = _int_or(tenant_override, self._settings.tenant_max_active_jobs)
         if active_jobs is None or tenant_cap is None:
-            return
-        if callable(active_jobs):
-            active_jobs = self._tenant_counts.active_jobs(tenant, cap=tenant_cap, adding=total,
-                                                          count=active_jobs)
+            return marked
+        try:
+            if callable(active_jobs):
+                active_jobs = self._tenant_counts.active_jobs(tenant, cap=tenant_cap, adding=total,
+                                                              count=active_jobs)
+        except BaseException:
+            if marked:
+                self._redis.delete(enqueued_marker)  # type: ignore[arg-type]
+            raise
         if active_jobs + total > tenant_cap:
+            if marked:
+                self._redis.delete(enqueued_marker)  # type: ignore[arg-type]  # nothing stored
             raise AdmissionRefused(
                 "tenant_limit",
                 f"Tenant has {active_jobs} queued or running jobs (cap {tenant_cap}); retry later.",
@@ -233,6 +267,7 @@ class Admission:
                 details={"active_jobs": active_jobs, "max_active_jobs": tenant_cap},
             )
         self._tenant_counts.admitted(tenant, total)
+        return marked
 
     def tenant_cap(self, tenant: str) -> int:
         """The tenant's effective cap (override or default)."""

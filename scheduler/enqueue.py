@@ -24,17 +24,19 @@ PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0.0, "interval_step"
 
 def publish_job(
     *, job_id: uuid.UUID | str, queue: str, app: Celery, redis_client: redis.Redis,
-    request_id: str | None = None,
+    request_id: str | None = None, marker_set: bool = False,
 ) -> None:
     """Set the job's enqueued marker, then send ``cloverq.run_job(job_id)`` to ``queue``.
 
     The marker is set FIRST: a worker may run (and fail, and clear the marker of) the job
     before ``send_task`` even returns; a marker written after that would hide the retry from
-    the reconciler. If sending fails the marker is removed again.
+    the reconciler. If sending fails the marker is removed again. ``marker_set``: the caller
+    already set it (the API's admission script does, in its own round trip).
     """
     headers = {"cloverq_request_id": request_id} if request_id else None
     marker = redis_keys.enqueued(job_id)
-    redis_client.set(marker, queue, ex=redis_keys.ENQUEUED_TTL_SECONDS)
+    if not marker_set:
+        redis_client.set(marker, queue, ex=redis_keys.ENQUEUED_TTL_SECONDS)
     try:
         app.send_task(
             RUN_JOB_TASK,
@@ -52,11 +54,12 @@ def publish_job(
 
 def try_publish_job(
     *, job_id: uuid.UUID | str, queue: str, app: Celery, redis_client: redis.Redis,
-    request_id: str | None = None,
+    request_id: str | None = None, marker_set: bool = False,
 ) -> bool:
     """``publish_job``, but a broker failure is logged and left to the reconciler."""
     try:
-        publish_job(job_id=job_id, queue=queue, app=app, redis_client=redis_client, request_id=request_id)
+        publish_job(job_id=job_id, queue=queue, app=app, redis_client=redis_client, request_id=request_id,
+                    marker_set=marker_set)
     except Exception as exc:  # any broker/transport error: the row is durable, recovery is periodic
         log.warning("job.publish_failed", job_id=str(job_id), queue=queue, error=repr(exc))
         return False

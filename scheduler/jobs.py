@@ -101,13 +101,17 @@ def submit_job(
     celery: Celery | None = None,
     redis_client: redis.Redis | None = None,
     publish: bool = True,
+    job_id: uuid.UUID | None = None,
+    marker_set: bool = False,
 ) -> tuple[Job, bool]:
     """Create a queued job (committed), then publish its message. Returns ``(job, created)``.
 
     A repeat with the same ``idempotency_key`` (per tenant) and the same body returns the
     original job with ``created=False``; a different body raises ``IdempotencyConflictError``.
     Raises ``scheduler.routing.InvalidPriorityError`` for an unknown ``priority``.
-    ``publish=False`` leaves publishing to the reconciler (batch submission).
+    ``publish=False`` leaves publishing to the reconciler (batch submission). ``job_id``: the
+    new job's id when the caller chose it (default: a fresh uuid4); ``marker_set``: the caller
+    already set that id's enqueued marker (the API's admission does).
     """
     settings = settings or get_settings()
     fingerprint = request_fingerprint(
@@ -123,7 +127,7 @@ def submit_job(
     now = utcnow()
     row: dict[str, Any] = dict.fromkeys(_ATTR_COLUMNS)  # every attribute loaded: no lazy refresh later
     row.update(
-        id=uuid.uuid4(),
+        id=job_id or uuid.uuid4(),
         tenant=tenant,
         kind=str(kind),
         status=JobStatus.QUEUED.value,
@@ -173,6 +177,7 @@ def submit_job(
             app=celery or get_celery_app(),
             redis_client=redis_client or get_redis(settings.resolved_redis_url),
             request_id=request_id,
+            marker_set=marker_set,
         )
     return job, True
 

@@ -11,6 +11,7 @@ import uuid
 from datetime import datetime
 from typing import Annotated
 
+import structlog
 from fastapi import APIRouter, Body, Header, Query, Request, Response
 from redis import Redis, RedisError
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +27,7 @@ from api.prompt_tokens import PromptTokenCounter
 from api.schemas.errors import error_responses
 from api.schemas.jobs import DecideJobCreate, GenerateJobCreate, JobCreate, JobList, JobOut
 from scheduler import jobs as job_service
+from scheduler import redis_keys
 from scheduler.jobs import IdempotencyConflictError, InvalidCursorError
 from scheduler.metrics import record_submitted
 from scheduler.models import JobKind, JobStatus, QueueName
@@ -34,6 +36,8 @@ from scheduler.settings import Settings
 
 # Every route authenticates and is rate-limited per key (api.auth): 401 / 429 are possible anywhere.
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 429))
+
+log = structlog.get_logger(__name__)
 
 MAX_IDEMPOTENCY_KEY_LENGTH = 200
 MAX_PAGE = 200
@@ -108,10 +112,14 @@ def _submit_blocking(
         )
     job_input = body.input.model_dump(exclude_none=True)
     state = request.app.state
+    job_id = uuid.uuid4()
+    marker = redis_keys.enqueued(job_id)
     with state.session_factory() as session:
-        admit_submission(request, session, caller, settings=settings, kind=body.kind,
-                         input=job_input, params=params,
-                         priority=body.priority, idempotency_key=idempotency_key)  # 429 before storing
+        # 429 before storing; when admitted, the same Redis round trip sets the enqueued marker.
+        marker_set = admit_submission(request, session, caller, settings=settings, kind=body.kind,
+                                      input=job_input, params=params, priority=body.priority,
+                                      idempotency_key=idempotency_key, enqueued_marker=marker)
+        created = False
         try:
             job, created = job_service.submit_job(
                 session,
@@ -127,6 +135,8 @@ def _submit_blocking(
                 settings=settings,
                 celery=state.celery,
                 redis_client=state.redis,
+                job_id=job_id,
+                marker_set=marker_set,
             )
         except IdempotencyConflictError as exc:
             raise ApiError(
@@ -138,9 +148,19 @@ def _submit_blocking(
         except InvalidPriorityError as exc:
             details = [{"loc": ["body", "priority"], "message": str(exc), "type": "value_error"}]
             raise ApiError(422, "invalid_request", str(exc), details) from exc
+        finally:
+            if marker_set and not created:  # nothing stored under job_id (repeat, conflict, error)
+                _drop_marker(state.redis, marker)
         if created:
             record_submitted(kind=job.kind, queue=job.queue)  # in-process counter; no I/O
         return job_out(job), created
+
+
+def _drop_marker(redis: Redis, marker: str) -> None:
+    try:
+        redis.delete(marker)
+    except RedisError as exc:  # it expires on its own; the reconciler only reads markers of rows
+        log.warning("job.marker_cleanup_failed", error=type(exc).__name__)
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=error_responses(401, 403, 404, 503))
