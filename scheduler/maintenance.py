@@ -318,6 +318,13 @@ def expire_finished_jobs(session: Session, *, now: datetime | None = None) -> in
 
 
 # --- Celery tasks (run by the light beat worker on the ``maintenance`` queue) -------------------
+#
+# Acked on receipt, not late: every tick is idempotent and the next one replaces a lost one, so
+# redelivery buys nothing. And an unacked delivery is what kills the beat process when Redis
+# restarts: closing the broken channel "restores" it, and kombu's Redis transport then raises
+# AttributeError ('NoneType' object has no attribute 'hostname', conninfo already gone), which
+# Celery treats as unrecoverable, so the one process running reconciler and reaper exits.
+MAINTENANCE_TASK_OPTIONS: dict[str, Any] = {"ignore_result": True, "acks_late": False}
 
 
 def _resources() -> tuple[Session, redis.Redis, Settings]:
@@ -329,7 +336,7 @@ def _resources() -> tuple[Session, redis.Redis, Settings]:
     return session, get_redis(settings.resolved_redis_url), settings
 
 
-@shared_task(name="cloverq.reconcile", ignore_result=True)
+@shared_task(name="cloverq.reconcile", **MAINTENANCE_TASK_OPTIONS)
 def reconcile_task() -> int:
     from scheduler.celery_app import get_celery_app
 
@@ -342,14 +349,14 @@ def reconcile_task() -> int:
                                            settings=settings)
 
 
-@shared_task(name="cloverq.reap", ignore_result=True)
+@shared_task(name="cloverq.reap", **MAINTENANCE_TASK_OPTIONS)
 def reap_task() -> int:
     session, client, settings = _resources()
     with session:
         return reap_expired_leases(session, redis_client=client, settings=settings).requeued
 
 
-@shared_task(name="cloverq.expire", ignore_result=True)
+@shared_task(name="cloverq.expire", **MAINTENANCE_TASK_OPTIONS)
 def expire_task() -> int:
     session, _client, _settings = _resources()
     with session:

@@ -131,7 +131,7 @@ def deliver_webhook_task(delivery_id: str) -> str:
     return step.status.value
 
 
-@shared_task(name=SWEEP_TASK, ignore_result=True)
+@shared_task(name=SWEEP_TASK, ignore_result=True, acks_late=False)  # a periodic tick: see maintenance
 def sweep_webhooks_task() -> int:
     settings = get_settings()
     with _sessions(settings)() as session:
