@@ -67,6 +67,20 @@ def check_generate_limits(
              "exact": counter.exact},
         )
 
+    # The engine holds prompt + generated region (rounded up to whole blocks) per sequence; a
+    # request that cannot fit is refused here, not failed by the worker. Without a block size the
+    # checkpoint's applies; the default engine_max_len fits every accepted request then.
+    block = params.block_size or 1
+    positions = -(-(prompt_tokens + max_new_tokens) // block) * block
+    if positions > settings.resolved_engine_max_len:
+        raise ApiError(
+            422,
+            "request_too_long",
+            f"Prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) in blocks of {block} "
+            f"needs {positions} positions; the engine holds {settings.resolved_engine_max_len}.",
+            {"positions": positions, "engine_max_len": settings.resolved_engine_max_len},
+        )
+
     stored = params.model_dump(exclude_none=True)
     stored["max_new_tokens"] = max_new_tokens
     stored["steps_per_block"] = steps_per_block

@@ -7,12 +7,16 @@ for configuration.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Positions the chat template adds around a prompt (max_prompt_tokens counts the prompt's text only).
+CHAT_TEMPLATE_SLACK_TOKENS = 64
 
 
 class Settings(BaseSettings):
@@ -48,6 +52,13 @@ class Settings(BaseSettings):
     # --- engine ------------------------------------------------------------------------------
     engine_max_batch: int = Field(16, ge=1, description="Sequences in one batched forward.")
     engine_max_tokens_in_flight: int = Field(65536, ge=1, description="KV positions held at once.")
+    engine_max_len: int | None = Field(
+        None, ge=1, description="KV positions per sequence (prompt + generated region). Default: "
+        "max_prompt_tokens + max_new_tokens_limit + 64 (chat template) rounded up to 64-token blocks.",
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="Worker: torch.set_num_threads at start. Default: the number of CPU cores.",
+    )
 
     # --- request limits and defaults -----------------------------------------------------------
     max_prompt_tokens: int = Field(4096, ge=1)
@@ -179,6 +190,20 @@ class Settings(BaseSettings):
             return self.visibility_timeout_seconds
         longest = max(self.job_deadline_seconds, self.joint_deadline_seconds, self.thinking_deadline_seconds)
         return 2 * longest + self.lease_seconds
+
+    @property
+    def resolved_engine_max_len(self) -> int:
+        """Per-sequence KV length of the engine: ``engine_max_len``, or room for the largest request
+        the API accepts (the chat template's tokens included; whole blocks of any size dividing 64)."""
+        if self.engine_max_len is not None:
+            return self.engine_max_len
+        needed = self.max_prompt_tokens + CHAT_TEMPLATE_SLACK_TOKENS + self.max_new_tokens_limit
+        return -(-needed // 64) * 64
+
+    @property
+    def resolved_torch_threads(self) -> int:
+        """Threads torch uses for one worker's ops: ``torch_threads`` or the CPU cores."""
+        return self.torch_threads or os.cpu_count() or 1
 
     @property
     def resolved_model_dir(self) -> Path:

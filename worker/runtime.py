@@ -95,6 +95,7 @@ class WorkerRuntime:
     def start(self) -> None:
         """Load the model, start and warm the engine, start the monitor (blocks until done)."""
         self.heartbeat()
+        torch.set_num_threads(self.settings.resolved_torch_threads)  # before the model's first op
         began = time.monotonic()
         if self.settings.served_model:  # follow the active version in SQL (worker/model_switch.py)
             activation = self._initial_activation(self.settings.served_model)
@@ -130,6 +131,7 @@ class WorkerRuntime:
             loaded.model,
             EngineConfig(max_batch=self.settings.engine_max_batch,
                          max_tokens_in_flight=self.settings.engine_max_tokens_in_flight,
+                         max_len=self.settings.resolved_engine_max_len,
                          slot_caps={"joint": self.settings.engine_joint_slot_cap}),
             mask_token_id=loaded.tokenizer.mask_token_id,
             eos_token_ids=loaded.tokenizer.eos_token_ids,
