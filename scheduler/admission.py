@@ -238,7 +238,7 @@ class Admission:
             queue_cap = _int_or(queue_override, self._settings.queue_max_depth.get(queue))
             if queue_cap is not None and int(depth) + count > queue_cap:
                 if marked:
-                    self._redis.delete(enqueued_marker)  # type: ignore[arg-type]
+                    self._forget_marker(enqueued_marker)
                 raise AdmissionRefused(
                     "queue_full",
                     f"The {queue} queue is full ({int(depth)} waiting, cap {queue_cap}); retry later.",
@@ -255,11 +255,11 @@ class Admission:
                                                               count=active_jobs)
         except BaseException:
             if marked:
-                self._redis.delete(enqueued_marker)  # type: ignore[arg-type]
+                self._forget_marker(enqueued_marker)
             raise
         if active_jobs + total > tenant_cap:
             if marked:
-                self._redis.delete(enqueued_marker)  # type: ignore[arg-type]  # nothing stored
+                self._forget_marker(enqueued_marker)  # nothing stored for a refused request
             raise AdmissionRefused(
                 "tenant_limit",
                 f"Tenant has {active_jobs} queued or running jobs (cap {tenant_cap}); retry later.",
@@ -268,6 +268,17 @@ class Admission:
             )
         self._tenant_counts.admitted(tenant, total)
         return marked
+
+    def _forget_marker(self, marker: str | None) -> None:
+        """Remove a marker set for a job that will not be stored; a Redis failure here must not
+        turn the refusal into an admission (the marker expires, and the reconciler only reads
+        markers of stored rows)."""
+        if marker is None:
+            return
+        try:
+            self._redis.delete(marker)
+        except redis.RedisError:
+            return
 
     def tenant_cap(self, tenant: str) -> int:
         """The tenant's effective cap (override or default)."""
