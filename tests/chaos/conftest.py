@@ -281,7 +281,8 @@ class ChaosStack:
                 kept = Path(tempfile.gettempdir()) / f"cloverq-chaos-beat-{os.getpid()}.log"
                 kept.write_text(self.beat.log())
                 pytest.fail(f"{len(pending)} of {len(job_ids)} jobs not final after {timeout:.0f}s: "
-                            f"{sample}\nbeat log kept in {kept}; tail:\n{self.beat.log()[-1500:]}")
+                            f"{sample}\nbeat exit code {self.beat.proc.poll()}; beat log kept in {kept}; "
+                            f"tail:\n{self.beat.log()[-1500:]}")
             time.sleep(0.25)
 
     def whereabouts(self, job_id: str, row: dict[str, Any] | None) -> dict[str, Any]:

@@ -51,6 +51,8 @@ def test_redis_restarted_mid_run_every_accepted_job_completes(chaos_stack: Chaos
     assert all(status in (202, 503) for status in statuses), statuses  # accepted, or told to retry
     rows = stack.wait_final(accepted, timeout=90)
     stack.assert_exactly_once(accepted, rows)
+    assert stack.beat.proc.poll() is None, "the beat process did not survive the Redis restart"
+    assert all(w.proc.poll() is None for w in stack.workers), "a worker did not survive the Redis restart"
     print(f"Redis restart: {len(accepted)} accepted; during the outage {statuses.count(202)} x 202, "
           f"{statuses.count(503)} x 503")
 

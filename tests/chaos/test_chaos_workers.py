@@ -42,7 +42,7 @@ def test_workers_sigkilled_mid_job_repeatedly_every_job_succeeds_exactly_once(
 ) -> None:
     stack = chaos_stack
     stack.ensure_workers(2)
-    kills = 4
+    kills = 3
     job_ids: list[str] = []
     killed_holding = 0
     with stack.client() as client:
