@@ -72,17 +72,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, hidden]
-        cos: torch.Tensor,  # [B, 1, T, D] (rope_cos_sin)
-        sin: torch.Tensor,  # [B, 1, T, D] signed sin (rope_cos_sin)
+        cos: torch.Tensor,  # [B, T, 1, D] (rope_cos_sin)
+        sin: torch.Tensor,  # [B, T, 1, D] signed sin (rope_cos_sin)
         bias: torch.Tensor,  # [B, 1, G*T, S] additive mask (S = T without cache), see mask.py
         view: CacheView | None,
     ) -> torch.Tensor:  # [B, T, hidden]
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # [B, T, H, D]
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))  # [B, T, KVH, D]
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, D] (rotated while contiguous)
+        k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, KVH, T, D]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)  # [B, H, T, D]
-        k = apply_rope(k, cos, sin)  # [B, KVH, T, D]
 
         keys, values = k, v  # [B, KVH, T, D]
         if view is not None:

@@ -2,8 +2,9 @@
 
 Angles come from absolute positions per token, so rows of a batch may sit at different offsets
 (each row continues its own cached sequence). ``cos``/``sin`` are computed once per forward in
-the layout the heads use (``[B, 1, T, D]``) and ``sin`` carries the rotation's sign, so each
-layer's rotation is four small ops instead of eight.
+the layout the projections produce (``[B, T, 1, D]``, contiguous heads: elementwise ops on the
+transposed ``[B, H, T, D]`` view were ~30% slower) and ``sin`` carries the rotation's sign, so each
+layer's rotation is three small ops (cat, mul, addcmul) instead of eight.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, signed_sin`` of shape ``[B, 1, T, head_dim]`` for integer ``positions`` ``[B, T]``.
+    """``cos, signed_sin`` of shape ``[B, T, 1, head_dim]`` for integer ``positions`` ``[B, T]``.
 
     ``signed_sin`` is ``sin`` with its first half negated: ``rotate_half(x) * sin`` equals
     ``swap_halves(x) * signed_sin`` exactly (a sign flip is exact in every dtype).
@@ -26,11 +27,11 @@ def rope_cos_sin(
     sin = emb.sin().to(dtype)
     half = head_dim // 2
     sin[..., :half] = -sin[..., :half]
-    return emb.cos().to(dtype)[:, None], sin[:, None]
+    return emb.cos().to(dtype)[:, :, None], sin[:, :, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, H, T, D]`` by ``cos/signed_sin`` ``[B, 1, T, D]`` from ``rope_cos_sin``."""
+    """Rotate ``x`` ``[B, T, H, D]`` by ``cos/signed_sin`` ``[B, T, 1, D]`` from ``rope_cos_sin``."""
     half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [B, H, T, D]
-    return x * cos + swapped * signed_sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [B, T, H, D]
+    return torch.addcmul(x * cos, swapped, signed_sin)
