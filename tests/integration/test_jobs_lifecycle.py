@@ -150,8 +150,16 @@ def test_cancel_a_running_job_within_a_pass(stack: Stack) -> None:
         return bool(hot and hot["steps_used"] > 0)
 
     wait_for(decoding, timeout=30, message="decoding progress")
-    wait_for(lambda: (stack.get(job.id).progress or {}).get("steps_used", 0) > 0, timeout=10,
-             message="coarse progress in SQL")
+    # The worker's monitor writes coarse progress every progress_sql_interval_seconds (0.5 s here);
+    # if this ever times out again, the message shows what Redis and SQL held at that moment.
+    try:
+        wait_for(lambda: (stack.get(job.id).progress or {}).get("steps_used", 0) > 0, timeout=10,
+                 message="coarse progress in SQL")
+    except pytest.fail.Exception as exc:
+        job_now = stack.get(job.id)
+        hot = read_progress(job.id, redis_client=stack.redis)
+        raise AssertionError(f"{exc}; SQL status={job_now.status} progress={job_now.progress}; "
+                             f"Redis hot status={hot}") from exc
     with stack.session() as session:
         flagged = cancel_job(session, job_id=job.id, tenant="acme", settings=stack.settings,
                              redis_client=stack.redis)
