@@ -5,10 +5,12 @@ Two mechanisms, so a drain holds even for workers that start later or miss a bro
 1. The durable flag: the Redis set ``DRAINED_SET`` names drained queues. A worker consumes
    ``consumable_queues(configured, drained)`` at start and re-checks at its heartbeat
    (``queues_to_change``), so a restart never silently resumes a drained queue.
-2. The fast path: a Celery remote-control broadcast (``cancel_consumer`` / ``add_consumer``)
-   reaches every running worker at once. ``add_consumer`` goes only to workers whose
-   *configured* queues include the queue (from the worker registry), so resuming never makes a
-   GPU worker of another pool pick up work it was not deployed for.
+2. The fast path: a Celery remote-control command (``cancel_consumer`` / ``add_consumer``)
+   reaches every running worker at once. Both are addressed (``destination``) to registered
+   workers only (from the worker registry), never to every Celery node: beat is a node too (it
+   consumes ``webhooks``) and neither takes nor answers for a job queue's drain.
+   ``add_consumer`` goes only to workers whose *configured* queues include the queue, so resuming
+   never makes a GPU worker of another pool pick up work it was not deployed for.
 
 Draining does not refuse submissions: jobs keep queueing (up to the queue-depth cap) and run
 when the queue is resumed. Running jobs are not touched.
@@ -49,23 +51,34 @@ def queues_to_change(
     return sorted(current - wanted), sorted(wanted - current)
 
 
-def _nodes(replies: list[dict[str, Any]] | None) -> list[str]:
-    return sorted(node for reply in replies or [] for node in reply)
+def _nodes(replies: list[dict[str, Any]] | None, destinations: Iterable[str]) -> list[str]:
+    """The nodes among ``destinations`` that answered: a reply from any other node (beat, which is a
+    Celery worker node too for the ``webhooks`` queue) is never counted as a GPU worker's."""
+    wanted = set(destinations)
+    return sorted({node for reply in replies or [] for node in reply if node in wanted})
 
 
 def drain_queue(
-    client: redis.Redis, app: Celery, queue: str, *, live_workers: int, timeout: float = 1.0
+    client: redis.Redis, app: Celery, queue: str, *, destinations: Iterable[str], timeout: float = 1.0
 ) -> list[str]:
-    """Flag ``queue`` drained and tell every worker to stop consuming it; returns the nodes that
-    answered (a worker that does not answer picks the flag up at its next heartbeat).
+    """Flag ``queue`` drained and tell ``destinations`` (the registered workers' Celery node names)
+    to stop consuming it; returns the nodes that answered (a worker that does not answer picks the
+    flag up at its next heartbeat).
 
-    ``live_workers`` (from the registry) lets the broadcast return as soon as all of them
-    answered instead of always waiting ``timeout``; with none there is nobody to tell.
+    The broadcast is addressed, never sent to every node: other Celery nodes (beat consumes the
+    ``webhooks`` and maintenance queues) must not be touched by a drain of a job queue, and their
+    replies must not stand in for a worker's. ``limit`` lets it return as soon as all of
+    ``destinations`` answered instead of always waiting ``timeout``; with none there is nobody to
+    tell.
     """
     client.sadd(DRAINED_SET, queue)
-    if live_workers <= 0:
+    nodes = sorted(set(destinations))
+    if not nodes:
         return []
-    return _nodes(app.control.cancel_consumer(queue, reply=True, timeout=timeout, limit=live_workers))
+    return _nodes(
+        app.control.cancel_consumer(queue, destination=nodes, reply=True, timeout=timeout, limit=len(nodes)),
+        nodes,
+    )
 
 
 def resume_queue(
@@ -77,5 +90,6 @@ def resume_queue(
     if not nodes:
         return []
     return _nodes(
-        app.control.add_consumer(queue, destination=nodes, reply=True, timeout=timeout, limit=len(nodes))
+        app.control.add_consumer(queue, destination=nodes, reply=True, timeout=timeout, limit=len(nodes)),
+        nodes,
     )

@@ -119,8 +119,8 @@ def get_queues(caller: AdminDep, settings: SettingsDep, request: Request) -> Que
 def drain_queue(queue: QueueName, caller: AdminDep, settings: SettingsDep, request: Request) -> QueueAction:
     """Workers stop taking jobs from ``queue`` (running jobs finish; submits still queue)."""
     client = _registry(settings)
-    live = len(list_workers(client))
-    nodes = drain.drain_queue(client, _celery(request, settings), queue.value, live_workers=live)
+    destinations = [_node_name(w) for w in list_workers(client)]
+    nodes = drain.drain_queue(client, _celery(request, settings), queue.value, destinations=destinations)
     _audit(caller, "queue.drain", target=queue.value, nodes=nodes)
     return QueueAction(queue=queue.value, drained=True, nodes=nodes)
 
