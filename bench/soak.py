@@ -52,9 +52,15 @@ class SoakReport:
     poll_latencies: list[float] = field(default_factory=list)
     statuses: dict[int, int] = field(default_factory=dict)
     transport_errors: int = 0
+    transport_error_kinds: dict[str, int] = field(default_factory=dict)  # "Type: message" -> count
     accepted: set[str] = field(default_factory=set)
     finished: dict[str, str] = field(default_factory=dict)  # job id -> final status
     rss: list[RssSample] = field(default_factory=list)
+
+    def record_transport_error(self, method: str, error: httpx.HTTPError) -> None:
+        self.transport_errors += 1
+        kind = f"{method} {type(error).__name__}: {error}"
+        self.transport_error_kinds[kind] = self.transport_error_kinds.get(kind, 0) + 1
 
     @property
     def requests(self) -> int:
@@ -96,6 +102,7 @@ class SoakReport:
             f"submits {len(self.submit_latencies)}, polls {len(self.poll_latencies)}",
             f"errors {self.errors} (5xx {self.server_errors}, transport {self.transport_errors}); "
             f"statuses {dict(sorted(self.statuses.items()))}",
+            *(f"  transport error x{n}: {kind}" for kind, n in sorted(self.transport_error_kinds.items())),
             f"jobs accepted {len(self.accepted)}, finished {len(self.finished)} "
             f"({len(self.finished) / self.seconds:.1f}/s), not succeeded {len(self.not_succeeded)}, "
             f"lost {len(self.lost)}",
@@ -138,8 +145,8 @@ async def _client_loop(http: httpx.AsyncClient, report: SoakReport, stop_at: flo
         began = time.monotonic()
         try:
             response = await http.post("/v1/jobs", json=body)
-        except httpx.HTTPError:
-            report.transport_errors += 1
+        except httpx.HTTPError as error:
+            report.record_transport_error("POST", error)
             await asyncio.sleep(poll_interval)
             continue
         report.submit_latencies.append(time.monotonic() - began)
@@ -154,8 +161,8 @@ async def _client_loop(http: httpx.AsyncClient, report: SoakReport, stop_at: flo
             began = time.monotonic()
             try:
                 polled = await http.get(f"/v1/jobs/{job_id}")
-            except httpx.HTTPError:
-                report.transport_errors += 1
+            except httpx.HTTPError as error:
+                report.record_transport_error("GET", error)
                 continue
             report.poll_latencies.append(time.monotonic() - began)
             report.statuses[polled.status_code] = report.statuses.get(polled.status_code, 0) + 1

@@ -55,7 +55,9 @@ def migrate() -> None:
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--workers", default=1, show_default=True, type=int, help="uvicorn worker processes.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
-def api(host: str, port: int, workers: int, access_log: bool) -> None:
+@click.option("--keep-alive", "keep_alive", default=75, show_default=True, type=int,
+              help="Seconds an idle keep-alive connection is held open; keep it above clients' idle expiry.")
+def api(host: str, port: int, workers: int, access_log: bool, keep_alive: int) -> None:
     """Serve the HTTP API (uvicorn)."""
     import uvicorn
 
@@ -76,6 +78,13 @@ def api(host: str, port: int, workers: int, access_log: bool) -> None:
         access_log=access_log,
         log_config=None,
         timeout_graceful_shutdown=10,
+        # uvicorn's default (5 s) equals httpx's pool keep-alive expiry (5 s): a client reuses an
+        # idle connection just as the server's timer closes it (both ends counted from about the
+        # same response, the server's a little earlier), and the request fails with "Server
+        # disconnected without sending a response" or a ReadError (reset). The server must outlast
+        # its clients' expiry (httpx 5 s, nginx/load balancers 60 s): idle connections then close
+        # from the client side.
+        timeout_keep_alive=keep_alive,
         # A spawned API process re-imports the CLI (slow on a loaded machine): give it time to answer
         # uvicorn's start-up health check, or the supervisor kills and respawns it forever.
         timeout_worker_healthcheck=120,
