@@ -73,8 +73,15 @@ def api(stack_settings: Settings) -> Iterator[tuple[TestClient, dict[str, str]]]
 
 
 @pytest.fixture(scope="module")
-def beat(session_launcher: ProcessLauncher, stack_settings: Settings) -> Any:
-    return session_launcher.start_beat(stack_settings)
+def beat(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Stopped when this module ends: a session-lived beat went on consuming the shared Redis's
+    maintenance and ``webhooks`` queues with THIS module's settings during later modules (it made
+    tests/integration/test_webhooks_delivery.py retry a delivery 5 times, the default, not 3)."""
+    launcher = ProcessLauncher(tmp_path_factory.mktemp("beat-logs"))
+    try:
+        yield launcher.start_beat(stack_settings)
+    finally:
+        launcher.close()
 
 
 def submit(client: TestClient, headers: dict[str, str], body: dict[str, Any]) -> str:
