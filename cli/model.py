@@ -8,15 +8,15 @@ from pathlib import Path
 import click
 
 
-def _model_group(group: click.Group) -> click.Group:
-    """The ``model`` group, created here or reused if another module registered it first."""
+def model_group(group: click.Group) -> click.Group:
+    """The ``model`` group, created on first use; every ``cloverq model ...`` module adds to it."""
     existing = group.commands.get("model")
     if isinstance(existing, click.Group):
         return existing
 
     @group.group("model")
     def model() -> None:
-        """Checkpoints: demo, verification, capacity planning."""
+        """Checkpoints and model versions: demo, verify, plan, pull, list, activate, rollback."""
 
     return model
 
@@ -128,7 +128,7 @@ def plan_command(
 
 def register(group: click.Group) -> None:
     """Add the ``model`` group (init-demo, verify, plan) to the root CLI."""
-    model = _model_group(group)
+    model = model_group(group)
     model.add_command(init_demo)
     model.add_command(verify)
     model.add_command(plan_command)

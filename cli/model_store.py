@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from cli.model import model_group
 from scheduler.settings import get_settings
 from worker import model_store
 
@@ -105,14 +106,7 @@ def list_command(root: Path | None, name: str | None, as_json: bool) -> None:
 
 
 def register(group: click.Group) -> None:
-    """Add ``pull`` and ``list`` to the ``model`` group (created here if ``cli.model`` is absent)."""
-    model_group = group.commands.get("model")
-    if not isinstance(model_group, click.Group):
-
-        @group.group("model")
-        def model_group_fallback() -> None:
-            """Checkpoints: pull and list versions in the model store."""
-
-        model_group = model_group_fallback
-    model_group.add_command(pull_command)
-    model_group.add_command(list_command)
+    """Add ``pull`` and ``list`` to the ``model`` group ."""
+    model = model_group(group)
+    model.add_command(pull_command)
+    model.add_command(list_command)

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
+from cli.model import model_group
 from scheduler.audit import audit
 from scheduler.db import make_engine, migrate, session_factory
 from scheduler.logging import configure_logging
@@ -123,14 +124,7 @@ def versions_command(name: str | None, as_json: bool) -> None:
 
 def register(group: click.Group) -> None:
     """Add ``activate``, ``rollback`` and ``versions`` to the ``model`` group."""
-    model_group = group.commands.get("model")
-    if not isinstance(model_group, click.Group):
-
-        @group.group("model")
-        def model_group_fallback() -> None:
-            """Checkpoints and model versions."""
-
-        model_group = model_group_fallback
-    model_group.add_command(activate_command)
-    model_group.add_command(rollback_command)
-    model_group.add_command(versions_command)
+    model = model_group(group)
+    model.add_command(activate_command)
+    model.add_command(rollback_command)
+    model.add_command(versions_command)
