@@ -388,14 +388,6 @@ class ProcessLauncher:
         self.processes.clear()
 
 
-@pytest.fixture(scope="session")
-def session_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessLauncher]:
-    """A launcher whose processes live until the end of the session (for module-scoped stacks)."""
-    launcher = ProcessLauncher(tmp_path_factory.mktemp("logs"))
-    yield launcher
-    launcher.close()
-
-
 @pytest.fixture
 def launcher(tmp_path: Path) -> Iterator[ProcessLauncher]:
     """A launcher whose processes are stopped when the test ends."""
