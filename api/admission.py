@@ -20,7 +20,7 @@ from fastapi import Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.auth import Caller, security_of
+from api.auth import Caller, enforce_rate, security_of
 from api.errors import ApiError
 from scheduler.admission import AdmissionRefused, count_active_jobs
 from scheduler.models import Job
@@ -42,19 +42,56 @@ def admit_submission(
     priority: str | None,
     idempotency_key: str | None = None,
     enqueued_marker: str | None = None,
+    metered: bool = True,
 ) -> bool:
     """Raise a 429 ``ApiError`` (``queue_full`` / ``tenant_limit``) if the job must be refused.
 
     ``enqueued_marker``: the new job's enqueued-marker key, set in the admission round trip
     when the job is admitted (see ``Admission.check_batch``); returns whether it was set.
+    ``metered=False``: the caller came through ``get_unmetered_caller``, so its rate-limit
+    token is taken here too, in the same Redis round trip (401 revoked / 429 rate_limited).
     """
+    security = security_of(request)
     if idempotency_key is not None and _exists(session, tenant=caller.tenant, key=idempotency_key):
+        if not metered:
+            _meter(request, caller)
         return False
     try:
         route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
     except InvalidPriorityError:
+        if not metered:
+            _meter(request, caller)
         return False  # submit_job reports the bad priority with its own 4xx
-    return _admit(request, session, caller, per_queue={route.queue.value: 1}, enqueued_marker=enqueued_marker)
+    if metered or caller.key_id is None or enqueued_marker is None:  # no key: no rate limit
+        if not metered:
+            _meter(request, caller)
+        return _admit(request, session, caller, per_queue={route.queue.value: 1},
+                      enqueued_marker=enqueued_marker)
+    try:  # the rate limit and the queue rule in one Redis round trip
+        decision, marked = security.admission.admit_job(
+            bucket=caller.key_id, key_id=caller.key_id, tenant=caller.tenant, queue=route.queue.value,
+            enqueued_marker=enqueued_marker,
+            active_jobs=lambda: count_active_jobs(session, tenant=caller.tenant),
+        )
+    except AdmissionRefused as refused:
+        raise _refusal(caller, refused, [route.queue.value]) from None
+    except redis.RedisError as exc:
+        log.warning("admission.unavailable", error=type(exc).__name__)  # fail open, see _admit
+        return False
+    enforce_rate(request, caller, decision)
+    return marked
+
+
+def _meter(request: Request, caller: Caller) -> None:
+    """Take the rate-limit token of an unmetered caller on its own (no admission to share it)."""
+    if caller.key_id is None:
+        return
+    try:
+        decision = security_of(request).admission.check_rate(caller.key_id, key_id=caller.key_id)
+    except redis.RedisError as exc:
+        log.warning("rate_limit_unavailable", error=type(exc).__name__, key_id=caller.key_id)
+        return
+    enforce_rate(request, caller, decision)
 
 
 def admit_batch(
@@ -86,15 +123,19 @@ def _admit(request: Request, session: Session, caller: Caller, *, per_queue: dic
             active_jobs=lambda: count_active_jobs(session, tenant=caller.tenant),  # SQL only when needed
         )
     except AdmissionRefused as refused:
-        log.info("admission.refused", code=refused.code, tenant=caller.tenant, key_id=caller.key_id,
-                 queues=sorted(per_queue))
-        raise ApiError(429, refused.code, refused.message, refused.details,
-                       {"Retry-After": str(refused.retry_after_seconds)}) from None
+        raise _refusal(caller, refused, sorted(per_queue)) from None
     except redis.RedisError as exc:
         # Fail open like the rate limit: publishing will fail the same way and the row stays
         # queued for the reconciler, which is the documented behaviour without Redis.
         log.warning("admission.unavailable", error=type(exc).__name__)
         return False
+
+
+def _refusal(caller: Caller, refused: AdmissionRefused, queues: list[str]) -> ApiError:
+    log.info("admission.refused", code=refused.code, tenant=caller.tenant, key_id=caller.key_id,
+             queues=queues)
+    return ApiError(429, refused.code, refused.message, refused.details,
+                    {"Retry-After": str(refused.retry_after_seconds)})
 
 
 def _exists(session: Session, *, tenant: str, key: str) -> bool:

@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 from redis import Redis
 from sqlalchemy.orm import Session
 
-from api.auth import Caller, get_caller
+from api.auth import Caller, get_caller, get_unmetered_caller
 from api.errors import ApiError
 from api.prompt_tokens import PromptTokenCounter
 from scheduler.settings import Settings
@@ -48,6 +48,8 @@ SessionDep = Annotated[Session, Depends(_session)]
 RedisDep = Annotated[Redis, Depends(_redis)]
 TokenCounterDep = Annotated[PromptTokenCounter, Depends(_token_counter)]
 CallerDep = Annotated[Caller, Depends(get_caller)]
+# Authenticated but not yet rate-limited: only for a route that meters itself (see api.auth).
+UnmeteredCallerDep = Annotated[Caller, Depends(get_unmetered_caller)]
 
 
 def require(caller: Caller, scope: str) -> None:

@@ -162,7 +162,12 @@ def main() -> None:
     parser.add_argument("--database-url", default=os.environ.get("CLOVERQ_TEST_DATABASE_URL"))
     parser.add_argument("--redis-url", default=os.environ.get("CLOVERQ_TEST_REDIS_URL"))
     parser.add_argument("--clients", default="1,16,64")
-    parser.add_argument("--requests", type=int, default=1500, help="Submits per concurrency level.")
+    parser.add_argument("--requests", type=int, default=3000, help="Submits per concurrency level.")
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="Each level's requests are split into this many bare/real rounds, alternated, so a "
+             "burst of background load hits both sides alike; figures are over all rounds.",
+    )
     parser.add_argument("--auth", choices=["enabled", "disabled"], default="enabled")
     parser.add_argument("--overhead-jobs", type=int, default=30, help="0 skips the worker phase.")
     args = parser.parse_args()
@@ -225,17 +230,27 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
               f"{'bare50':>7} {'bare99':>7}   {'cpu ms':>6} {'bare':>6}   statuses")
         ids: list[str] = []
         for clients in levels:
-            bare_result = _load(bare, bare_port, lambda i, n: submit_bare, clients, args.requests)
-            real_result = _load(real, real_port, lambda i, n: submit_real, clients, args.requests,
-                                keep_bodies=True)
+            bare_parts, real_parts = [], []
+            for _ in range(max(1, args.rounds)):
+                share = max(clients, args.requests // max(1, args.rounds))
+                bare_parts.append(_load(bare, bare_port, lambda i, n: submit_bare, clients, share))
+                real_parts.append(_load(real, real_port, lambda i, n: submit_real, clients, share,
+                                        keep_bodies=True))
+            bare_result, real_result = LoadResult.merged(bare_parts), LoadResult.merged(real_parts)
             ids += [json.loads(body)["id"] for body in real_result.bodies[:200]]
             print(_row(f"submit x{clients}", real_result, bare_result))
             saturated = real_result.throughput
         # Closed-loop latency at saturation is queueing (Little's law: 64 clients / throughput).
         # Latency at a given load: 64 paced clients offering half the real API's capacity.
+        # Each round is 10 s per side: a stall of the shared machine (a checkpoint, autovacuum)
+        # lasting ~150 ms delays ~20 requests, which is the whole p99 of one 10 s window.
         paced = max(1.0, round(saturated * 0.5))
-        bare_result = _load(bare, bare_port, lambda i, n: submit_bare, 64, int(paced * 10), rate=paced)
-        real_result = _load(real, real_port, lambda i, n: submit_real, 64, int(paced * 10), rate=paced)
+        bare_parts, real_parts = [], []
+        per_round = int(paced * 10)
+        for _ in range(max(1, args.rounds)):
+            bare_parts.append(_load(bare, bare_port, lambda i, n: submit_bare, 64, per_round, rate=paced))
+            real_parts.append(_load(real, real_port, lambda i, n: submit_real, 64, per_round, rate=paced))
+        bare_result, real_result = LoadResult.merged(bare_parts), LoadResult.merged(real_parts)
         print(_row(f"submit x64 @{paced:.0f}/s", real_result, bare_result))
 
         bare_ids = [str(row[0]) for row in engine.connect().execute(
@@ -250,8 +265,12 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
             return poll_bare[(i * 31 + n) % len(poll_bare)]
 
         for clients in (16, 64):
-            bare_result = _load(bare, bare_port, pick_bare, clients, args.requests * 2)
-            real_result = _load(real, real_port, pick_real, clients, args.requests * 2)
+            bare_parts, real_parts = [], []
+            for _ in range(max(1, args.rounds)):
+                share = max(clients, 2 * args.requests // max(1, args.rounds))
+                bare_parts.append(_load(bare, bare_port, pick_bare, clients, share))
+                real_parts.append(_load(real, real_port, pick_real, clients, share))
+            bare_result, real_result = LoadResult.merged(bare_parts), LoadResult.merged(real_parts)
             print(_row(f"poll x{clients}", real_result, bare_result))
 
         if args.overhead_jobs > 0:

@@ -42,6 +42,19 @@ class LoadResult:
         index = min(len(ordered) - 1, max(0, round(q / 100.0 * (len(ordered) - 1))))
         return ordered[index] * 1000.0
 
+    @classmethod
+    def merged(cls, parts: list[LoadResult]) -> LoadResult:
+        """One result for several runs of the same load: their requests over their summed time."""
+        total = cls(clients=parts[0].clients, seconds=sum(part.seconds for part in parts))
+        for part in parts:
+            total.latencies += part.latencies
+            total.bodies += part.bodies
+            for status, count in part.statuses.items():
+                total.statuses[status] = total.statuses.get(status, 0) + count
+        requests = sum(part.requests for part in parts)
+        total.server_cpu_ms = sum(part.server_cpu_ms * part.requests for part in parts) / max(1, requests)
+        return total
+
     @property
     def mean_ms(self) -> float:
         return statistics.fmean(self.latencies) * 1000.0 if self.latencies else float("nan")

@@ -5,7 +5,8 @@ Three rules, all checked *before* anything is stored, so a refused request leave
 1. Per-key rate limit: a token bucket per API key, kept in Redis and updated by one Lua script
    (atomic across every API process; the clock is Redis' ``TIME``, so API hosts with skewed
    clocks agree). The same script answers whether the key was revoked (see ``scheduler.keys``),
-   so authentication + rate limiting cost one Redis round trip per request.
+   so authentication + rate limiting cost one Redis round trip per request; on the submit path
+   the same round trip also checks the queue rule below (``Admission.admit_job``).
 2. Per-tenant cap on queued + running jobs (counted in SQL, the system of record). Far below
    the cap an API process reuses its last count for ``tenant_count_cache_seconds`` (plus what
    it admitted since), which saves a SQL round trip per submit; near the cap, and before every
@@ -48,55 +49,91 @@ PER_NAME_FIELDS: frozenset[str] = frozenset(
     {"rate_per_second:", "rate_burst:", "tenant_max_active:", "queue_max_depth:"}
 )
 
-_RATE_LIMIT_LUA = """
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-if ARGV[5] ~= '' and redis.call('SISMEMBER', KEYS[3], ARGV[5]) == 1 then
-  return {1, 0, 0, 0}
+# The scripts are built from two Lua functions so that the API's submit path can run both rules
+# in one round trip (``Admission.admit_job``) while other routes and batches use one each.
+_SCRIPT_PRELUDE = "if redis.replicate_commands then pcall(redis.replicate_commands) end\n"
+
+# Token bucket of ``bucket`` (and whether ``key_id`` is revoked): {revoked, allowed, retry ms, tokens}.
+_TAKE_TOKEN_LUA = """
+local function take_token(bucket_key, limits_key, revoked_key, bucket, rate0, burst0, cost, key_id)
+  if key_id ~= '' and redis.call('SISMEMBER', revoked_key, key_id) == 1 then
+    return {1, 0, 0, 0}
+  end
+  local lim = redis.call('HMGET', limits_key, 'rate_per_second', 'rate_burst',
+                         'rate_per_second:' .. bucket, 'rate_burst:' .. bucket)
+  local rate = tonumber(lim[3]) or tonumber(lim[1]) or tonumber(rate0)
+  local burst = tonumber(lim[4]) or tonumber(lim[2]) or tonumber(burst0)
+  if rate <= 0 then return {0, 1, 0, -1} end
+  cost = tonumber(cost)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local state = redis.call('HMGET', bucket_key, 'tokens', 'ts')
+  local tokens = tonumber(state[1]) or burst
+  local ts = tonumber(state[2]) or now
+  tokens = math.min(burst, tokens + math.max(0, now - ts) / 1000000 * rate)
+  local allowed = 0
+  local retry_ms = 0
+  if tokens >= cost then
+    tokens = tokens - cost
+    allowed = 1
+  else
+    retry_ms = math.ceil((cost - tokens) / rate * 1000)
+  end
+  redis.call('HSET', bucket_key, 'tokens', tostring(tokens), 'ts', tostring(now))
+  redis.call('PEXPIRE', bucket_key, math.ceil(burst / rate * 1000) + 1000)
+  return {0, allowed, retry_ms, math.floor(tokens)}
 end
-local lim = redis.call('HMGET', KEYS[2], 'rate_per_second', 'rate_burst',
-                       'rate_per_second:' .. ARGV[1], 'rate_burst:' .. ARGV[1])
-local rate = tonumber(lim[3]) or tonumber(lim[1]) or tonumber(ARGV[2])
-local burst = tonumber(lim[4]) or tonumber(lim[2]) or tonumber(ARGV[3])
-if rate <= 0 then return {0, 1, 0, -1} end
-local cost = tonumber(ARGV[4])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens = tonumber(state[1]) or burst
-local ts = tonumber(state[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - ts) / 1000000 * rate)
-local allowed = 0
-local retry_ms = 0
-if tokens >= cost then
-  tokens = tokens - cost
-  allowed = 1
-else
-  retry_ms = math.ceil((cost - tokens) / rate * 1000)
-end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
-redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
-return {0, allowed, retry_ms, math.floor(tokens)}
 """
 
-# KEYS: limits hash, the queue's lists, then (when ARGV[3] == '1') the job's enqueued marker,
-# which is set in the same round trip when the job fits the queue (cap ARGV[4], '' = none;
-# ARGV[5] jobs; marker value ARGV[6], TTL ARGV[7] s). Returns depth, overrides, marker set.
-_QUEUE_LUA = """
-local lim = redis.call('HMGET', KEYS[1], 'queue_max_depth:' .. ARGV[1],
-                       'tenant_max_active:' .. ARGV[2], 'tenant_max_active')
-local last = #KEYS
-if ARGV[3] == '1' then last = last - 1 end
-local depth = 0
-for i = 2, last do depth = depth + redis.call('LLEN', KEYS[i]) end
-local marked = 0
-if ARGV[3] == '1' then
-  local cap = tonumber(lim[1]) or tonumber(ARGV[4])
-  if cap == nil or depth + tonumber(ARGV[5]) <= cap then
-    redis.call('SET', KEYS[#KEYS], ARGV[6], 'EX', ARGV[7])
-    marked = 1
+# Depth of a queue (its lists are KEYS[first..last]) and the limit overrides; when ``marker_key``
+# is given, the job's enqueued marker is set in the same call if ``count`` jobs fit the cap
+# (override, else ``cap0``; '' = none). {depth, queue override, tenant override, marker set}.
+_ADMIT_QUEUE_LUA = """
+local function admit_queue(limits_key, first, last, marker_key, queue, tenant, cap0, count, value, ttl)
+  local lim = redis.call('HMGET', limits_key, 'queue_max_depth:' .. queue,
+                         'tenant_max_active:' .. tenant, 'tenant_max_active')
+  local depth = 0
+  for i = first, last do depth = depth + redis.call('LLEN', KEYS[i]) end
+  local marked = 0
+  if marker_key then
+    local cap = tonumber(lim[1]) or tonumber(cap0)
+    if cap == nil or depth + tonumber(count) <= cap then
+      redis.call('SET', marker_key, value, 'EX', ttl)
+      marked = 1
+    end
   end
+  return {depth, lim[1] or '', lim[2] or lim[3] or '', marked}
 end
-return {depth, lim[1] or '', lim[2] or lim[3] or '', marked}
+"""
+
+# KEYS: bucket, limits hash, revoked set. ARGV: bucket, rate, burst, cost, key id ('' = none).
+_RATE_LIMIT_LUA = _SCRIPT_PRELUDE + _TAKE_TOKEN_LUA + """
+return take_token(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+"""
+
+# KEYS: limits hash, the queue's lists, then (when ARGV[3] == '1') the job's enqueued marker.
+# ARGV: queue, tenant, marker?, cap, jobs, marker value, marker TTL s.
+_QUEUE_LUA = _ADMIT_QUEUE_LUA + """
+local last = #KEYS
+local marker = nil
+if ARGV[3] == '1' then
+  marker = KEYS[last]
+  last = last - 1
+end
+return admit_queue(KEYS[1], 2, last, marker, ARGV[1], ARGV[2], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+"""
+
+# Both for one job: the rate rule first; a revoked key or an empty bucket stops there.
+# KEYS: bucket, limits hash, revoked set, the queue's lists, the job's enqueued marker.
+# ARGV: the rate script's five, then queue, tenant, cap, marker value, marker TTL s.
+# Returns the rate script's four values followed by the queue script's four.
+_SUBMIT_LUA = _SCRIPT_PRELUDE + _TAKE_TOKEN_LUA + _ADMIT_QUEUE_LUA + """
+local r = take_token(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+if r[1] == 1 or r[2] == 0 then
+  return {r[1], r[2], r[3], r[4], 0, '', '', 0}
+end
+local q = admit_queue(KEYS[2], 4, #KEYS - 1, KEYS[#KEYS], ARGV[6], ARGV[7], ARGV[8], 1, ARGV[9], ARGV[10])
+return {r[1], r[2], r[3], r[4], q[1], q[2], q[3], q[4]}
 """
 
 
@@ -179,26 +216,47 @@ class Admission:
         self._settings = settings
         self._rate_script = client.register_script(_RATE_LIMIT_LUA)
         self._queue_script = client.register_script(_QUEUE_LUA)
+        self._submit_script = client.register_script(_SUBMIT_LUA)
         self._tenant_counts = TenantCountCache(settings.tenant_count_cache_seconds)
 
     def check_rate(self, bucket: str, *, key_id: str | None, cost: int = 1) -> RateDecision:
         """Take ``cost`` tokens from ``bucket``; also reports whether ``key_id`` was revoked."""
-        revoked, allowed, retry_ms, remaining = self._rate_script(
-            keys=[BUCKET_PREFIX + bucket, LIMITS_KEY, REVOKED_SET],
-            args=[
-                bucket,
-                self._settings.rate_limit_per_second,
-                self._settings.rate_limit_burst,
-                cost,
-                key_id or "",
-            ],
+        return _rate_decision(self._rate_script(keys=self._rate_keys(bucket),
+                                                args=self._rate_args(bucket, key_id, cost)))
+
+    def _rate_keys(self, bucket: str) -> list[str]:
+        return [BUCKET_PREFIX + bucket, LIMITS_KEY, REVOKED_SET]
+
+    def _rate_args(self, bucket: str, key_id: str | None, cost: int) -> list[Any]:
+        return [bucket, self._settings.rate_limit_per_second, self._settings.rate_limit_burst, cost,
+                key_id or ""]
+
+    def admit_job(
+        self, *, bucket: str, key_id: str | None, tenant: str, queue: str, enqueued_marker: str,
+        active_jobs: int | ActiveJobCount | None,
+    ) -> tuple[RateDecision, bool]:
+        """The rate limit of ``bucket`` and the queue and tenant rules for one job, with ONE
+        Redis round trip (the API's submit path; elsewhere :meth:`check_rate` and
+        :meth:`check_batch` run separately).
+
+        Returns the rate decision and whether the job's enqueued marker was set. When the
+        decision refuses (revoked key or empty bucket) nothing else was checked or written:
+        the caller answers 401/429. Raises :class:`AdmissionRefused` like :meth:`check_batch`.
+        """
+        cap = self._settings.queue_max_depth.get(queue)
+        reply = self._submit_script(
+            keys=[*self._rate_keys(bucket), *(queue + suffix for suffix in _PRIORITY_SUFFIXES),
+                  enqueued_marker],
+            args=[*self._rate_args(bucket, key_id, 1), queue, tenant, "" if cap is None else cap,
+                  queue, ENQUEUED_TTL_SECONDS],
         )
-        return RateDecision(
-            revoked=bool(revoked),
-            allowed=bool(allowed),
-            retry_after_seconds=max(1, math.ceil(int(retry_ms) / 1000)) if not allowed else 0,
-            remaining=int(remaining),
-        )
+        decision = _rate_decision(reply[:4])
+        if decision.revoked or not decision.allowed:
+            return decision, False
+        depth, queue_override, tenant_override, marked = reply[4:]
+        marker = enqueued_marker if marked else None
+        self._refuse_full_queue(queue, 1, int(depth), queue_override, marker)
+        return decision, self._admit_tenant(tenant, 1, tenant_override, active_jobs, marker)
 
     def check_submission(
         self, *, tenant: str, queue: str, active_jobs: int | ActiveJobCount | None, count: int = 1
@@ -235,31 +293,41 @@ class Admission:
                       queue, ENQUEUED_TTL_SECONDS],
             )
             marked = bool(marked_now)
-            queue_cap = _int_or(queue_override, self._settings.queue_max_depth.get(queue))
-            if queue_cap is not None and int(depth) + count > queue_cap:
-                if marked:
-                    self._forget_marker(enqueued_marker)
-                raise AdmissionRefused(
-                    "queue_full",
-                    f"The {queue} queue is full ({int(depth)} waiting, cap {queue_cap}); retry later.",
-                    retry_after_seconds=5,
-                    details={"queue": queue, "depth": int(depth), "max_depth": queue_cap},
-                )
+            self._refuse_full_queue(queue, count, int(depth), queue_override,
+                                    enqueued_marker if marked else None)
         total = sum(per_queue.values())
-        tenant_cap = _int_or(tenant_override, self._settings.tenant_max_active_jobs)
+        return self._admit_tenant(tenant, total, tenant_override, active_jobs,
+                                  enqueued_marker if marked else None)
+
+    def _refuse_full_queue(self, queue: str, count: int, depth: int, override: Any,
+                           marker: str | None) -> None:
+        """Raise ``queue_full`` if ``count`` more jobs do not fit (removing a marker just set)."""
+        queue_cap = _int_or(override, self._settings.queue_max_depth.get(queue))
+        if queue_cap is not None and depth + count > queue_cap:
+            self._forget_marker(marker)
+            raise AdmissionRefused(
+                "queue_full",
+                f"The {queue} queue is full ({depth} waiting, cap {queue_cap}); retry later.",
+                retry_after_seconds=5,
+                details={"queue": queue, "depth": depth, "max_depth": queue_cap},
+            )
+
+    def _admit_tenant(self, tenant: str, total: int, override: Any, active_jobs: int | ActiveJobCount | None,
+                      marker: str | None) -> bool:
+        """Raise ``tenant_limit`` if ``total`` more jobs pass the tenant's cap (removing
+        ``marker``, set for a job that will now not be stored); returns whether a marker stands."""
+        tenant_cap = _int_or(override, self._settings.tenant_max_active_jobs)
         if active_jobs is None or tenant_cap is None:
-            return marked
+            return marker is not None
         try:
             if callable(active_jobs):
                 active_jobs = self._tenant_counts.active_jobs(tenant, cap=tenant_cap, adding=total,
                                                               count=active_jobs)
         except BaseException:
-            if marked:
-                self._forget_marker(enqueued_marker)
+            self._forget_marker(marker)
             raise
         if active_jobs + total > tenant_cap:
-            if marked:
-                self._forget_marker(enqueued_marker)  # nothing stored for a refused request
+            self._forget_marker(marker)  # nothing stored for a refused request
             raise AdmissionRefused(
                 "tenant_limit",
                 f"Tenant has {active_jobs} queued or running jobs (cap {tenant_cap}); retry later.",
@@ -267,7 +335,7 @@ class Admission:
                 details={"active_jobs": active_jobs, "max_active_jobs": tenant_cap},
             )
         self._tenant_counts.admitted(tenant, total)
-        return marked
+        return marker is not None
 
     def _forget_marker(self, marker: str | None) -> None:
         """Remove a marker set for a job that will not be stored; a Redis failure here must not
@@ -287,6 +355,16 @@ class Admission:
         cap = _int_or(override, self._settings.tenant_max_active_jobs)
         assert cap is not None
         return cap
+
+
+def _rate_decision(reply: list[Any]) -> RateDecision:
+    revoked, allowed, retry_ms, remaining = reply
+    return RateDecision(
+        revoked=bool(revoked),
+        allowed=bool(allowed),
+        retry_after_seconds=max(1, math.ceil(int(retry_ms) / 1000)) if not allowed else 0,
+        remaining=int(remaining),
+    )
 
 
 def count_active_jobs(session: Session, *, tenant: str) -> int:

@@ -16,6 +16,7 @@ from celery import Celery
 from kombu import Queue
 
 from scheduler.beat import MAINTENANCE_QUEUE, beat_schedule
+from scheduler.broker import TRANSPORT_PATH
 from scheduler.models import QueueName
 from scheduler.settings import Settings, get_settings
 
@@ -27,7 +28,10 @@ ALL_QUEUES: tuple[str, ...] = (*(q.value for q in QueueName), MAINTENANCE_QUEUE,
 
 def create_celery_app(settings: Settings) -> Celery:
     """A Celery app configured for ``settings`` (tasks register via ``shared_task`` on import)."""
-    app = Celery("cloverq", broker=settings.resolved_redis_url, set_as_current=False)
+    url = settings.resolved_redis_url
+    app = Celery("cloverq", broker=url, set_as_current=False)
+    if url.startswith("redis://"):  # TLS (rediss://) and sockets keep kombu's stock transport
+        app.conf.broker_transport = TRANSPORT_PATH
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,

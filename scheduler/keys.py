@@ -20,6 +20,7 @@ API process while Redis is up, and at the latest after the cache TTL otherwise.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import re
@@ -195,6 +196,15 @@ class _CachedKey:
 _DUMMY_HASH = hash_key("000000000000", "x" * 43)
 
 
+class NotCached(enum.Enum):
+    """The type of :data:`NOT_CACHED`."""
+
+    NOT_CACHED = "not cached"
+
+
+NOT_CACHED = NotCached.NOT_CACHED
+
+
 class KeyAuthenticator:
     """Authenticate bearer keys against the key table, with a short per-process cache."""
 
@@ -217,13 +227,21 @@ class KeyAuthenticator:
         parsed = parse_key(key)
         if parsed is None:
             return None
-        key_id, secret = parsed
-        cached = self._lookup(key_id)
-        expected = cached.key_hash if cached is not None else _DUMMY_HASH
-        matches = hmac.compare_digest(expected, hash_key(key_id, secret))
-        if cached is None or not matches or cached.info.revoked:
+        return _check(self._lookup(parsed[0]), *parsed)
+
+    def authenticate_cached(self, key: str) -> KeyInfo | NotCached | None:
+        """Like :meth:`authenticate` without any I/O: ``NOT_CACHED`` when that would need the
+        database (the key's row is not in the cache, or its entry expired). Lets an async
+        caller skip a thread-pool hop on the common path."""
+        parsed = parse_key(key)
+        if parsed is None:
             return None
-        return cached.info
+        now = self._clock()
+        with self._lock:
+            if parsed[0] not in self._cache or self._cache_expiry[parsed[0]] <= now:
+                return NOT_CACHED
+            cached = self._cache[parsed[0]]
+        return _check(cached, *parsed)
 
     def forget(self, key_id: str) -> None:
         """Drop a cached key (after a revoke in this process)."""
@@ -247,6 +265,17 @@ class KeyAuthenticator:
                 self._cache[key_id] = entry
                 self._cache_expiry[key_id] = now + self._cache_seconds
         return entry
+
+
+def _check(cached: _CachedKey | None, key_id: str, secret: str) -> KeyInfo | None:
+    """The key's info if the row exists, is not revoked and the secret's digest matches (the
+    digest is compared in constant time, against a dummy for unknown ids, so timing tells
+    nothing about which ids exist)."""
+    expected = cached.key_hash if cached is not None else _DUMMY_HASH
+    matches = hmac.compare_digest(expected, hash_key(key_id, secret))
+    if cached is None or not matches or cached.info.revoked:
+        return None
+    return cached.info
 
 
 def ensure_dev_key(session_factory: Callable[[], Session], *, data_dir: Path) -> str:

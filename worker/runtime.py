@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 from scheduler import redis_keys
 from scheduler.db import get_session_factory
 from scheduler.drain import drained_queues
+from scheduler.heap import freeze_startup_heap
 from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
 from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot
 from scheduler.model_versions import Activation, active_version, ensure_active, register_version, store_path
@@ -273,6 +274,7 @@ class WorkerRuntime:
             log.warning("worker.consumer_switch_failed", action=action, error=f"{type(exc).__name__}: {exc}")
 
     def mark_ready(self) -> None:
+        freeze_startup_heap()  # the model and the libraries stay: keep full GCs short
         self.info.state = WorkerState.READY
         self._ready.set()
         self.heartbeat()

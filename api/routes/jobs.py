@@ -19,7 +19,16 @@ from starlette.concurrency import run_in_threadpool
 from api.admission import admit_submission
 from api.auth import Caller
 from api.decision_limits import check_decide_limits
-from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
+from api.deps import (
+    CallerDep,
+    RedisDep,
+    SessionDep,
+    SettingsDep,
+    TokenCounterDep,
+    UnmeteredCallerDep,
+    require,
+    visible_tenant,
+)
 from api.errors import ApiError
 from api.limits import check_generate_limits
 from api.presenters import job_out
@@ -72,7 +81,7 @@ async def submit_job(
     body: Annotated[JobCreate, Body()],
     request: Request,
     response: Response,
-    caller: CallerDep,
+    caller: UnmeteredCallerDep,  # rate-limited in the admission round trip (_submit_blocking)
     settings: SettingsDep,
     counter: TokenCounterDep,
     idempotency_key: Annotated[
@@ -118,7 +127,8 @@ def _submit_blocking(
         # 429 before storing; when admitted, the same Redis round trip sets the enqueued marker.
         marker_set = admit_submission(request, session, caller, settings=settings, kind=body.kind,
                                       input=job_input, params=params, priority=body.priority,
-                                      idempotency_key=idempotency_key, enqueued_marker=marker)
+                                      idempotency_key=idempotency_key, enqueued_marker=marker,
+                                      metered=False)
         created = False
         try:
             job, created = job_service.submit_job(

@@ -223,6 +223,44 @@ def test_rate_limit_is_429_with_retry_after_and_stores_nothing(stack: Stack) -> 
     assert stack.submit(stack.key(tenant)).status_code == 202
 
 
+def _markers(redis_url: str) -> int:
+    client = redis_lib.Redis.from_url(redis_url)
+    return sum(1 for _ in client.scan_iter(match="cloverq:enqueued:*", count=1000))
+
+
+def test_submit_takes_its_token_in_the_admission_round_trip(stack: Stack, redis_url: str) -> None:
+    """POST /v1/jobs meters in the same Redis script as its queue check: a refused submit
+    spends nothing and leaves no enqueued marker behind, and an idempotent repeat (which
+    skips admission) is still metered."""
+    tenant = tenant_name()
+    key, admin = stack.key(tenant), stack.key(tenant_name(), ("admin",))
+    key_id = key.split("_")[1]
+    limits = {"keys": {key_id: {"rate_per_second": 0.01, "rate_burst": 2}}}
+    assert stack.client.patch("/v1/admin/limits", headers=bearer(admin), json=limits).status_code == 200
+
+    first = stack.submit(key, headers={"Idempotency-Key": "once"})
+    assert first.status_code == 202
+    markers = _markers(redis_url)
+    repeat = stack.submit(key, headers={"Idempotency-Key": "once"})
+    assert repeat.status_code == 200 and repeat.json()["id"] == first.json()["id"]  # 2nd token
+    assert_error(stack.submit(key, headers={"Idempotency-Key": "once"}), 429, "rate_limited")
+    assert_error(stack.submit(key), 429, "rate_limited")
+    assert _markers(redis_url) == markers
+    assert stack.jobs_of(tenant) == 1
+
+
+def test_submit_with_a_key_revoked_elsewhere_is_401(make_stack: Callable[..., Stack]) -> None:
+    """The submit path's combined script reports a revocation made by another API process
+    while this one still has the key cached."""
+    first, second = make_stack(), make_stack()
+    tenant = tenant_name()
+    key, admin = first.key(tenant), first.key(tenant_name(), ("admin",))
+    assert second.submit(key).status_code == 202  # cached in the second process
+    first.client.post(f"/v1/admin/keys/{key.split('_')[1]}/revoke", headers=bearer(admin))
+    assert_error(second.submit(key), 401, "unauthorized")
+    assert second.jobs_of(tenant) == 1
+
+
 def test_queue_depth_cap_is_429_at_once_and_stores_nothing(stack: Stack) -> None:
     tenant = tenant_name()
     key, admin = stack.key(tenant), stack.key(tenant_name(), ("admin",))
