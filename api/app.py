@@ -18,6 +18,7 @@ from redis import Redis
 from api.auth import install_security
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
+from api.job_waiter import JobWaiter
 from api.prompt_tokens import PromptTokenCounter
 from api.routes import admin, admin_models, batches, health, jobs, webhooks
 from api.routes.metrics import install_observability
@@ -46,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await app.state.job_waiter.close()
             app.state.redis.close()
             engine.dispose()
 
@@ -63,6 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.resolved_redis_url, socket_timeout=2.0, socket_connect_timeout=1.0, decode_responses=True
     )
     app.state.celery = create_celery_app(settings)
+    app.state.job_waiter = JobWaiter(settings.resolved_redis_url)  # GET /v1/jobs/{id}?wait=S
     install_security(app, settings, session_factory=app.state.session_factory)
     # Replaced at start-up by the lifespan; the byte bound is the safe default meanwhile.
     app.state.token_counter = PromptTokenCounter(None)

@@ -7,8 +7,8 @@ Measures, on the same database and Redis:
    publish) vs. ``bench.bare_api``'s endpoint doing one SQL insert + one Redis push;
 2. poll throughput: ``GET /v1/jobs/{id}`` vs. the bare one-row SELECT;
 3. per-job overhead with a real worker on the tiny demo model: end-to-end time minus the
-   engine's own time (sequential jobs; client-observed with fast polling, and server-side
-   from the job's timestamps).
+   engine's own time (sequential jobs; client-observed with long polling and with fast polling,
+   and server-side from the job's timestamps).
 
 Backends: ``--database-url`` / ``--redis-url``, defaulting to ``CLOVERQ_TEST_DATABASE_URL`` /
 ``CLOVERQ_TEST_REDIS_URL`` (as in CI: PostgreSQL gets a fresh database that is dropped at
@@ -115,35 +115,42 @@ def _statuses(result: LoadResult) -> str:
 
 
 def _overhead(api_url: str, headers: dict[str, str], jobs: int) -> dict[str, list[float]]:
-    """Overheads in ms for ``jobs`` sequential jobs: client-observed and server-side end to end
-    minus engine time, and the server side split into pickup (created -> claimed) and the
-    worker's own share (run time minus engine time)."""
-    client_ms: list[float] = []
-    server_ms: list[float] = []
-    pickup_ms: list[float] = []
-    worker_ms: list[float] = []
+    """Overheads in ms for ``jobs`` sequential jobs: end to end minus engine time, as a client
+    sees it (long polling: ``GET ?wait=30`` right after the submit; and polling every 2 ms, a
+    client without long polling whose polls also compete for the CPU) and server-side, split into
+    pickup (created -> claimed) and the worker's own share (run time minus engine time)."""
+    rows: dict[str, list[float]] = {
+        "client-observed (long poll ?wait=30)": [], "client-observed (2 ms polling)": [],
+        "server-side (created->finished)": [], "  of which pickup (created->claimed)": [],
+        "  of which worker (run - engine)": [],
+    }
     body = {"kind": "generate", "input": {"prompt": "Hello"}, "params": {"max_new_tokens": 8}}
-    with httpx.Client(base_url=api_url, headers=headers, timeout=30.0) as client:
-        for _ in range(jobs):
+    with httpx.Client(base_url=api_url, headers=headers, timeout=60.0) as client:
+        for n in range(2 * jobs):
+            long_poll = n % 2 == 0  # alternate the two client styles
             started = time.perf_counter()
             job = client.post("/v1/jobs", json=body).json()
             deadline = time.monotonic() + JOB_TIMEOUT_SECONDS
             while job["status"] in ("queued", "running"):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"job {job['id']} did not finish in {JOB_TIMEOUT_SECONDS}s: {job}")
-                time.sleep(0.002)
-                job = client.get(f"/v1/jobs/{job['id']}").json()
+                if long_poll:
+                    job = client.get(f"/v1/jobs/{job['id']}", params={"wait": 30}).json()
+                else:
+                    time.sleep(0.002)
+                    job = client.get(f"/v1/jobs/{job['id']}").json()
             elapsed_ms = (time.perf_counter() - started) * 1000.0
             if job["status"] != "succeeded":
                 raise RuntimeError(f"job did not succeed: {job}")
             timings = job["timings"]
             engine_ms = (timings["engine_run_ms"] or 0.0) + (timings["engine_queue_ms"] or 0.0)
-            client_ms.append(elapsed_ms - engine_ms)
-            server_ms.append(timings["total_ms"] - engine_ms)
-            pickup_ms.append(timings["queued_ms"])
-            worker_ms.append(timings["run_ms"] - engine_ms)
-    return {"client-observed (2 ms polling)": client_ms, "server-side (created->finished)": server_ms,
-            "  of which pickup (created->claimed)": pickup_ms, "  of which worker (run - engine)": worker_ms}
+            style = "long poll ?wait=30" if long_poll else "2 ms polling"
+            rows[f"client-observed ({style})"].append(elapsed_ms - engine_ms)
+            if long_poll:  # server-side figures of the undisturbed (long-polled) jobs
+                rows["server-side (created->finished)"].append(timings["total_ms"] - engine_ms)
+                rows["  of which pickup (created->claimed)"].append(timings["queued_ms"])
+                rows["  of which worker (run - engine)"].append(timings["run_ms"] - engine_ms)
+    return rows
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -285,7 +292,8 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
             api_url = f"http://{host_real}"
             _overhead(api_url, headers, 3)  # warm-up
             overheads = _overhead(api_url, headers, args.overhead_jobs)
-            print(f"\nper-job overhead (end-to-end minus engine time), {args.overhead_jobs} sequential jobs:")
+            print(f"\nper-job overhead (end-to-end minus engine time), {args.overhead_jobs} sequential jobs "
+                  "per client style:")
             for label, values in overheads.items():
                 print(f"  {label:<38} p50 {_pct(values, 50):7.2f} ms  p99 {_pct(values, 99):7.2f} ms  "
                       f"mean {statistics.fmean(values):7.2f} ms")

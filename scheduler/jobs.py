@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, make_transient_to_detached
 from scheduler import redis_keys
 from scheduler.celery_app import get_celery_app
 from scheduler.enqueue import try_publish_job
+from scheduler.job_events import publish_finished
 from scheduler.metrics import RedisMetricsRecorder
 from scheduler.models import Job, JobStatus, utcnow
 from scheduler.redis_client import get_redis
@@ -292,7 +293,9 @@ def cancel_job(
         except redis.RedisError as exc:  # the SQL flag is durable: the worker sees it at lease renewal
             log.warning("job.cancel_signal_failed", job_id=str(job.id), error=repr(exc))
     elif cancelled_queued:  # finished here, never reached a worker: count it like a worker would
-        recorder = RedisMetricsRecorder(redis_client or get_redis(settings.resolved_redis_url))
+        client = redis_client or get_redis(settings.resolved_redis_url)
+        publish_finished(client, job.id)
+        recorder = RedisMetricsRecorder(client)
         recorder.safe(recorder.job_finished, kind=job.kind, queue=job.queue, status=JobStatus.CANCELLED.value,
                       wait_seconds=None, run_seconds=None, steps_used=None, tokens=None)
     return job

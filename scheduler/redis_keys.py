@@ -29,3 +29,7 @@ def cancel(job_id: object) -> str:
 
 def worker(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
+
+
+# Pub/sub channel: a job id is published when the job reaches a final status (job_events.py).
+JOBS_FINISHED_CHANNEL = f"{PREFIX}:jobs:finished"

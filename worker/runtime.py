@@ -28,6 +28,7 @@ from scheduler import redis_keys
 from scheduler.db import get_session_factory
 from scheduler.drain import drained_queues
 from scheduler.heap import freeze_startup_heap
+from scheduler.job_events import publish_finished
 from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
 from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot
 from scheduler.model_versions import Activation, active_version, ensure_active, register_version, store_path
@@ -449,6 +450,8 @@ class WorkerRuntime:
             written = finish_job(session, lease=lease, status=outcome.status, settings=self.settings,
                                  result=outcome.result, steps_used=outcome.steps_used,
                                  error_code=outcome.error_code, error_message=outcome.error_message)
+        if written:  # first: long-polling clients are waiting on exactly this
+            publish_finished(self.redis, lease.job_id)
         running.status = outcome.status.value if written else running.status
         if written:  # final counters from the outcome: the last block may finish after the last report
             running.extra.update(steps_used=outcome.steps_used, tokens_committed=outcome.tokens)
@@ -474,6 +477,7 @@ class WorkerRuntime:
             self.metrics.safe(self.metrics.job_retried, kind=spec.kind, queue=spec.queue,
                               reason=retry_reason(error))
         elif status is JobStatus.FAILED:  # retries exhausted: a dead letter, kept for inspection
+            publish_finished(self.redis, lease.job_id)
             notify_job_finished(lease.job_id, sessions=self.sessions)
             self.metrics.safe(self.metrics.dead_letter, kind=spec.kind, queue=spec.queue)
             self._observe_finished(spec, lease, status=status.value, steps_used=None, tokens=None,

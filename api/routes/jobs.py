@@ -7,7 +7,9 @@ caller's tenant (admin keys see all tenants); another tenant's job is a plain 40
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from contextlib import suppress
 from datetime import datetime
 from typing import Annotated
 
@@ -30,6 +32,7 @@ from api.deps import (
     visible_tenant,
 )
 from api.errors import ApiError
+from api.job_waiter import RECHECK_SECONDS, JobWaiter
 from api.limits import check_generate_limits
 from api.presenters import job_out
 from api.prompt_tokens import PromptTokenCounter
@@ -49,6 +52,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(4
 log = structlog.get_logger(__name__)
 
 MAX_IDEMPOTENCY_KEY_LENGTH = 200
+MAX_WAIT_SECONDS = 30.0  # long polling; below common proxy idle timeouts (60 s)
 MAX_PAGE = 200
 
 
@@ -173,16 +177,42 @@ def _drop_marker(redis: Redis, marker: str) -> None:
         log.warning("job.marker_cleanup_failed", error=type(exc).__name__)
 
 
-@router.get("/{job_id}", response_model=JobOut, responses=error_responses(401, 403, 404, 503))
-async def get_job(job_id: str, request: Request, caller: CallerDep, redis: RedisDep) -> JobOut:
+@router.get("/{job_id}", response_model=JobOut, responses=error_responses(401, 403, 404, 422, 503))
+async def get_job(
+    job_id: str,
+    request: Request,
+    caller: CallerDep,
+    redis: RedisDep,
+    wait: Annotated[float, Query(
+        ge=0, le=MAX_WAIT_SECONDS,
+        description="Long polling: answer as soon as the job is final, or after this many "
+                    f"seconds (at most {MAX_WAIT_SECONDS:g}) with its status then. 0: at once.",
+    )] = 0,
+) -> JobOut:
     """Status, live progress, result or error, timings, attempts and model version of a job."""
     require(caller, "read")
     parsed = _parse_job_id(job_id)
-    # One thread-pool hop for the SQL read and the Redis hot status (polling is a hot path too).
-    job = await run_in_threadpool(_read_job, request, parsed, visible_tenant(caller), redis)
-    if job is None:
-        raise _job_not_found(job_id)
-    return job
+    tenant = visible_tenant(caller)
+    if wait <= 0:
+        # One thread-pool hop for the SQL read and the Redis hot status (polling is a hot path too).
+        job = await run_in_threadpool(_read_job, request, parsed, tenant, redis)
+        if job is None:
+            raise _job_not_found(job_id)
+        return job
+    waiter: JobWaiter = request.app.state.job_waiter
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    async with waiter.watch(parsed) as finished:
+        while True:
+            finished.clear()  # before the read: a notice arriving during it wakes the next wait
+            job = await run_in_threadpool(_read_job, request, parsed, tenant, redis)
+            if job is None:
+                raise _job_not_found(job_id)
+            remaining = deadline - loop.time()
+            if JobStatus(job.status).is_final or remaining <= 0:
+                return job
+            with suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), min(remaining, RECHECK_SECONDS))
 
 
 def _read_job(request: Request, job_id: str, tenant: str | None, redis: Redis) -> JobOut | None:

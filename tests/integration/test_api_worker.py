@@ -7,9 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis as redis_lib
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from scheduler.redis_keys import JOBS_FINISHED_CHANNEL
 from scheduler.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -26,6 +28,16 @@ def _wait(client: TestClient, job_id: str, statuses: set[str], timeout: float = 
     pytest.fail(f"job {job_id} never reached {statuses}: {job}")
 
 
+def _noticed(pubsub: Any, job_id: str, timeout: float = 10.0) -> bool:
+    """Whether ``job_id`` is announced on the channel (other tests' leftover jobs may be too)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # get_message answers None for the skipped subscribe reply
+        message = pubsub.get_message(timeout=0.5)
+        if message is not None and message["data"].decode() == job_id:
+            return True
+    return False
+
+
 def test_jobs_run_to_completion_and_cancel_through_the_api(
     test_settings: Settings, celery_worker_process: Callable[..., Any]
 ) -> None:
@@ -37,9 +49,13 @@ def test_jobs_run_to_completion_and_cancel_through_the_api(
 
         body = {"kind": "generate", "input": {"messages": [{"role": "user", "content": "Hi"}]},
                 "params": {"max_new_tokens": 12, "block_size": 4, "steps_per_block": 2, "seed": 3}}
+        notices = redis_lib.Redis.from_url(settings.resolved_redis_url).pubsub(ignore_subscribe_messages=True)
+        notices.subscribe(JOBS_FINISHED_CHANNEL)
         job_id = client.post("/v1/jobs", json=body).json()["id"]
-        job = _wait(client, job_id, {"succeeded", "failed", "cancelled"})
+        job = client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()  # long poll
         assert job["status"] == "succeeded", job
+        assert _noticed(notices, job_id)  # the worker announced it to long-pollers
+        notices.close()
         assert 0 < len(job["result"]["token_ids"]) <= 12
         assert job["result"]["usage"]["completion_tokens"] == len(job["result"]["token_ids"])
         assert job["attempt"] == 1
