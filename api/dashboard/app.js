@@ -35,16 +35,22 @@ function svg(tag, attrs, ...children) {
   return node;
 }
 
-class AuthError extends Error {}
+// Remembers the key a refused request was sent with: an answer to a request made before the
+// user signed in again (the page's first keyless refresh, a mistyped key) must not sign out the
+// key entered since.
+class AuthError extends Error {
+  constructor(message, key) { super(message); this.key = key; }
+}
 
 async function api(path) {
   const headers = { Accept: "application/json" };
-  if (state.key) headers.Authorization = "Bearer " + state.key;
+  const key = state.key;
+  if (key) headers.Authorization = "Bearer " + key;
   const response = await fetch(path, { headers });
   if (response.status === 401 || response.status === 403) {
     let message = "This key is not an admin key.";
     try { message = (await response.json()).error.message || message; } catch (_) { /* keep default */ }
-    throw new AuthError(message);
+    throw new AuthError(message, key);
   }
   if (!response.ok) throw new Error(path + " answered " + response.status);
   return response.json();
@@ -250,6 +256,7 @@ async function refresh() {
 
 function handleError(err) {
   if (err instanceof AuthError) {
+    if (err.key !== state.key) return;  // refused under a key that is no longer the current one
     stop();
     state.key = null;
     sessionStorage.removeItem(KEY_STORAGE);
