@@ -1,11 +1,15 @@
 """Admission of a new job at the API: queue-depth and tenant caps -> 429 before anything is stored.
 
-The per-key rate limit already ran in ``api.auth.get_caller``; this adds the two rules that
-depend on the request itself (``scheduler.admission``): the queue the job would be routed to
-must not be full, and the tenant must be under its cap of queued + running jobs. The route is
-computed with the same pure function ``scheduler.jobs.submit_job`` uses, so the checked queue
-is the queue the job would go to. An idempotent repeat (same tenant + ``Idempotency-Key``
-already stored) stores nothing new, so it is never refused here.
+The two rules that depend on the request itself (``scheduler.admission``): the queue the job
+would be routed to must not be full, and the tenant must be under its cap of queued + running
+jobs. The route is computed with the same pure function ``scheduler.jobs.submit_job`` uses, so
+the checked queue is the queue the job would go to. An idempotent repeat (same tenant +
+``Idempotency-Key`` already stored) stores nothing new, so these rules never refuse it.
+
+The per-key rate limit runs in ``api.auth.get_caller`` for most routes; ``POST /v1/jobs``
+authenticates with ``get_unmetered_caller`` and its token is taken here (``metered=False``):
+inside the admission script when there is one to run, else on its own (``meter_caller``), so
+every submit, refused or repeated, spends one token.
 """
 
 from __future__ import annotations
@@ -51,24 +55,25 @@ def admit_submission(
     ``metered=False``: the caller came through ``get_unmetered_caller``, so its rate-limit
     token is taken here too, in the same Redis round trip (401 revoked / 429 rate_limited).
     """
-    security = security_of(request)
-    if idempotency_key is not None and _exists(session, tenant=caller.tenant, key=idempotency_key):
-        if not metered:
-            _meter(request, caller)
+    repeat = idempotency_key is not None and _exists(session, tenant=caller.tenant, key=idempotency_key)
+    route = None
+    if not repeat:
+        try:
+            route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
+        except InvalidPriorityError:
+            route = None  # submit_job reports the bad priority with its own 4xx
+    # The rate limit rides in the admission script when there is one to run for a keyed caller.
+    combined = not metered and route is not None and caller.key_id is not None and enqueued_marker is not None
+    if not metered and not combined:
+        meter_caller(request, caller)
+    if route is None:  # a repeat stores nothing new, so it is never refused here
         return False
-    try:
-        route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
-    except InvalidPriorityError:
-        if not metered:
-            _meter(request, caller)
-        return False  # submit_job reports the bad priority with its own 4xx
-    if metered or caller.key_id is None or enqueued_marker is None:  # no key: no rate limit
-        if not metered:
-            _meter(request, caller)
+    if not combined:
         return _admit(request, session, caller, per_queue={route.queue.value: 1},
                       enqueued_marker=enqueued_marker)
+    assert caller.key_id is not None and enqueued_marker is not None
     try:  # the rate limit and the queue rule in one Redis round trip
-        decision, marked = security.admission.admit_job(
+        decision, marked = security_of(request).admission.admit_job(
             bucket=caller.key_id, key_id=caller.key_id, tenant=caller.tenant, queue=route.queue.value,
             enqueued_marker=enqueued_marker,
             active_jobs=lambda: count_active_jobs(session, tenant=caller.tenant),
@@ -82,8 +87,10 @@ def admit_submission(
     return marked
 
 
-def _meter(request: Request, caller: Caller) -> None:
-    """Take the rate-limit token of an unmetered caller on its own (no admission to share it)."""
+def meter_caller(request: Request, caller: Caller) -> None:
+    """Take the rate-limit token of a caller from ``get_unmetered_caller`` on its own: when there
+    is no admission round trip to share (an idempotent repeat, a request refused before
+    admission). Raises 401 (revoked) / 429 like ``get_caller``; fails open without Redis."""
     if caller.key_id is None:
         return
     try:

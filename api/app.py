@@ -24,7 +24,7 @@ from api.routes import admin, admin_models, batches, health, jobs, webhooks
 from api.routes.metrics import install_observability
 from scheduler.celery_app import create_celery_app
 from scheduler.db import make_engine, session_factory
-from scheduler.heap import freeze_startup_heap
+from scheduler.heap import freeze_startup_heap, thaw_heap
 from scheduler.settings import Settings, get_settings
 
 # Sync routes and dependencies run in anyio's thread pool; its default of 40 threads would
@@ -44,9 +44,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             PromptTokenCounter.from_model_dir, settings.resolved_model_dir
         )
         freeze_startup_heap()  # short full GCs from here on (scheduler/heap.py)
+        app.state.job_waiter.start()  # subscribed before the first long poll arrives
         try:
             yield
         finally:
+            thaw_heap()
             await app.state.job_waiter.close()
             app.state.redis.close()
             engine.dispose()

@@ -31,7 +31,7 @@ from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from scheduler.admission import Admission, RateDecision
-from scheduler.keys import ALL_SCOPES, NOT_CACHED, SCOPE_ADMIN, KeyAuthenticator, NotCached, parse_key
+from scheduler.keys import ALL_SCOPES, SCOPE_ADMIN, KeyAuthenticator, NotCached, parse_key
 from scheduler.settings import Settings, get_settings
 
 log = structlog.get_logger(__name__)
@@ -162,9 +162,9 @@ async def _authenticate(request: Request, credentials: HTTPAuthorizationCredenti
         raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
     key = credentials.credentials.strip()
     authenticator = security_of(request).authenticator
-    info = authenticator.authenticate_cached(key)
-    if info is NOT_CACHED:
-        info = await run_in_threadpool(authenticator.authenticate, key)
+    cached = authenticator.authenticate_cached(key)
+    info = (await run_in_threadpool(authenticator.authenticate, key)
+            if isinstance(cached, NotCached) else cached)
     if info is None:
         # The key id (not secret) helps an operator spot a revoked key still in use; a string
         # that is not even key-shaped is not echoed at all.
@@ -172,7 +172,6 @@ async def _authenticate(request: Request, credentials: HTTPAuthorizationCredenti
         log.warning("auth.refused", reason="invalid_key", key_id=parsed[0] if parsed else None,
                     path=request.url.path)
         raise _unauthorized("Invalid or revoked API key.")
-    assert not isinstance(info, NotCached)
     caller = Caller(tenant=info.tenant, scopes=info.scopes, key_id=info.key_id)
     request.state.caller = caller
     return caller

@@ -20,8 +20,10 @@ from scheduler.redis_keys import JOBS_FINISHED_CHANNEL
 
 log = structlog.get_logger(__name__)
 
-RECHECK_SECONDS = 1.0  # a waiter re-reads the row at least this often
+RECHECK_SECONDS = 1.0  # a waiter's first re-read without a notice; doubled after each one ...
+MAX_RECHECK_SECONDS = 8.0  # ... up to this (a 30 s wait reads the row about 7 times at most)
 RESUBSCRIBE_PAUSE_SECONDS = 1.0
+HEALTH_CHECK_SECONDS = 30  # a half-open subscription socket is noticed and replaced
 
 
 class JobWaiter:
@@ -33,12 +35,16 @@ class JobWaiter:
         self._listener: asyncio.Task[None] | None = None
         self.notices = 0  # finished-notices that woke at least one waiter (tests, debugging)
 
+    def start(self) -> None:
+        """Subscribe in the background (API start-up; ``watch`` also starts it if needed)."""
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.get_running_loop().create_task(self._listen())
+
     @asynccontextmanager
     async def watch(self, job_id: str) -> AsyncIterator[asyncio.Event]:
         """An event set whenever ``job_id`` is announced final, registered for the block's
         duration (register BEFORE reading the row, so a notice in between is not missed)."""
-        if self._listener is None or self._listener.done():  # started by the first waiter
-            self._listener = asyncio.get_running_loop().create_task(self._listen())
+        self.start()
         event = asyncio.Event()
         self._waiters.setdefault(job_id, set()).add(event)
         try:
@@ -65,7 +71,7 @@ class JobWaiter:
 
     async def _listen(self) -> None:
         while True:
-            client = aioredis.Redis.from_url(self._redis_url)
+            client = aioredis.Redis.from_url(self._redis_url, health_check_interval=HEALTH_CHECK_SECONDS)
             try:
                 async with client.pubsub() as pubsub:
                     await pubsub.subscribe(JOBS_FINISHED_CHANNEL)

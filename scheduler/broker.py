@@ -5,8 +5,9 @@ kombu's Redis channel builds a new ``redis.Redis`` object for every publish
 callbacks, about 50 us of CPU, which is a measurable share of the API's submit path (the
 message itself costs about as much to send). A ``redis.Redis`` over a ``ConnectionPool`` holds
 no connection of its own and is safe to share between threads, so one per channel serves every
-command that kombu would have sent through a fresh one. It is rebuilt when the channel replaces
-its pool (after a connection error), so it never outlives the pool it was made for.
+command that kombu would have sent through a fresh one (redis-py reconnects inside the pool after
+a connection error). It is rebuilt whenever the channel's pool is a new one (kombu drops its pools
+after a fork and on close), so it never outlives the pool it was made for.
 
 Selected in ``scheduler.celery_app`` through Celery's ``broker_transport`` for ``redis://``
 URLs; everything else about the transport (priority lists, visibility timeout, BRPOP) is
@@ -35,7 +36,7 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             yield client
             return
         shared = self._shared_client
-        pool = self.pool  # kombu's own (re)creation of the pool after an error
+        pool = self.pool  # created by kombu on first use, again after it dropped the old one
         if shared is None or shared.connection_pool is not pool:
             shared = self._create_client()
             self._shared_client = shared

@@ -19,6 +19,13 @@ import structlog
 log = structlog.get_logger(__name__)
 
 
+def thaw_heap() -> None:
+    """Undo :func:`freeze_startup_heap` before what was frozen may become garbage: a model
+    version being replaced (its weights' reference cycles must stay collectable), an API app
+    shutting down in a process that builds several (tests)."""
+    gc.unfreeze()
+
+
 def freeze_startup_heap() -> int:
     """Collect once, then exclude every object alive now from later collections; returns how
     many objects were frozen."""

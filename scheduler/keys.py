@@ -236,12 +236,8 @@ class KeyAuthenticator:
         parsed = parse_key(key)
         if parsed is None:
             return None
-        now = self._clock()
-        with self._lock:
-            if parsed[0] not in self._cache or self._cache_expiry[parsed[0]] <= now:
-                return NOT_CACHED
-            cached = self._cache[parsed[0]]
-        return _check(cached, *parsed)
+        cached = self._cached(parsed[0], self._clock())
+        return cached if isinstance(cached, NotCached) else _check(cached, *parsed)
 
     def forget(self, key_id: str) -> None:
         """Drop a cached key (after a revoke in this process)."""
@@ -249,11 +245,18 @@ class KeyAuthenticator:
             self._cache.pop(key_id, None)
             self._cache_expiry.pop(key_id, None)
 
-    def _lookup(self, key_id: str) -> _CachedKey | None:
-        now = self._clock()
+    def _cached(self, key_id: str, now: float) -> _CachedKey | NotCached | None:
+        """The cache's entry for ``key_id`` (None: known not to exist), or ``NOT_CACHED``."""
         with self._lock:
             if key_id in self._cache and self._cache_expiry[key_id] > now:
                 return self._cache[key_id]
+        return NOT_CACHED
+
+    def _lookup(self, key_id: str) -> _CachedKey | None:
+        now = self._clock()
+        cached = self._cached(key_id, now)
+        if not isinstance(cached, NotCached):
+            return cached
         with self._session_factory() as session:
             row = session.get(ApiKey, key_id)
             entry = _CachedKey(key_hash=row.key_hash, info=_info(row)) if row is not None else None

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from scheduler import redis_keys
 from scheduler.db import get_session_factory
 from scheduler.drain import drained_queues
-from scheduler.heap import freeze_startup_heap
+from scheduler.heap import freeze_startup_heap, thaw_heap
 from scheduler.job_events import publish_finished
 from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
 from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot
@@ -221,9 +221,11 @@ class WorkerRuntime:
         previous = self.served_version
         self.engine.stop(drain=True, timeout=60)
         self.engine = None  # frees the old weights before the new ones load
+        thaw_heap()  # the old model was frozen at start-up: let any cycle of it be collected
         try:
             self._load_engine(self._store_path(version))
             self.served_version = version
+            freeze_startup_heap()
             return True
         except Exception as exc:  # corrupt or unloadable version: go back to the one we had
             log.error("worker.model_switch_failed", version=version, error=repr(exc))

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Body, Header, Query, Request, Response
 from redis import Redis, RedisError
 from starlette.concurrency import run_in_threadpool
 
-from api.admission import admit_submission
+from api.admission import admit_submission, meter_caller
 from api.auth import Caller
 from api.decision_limits import check_decide_limits
 from api.deps import (
@@ -32,7 +32,7 @@ from api.deps import (
     visible_tenant,
 )
 from api.errors import ApiError
-from api.job_waiter import RECHECK_SECONDS, JobWaiter
+from api.job_waiter import MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
 from api.limits import check_generate_limits
 from api.presenters import job_out
 from api.prompt_tokens import PromptTokenCounter
@@ -97,7 +97,6 @@ async def submit_job(
     With an ``Idempotency-Key`` a repeat returns the original job (200); the same key with a
     different body is a 409 ``idempotency_conflict``.
     """
-    require(caller, "submit")
     # All blocking work (token count, admission, insert, publish) in ONE thread-pool hop: the
     # submit path is the hot path, and every hop costs a context switch under load.
     job, created = await run_in_threadpool(
@@ -116,13 +115,18 @@ def _submit_blocking(
     counter: PromptTokenCounter,
     idempotency_key: str | None,
 ) -> tuple[JobOut, bool]:
-    if isinstance(body, DecideJobCreate):
-        params = check_decide_limits(body.input, body.params, settings=settings, counter=counter,
-                                     faults_enabled=settings.fault_injection)
-    else:
-        params = check_generate_limits(
-            body, settings=settings, counter=counter, faults_enabled=settings.fault_injection
-        )
+    try:
+        require(caller, "submit")
+        if isinstance(body, DecideJobCreate):
+            params = check_decide_limits(body.input, body.params, settings=settings, counter=counter,
+                                         faults_enabled=settings.fault_injection)
+        else:
+            params = check_generate_limits(
+                body, settings=settings, counter=counter, faults_enabled=settings.fault_injection
+            )
+    except ApiError:
+        meter_caller(request, caller)  # a refused request spends its token too (401/429 win)
+        raise
     job_input = body.input.model_dump(exclude_none=True)
     state = request.app.state
     job_id = uuid.uuid4()
@@ -202,6 +206,7 @@ async def get_job(
     waiter: JobWaiter = request.app.state.job_waiter
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
+    recheck = RECHECK_SECONDS
     async with waiter.watch(parsed) as finished:
         while True:
             finished.clear()  # before the read: a notice arriving during it wakes the next wait
@@ -212,7 +217,8 @@ async def get_job(
             if JobStatus(job.status).is_final or remaining <= 0:
                 return job
             with suppress(TimeoutError):
-                await asyncio.wait_for(finished.wait(), min(remaining, RECHECK_SECONDS))
+                await asyncio.wait_for(finished.wait(), min(remaining, recheck))
+            recheck = min(2 * recheck, MAX_RECHECK_SECONDS)  # notices are the fast path
 
 
 def _read_job(request: Request, job_id: str, tenant: str | None, redis: Redis) -> JobOut | None:
