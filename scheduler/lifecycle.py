@@ -80,12 +80,11 @@ def claim_job(
             started_at=now,
             updated_at=now,
         )
-        .returning(Job.attempt)
-    ).first()
+        .returning(Job)  # the claimed row in the same round trip (no SELECT after the commit)
+        .execution_options(populate_existing=True)
+    ).scalar_one_or_none()
     session.commit()
-    if row is None:
-        return None
-    return session.get(Job, job_id, populate_existing=True)
+    return row
 
 
 def finish_job(
