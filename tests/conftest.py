@@ -159,6 +159,23 @@ def migrated_db(database_url: str) -> str:
     return database_url
 
 
+@pytest.fixture
+def fresh_db_url(db_backend_url: str, tmp_path: Path) -> Iterator[str]:
+    """A migrated database of ``db_backend_url``'s backend with no rows yet, for a test that
+    counts rows other tests would also leave in the shared session database."""
+    from scheduler.db import migrate
+
+    if db_backend_url.startswith("sqlite"):
+        url = f"sqlite:///{tmp_path / 'fresh.db'}"
+        migrate(url)
+        yield url
+        return
+    url, drop = _create_postgres_database(os.environ["CLOVERQ_TEST_DATABASE_URL"])
+    migrate(url)
+    yield url
+    drop()
+
+
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])
 def db_backend_url(request: pytest.FixtureRequest) -> str:
     """A migrated database of each backend in turn (PostgreSQL skipped when not configured)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import redis as redis_lib
-from sqlalchemy import func, select, update
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
@@ -302,27 +302,21 @@ def test_cancel_running_sets_the_flag_and_the_redis_signal(
 
 
 def test_aging_promotes_oldest_first_and_caps_promoted_jobs_waiting(
-    session: Session, settings: Settings, client: redis_lib.Redis, celery: Any, make_settings: Any
+    fresh_db_url: str, client: redis_lib.Redis, celery: Any, make_settings: Any
 ) -> None:
-    # The cap is global: leave room for exactly two more beside promoted jobs other tests left waiting.
-    waiting = session.scalar(select(func.count()).select_from(Job).where(
-        Job.status == JobStatus.QUEUED.value, Job.queue == "interactive",
-        Job.priority.in_(["standard", "bulk"])))
-    older_aged = session.scalar(select(func.count()).select_from(Job).where(
-        Job.status == JobStatus.QUEUED.value, Job.queue.in_(["standard", "bulk"])))
-    if older_aged:
-        pytest.skip("other tests left aged jobs queued in this database")
-    capped = make_settings(database_url=settings.database_url, aging_max_promoted=waiting + 2)
-    jobs = [submit(session, capped, client, celery, publish=False,
-                   params={"max_new_tokens": 4096, "steps_per_block": 64}) for _ in range(3)]
-    later = utcnow() + timedelta(seconds=capped.aging_seconds + 1)
-    assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 2
-    queues = [get_job(session, job_id=j.id, tenant=None).queue for j in jobs]
-    assert queues == ["interactive", "interactive", "bulk"]  # the two oldest
-    assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 0
-    claim_job(session, job_id=jobs[0].id, worker_id="w", model_version=None, settings=capped, now=later)
-    assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 1
-    assert get_job(session, job_id=jobs[2].id, tenant=None).queue == "interactive"
+    # The cap counts every promoted job still waiting, so this runs on a database of its own.
+    capped = make_settings(database_url=fresh_db_url, max_attempts=2, aging_max_promoted=2)
+    with get_session_factory(fresh_db_url)() as session:
+        jobs = [submit(session, capped, client, celery, publish=False,
+                       params={"max_new_tokens": 4096, "steps_per_block": 64}) for _ in range(3)]
+        later = utcnow() + timedelta(seconds=capped.aging_seconds + 1)
+        assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 2
+        queues = [get_job(session, job_id=j.id, tenant=None).queue for j in jobs]
+        assert queues == ["interactive", "interactive", "bulk"]  # the two oldest
+        assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 0
+        claim_job(session, job_id=jobs[0].id, worker_id="w", model_version=None, settings=capped, now=later)
+        assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 1
+        assert get_job(session, job_id=jobs[2].id, tenant=None).queue == "interactive"
 
 
 def test_redis_outage_degrades_cancel_and_progress_instead_of_failing(
