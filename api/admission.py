@@ -8,8 +8,8 @@ the checked queue is the queue the job would go to. An idempotent repeat (same t
 
 The per-key rate limit runs in ``api.auth.get_caller`` for most routes; ``POST /v1/jobs``
 authenticates with ``get_unmetered_caller`` and its token is taken here (``metered=False``):
-inside the admission script when there is one to run, else on its own (``meter_caller``), so
-every submit, refused or repeated, spends one token.
+inside the admission script when there is one to run, else on its own
+(``api.auth.meter_caller``), so every submit, refused or repeated, spends one token.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fastapi import Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.auth import Caller, enforce_rate, security_of
+from api.auth import Caller, enforce_rate, meter_caller, security_of
 from api.errors import ApiError
 from scheduler.admission import AdmissionRefused, count_active_jobs
 from scheduler.models import Job
@@ -85,20 +85,6 @@ def admit_submission(
         return False
     enforce_rate(request, caller, decision)
     return marked
-
-
-def meter_caller(request: Request, caller: Caller) -> None:
-    """Take the rate-limit token of a caller from ``get_unmetered_caller`` on its own: when there
-    is no admission round trip to share (an idempotent repeat, a request refused before
-    admission). Raises 401 (revoked) / 429 like ``get_caller``; fails open without Redis."""
-    if caller.key_id is None:
-        return
-    try:
-        decision = security_of(request).admission.check_rate(caller.key_id, key_id=caller.key_id)
-    except redis.RedisError as exc:
-        log.warning("rate_limit_unavailable", error=type(exc).__name__, key_id=caller.key_id)
-        return
-    enforce_rate(request, caller, decision)
 
 
 def admit_batch(

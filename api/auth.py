@@ -127,17 +127,22 @@ async def get_caller(
     """Authenticate the request and meter it against its key's rate limit."""
     caller = await _authenticate(request, credentials)
     if caller.key_id is not None:
-        security = security_of(request)
-        try:
-            decision: RateDecision | None = await run_in_threadpool(
-                security.admission.check_rate, caller.key_id, key_id=caller.key_id
-            )
-        except redis.RedisError as exc:
-            # Fail open: the rate limit protects capacity, and a submit needs Redis anyway.
-            log.warning("rate_limit_unavailable", error=type(exc).__name__, key_id=caller.key_id)
-            decision = None
-        enforce_rate(request, caller, decision)
+        await run_in_threadpool(meter_caller, request, caller)
     return caller
+
+
+def meter_caller(request: Request, caller: Caller) -> None:
+    """Take one token from the caller's rate-limit bucket (one Redis round trip, which also
+    reports a revocation): 401 revoked / 429 empty. Fails open without Redis: the rate limit
+    protects capacity, and a submit needs Redis anyway. Blocking: call it off the event loop."""
+    if caller.key_id is None:
+        return
+    try:
+        decision = security_of(request).admission.check_rate(caller.key_id, key_id=caller.key_id)
+    except redis.RedisError as exc:
+        log.warning("rate_limit_unavailable", error=type(exc).__name__, key_id=caller.key_id)
+        return
+    enforce_rate(request, caller, decision)
 
 
 async def get_unmetered_caller(

@@ -18,8 +18,8 @@ from fastapi import APIRouter, Body, Header, Query, Request, Response
 from redis import Redis, RedisError
 from starlette.concurrency import run_in_threadpool
 
-from api.admission import admit_submission, meter_caller
-from api.auth import Caller
+from api.admission import admit_submission
+from api.auth import Caller, meter_caller
 from api.decision_limits import check_decide_limits
 from api.deps import (
     CallerDep,
