@@ -452,15 +452,14 @@ class WorkerRuntime:
             written = finish_job(session, lease=lease, status=outcome.status, settings=self.settings,
                                  result=outcome.result, steps_used=outcome.steps_used,
                                  error_code=outcome.error_code, error_message=outcome.error_message)
-        if written:  # first: long-polling clients are waiting on exactly this
-            publish_finished(self.redis, lease.job_id)
         running.status = outcome.status.value if written else running.status
         if written:  # final counters from the outcome: the last block may finish after the last report
             running.extra.update(steps_used=outcome.steps_used, tokens_committed=outcome.tokens)
             if outcome.result is not None and "text" in outcome.result:
                 running.extra["partial_text"] = outcome.result["text"]
         self._final_hot_status(running, outcome.status.value if written else "lost")
-        if written:  # webhooks (outbox + publish), the one summary line, finished metrics
+        if written:  # long-pollers (after the final hot status), webhooks, summary line, metrics
+            publish_finished(self.redis, lease.job_id)
             notify_job_finished(lease.job_id, sessions=self.sessions)
             self._observe_finished(spec, lease, status=outcome.status.value, steps_used=outcome.steps_used,
                                    tokens=outcome.tokens, finish_reason=outcome.finish_reason,
