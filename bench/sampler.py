@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.recompute import block_logits
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import GenerationRequest, GenerationResult, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint
@@ -115,8 +116,7 @@ def reference_decode(
                     seqs[row, start:] = done
                 seqs[:, first:hi] = mask
             began, began_cpu = time.perf_counter(), time.process_time()
-            pos = torch.arange(hi).expand(len(prompts), -1)  # [B, hi]
-            logits = lm.model(seqs[:, :hi], pos, pos // block)[:, first:hi]  # [B, m, V]
+            logits = block_logits(lm.model, seqs, lo, hi, block)[:, first - lo :]  # [B, m, V]
             logits[..., mask] = float("-inf")
             conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)  # [B, m]
             open_ = seqs[:, first:hi] == mask  # [B, m]

@@ -25,12 +25,19 @@ def model_group(group: click.Group) -> click.Group:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
-def init_demo(directory: Path, seed: int, size: str) -> None:
+@click.option(
+    "--arch",
+    type=click.Choice(["clover", "sdar"]),
+    default="clover",
+    show_default=True,
+    help="clover: the Qwen3.5-MoE hybrid trunk with block-diffusion previews; sdar: SDAR-MoE (Qwen3-MoE).",
+)
+def init_demo(directory: Path, seed: int, size: str, arch: str) -> None:
     """Write a deterministic demo checkpoint (random weights) into DIRECTORY."""
     from worker.model.demo import write_demo_checkpoint
 
-    folder = write_demo_checkpoint(directory, seed=seed, size=size)  # type: ignore[arg-type]
-    click.echo(f"wrote {size} demo checkpoint (seed {seed}) to {folder}")
+    folder = write_demo_checkpoint(directory, seed=seed, size=size, arch=arch)  # type: ignore[arg-type]
+    click.echo(f"wrote {size} {arch} demo checkpoint (seed {seed}) to {folder}")
 
 
 @click.command("verify")

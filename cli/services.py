@@ -262,8 +262,8 @@ def _ensure_demo_checkpoint(settings: Settings) -> None:
         raise click.ClickException(f"CLOVERQ_MODEL_DIR={model_dir} holds no checkpoint (config.json)")
     from worker.model.demo import write_demo_checkpoint
 
-    _say(f"model: writing the tiny demo checkpoint to {model_dir}")
-    write_demo_checkpoint(model_dir, seed=0, size="tiny")
+    _say(f"model: writing the tiny Clover demo checkpoint to {model_dir}")
+    write_demo_checkpoint(model_dir, seed=0, size="tiny", arch="clover")
 
 
 def _dev_key(settings: Settings, data_dir: Path) -> str | None:

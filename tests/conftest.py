@@ -247,12 +247,28 @@ def redis_client(redis_url: str) -> redis_lib.Redis:
 
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny demo checkpoint (seed 0), written once per session."""
+    """The tiny Clover demo checkpoint (seed 0), written once per session."""
     from worker.model.demo import write_demo_checkpoint
 
     path = tmp_path_factory.mktemp("demo") / "tiny"
-    write_demo_checkpoint(path, seed=0, size="tiny")
+    write_demo_checkpoint(path, seed=0, size="tiny", arch="clover")
     return path
+
+
+@pytest.fixture(scope="session")
+def sdar_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny SDAR-MoE demo checkpoint (seed 0), written once per session."""
+    from worker.model.demo import write_demo_checkpoint
+
+    path = tmp_path_factory.mktemp("demo-sdar") / "tiny"
+    write_demo_checkpoint(path, seed=0, size="tiny", arch="sdar")
+    return path
+
+
+@pytest.fixture(scope="module", params=["clover", "sdar"])
+def family_checkpoint(request: pytest.FixtureRequest, demo_checkpoint: Path, sdar_checkpoint: Path) -> Path:
+    """Each family's tiny demo checkpoint in turn (tests of the engine run on both)."""
+    return demo_checkpoint if request.param == "clover" else sdar_checkpoint
 
 
 # --- settings -----------------------------------------------------------------------------------

@@ -25,16 +25,18 @@ from worker.model.checkpoint import LoadedModel, load_checkpoint
 
 
 @pytest.fixture(scope="module")
-def tiny(demo_checkpoint: Path) -> LoadedModel:
-    return load_checkpoint(demo_checkpoint)
+def tiny(family_checkpoint: Path) -> LoadedModel:
+    return load_checkpoint(family_checkpoint)
 
 
-def make_engine(lm: LoadedModel, model: Any = None, **config: Any) -> Engine:
+def make_engine(
+    lm: LoadedModel, model: Any = None, eos: tuple[int, ...] | None = None, **config: Any
+) -> Engine:
     engine = Engine(
         model if model is not None else lm.model,
         EngineConfig(**{"max_batch": 16, "max_len": 512, **config}),
         mask_token_id=lm.config.mask_token_id,
-        eos_token_ids=lm.config.eos_token_ids,
+        eos_token_ids=lm.config.eos_token_ids if eos is None else eos,
         default_block_size=lm.config.block_size,
     )
     engine.start()
@@ -151,7 +153,16 @@ def test_invalid_requests_fail_alone_with_an_error_result(engine: Engine, params
     assert ok.finish_reason is FinishReason.LENGTH
 
 
-def test_progress_at_block_boundaries_and_cancellation(engine: Engine) -> None:
+@pytest.fixture(scope="module")
+def engine_without_eos(tiny: LoadedModel) -> Iterator[Engine]:
+    """An engine that never stops at EOS (the random demo weights may emit one early)."""
+    eng = make_engine(tiny, eos=())
+    yield eng
+    eng.stop()
+
+
+def test_progress_at_block_boundaries_and_cancellation(engine_without_eos: Engine) -> None:
+    engine = engine_without_eos
     seen: list[Progress] = []
     request = GenerationRequest("c", [1, 2, 3, 4], SamplingParams(max_new_tokens=64, block_size=4))
 
@@ -170,7 +181,8 @@ def test_progress_at_block_boundaries_and_cancellation(engine: Engine) -> None:
     assert result.steps_used == 12
 
 
-def test_deadline_checked_every_pass(engine: Engine) -> None:
+def test_deadline_checked_every_pass(engine_without_eos: Engine) -> None:
+    engine = engine_without_eos
     request = GenerationRequest("d", [1, 2, 3, 4], SamplingParams(max_new_tokens=64, block_size=4))
 
     def slow(p: Progress) -> None:
@@ -194,6 +206,7 @@ class FaultyModel(torch.nn.Module):
         super().__init__()
         self.inner = inner
         self.config = inner.config  # type: ignore[attr-defined]
+        self.new_cache = inner.new_cache  # type: ignore[attr-defined]
         self.poison = poison
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""The engine against the decoding contract on the tiny demo checkpoint.
+"""The engine against the decoding contract on the tiny demo checkpoints of both families.
 
-The reference below is deliberately plain: no cache, no batching, the whole sequence recomputed
-under the block-causal mask for every denoising pass, one request at a time, Python loops.
+The reference below is deliberately plain: no cache carried between passes, no batching, the
+whole sequence recomputed for every denoising pass (``bench.recompute``), one request at a time,
+Python loops.
 At temperature 0 the engine must give the same tokens, token for token.
 """
 
@@ -13,14 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.recompute import block_logits
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint
 
 
 @pytest.fixture(scope="module")
-def tiny(demo_checkpoint: Path) -> LoadedModel:
-    return load_checkpoint(demo_checkpoint)
+def tiny(family_checkpoint: Path) -> LoadedModel:
+    return load_checkpoint(family_checkpoint)
 
 
 def make_engine(lm: LoadedModel, *, eos: Sequence[int] | None = None, **config: int) -> Engine:
@@ -68,8 +70,8 @@ def reference_generate(
             open_positions = [p for p in range(max(lo, start), hi) if seq[p] == mask]
             if not open_positions:  # dynamic committed more than its quotas: block done
                 break
-            pos = torch.arange(hi)[None]  # [1, hi]
-            logits = lm.model(torch.tensor([seq[:hi]]), pos, pos // block)[0]  # [hi, V], no cache
+            logits = torch.zeros(hi, lm.config.vocab_size)  # [hi, V]; rows before the block unused
+            logits[lo:] = block_logits(lm.model, torch.tensor([seq[:hi]]), lo, hi, block)[0]  # no cache
             logits[:, mask] = float("-inf")
             probs = torch.softmax(logits, dim=-1)
             conf, tok = probs.max(dim=-1)

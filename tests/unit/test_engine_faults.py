@@ -25,8 +25,8 @@ from worker.model.checkpoint import LoadedModel, load_checkpoint
 
 
 @pytest.fixture(scope="module")
-def tiny(demo_checkpoint: Path) -> LoadedModel:
-    return load_checkpoint(demo_checkpoint)
+def tiny(family_checkpoint: Path) -> LoadedModel:
+    return load_checkpoint(family_checkpoint)
 
 
 def make_engine(lm: LoadedModel, **config: Any) -> Engine:

@@ -20,7 +20,7 @@ from worker.model.manifest import ManifestError, check_manifest, write_manifest
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "tiny", seed=0, size="tiny")
+    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "tiny", seed=0, size="tiny", arch="sdar")
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
-"""The demo checkpoint: deterministic, small, in the published layout, with a working tokenizer."""
+"""The demo checkpoints (Clover and SDAR): deterministic, small, in the published layout, with a
+working tokenizer, and loadable by transformers (Clover: its trunk, by ``Qwen3_5MoeForCausalLM``)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,9 +25,17 @@ LAYOUT = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "a", seed=0, size="tiny")
+@pytest.fixture(scope="module", params=["clover", "sdar"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_checkpoint(
+        tmp_path_factory.mktemp("demo") / "a", seed=0, size="tiny", arch=request.param
+    )
+
+
+def _arch(folder: Path) -> str:
+    return (
+        "clover" if json.loads((folder / "config.json").read_text())["model_type"] == "clover_moe" else "sdar"
+    )
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -38,23 +48,34 @@ def test_layout_and_size(tiny: Path) -> None:
     modes = {p.name: p.stat().st_mode & 0o777 for p in tiny.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"]  # readable by whoever reads the JSON
     config = json.loads((tiny / "config.json").read_text())
-    assert config["model_type"] == "qwen3_moe"
-    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
     assert {"mask_token_id", "block_size", "eos_token_id"} <= set(config)
-    assert config["mlp_only_layers"]  # the dense path is exercised too
+    if _arch(tiny) == "sdar":
+        assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+        assert config["mlp_only_layers"]  # the dense path is exercised too
+    else:
+        assert config["architectures"] == ["CloverMoeModelLM"]
+        assert set(config["layer_types"]) == {"linear_attention", "full_attention"}  # both mixers
 
 
 def test_same_seed_is_byte_identical_other_seed_differs(tiny: Path, tmp_path: Path) -> None:
-    again = write_demo_checkpoint(tmp_path / "b", seed=0, size="tiny")
+    again = write_demo_checkpoint(tmp_path / "b", seed=0, size="tiny", arch=_arch(tiny))  # type: ignore[arg-type]
     assert _files(again) == _files(tiny)
-    other = write_demo_checkpoint(tmp_path / "c", seed=1, size="tiny")
+    other = write_demo_checkpoint(tmp_path / "c", seed=1, size="tiny", arch=_arch(tiny))  # type: ignore[arg-type]
     assert _files(other)["model.safetensors"] != _files(tiny)["model.safetensors"]
     assert _files(other)["tokenizer.json"] == _files(tiny)["tokenizer.json"]
 
 
-def test_transformers_loads_it_with_the_same_logits(tiny: Path) -> ModuleNotFoundError | None:
+def test_transformers_loads_it_with_the_same_logits(tiny: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
+    if _arch(tiny) == "sdar":
+        hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
+    else:  # the trunk under transformers' own model type; the preview tensors are left unused
+        trunk = tmp_path / "trunk"
+        shutil.copytree(tiny, trunk)
+        config = json.loads((trunk / "config.json").read_text())
+        config.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
+        (trunk / "config.json").write_text(json.dumps(config))
+        hf = transformers.Qwen3_5MoeForCausalLM.from_pretrained(str(trunk), dtype=torch.float32).eval()
     ours = load_checkpoint(tiny).model
     ids = torch.arange(3, 19)[None]  # [1, 16]
     pos = torch.arange(16)[None]
@@ -113,9 +134,11 @@ def test_untrained_model_predicts_varied_tokens(tiny: Path) -> None:
     assert 0.01 < probs.max().item() < 0.99
 
 
-def test_small_size_has_the_advertised_parameter_counts() -> None:
-    config, dtype = demo_config("small", special_ids={t: i for i, t in enumerate(SPECIAL_TOKENS)})
+@pytest.mark.parametrize("arch", ["clover", "sdar"])
+def test_small_size_has_the_advertised_parameter_counts(arch: str) -> None:
+    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    config, dtype = demo_config("small", special_ids=ids, arch=arch)  # type: ignore[arg-type]
     total, active = config.param_counts()
     assert 50e6 <= total <= 100e6
-    assert 10e6 <= active <= 20e6
+    assert 10e6 <= active <= 25e6
     assert dtype == torch.bfloat16

@@ -16,7 +16,7 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    folder = write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "tiny", seed=0, size="tiny")
+    folder = write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "tiny", seed=0, size="tiny", arch="sdar")
     return load_checkpoint(folder)
 
 

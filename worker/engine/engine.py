@@ -26,7 +26,7 @@ from worker.engine.admission import Candidate, Occupancy, pick_admissions
 from worker.engine.runner import ModelRunner, PassTimings, RowOutcome, RowSpec
 from worker.engine.stats import EngineStats
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
-from worker.model import CloverForBlockDiffusion, KVCache
+from worker.model.family import DiffusionModel
 from worker.sampler.layout import RegionLayout, RequestError, build_layout
 from worker.sampler.sequence import SequenceState
 
@@ -72,7 +72,7 @@ class Engine:
 
     def __init__(
         self,
-        model: CloverForBlockDiffusion,
+        model: DiffusionModel,
         config: EngineConfig,
         *,
         mask_token_id: int,
@@ -85,8 +85,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.default_block_size = default_block_size
         param = next(model.parameters())
-        self.cache = KVCache(
-            model.config,
+        self.cache = model.new_cache(
             max_seqs=config.max_batch,
             max_len=config.max_len,
             device=param.device,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from worker.model import CloverForBlockDiffusion, KVCache
+from worker.model.family import DiffusionModel
+from worker.model.kv_cache import KVCache
 from worker.sampler.commit import choose_commits, expand_to_groups
 from worker.sampler.selection import RowSampling, select_tokens
 from worker.sampler.sequence import PassInput
@@ -56,7 +57,7 @@ class PassTimings:
 class ModelRunner:
     """Owns the model and its KV cache; runs passes for the engine thread."""
 
-    def __init__(self, model: CloverForBlockDiffusion, cache: KVCache, *, mask_token_id: int) -> None:
+    def __init__(self, model: DiffusionModel, cache: KVCache, *, mask_token_id: int) -> None:
         self.model = model
         self.cache = cache
         self.mask_token_id = mask_token_id
@@ -69,11 +70,12 @@ class ModelRunner:
 
     def run_pass(self, rows: list[RowSpec], timings: PassTimings) -> list[RowOutcome]:
         """One denoising pass for ``rows`` (one or two forwards); outcomes in row order. On an
-        exception the rows' cache lengths are as before the pass, so it can be re-run."""
+        exception the rows' committed state (cache lengths, and GDN states of a hybrid cache) is
+        as before the pass, so it can be re-run."""
         groups = self._split(rows)
         outcomes: dict[int, RowOutcome] = {}
         slots = torch.tensor([row.slot for row in rows], dtype=torch.long, device=self.device)  # [R]
-        lengths_before = self.cache.lengths[slots]  # [R] (a copy: advanced indexing)
+        before = self.cache.snapshot(slots)
         try:
             for members in groups:
                 for i, outcome in zip(
@@ -81,11 +83,12 @@ class ModelRunner:
                 ):
                     outcomes[i] = outcome
         except BaseException:
-            # A pass is all or nothing for the cache: the forward appends the rows' committed
-            # positions before the decisions run (and a split pass runs two forwards), so a fault
-            # after that point would leave them appended and the engine's row-by-row retry would
-            # append them a second time. K/V written past the restored lengths are invisible.
-            self.cache.lengths[slots] = lengths_before
+            # A pass is all or nothing for the cache: the forward commits the rows' positions
+            # before the decisions run (and a split pass runs two forwards), so a fault after that
+            # point would leave them committed and the engine's row-by-row retry would commit them
+            # a second time. K/V written past the restored lengths are invisible; a hybrid cache
+            # also returns to the GDN state copies it held before (the commit wrote the others).
+            self.cache.restore(slots, before)
             raise
         return [outcomes[i] for i in range(len(rows))]
 

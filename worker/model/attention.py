@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.config import ModelConfig
-from worker.model.kv_cache import KVCache
+from worker.model.kv_cache import CacheFullError, KVCache
 from worker.model.norm import RMSNorm
 from worker.model.rope import apply_rope
 
@@ -96,3 +96,61 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)  # [B, KVH, G*T, D]
         out = out.view(b, self.num_heads, t, self.head_dim).transpose(1, 2)  # [B, T, H, D]
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+def build_cache_view(
+    t: int,
+    cache: KVCache | None,
+    slots: torch.Tensor | None,
+    commit_lens: torch.Tensor | None,
+    valid: torch.Tensor | None,
+) -> tuple[CacheView | None, torch.Tensor | None, list[int], list[int]]:
+    """Where each row's new K/V go and what it reads, plus each row's commit length and valid
+    token count on the host (one host sync for lengths, counts and bounds)."""
+    counts = valid.sum(dim=1) if valid is not None else None
+    if cache is None:
+        if commit_lens is not None:
+            raise ValueError("commit_lens needs a cache")
+        return None, None, [], [] if counts is None else counts.tolist()
+    if slots is None:
+        raise ValueError("slots are required with a cache")
+    slots = slots.to(device=cache.device, dtype=torch.long)
+    lengths = cache.lengths[slots]  # [B]
+    b = slots.shape[0]
+    commits = torch.zeros_like(lengths) if commit_lens is None else commit_lens.to(lengths)
+    if counts is None:
+        counts = torch.full_like(lengths, t)
+    host = torch.cat((slots, lengths, commits, counts.to(lengths))).tolist()
+    slot_list, len_list = host[:b], host[b : 2 * b]
+    commit_list, count_list = host[2 * b : 3 * b], host[3 * b :]
+    if max(commit_list) > t:
+        raise ValueError(f"commit_lens asks for {max(commit_list)} positions of a {t}-position forward")
+    if max(n + c for n, c in zip(len_list, commit_list, strict=True)) > cache.max_len:
+        raise CacheFullError(f"committing would pass the cache's {cache.max_len} positions per slot")
+    start = slot_list[0]
+    contiguous = slot_list == list(range(start, start + b))
+    # on GPU rounded up to a multiple of 8 columns (masked) so attention kernels get aligned
+    # rows; on CPU every extra column is only extra work
+    align = 1 if cache.device.type == "cpu" else 8
+    key_len = min(cache.max_len, -(-(max(len_list) + t) // align) * align)
+    cols = torch.arange(t, device=cache.device)  # [T]
+    pos = lengths[:, None] + cols[None, :]  # [B, T] destination columns
+    rows = write_cols = None
+    write_slots, write_pos = slots[:, None], pos
+    if max(len_list) + t > cache.max_len:  # some positions have no room: padding may be skipped
+        fits = pos < cache.max_len  # [B, T]
+        if bool((~fits & (True if valid is None else valid)).any()):
+            raise CacheFullError(f"a real new position would pass the cache's {cache.max_len} positions")
+        rows, write_cols = fits.nonzero(as_tuple=True)  # [N], [N]
+        write_slots, write_pos = slots[rows], pos[rows, write_cols]
+    view = CacheView(
+        cache=cache,
+        slots=slots,
+        key_len=key_len,
+        slot_start=start if contiguous else None,
+        write_slots=write_slots,
+        write_pos=write_pos,
+        write_rows=rows,
+        write_cols=write_cols,
+    )
+    return view, lengths, commit_list, count_list

@@ -1,7 +1,9 @@
 """A deterministic demo checkpoint in the published Hugging Face layout (random weights).
 
+Two architectures: ``clover`` (the default: the Qwen3.5-MoE hybrid trunk with Clover's
+block-diffusion preview tensors, ``model_type: clover_moe``) and ``sdar`` (Qwen3-MoE / SDAR-MoE).
 The embedded default serves it and the tests load it, so it goes through exactly the code path a
-real SDAR-MoE checkpoint does: ``config.json``, safetensors with Qwen3-MoE tensor names,
+real checkpoint does: ``config.json``, safetensors with the published tensor names,
 ``tokenizer.json``, ``tokenizer_config.json`` (chat template), ``generation_config.json`` and
 ``manifest.json``. The same seed and size always give byte-identical files.
 
@@ -38,6 +40,60 @@ from worker.model.demo_tokenizer import (
 from worker.model.manifest import write_manifest
 
 DemoSize = Literal["tiny", "small"]
+DemoArch = Literal["clover", "sdar"]
+DEMO_ARCHS: tuple[str, ...] = ("clover", "sdar")
+
+_CLOVER_SHAPES: dict[str, dict[str, Any]] = {
+    # ~0.2 M parameters: unit tests and the embedded default (GDN, attention, GDN, attention)
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=0,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        layer_types=("linear_attention", "full_attention") * 2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        partial_rotary_factor=0.25,
+        block_size=4,
+        dtype=torch.float32,
+    ),
+    # benchmarks: 8 layers in Clover's 3:1 GDN/attention pattern
+    "small": dict(
+        vocab_size=512,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=0,
+        moe_intermediate_size=224,
+        shared_expert_intermediate_size=224,
+        num_experts=32,
+        num_experts_per_tok=4,
+        layer_types=("linear_attention",) * 3
+        + ("full_attention",)
+        + ("linear_attention",) * 3
+        + ("full_attention",),
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        partial_rotary_factor=0.25,
+        block_size=8,
+        dtype=torch.bfloat16,
+    ),
+}
 
 _SHAPES: dict[str, dict[str, Any]] = {
     # ~0.6 M parameters, fp32 on disk (~2.4 MB): unit tests and the embedded default
@@ -76,19 +132,20 @@ _SHAPES: dict[str, dict[str, Any]] = {
 
 
 def demo_config(
-    size: DemoSize, *, special_ids: dict[str, int], vocab_size: int | None = None
+    size: DemoSize, *, special_ids: dict[str, int], vocab_size: int | None = None, arch: DemoArch = "clover"
 ) -> tuple[ModelConfig, torch.dtype]:
     """The architecture of a demo size and the dtype its weights are stored in.
 
     ``vocab_size`` is the tokenizer's (the BPE may learn fewer merges than the size allows).
     """
-    shape = dict(_SHAPES[size])
+    shape = dict((_CLOVER_SHAPES if arch == "clover" else _SHAPES)[size])
     dtype: torch.dtype = shape.pop("dtype")
     if vocab_size is not None:
         shape["vocab_size"] = vocab_size
     config = ModelConfig(
         **shape,
         norm_topk_prob=True,
+        model_type="clover_moe" if arch == "clover" else "qwen3_moe",
         rms_norm_eps=1e-6,
         rope_theta=1_000_000.0,
         max_position_embeddings=4096,
@@ -109,8 +166,23 @@ def _random_weights(
     tensors: dict[str, torch.Tensor] = {}
     for name, target in sorted(hf_targets(config).items()):
         shape = target.shape
-        if name.endswith("norm.weight"):
+        leaf = name.rsplit(".", 1)[-1]
+        if config.family == "clover" and name.endswith("norm.weight") and "linear_attn" not in name:
+            t = torch.zeros(shape)  # zero-centred RMSNorm: the scale is 1 + w
+        elif name.endswith("norm.weight"):
             t = torch.ones(shape)
+        elif leaf == "A_log":
+            t = torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=gen))
+        elif leaf == "dt_bias":
+            t = torch.ones(shape)
+        elif leaf == "bd_softmax_logit_scale":  # lambda: sharp enough that rows prefer neighbours
+            t = torch.empty(shape).uniform_(2.0, 6.0, generator=gen)
+        elif leaf == "bd_softmax_history_bias":
+            t = torch.randn(shape, generator=gen) * 0.5
+        elif leaf == "bd_softmax_history_c":
+            t = torch.randn(shape, generator=gen) * 0.25
+        elif leaf in ("weight", "conv_right_weight") and "conv" in name:  # [C, 1, K] / [C, K-1] taps
+            t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
         elif name == "model.embed_tokens.weight":
             t = torch.randn(shape, generator=gen)
             t[config.mask_token_id] *= 0.01
@@ -127,16 +199,22 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def write_demo_checkpoint(path: Path | str, *, seed: int = 0, size: DemoSize = "tiny") -> Path:
+def write_demo_checkpoint(
+    path: Path | str, *, seed: int = 0, size: DemoSize = "tiny", arch: DemoArch = "clover"
+) -> Path:
     """Write the demo checkpoint into folder ``path`` (created if needed) and return it."""
     if size not in _SHAPES:
         raise ValueError(f"size must be one of {sorted(_SHAPES)}, not {size!r}")
+    if arch not in DEMO_ARCHS:
+        raise ValueError(f"arch must be one of {list(DEMO_ARCHS)}, not {arch!r}")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_demo_tokenizer(_SHAPES[size]["vocab_size"])
     special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    config, dtype = demo_config(size, special_ids=special_ids, vocab_size=tokenizer.get_vocab_size())
+    config, dtype = demo_config(
+        size, special_ids=special_ids, vocab_size=tokenizer.get_vocab_size(), arch=arch
+    )
     (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
     _write_json(
         folder / "tokenizer_config.json",

@@ -35,11 +35,12 @@ class KVCache:
         self.device = torch.device(device)
         self.dtype = dtype
         shape = (max_seqs, config.num_key_value_heads, max_len, config.head_dim)
-        self.k: list[torch.Tensor] = [  # per layer [S, KVH, L, D]
-            torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(config.num_hidden_layers)
+        layers = len(config.attention_layers)  # every layer for SDAR; Clover's full-attention ones
+        self.k: list[torch.Tensor] = [  # per attention layer [S, KVH, L, D]
+            torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(layers)
         ]
-        self.v: list[torch.Tensor] = [  # per layer [S, KVH, L, D]
-            torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(config.num_hidden_layers)
+        self.v: list[torch.Tensor] = [  # per attention layer [S, KVH, L, D]
+            torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(layers)
         ]
         self.lengths: torch.Tensor = torch.zeros(max_seqs, dtype=torch.long, device=self.device)  # [S]
         self._free: list[int] = list(range(max_seqs - 1, -1, -1))  # pop() hands out slot 0 first
@@ -49,7 +50,20 @@ class KVCache:
     def bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
         """Memory of one cached position across all layers (K and V)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
+        return 2 * len(config.attention_layers) * config.num_key_value_heads * config.head_dim * elem
+
+    @staticmethod
+    def bytes_per_sequence(config: ModelConfig) -> int:
+        """Memory held per sequence whatever its length (none for an all-attention model)."""
+        return 0
+
+    def snapshot(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a failed pass must put back for ``slots`` (``[R]``): here their lengths."""
+        return (self.lengths[slots],)  # advanced indexing copies
+
+    def restore(self, slots: torch.Tensor, snapshot: tuple[torch.Tensor, ...]) -> None:
+        """Undo every commit made to ``slots`` since ``snapshot`` (K/V past the lengths are dead)."""
+        self.lengths[slots] = snapshot[0]
 
     def allocate(self) -> int:
         """A free slot with length 0; raises ``CacheFullError`` when none is free."""

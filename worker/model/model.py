@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.model.attention import Attention, CacheView
+from worker.model.attention import Attention, CacheView, build_cache_view
 from worker.model.config import ModelConfig
-from worker.model.kv_cache import CacheFullError, KVCache
+from worker.model.kv_cache import KVCache
 from worker.model.mask import block_causal_mask, cached_block_causal_mask, grouped_additive_bias
 from worker.model.moe import DenseMLP, SparseMoE
 from worker.model.norm import RMSNorm
@@ -62,6 +62,12 @@ class CloverForBlockDiffusion(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    def new_cache(
+        self, *, max_seqs: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+    ) -> KVCache:
+        """The committed-state cache this model reads and appends to (K/V of every layer)."""
+        return KVCache(self.config, max_seqs=max_seqs, max_len=max_len, device=device, dtype=dtype)
+
     @torch.no_grad()
     def forward(
         self,
@@ -76,7 +82,7 @@ class CloverForBlockDiffusion(nn.Module):
         router_counts: torch.Tensor | None = None,  # [L, E] int64
         logits_index: torch.Tensor | None = None,  # [B, K] new-token indices to return logits for
     ) -> torch.Tensor:  # [B, T, V] float32 ([B, K, V] with logits_index)
-        view, lengths = self._cache_view(input_ids.shape[1], cache, slots, commit_lens, valid)
+        view, lengths, _, _ = build_cache_view(input_ids.shape[1], cache, slots, commit_lens, valid)
         if view is None:
             mask = block_causal_mask(block_ids, valid)  # [B, 1, T, T]
         else:
@@ -93,56 +99,3 @@ class CloverForBlockDiffusion(nn.Module):
         if logits_index is not None:  # e.g. only the block being denoised, not a long prefill
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
         return self.lm_head(self.norm(x)).float()
-
-    def _cache_view(
-        self,
-        t: int,
-        cache: KVCache | None,
-        slots: torch.Tensor | None,
-        commit_lens: torch.Tensor | None,
-        valid: torch.Tensor | None,
-    ) -> tuple[CacheView | None, torch.Tensor | None]:
-        """Where each row's new K/V go and what it reads; one host sync for lengths and bounds."""
-        if cache is None:
-            if commit_lens is not None:
-                raise ValueError("commit_lens needs a cache")
-            return None, None
-        if slots is None:
-            raise ValueError("slots are required with a cache")
-        slots = slots.to(device=cache.device, dtype=torch.long)
-        lengths = cache.lengths[slots]  # [B]
-        b = slots.shape[0]
-        commits = torch.zeros_like(lengths) if commit_lens is None else commit_lens.to(lengths)
-        host = torch.cat((slots, lengths, commits)).tolist()
-        slot_list, len_list, commit_list = host[:b], host[b : 2 * b], host[2 * b :]
-        if max(commit_list) > t:
-            raise ValueError(f"commit_lens asks for {max(commit_list)} positions of a {t}-position forward")
-        if max(n + c for n, c in zip(len_list, commit_list, strict=True)) > cache.max_len:
-            raise CacheFullError(f"committing would pass the cache's {cache.max_len} positions per slot")
-        start = slot_list[0]
-        contiguous = slot_list == list(range(start, start + b))
-        # on GPU rounded up to a multiple of 8 columns (masked) so attention kernels get aligned
-        # rows; on CPU every extra column is only extra work
-        align = 1 if cache.device.type == "cpu" else 8
-        key_len = min(cache.max_len, -(-(max(len_list) + t) // align) * align)
-        cols = torch.arange(t, device=cache.device)  # [T]
-        pos = lengths[:, None] + cols[None, :]  # [B, T] destination columns
-        rows = write_cols = None
-        write_slots, write_pos = slots[:, None], pos
-        if max(len_list) + t > cache.max_len:  # some positions have no room: padding may be skipped
-            fits = pos < cache.max_len  # [B, T]
-            if bool((~fits & (True if valid is None else valid)).any()):
-                raise CacheFullError(f"a real new position would pass the cache's {cache.max_len} positions")
-            rows, write_cols = fits.nonzero(as_tuple=True)  # [N], [N]
-            write_slots, write_pos = slots[rows], pos[rows, write_cols]
-        view = CacheView(
-            cache=cache,
-            slots=slots,
-            key_len=key_len,
-            slot_start=start if contiguous else None,
-            write_slots=write_slots,
-            write_pos=write_pos,
-            write_rows=rows,
-            write_cols=write_cols,
-        )
-        return view, lengths

@@ -118,3 +118,23 @@ class SparseMoE(nn.Module):
         ys = ys * top_w.reshape(-1)[order, None]
         out = torch.zeros_like(flat).index_add_(0, token_of, ys)  # [N, H]
         return out.view(shape)
+
+
+class SharedExpertMoE(SparseMoE):
+    """Qwen3.5-MoE's feed-forward: the routed experts plus one always-on shared expert whose
+    output is scaled by ``sigmoid(shared_expert_gate(x))`` per token."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        *,
+        token_weight: torch.Tensor | None = None,
+        counts_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [B, T, H]
+        routed = super().forward(x, token_weight=token_weight, counts_out=counts_out)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

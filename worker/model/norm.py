@@ -22,3 +22,33 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Qwen3.5's zero-centred RMSNorm: the scale is ``1 + weight`` (weights stored around 0).
+
+    Computed in float32 and cast back, as the trunk does ((x * w) in fp32, then the input dtype).
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        scale = 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """The Gated DeltaNet output norm: RMSNorm with a plain ``weight``, then ``x silu(z)``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # [..., dim] each
+        dtype = x.dtype
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dtype)
+        return (self.weight * normed * F.silu(z.float())).to(dtype)

@@ -35,3 +35,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [B, T, H, D]
     return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the leading ``cos.shape[-1]`` dims of ``x`` ``[B, T, H, D]``; the rest pass through.
+
+    Qwen3.5's partial RoPE (``partial_rotary_factor``): the tables come from
+    ``rope_cos_sin(positions, rotary_dim, ...)``, the half-split rotation acts inside those dims.
+    """
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, cos, signed_sin)
+    return torch.cat((apply_rope(x[..., :rot], cos, signed_sin), x[..., rot:]), dim=-1)

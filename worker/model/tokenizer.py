@@ -65,9 +65,10 @@ class Tokenizer:
         self.think_end_id = self.token_id(THINK_END)
 
     @staticmethod
-    def find_mask_token_id(tokenizer_json: Path) -> int | None:
+    def find_mask_token_id(tokenizer_json: Path, candidates: tuple[str, ...] | None = None) -> int | None:
+        """The first of ``candidates`` (default: every family's) that the tokenizer knows."""
         backend = _HFTokenizer.from_file(str(tokenizer_json))
-        for text in MASK_TOKEN_CANDIDATES:
+        for text in candidates or MASK_TOKEN_CANDIDATES:
             token = backend.token_to_id(text)
             if token is not None:
                 return token

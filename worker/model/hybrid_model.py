@@ -1,0 +1,178 @@
+"""Clover-35B-A3B-Preview: the Qwen3.5-MoE hybrid trunk run as a block-diffusion denoiser.
+
+Same forward contract as the SDAR model (``model.py``), so the engine and the runner treat both
+alike: row ``b`` feeds ``T`` tokens, the first ``commit_lens[b]`` of which are committed (prefill,
+or the block resolved in the previous pass) and the rest are the current block's rows, whose
+logits are returned (no shift). What the rows mean differs, layer by layer:
+
+- commit rows run the trunk's causal forward (token-causal attention over the committed K/V and
+  each other; the gated delta rule in GDN layers), and their K/V, conv ring and state are kept;
+- block rows run the preview: attention over everything committed plus the whole block
+  (bidirectional), the GDN preview operator against the state just committed; nothing lasting.
+
+Inside each layer the commit rows are processed before the block rows read the state, so the
+engine may fuse the commit of block ``n`` with the first preview of block ``n + 1`` and the
+outputs are those of separate passes. Without a cache every valid token is a commit row: the plain
+causal forward that transformers' ``Qwen3_5MoeForCausalLM`` computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.model.attention import CacheView, build_cache_view
+from worker.model.config import ModelConfig
+from worker.model.gated_attention import GatedAttention
+from worker.model.gated_deltanet import GatedDeltaNet, LinearStep
+from worker.model.hybrid_cache import HybridCache
+from worker.model.mask import block_causal_mask, cached_block_causal_mask, grouped_additive_bias
+from worker.model.moe import DenseMLP, SharedExpertMoE, SparseMoE
+from worker.model.norm import OffsetRMSNorm
+from worker.model.rope import rope_cos_sin
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attn_norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.linear = config.is_linear_layer(layer)
+        self.mixer: GatedDeltaNet | GatedAttention
+        if self.linear:
+            self.mixer = GatedDeltaNet(config, config.linear_layers.index(layer))
+        else:
+            self.mixer = GatedAttention(config, config.attention_layers.index(layer))
+        self.is_moe = config.is_moe_layer(layer)
+        self.mlp: SparseMoE | DenseMLP
+        if not self.is_moe:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+        elif config.shared_expert_intermediate_size:
+            self.mlp = SharedExpertMoE(config)
+        else:
+            self.mlp = SparseMoE(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor,
+        view: CacheView | None,
+        step: LinearStep,
+        token_weight: torch.Tensor | None,
+        counts_out: torch.Tensor | None,
+    ) -> torch.Tensor:  # [B, T, H]
+        h = self.input_norm(x)
+        if isinstance(self.mixer, GatedDeltaNet):
+            x = x + self.mixer(h, step)
+        else:
+            x = x + self.mixer(h, cos, sin, bias, view)
+        h = self.post_attn_norm(x)
+        if self.is_moe:
+            return x + self.mlp(h, token_weight=token_weight, counts_out=counts_out)
+        return x + self.mlp(h)
+
+
+class CloverHybridForBlockDiffusion(nn.Module):
+    """Embedding, hybrid decoder layers, final norm, LM head (tied to the embedding or not)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def new_cache(
+        self, *, max_seqs: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+    ) -> HybridCache:
+        """K/V for the attention layers, ring and state for the GDN layers."""
+        return HybridCache(self.config, max_seqs=max_seqs, max_len=max_len, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T] absolute positions
+        block_ids: torch.Tensor | None = None,  # unused: the rows' roles come from commit_lens
+        *,
+        valid: torch.Tensor | None = None,  # [B, T] bool, False = padding
+        cache: HybridCache | None = None,
+        slots: torch.Tensor | None = None,  # [B]
+        commit_lens: torch.Tensor | None = None,  # [B] leading tokens to commit per row
+        router_counts: torch.Tensor | None = None,  # [L, E] int64
+        logits_index: torch.Tensor | None = None,  # [B, K] token indices to return logits for
+    ) -> torch.Tensor:  # [B, T, V] float32 ([B, K, V] with logits_index)
+        b, t = input_ids.shape
+        dev = input_ids.device
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=dev)
+        view, lengths, commit_list, count_list = build_cache_view(t, cache, slots, commit_lens, valid)
+        counts = valid.sum(dim=1)  # [B]
+        if cache is None:  # the plain causal forward: every valid token commits, nothing is kept
+            commits, commit_list = counts, count_list
+        else:
+            commits = torch.zeros_like(counts) if commit_lens is None else commit_lens.to(dev, torch.long)
+        step = self._linear_step(cache, slots, commits, counts, commit_list, count_list, t)
+
+        # commit rows see earlier commit rows (token-causal); block rows see every row of the
+        # forward (bidirectional block over all that is committed): one "block id" per token
+        index = torch.arange(t, device=dev)[None, :]  # [1, T]
+        ids = torch.where(index < commits[:, None], index, (counts - 1)[:, None])  # [B, T]
+        if view is None:
+            mask = block_causal_mask(ids, valid)  # [B, 1, T, T]
+        else:
+            assert lengths is not None
+            mask = cached_block_causal_mask(ids, valid, lengths, view.key_len)  # [B, 1, T, S]
+        bias = grouped_additive_bias(mask, self.config.kv_groups, self.embed.weight.dtype)
+        x = self.embed(input_ids)  # [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
+        token_weight = valid.reshape(-1).to(torch.float32)  # [B*T]
+        for i, layer in enumerate(self.layers):
+            counts_out = router_counts[i] if router_counts is not None else None
+            x = layer(x, cos, sin, bias, view, step, token_weight, counts_out)
+        if cache is not None and slots is not None and step.commit_tokens:
+            cache.flip(slots.to(device=cache.device, dtype=torch.long))  # the new rings/states hold
+        if view is not None and commit_lens is not None:
+            assert cache is not None
+            cache.lengths.index_add_(0, view.slots, commit_lens.to(cache.lengths))
+        if logits_index is not None:
+            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
+        return self.lm_head(self.norm(x)).float()
+
+    @staticmethod
+    def _linear_step(
+        cache: HybridCache | None,
+        slots: torch.Tensor | None,
+        commits: torch.Tensor,  # [B]
+        counts: torch.Tensor,  # [B] valid tokens
+        commit_list: list[int],
+        count_list: list[int],
+        t: int,
+    ) -> LinearStep:
+        dev = commits.device
+        tc = max(commit_list, default=0)
+        width = max((n - c for n, c in zip(count_list, commit_list, strict=True)), default=0)
+        rows = counts - commits  # [B] block rows per row
+        offsets = torch.arange(width, device=dev)[None, :]  # [1, P]
+        preview_valid = offsets < rows[:, None]  # [B, P]
+        preview_index = torch.where(preview_valid, commits[:, None] + offsets, t)  # [B, P]
+        read_rows = write_rows = None
+        if cache is not None and slots is not None:
+            slots = slots.to(device=cache.device, dtype=torch.long)
+            read_rows = cache.read_rows(slots)
+            write_rows = cache.write_rows(slots) if tc else None
+        return LinearStep(
+            cache=cache,
+            read_rows=read_rows,
+            write_rows=write_rows,
+            commit_lens=commits,
+            commit_mask=torch.arange(tc, device=dev)[None, :] < commits[:, None],
+            preview_index=preview_index,
+            preview_rows=rows,
+            preview_valid=preview_valid,
+        )
