@@ -149,7 +149,7 @@ def test_chunked_and_recurrent_delta_rule_agree(length: int) -> None:
 
 def test_fused_experts_and_nested_prefix_load_the_same(pair: tuple[Any, Any, Path], tmp_path: Path) -> None:
     """The other published spellings: fused expert tensors under ``model.language_model.``."""
-    hf, ours, folder = pair
+    _, ours, folder = pair
     tensors = load_file(str(folder / "model.safetensors"))
     config = ours.config
     fused: dict[str, torch.Tensor] = {}
