@@ -162,6 +162,31 @@ def test_partial_prompt_block_is_decoded_first_with_its_prompt_fixed(engine: Eng
     assert result.finish_reason is FinishReason.LENGTH
 
 
+def test_silent_params_take_the_family_defaults(tiny: LoadedModel, engine: Engine) -> None:
+    """Clover: steps = block size, dynamic, 0.95; SDAR: 4 steps, static, 0.9 (the config's block)."""
+    clover = tiny.config.family == "clover"
+    steps, strategy, threshold = (4, "dynamic", 0.95) if clover else (4, "static", 0.9)
+    block = tiny.config.block_size or 4
+    prompt = [5, 17, 99, 3, 250]
+    expected, passes = reference_generate(
+        tiny, prompt, max_new=10, block=block, steps=steps, strategy=strategy, threshold=threshold, eos=()
+    )
+    eng = make_engine(tiny, eos=(), max_batch=2)
+    try:
+        result = run(eng, prompt, max_new_tokens=10)
+        assert result.token_ids == expected
+        assert result.steps_used == passes
+        big = run(eng, prompt, max_new_tokens=10, block_size=8)  # Clover: 8 steps for a block of 8
+        assert big.steps_used <= (2 * 8 if clover else 2 * 4)
+        if clover:
+            ref8, passes8 = reference_generate(
+                tiny, prompt, max_new=10, block=8, steps=8, strategy="dynamic", threshold=0.95, eos=()
+            )
+            assert (big.token_ids, big.steps_used) == (ref8, passes8)
+    finally:
+        eng.stop()
+
+
 def test_steps_follow_quotas_per_block(engine: Engine) -> None:
     # prompt 6, block 4, 10 new -> region 6..15: blocks of 2, 4, 4 masks; S = 3 -> 2 + 3 + 3 passes
     result = run(engine, [1, 2, 3, 4, 5, 6], max_new_tokens=10, block_size=4, steps_per_block=3)

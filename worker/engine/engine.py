@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from worker.engine.admission import Candidate, Occupancy, pick_admissions
 from worker.engine.runner import ModelRunner, PassTimings, RowOutcome, RowSpec
 from worker.engine.stats import EngineStats
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
-from worker.model.family import DiffusionModel
+from worker.model.family import DiffusionModel, decoding_defaults
 from worker.sampler.layout import RegionLayout, RequestError, build_layout
 from worker.sampler.sequence import SequenceState
 
@@ -77,13 +78,14 @@ class Engine:
         *,
         mask_token_id: int,
         eos_token_ids: Sequence[int],
-        default_block_size: int,
+        default_block_size: int | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.mask_token_id = mask_token_id
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.default_block_size = default_block_size
+        self.defaults = decoding_defaults(model.config)
+        self.default_block_size = default_block_size or self.defaults.block_size
         param = next(model.parameters())
         self.cache = model.new_cache(
             max_seqs=config.max_batch,
@@ -121,6 +123,7 @@ class Engine:
         """Queue ``request``; the future resolves with its result (see module doc for failures)."""
         future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
         now = time.monotonic()
+        request.params = self._with_defaults(request.params)
         block_size = request.params.block_size or self.default_block_size
         try:
             layout = build_layout(request, block_size, self.model.config.vocab_size, self.config.max_len)
@@ -138,6 +141,17 @@ class Engine:
             self._waiting.append(_Waiting(request, layout, block_size, future, now))
             self._cond.notify_all()
         return future
+
+    def _with_defaults(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with every field the request left unset taken from the family's defaults."""
+        block = params.block_size or self.default_block_size
+        steps, strategy, threshold = params.steps_per_block, params.strategy, params.threshold
+        return dataclasses.replace(
+            params,
+            steps_per_block=self.defaults.steps_for(block) if steps is None else steps,
+            strategy=self.defaults.strategy if strategy is None else strategy,  # type: ignore[arg-type]
+            threshold=self.defaults.threshold if threshold is None else threshold,
+        )
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with ``drain`` finish everything queued, else cancel it. Joins."""

@@ -26,13 +26,18 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to decode one sequence (see the decoding contract in DESIGN.md)."""
+    """How to decode one sequence (the decoding contract: docs/architecture.md, section 3.7).
+
+    ``None`` means the model family's default (``worker.model.family.decoding_defaults``): SDAR
+    decodes 4 steps per block, static, threshold 0.9; Clover as many steps as the block has
+    positions, dynamic, threshold 0.95. The engine fills them in at submit.
+    """
 
     max_new_tokens: int = 128
     block_size: int | None = None  # None: the checkpoint's block size
-    steps_per_block: int = 4
-    strategy: Literal["static", "dynamic"] = "static"
-    threshold: float = 0.9  # dynamic strategy only
+    steps_per_block: int | None = None
+    strategy: Literal["static", "dynamic"] | None = None
+    threshold: float | None = None  # dynamic strategy only
     temperature: float = 0.0  # 0: greedy (argmax)
     top_k: int | None = None
     top_p: float | None = None

@@ -31,15 +31,17 @@ class DecodingDefaults:
     """What a request that names nothing decodes with."""
 
     block_size: int
-    steps_per_block: int
+    steps_per_block: int | None  # None: as many steps as the request's block has positions
     strategy: str
     threshold: float
+
+    def steps_for(self, block_size: int) -> int:
+        return self.steps_per_block or block_size
 
 
 def decoding_defaults(block_size: int | None) -> DecodingDefaults:
     """Clover's defaults for a checkpoint whose config gives ``block_size`` (or none)."""
-    size = block_size or DEFAULT_BLOCK_SIZE
-    return DecodingDefaults(size, size, DEFAULT_STRATEGY, DEFAULT_THRESHOLD)
+    return DecodingDefaults(block_size or DEFAULT_BLOCK_SIZE, None, DEFAULT_STRATEGY, DEFAULT_THRESHOLD)
 
 
 # ---- the preview operator of a Gated DeltaNet layer -------------------------------------------
