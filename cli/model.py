@@ -41,21 +41,70 @@ def init_demo(directory: Path, seed: int, size: str, arch: str) -> None:
 
 
 @click.command("verify")
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
-def verify(directory: Path) -> None:
-    """Check DIRECTORY against its manifest.json; exit 1 naming every bad or missing file."""
-    from worker.model.manifest import check_manifest
+@click.argument("directory", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--reference",
+    "reference_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A checkpoint folder shipping its own modeling code (auto_map): build a tiny random model "
+    "from that code and compare its causal logits with ours on the same weights.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the --reference check.")
+@click.option(
+    "--tolerance", type=float, default=1e-4, show_default=True, help="Largest logit difference that passes."
+)
+def verify(directory: Path | None, reference_dir: Path | None, seed: int, tolerance: float) -> None:
+    """Check DIRECTORY against its manifest.json; exit 1 naming every bad or missing file.
 
-    problems = check_manifest(directory)
-    if problems:
-        for problem in problems:
-            click.echo(f"BAD  {problem}", err=True)
+    With --reference DIR: check our causal trunk (and block commits) against DIR's own modeling
+    code on a tiny random model; prints the largest logit difference, exit 1 on FAIL, exit 2 when
+    the check cannot run (e.g. DIR has no auto_map).
+    """
+    if directory is None and reference_dir is None:
+        raise click.UsageError("give DIRECTORY (manifest check) and/or --reference DIR")
+    if directory is not None:
+        from worker.model.manifest import check_manifest
+
+        problems = check_manifest(directory)
+        if problems:
+            for problem in problems:
+                click.echo(f"BAD  {problem}", err=True)
+            sys.exit(1)
+        click.echo(f"OK   {directory}")
+    if reference_dir is not None:
+        _verify_reference(reference_dir, seed=seed, tolerance=tolerance)
+
+
+def _verify_reference(folder: Path, *, seed: int, tolerance: float) -> None:
+    from worker.model.reference_check import (
+        NoRemoteCodeError,
+        ReferenceCheckError,
+        ReferenceMismatchError,
+        check_reference,
+    )
+
+    try:
+        result = check_reference(folder, seed=seed, tolerance=tolerance)
+    except NoRemoteCodeError as exc:
+        click.echo(f"SKIP {exc}", err=True)
+        sys.exit(2)
+    except ReferenceMismatchError as exc:
+        click.echo(f"FAIL {exc}", err=True)
         sys.exit(1)
-    click.echo(f"OK   {directory}")
+    except ReferenceCheckError as exc:
+        click.echo(f"ERROR {exc}", err=True)
+        sys.exit(2)
+    for line in result.lines():
+        click.echo(line)
+    if not result.passed:
+        sys.exit(1)
 
 
-# Shape of the Clover-35B-A3B class (Qwen3-30B-A3B-like) when neither flags nor --config say.
-_DEFAULT_SHAPE = {"layers": 48, "attention_heads": 32, "kv_heads": 4, "head_dim": 128}
+# Clover-35B-A3B-Preview's shape when neither flags nor --config say: 10 of its 40 layers keep K/V
+# (16 q heads, 2 KV heads x 256); its 30 Gated DeltaNet layers hold, per sequence, 32 heads x 128 x
+# 128 float32 states and a 3-row ring of 8192 channels, in two copies.
+_DEFAULT_SHAPE = {"layers": 10, "attention_heads": 16, "kv_heads": 2, "head_dim": 256}
+_DEFAULT_STATE_BYTES = 2 * 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 4)
 
 
 @click.command("plan")
@@ -102,17 +151,19 @@ def plan_command(
     from worker.model.planner import PlanInput, format_plan, plan
 
     shape = dict(_DEFAULT_SHAPE)
+    state_bytes = float(_DEFAULT_STATE_BYTES)
     if config_dir is not None:
         from worker.model.checkpoint import read_config
 
         config = read_config(config_dir)
         total, active = config.param_counts()
         shape = {
-            "layers": config.num_hidden_layers,
+            "layers": len(config.attention_layers),
             "attention_heads": config.num_attention_heads,
             "kv_heads": config.num_key_value_heads,
             "head_dim": config.head_dim,
         }
+        state_bytes = 2.0 * config.gdn_state_bytes()
         total_params = total_params or total
         active_params = active_params or active
     if total_params is None or active_params is None:
@@ -128,6 +179,7 @@ def plan_command(
         batch=batch,
         gpu_memory_gib=gpu_memory,
         headroom=headroom,
+        state_bytes_per_sequence=state_bytes,
         **shape,
     )
     click.echo(format_plan(plan(inp)))

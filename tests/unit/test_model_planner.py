@@ -50,7 +50,22 @@ def test_cli_prints_the_table() -> None:
     assert "GPUs@80GiB" in result.output and "GPUs@141GiB" in result.output
     for dtype in ("bf16", "int8", "int4"):
         assert f"\n    {dtype}" in result.output
-    assert "31.77 GFLOP per token" in result.output
+    # Clover-35B-A3B's shape by default: attention over 10 of 40 layers (16 heads x 256 dims)
+    assert "11.37 GFLOP per token" in result.output
+    assert "over 10 attention layers" in result.output
+    assert "recurrent state 125.6 MiB per sequence" in result.output  # 30 GDN layers, two copies
+
+
+def test_recurrent_state_is_counted_per_sequence_not_per_position() -> None:
+    from worker.model.planner import PlanInput, plan
+
+    base = dict(total_params=1e9, active_params=1e8, dtype="bf16", layers=2, kv_heads=2, head_dim=64,
+                attention_heads=4)  # fmt: skip
+    plain = plan(PlanInput(context=1000, batch=8, **base))  # type: ignore[arg-type]
+    hybrid = plan(PlanInput(context=1000, batch=8, state_bytes_per_sequence=2**30 / 8, **base))  # type: ignore[arg-type]
+    longer = plan(PlanInput(context=2000, batch=8, state_bytes_per_sequence=2**30 / 8, **base))  # type: ignore[arg-type]
+    assert hybrid.rows[0].kv_gib - plain.rows[0].kv_gib == pytest.approx(1.0)  # 8 sequences x 1/8 GiB
+    assert longer.rows[0].kv_gib - hybrid.rows[0].kv_gib == pytest.approx(plain.rows[0].kv_gib)
 
 
 def test_cli_init_demo_writes_a_verified_checkpoint(tmp_path: Path) -> None:

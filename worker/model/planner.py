@@ -2,7 +2,9 @@
 
 An MoE model must hold *all* its experts in memory (weights scale with total parameters) while each
 token only runs through the routed ones (compute scales with active parameters). The KV cache
-scales with layers x KV heads x head dim x context x concurrent sequences. Plans are sized with a
+scales with attention layers x KV heads x head dim x context x concurrent sequences; a hybrid
+model's recurrent (Gated DeltaNet) layers instead hold a fixed state per sequence, whatever its
+length (the worker keeps two float32 copies of each: see ``HybridCache``). Plans are sized with a
 headroom factor (activations, fragmentation, CUDA context) of 1.3-1.5x.
 """
 
@@ -22,10 +24,11 @@ class PlanInput:
     dtype: str  # weight dtype, a key of BYTES_PER_PARAM
     context: int  # positions per sequence
     batch: int  # concurrent sequences
-    layers: int
+    layers: int  # layers that keep K/V per position (a hybrid model's attention layers)
     kv_heads: int
     head_dim: int
     attention_heads: int
+    state_bytes_per_sequence: float = 0.0  # recurrent-layer state per sequence (hybrid models)
     kv_dtype: str = "bf16"
     gpu_memory_gib: float = 80.0
     headroom: float = 1.4
@@ -44,7 +47,7 @@ class PlanRow:
 
     weight_dtype: str
     weights_gib: float
-    kv_gib: float
+    kv_gib: float  # K/V of every position plus recurrent state of every sequence
     total_gib: float  # weights + KV
     with_headroom_gib: float
     gpus_80gib: int
@@ -65,7 +68,7 @@ def _gpus(gib: float, per_gpu: float) -> int:
 
 def plan(inp: PlanInput) -> Plan:
     kv_per_token = 2 * inp.layers * inp.kv_heads * inp.head_dim * BYTES_PER_PARAM[inp.kv_dtype]
-    kv_gib = kv_per_token * inp.context * inp.batch / GIB
+    kv_gib = (kv_per_token * inp.context + inp.state_bytes_per_sequence) * inp.batch / GIB
     attention_flops = 4 * inp.layers * inp.attention_heads * inp.head_dim * inp.context  # QK^T + AV
     dtypes = [inp.dtype] + [d for d in ("int8", "int4") if d != inp.dtype]
     rows = []
@@ -92,13 +95,19 @@ def format_plan(p: Plan) -> str:
         f"model: {_count(i.total_params)} total, {_count(i.active_params)} active parameters; "
         f"{i.layers} layers, {i.attention_heads} q heads, {i.kv_heads} KV heads x {i.head_dim}",
         f"load: batch {i.batch} x context {i.context} = {i.batch * i.context:,} cached positions "
-        f"(KV in {i.kv_dtype}: {p.kv_bytes_per_token / 1024:.1f} KiB per position)",
+        f"(KV in {i.kv_dtype}: {p.kv_bytes_per_token / 1024:.1f} KiB per position over {i.layers} "
+        f"attention layers)"
+        + (
+            f"; recurrent state {i.state_bytes_per_sequence / 2**20:.1f} MiB per sequence"
+            if i.state_bytes_per_sequence
+            else ""
+        ),
         f"compute: {p.flops_per_token / 1e9:.2f} GFLOP per token "
         f"(2 x active = {2 * i.active_params / 1e9:.2f}, attention at full context = "
         f"{(p.flops_per_token - 2 * i.active_params) / 1e9:.2f})",
         f"headroom: x{i.headroom}",
         "",
-        f"{'weights':>8} {'weights GiB':>12} {'KV GiB':>10} {'total GiB':>10} {'sized GiB':>10} "
+        f"{'weights':>8} {'weights GiB':>12} {'KV+state':>10} {'total GiB':>10} {'sized GiB':>10} "
         f"{'GPUs@80GiB':>10} {f'GPUs@{i.gpu_memory_gib:g}GiB':>12}",
     ]
     for r in p.rows:
