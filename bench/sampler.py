@@ -1,5 +1,9 @@
 """Sampler/engine benchmark on the ``small`` demo checkpoint (``python -m bench.sampler``).
 
+``--arch clover`` (the default) runs the Clover demo (hybrid trunk + block-diffusion previews) with
+Clover's decoding defaults in the throughput runs (steps = block size, dynamic, 0.95);
+``--arch sdar`` the SDAR-MoE demo with static S=4.
+
 In one run, against baselines measured in the same run:
   1. tokens/s of the engine at batch 1, 8 and 32 (continuous batching, one forward per pass),
      with the engine overhead (time outside the model forward) as a share of pass time;
@@ -141,7 +145,7 @@ def speedup(lm: LoadedModel, new_tokens: int, batch: int, full: bool) -> dict[st
     engine = _engine(lm, batch, 16 + new_tokens + block)
     try:
         engine.warm_up()
-        params = SamplingParams(max_new_tokens=new_tokens, steps_per_block=steps)
+        params = SamplingParams(max_new_tokens=new_tokens, steps_per_block=steps, strategy="static")
         passes_before = engine.stats().passes
         began, began_cpu = time.perf_counter(), time.process_time()
         futures = [engine.submit(GenerationRequest(f"s{i}", p, params)) for i, p in enumerate(prompts)]
@@ -180,9 +184,12 @@ def passes_per_block(lm: LoadedModel) -> dict[str, float]:
     rows: dict[str, float] = {}
     try:
         for name, params in {
-            "static S=4": SamplingParams(max_new_tokens=64, steps_per_block=4),
-            "static S=8": SamplingParams(max_new_tokens=64, steps_per_block=8),
-            "dynamic S=8 thr=0.9": SamplingParams(max_new_tokens=64, steps_per_block=8, strategy="dynamic"),
+            "family defaults": SamplingParams(max_new_tokens=64),
+            "static S=4": SamplingParams(max_new_tokens=64, steps_per_block=4, strategy="static"),
+            "static S=8": SamplingParams(max_new_tokens=64, steps_per_block=8, strategy="static"),
+            "dynamic S=8 thr=0.9": SamplingParams(
+                max_new_tokens=64, steps_per_block=8, strategy="dynamic", threshold=0.9
+            ),
             "dynamic S=8 thr=0.3": SamplingParams(
                 max_new_tokens=64, steps_per_block=8, strategy="dynamic", threshold=0.3
             ),
@@ -211,6 +218,7 @@ def main() -> None:
         "--checkpoint", type=Path, default=None, help="Default: a fresh small demo checkpoint."
     )
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
+    parser.add_argument("--arch", choices=["clover", "sdar"], default="clover")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--new-tokens", type=int, default=64, help="Per request in the throughput runs.")
@@ -232,18 +240,25 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = args.checkpoint or write_demo_checkpoint(Path(tmp) / args.size, seed=0, size=args.size)
+        folder = args.checkpoint or write_demo_checkpoint(
+            Path(tmp) / args.size, seed=0, size=args.size, arch=args.arch
+        )
         lm = load_checkpoint(folder, device=args.device, dtype=getattr(torch, args.dtype))
     c = lm.config
     total, active = c.param_counts()
     print(
         f"checkpoint: {args.checkpoint or args.size} "
         f"({total / 1e6:.1f} M params, {active / 1e6:.1f} M active), "
-        f"device {args.device}, {args.dtype}, torch threads {torch.get_num_threads()}, block {c.block_size}"
+        f"device {args.device}, {args.dtype}, torch threads {torch.get_num_threads()}, block {c.block_size}, "
+        f"family {c.family}"
     )
 
-    params = SamplingParams(max_new_tokens=args.new_tokens, steps_per_block=4)
-    print(f"\n[1] throughput: prompt 32, {args.new_tokens} new tokens/request, static S=4, greedy")
+    if c.family == "clover":  # the family's defaults: S = block size, dynamic, threshold 0.95
+        params, decoding = SamplingParams(max_new_tokens=args.new_tokens), f"dynamic 0.95 S={c.block_size}"
+    else:
+        params = SamplingParams(max_new_tokens=args.new_tokens, steps_per_block=4, strategy="static")
+        decoding = "static S=4"
+    print(f"\n[1] throughput: prompt 32, {args.new_tokens} new tokens/request, {decoding}, greedy")
     print(f"{'batch':>6} {'tokens/s':>10} {'x batch 1':>10} {'passes':>7} {'ms/pass':>8} {'overhead':>9}")
     base = None
     for batch in (int(b) for b in args.batches.split(",")):

@@ -22,7 +22,9 @@ def test_batched_reference_equals_row_by_row_and_the_engine(demo_checkpoint: Pat
 
     engine = _engine(lm, len(prompts), 6 + new + block)
     try:
-        params = SamplingParams(max_new_tokens=new, block_size=block, steps_per_block=steps)
+        params = SamplingParams(
+            max_new_tokens=new, block_size=block, steps_per_block=steps, strategy="static"
+        )
         futures = [engine.submit(GenerationRequest(f"r{i}", p, params)) for i, p in enumerate(prompts)]
         assert [f.result().token_ids for f in futures] == batched
     finally:
