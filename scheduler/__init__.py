@@ -1,6 +1,6 @@
 """The job domain: everything between the API and the GPU workers, with no HTTP and no torch.
 
-Core modules (see DESIGN.md decisions 1-5):
+Core modules (see docs/architecture.md §3.1-3.5):
 
 - ``models`` / ``db`` / ``migrations/``: the ``jobs`` table (system of record), engines, Alembic.
 - ``jobs``: submit / get / list / cancel / read_progress (keyword-only service functions).

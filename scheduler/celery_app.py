@@ -1,7 +1,7 @@
 """The Celery application: Redis broker, one queue per priority class, at-least-once delivery.
 
 Messages carry only a job id; SQL is the system of record. Delivery settings follow
-DESIGN.md decision 3: ``acks_late`` + ``reject_on_worker_lost`` + prefetch 1, and a Redis
+docs/architecture.md §3.3: ``acks_late`` + ``reject_on_worker_lost`` + prefetch 1, and a Redis
 ``visibility_timeout`` above the longest job deadline so a running job is never redelivered
 while it legitimately runs. Queues are consumed in strict priority order
 (``queue_order_strategy="priority"``: BRPOP lists the worker's queues in the order given), so

@@ -1,4 +1,4 @@
-"""Fenced state transitions of a running job (DESIGN.md decision 2).
+"""Fenced state transitions of a running job (docs/architecture.md §3.2).
 
 A worker claims a job with one conditional UPDATE (``queued -> running``, ``attempt + 1``,
 lease) and every later write is guarded by ``(id, attempt, status='running')``. A duplicate or
