@@ -3,7 +3,7 @@
 One per worker process. ``start`` loads the checkpoint ONCE, builds and starts the engine,
 warms it up and only then lets the process report ready. ``run_job`` is what the Celery task
 calls from a pool thread: fenced claim -> engine -> fenced outcome. Nothing here forks, so
-CUDA is initialised in the process that uses it (threads pool; DESIGN.md decision 6).
+CUDA is initialised in the process that uses it (threads pool; docs/architecture.md §3.6).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Step planning: how many masks each denoising pass commits, and how many passes a block gets.
 
 Both are pure integer arithmetic so that the engine, the tests and the bench agree exactly on
-the schedule the decoding contract prescribes (DESIGN.md, "Block-diffusion decoding").
+the schedule the decoding contract prescribes (docs/architecture.md §3.7).
 """
 
 from __future__ import annotations
