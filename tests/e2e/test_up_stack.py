@@ -151,6 +151,37 @@ def test_submit_poll_succeeded_with_generated_tokens(client: httpx.Client) -> No
     assert job["model_version"]
 
 
+def test_clover_demo_answers_thinking_and_both_decision_modes(client: httpx.Client) -> None:
+    """`cloverq up` serves the Clover demo: thinking generation and independent + joint decisions."""
+    messages = [{"role": "user", "content": "Why is grass green?"}]
+    params = {"thinking": True, "max_new_tokens": 24}
+    thinking = {"kind": "generate", "input": {"messages": messages}, "params": params}
+    questions = [
+        {"id": "terminate", "text": "May the supplier terminate early?"},
+        {"id": "risk", "text": "Risk level?", "choices": ["low", "medium", "high"]},
+    ]
+    context = "The supplier may terminate with 30 days notice."
+    bodies = [thinking] + [
+        {"kind": "decide", "input": {"context": context, "questions": questions, "mode": mode}}
+        for mode in ("independent", "joint")
+    ]
+    ids = []
+    for body in bodies:
+        response = client.post("/v1/jobs", json=body)
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["id"])
+    jobs = [_wait_status(client, job_id, {"succeeded", "failed", "cancelled"}) for job_id in ids]
+    assert all(job["status"] == "succeeded" for job in jobs), jobs
+    assert {"reasoning", "text"} <= set(jobs[0]["result"])  # type: ignore[arg-type]
+    for job, mode in zip(jobs[1:], ("independent", "joint"), strict=True):
+        result = job["result"]
+        assert isinstance(result, dict) and result["mode"] == mode
+        answers = result["answers"]
+        assert [a["id"] for a in answers] == ["terminate", "risk"]
+        assert answers[0]["choice"] in {"yes", "no"} and answers[1]["choice"] in {"low", "medium", "high"}
+        assert all(0.0 <= a["confidence"] <= 1.0 for a in answers)
+
+
 def test_cancel(client: httpx.Client) -> None:
     body = {"kind": "generate", "input": {"prompt": "A long story"},
             "params": {"max_new_tokens": 1024, "steps_per_block": 16}}
