@@ -236,7 +236,12 @@ def test_a_failing_request_fails_alone(tiny: LoadedModel) -> None:
 
 
 def test_slot_caps_batch_and_memory_limits(tiny: LoadedModel) -> None:
-    eng = make_engine(tiny, max_batch=3, max_tokens_in_flight=200, slot_caps={"joint": 1})
+    # room for 3 sequences of 64 positions, plus (hybrid model) their recurrent state
+    probe = make_engine(tiny, max_batch=1)
+    state = probe.state_positions  # the per-sequence state of a hybrid model, in positions
+    probe.stop()
+    limit = 200 + 3 * state
+    eng = make_engine(tiny, max_batch=3, max_tokens_in_flight=limit, slot_caps={"joint": 1})
     peaks = {"joint": 0, "all": 0, "positions": 0}
     lock = threading.Lock()
 
@@ -263,8 +268,9 @@ def test_slot_caps_batch_and_memory_limits(tiny: LoadedModel) -> None:
         assert all(r.finish_reason is FinishReason.LENGTH for r in results)
         assert peaks["joint"] == 1
         assert peaks["all"] == 3
-        assert peaks["positions"] <= 200
-        too_big = eng.submit(GenerationRequest("big", [1] * 150, SamplingParams(max_new_tokens=100)))
+        assert peaks["positions"] <= limit
+        assert (state > 0) == (tiny.config.family == "clover")
+        too_big = eng.submit(GenerationRequest("big", [1] * limit, SamplingParams(max_new_tokens=100)))
         assert too_big.result(timeout=10).finish_reason is FinishReason.ERROR
         stats = eng.stats()
         assert stats.steps > 0 and stats.passes > 0 and stats.tokens_committed > 0

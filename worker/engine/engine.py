@@ -94,6 +94,9 @@ class Engine:
             dtype=param.dtype,
         )
         self.runner = ModelRunner(model, self.cache, mask_token_id=mask_token_id)
+        per_position = self.cache.bytes_per_position(model.config, param.dtype)
+        # a hybrid model's fixed per-sequence state, counted in admission as positions of equal bytes
+        self.state_positions = -(-self.cache.bytes_per_sequence(model.config) // per_position)
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._active: list[_Active] = []
@@ -127,9 +130,10 @@ class Engine:
         block_size = request.params.block_size or self.default_block_size
         try:
             layout = build_layout(request, block_size, self.model.config.vocab_size, self.config.max_len)
-            if layout.total_len > self.config.max_tokens_in_flight:
+            if self._footprint(layout) > self.config.max_tokens_in_flight:
                 raise RequestError(
-                    f"request needs {layout.total_len} KV positions; the engine holds "
+                    f"request needs {self._footprint(layout)} KV positions (incl. its recurrent state); "
+                    "the engine holds "
                     f"{self.config.max_tokens_in_flight}"
                 )
         except RequestError as exc:
@@ -141,6 +145,11 @@ class Engine:
             self._waiting.append(_Waiting(request, layout, block_size, future, now))
             self._cond.notify_all()
         return future
+
+    def _footprint(self, layout: RegionLayout) -> int:
+        """Memory a sequence holds, in K/V positions: its positions plus, for a hybrid model, its
+        fixed recurrent (GDN) state expressed as the positions of the same bytes."""
+        return layout.total_len + self.state_positions
 
     def _with_defaults(self, params: SamplingParams) -> SamplingParams:
         """``params`` with every field the request left unset taken from the family's defaults."""
@@ -178,7 +187,7 @@ class Engine:
         with self._cond:
             active = collections.Counter(a.state.request.slot_class for a in self._active)
             waiting = collections.Counter(w.request.slot_class for w in self._waiting)
-            positions = sum(a.state.layout.total_len for a in self._active)
+            positions = sum(self._footprint(a.state.layout) for a in self._active)
             recent = list(self._recent)
         busy = sum(s for s, _ in recent)
         rate = sum(n for _, n in recent) / busy if busy > 0 else 0.0
@@ -250,12 +259,12 @@ class Engine:
         per_class = collections.Counter(a.state.request.slot_class for a in self._active)
         occupancy = Occupancy(
             active=len(self._active),
-            positions=sum(a.state.layout.total_len for a in self._active),
+            positions=sum(self._footprint(a.state.layout) for a in self._active),
             per_class=per_class,
         )
         waiting = list(self._waiting)
         chosen = pick_admissions(
-            [Candidate(w.request.slot_class, w.layout.total_len) for w in waiting],
+            [Candidate(w.request.slot_class, self._footprint(w.layout)) for w in waiting],
             occupancy,
             max_batch=min(self.config.max_batch, len(self._active) + self.cache.num_free()),
             max_positions=self.config.max_tokens_in_flight,

@@ -53,11 +53,11 @@ def _check_params(request: GenerationRequest, block_size: int, vocab_size: int) 
     p = request.params
     if block_size < 1:
         raise RequestError(f"block_size must be >= 1, got {block_size}")
-    if p.steps_per_block < 1:
+    if p.steps_per_block is not None and p.steps_per_block < 1:  # None: the family's default
         raise RequestError(f"steps_per_block must be >= 1, got {p.steps_per_block}")
     if p.max_new_tokens < 1 and request.template is None:
         raise RequestError(f"max_new_tokens must be >= 1, got {p.max_new_tokens}")
-    if p.strategy not in ("static", "dynamic"):
+    if p.strategy not in ("static", "dynamic", None):
         raise RequestError(f"strategy must be 'static' or 'dynamic', got {p.strategy!r}")
     if p.temperature < 0:
         raise RequestError(f"temperature must be >= 0, got {p.temperature}")
