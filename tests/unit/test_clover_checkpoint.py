@@ -93,12 +93,8 @@ def test_family_defaults_when_the_config_is_silent(demo_checkpoint: Path, tmp_pa
     assert config.block_size == 32
     assert config.mask_token_id == 476  # the tokenizer's <|mask|>
     defaults = decoding_defaults(config)
-    assert (defaults.block_size, defaults.steps_per_block, defaults.strategy, defaults.threshold) == (
-        32,
-        32,
-        "dynamic",
-        0.95,
-    )
+    assert (defaults.block_size, defaults.strategy, defaults.threshold) == (32, "dynamic", 0.95)
+    assert defaults.steps_for(32) == 32 and defaults.steps_for(8) == 8  # steps = the block's size
 
 
 def test_nested_text_config_is_read(demo_checkpoint: Path, tmp_path: Path) -> None:

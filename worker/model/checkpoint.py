@@ -161,10 +161,9 @@ def hf_targets(
     return _sdar_targets(config)
 
 
-def _sdar_targets(config: ModelConfig) -> dict[str, _Target]:
-    """Qwen3-MoE / SDAR-MoE names -> ``CloverForBlockDiffusion``."""
-    h, d = config.hidden_size, config.head_dim
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
+def _shared_targets(config: ModelConfig) -> dict[str, _Target]:
+    """Embedding, final norm, LM head and every layer's two norms: the same names in both families."""
+    h = config.hidden_size
     t: dict[str, _Target] = {
         "model.embed_tokens.weight": _Target("embed.weight", (config.vocab_size, h)),
         "model.norm.weight": _Target("norm.weight", (h,)),
@@ -175,6 +174,16 @@ def _sdar_targets(config: ModelConfig) -> dict[str, _Target]:
         src, dst = f"model.layers.{n}", f"layers.{n}"
         t[f"{src}.input_layernorm.weight"] = _Target(f"{dst}.input_norm.weight", (h,))
         t[f"{src}.post_attention_layernorm.weight"] = _Target(f"{dst}.post_attn_norm.weight", (h,))
+    return t
+
+
+def _sdar_targets(config: ModelConfig) -> dict[str, _Target]:
+    """Qwen3-MoE / SDAR-MoE names -> ``CloverForBlockDiffusion``."""
+    h, d = config.hidden_size, config.head_dim
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    t = _shared_targets(config)
+    for n in range(config.num_hidden_layers):
+        src, dst = f"model.layers.{n}", f"layers.{n}"
         for name, out in (("q", heads * d), ("k", kv * d), ("v", kv * d)):
             t[f"{src}.self_attn.{name}_proj.weight"] = _Target(f"{dst}.attn.{name}_proj.weight", (out, h))
             if config.attention_bias:
@@ -184,18 +193,7 @@ def _sdar_targets(config: ModelConfig) -> dict[str, _Target]:
             t[f"{src}.self_attn.o_proj.bias"] = _Target(f"{dst}.attn.o_proj.bias", (h,))
         t[f"{src}.self_attn.q_norm.weight"] = _Target(f"{dst}.attn.q_norm.weight", (d,))
         t[f"{src}.self_attn.k_norm.weight"] = _Target(f"{dst}.attn.k_norm.weight", (d,))
-        if config.is_moe_layer(n):
-            i = config.moe_intermediate_size
-            t[f"{src}.mlp.gate.weight"] = _Target(f"{dst}.mlp.router.weight", (config.num_experts, h))
-            for e in range(config.num_experts):
-                ex = f"{src}.mlp.experts.{e}"
-                t[f"{ex}.gate_proj.weight"] = _Target(f"{dst}.mlp.w_gate_up", (i, h), e, "gate")
-                t[f"{ex}.up_proj.weight"] = _Target(f"{dst}.mlp.w_gate_up", (i, h), e, "up")
-                t[f"{ex}.down_proj.weight"] = _Target(f"{dst}.mlp.w_down", (h, i), e, "down")
-        else:
-            i = config.intermediate_size
-            for name, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
-                t[f"{src}.mlp.{name}_proj.weight"] = _Target(f"{dst}.mlp.{name}_proj.weight", shape)
+        t.update(_moe_targets(config, n, fused=False))
     return t
 
 
@@ -205,16 +203,9 @@ def _clover_targets(config: ModelConfig, *, fused_experts: bool, with_preview: b
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     c, k = config.linear_conv_dim, config.linear_conv_kernel_dim
     hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
-    t: dict[str, _Target] = {
-        "model.embed_tokens.weight": _Target("embed.weight", (config.vocab_size, h)),
-        "model.norm.weight": _Target("norm.weight", (h,)),
-    }
-    if not config.tie_word_embeddings:
-        t["lm_head.weight"] = _Target("lm_head.weight", (config.vocab_size, h))
+    t = _shared_targets(config)
     for n in range(config.num_hidden_layers):
         src, dst = f"model.layers.{n}", f"layers.{n}"
-        t[f"{src}.input_layernorm.weight"] = _Target(f"{dst}.input_norm.weight", (h,))
-        t[f"{src}.post_attention_layernorm.weight"] = _Target(f"{dst}.post_attn_norm.weight", (h,))
         if config.is_linear_layer(n):
             la, mx = f"{src}.linear_attn", f"{dst}.mixer"
             for name, shape in (
@@ -251,7 +242,8 @@ def _clover_targets(config: ModelConfig, *, fused_experts: bool, with_preview: b
 
 
 def _moe_targets(config: ModelConfig, n: int, fused: bool) -> dict[str, _Target]:
-    """Router, experts (per expert or fused) and shared expert of Clover layer ``n``."""
+    """Layer ``n``'s feed-forward: router, experts (per expert or fused) and shared expert, or the
+    dense MLP of a layer without experts (the same names in both families)."""
     h, e = config.hidden_size, config.num_experts
     src, dst = f"model.layers.{n}.mlp", f"layers.{n}.mlp"
     t: dict[str, _Target] = {}
