@@ -2,8 +2,10 @@
 
 The two rules that depend on the request itself (``scheduler.admission``): the queue the job
 would be routed to must not be full, and the tenant must be under its cap of queued + running
-jobs. The route is computed with the same pure function ``scheduler.jobs.submit_job`` uses, so
-the checked queue is the queue the job would go to. An idempotent repeat (same tenant +
+jobs; both are checked and reserved in one atomic step, so concurrent submits never pass a cap.
+The route is computed with the same pure function ``scheduler.jobs.submit_job`` uses (a batch:
+``scheduler.batches.batch_route``, as ``create_batch`` stores it), so the checked queue is the
+queue the job will go to. An idempotent repeat (same tenant +
 ``Idempotency-Key`` already stored) stores nothing new, so these rules never refuse it.
 
 The per-key rate limit runs in ``api.auth.get_caller`` for most routes; ``POST /v1/jobs``
@@ -14,7 +16,8 @@ inside the admission script when there is one to run, else on its own
 
 from __future__ import annotations
 
-from collections import Counter
+import uuid
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,7 +29,9 @@ from sqlalchemy.orm import Session
 
 from api.auth import Caller, enforce_rate, meter_caller, security_of
 from api.errors import ApiError
+from scheduler import redis_keys
 from scheduler.admission import AdmissionRefused, count_active_jobs
+from scheduler.batches import batch_route
 from scheduler.models import Job
 from scheduler.routing import InvalidPriorityError, route_job
 from scheduler.settings import Settings
@@ -69,7 +74,8 @@ def admit_submission(
     if route is None:  # a repeat stores nothing new, so it is never refused here
         return False
     if not combined:
-        return _admit(request, session, caller, per_queue={route.queue.value: 1},
+        member = enqueued_marker or redis_keys.enqueued(uuid.uuid4())  # without a marker: expires
+        return _admit(request, session, caller, jobs={route.queue.value: [member]},
                       enqueued_marker=enqueued_marker)
     assert caller.key_id is not None and enqueued_marker is not None
     try:  # the rate limit and the queue rule in one Redis round trip
@@ -89,34 +95,37 @@ def admit_submission(
 
 def admit_batch(
     request: Request, session: Session, caller: Caller, *, settings: Settings, specs: Sequence[Any]
-) -> None:
+) -> list[uuid.UUID]:
     """Like :func:`admit_submission` for a whole batch (all or nothing): every job counts
-    against its queue's cap and the tenant's cap. ``specs`` have ``kind``, ``input``,
-    ``params`` and ``priority`` (``scheduler.batches.JobSpec``)."""
-    per_queue: Counter[str] = Counter()
-    for spec in specs:
+    against the cap of the queue it will be stored in (``bulk``, or ``joint`` for joint-mode
+    decisions: ``scheduler.batches.batch_route``) and the tenant's cap. ``specs`` are
+    ``scheduler.batches.JobSpec``. Returns the jobs' ids, one per spec, for ``create_batch``:
+    the jobs are reserved under them until ``publish_batch(..., tenant=)`` sends their messages."""
+    job_ids = [uuid.uuid4() for _ in specs]
+    jobs: dict[str, list[str]] = defaultdict(list)
+    for spec, job_id in zip(specs, job_ids, strict=True):
         try:
-            route = route_job(kind=spec.kind, input=spec.input, params=spec.params,
-                              priority=spec.priority, settings=settings)
+            route = batch_route(spec, settings)
         except InvalidPriorityError:
             continue  # reported by the batch's own validation
-        per_queue[route.queue.value] += 1
-    if per_queue:
-        _admit(request, session, caller, per_queue=dict(per_queue))
+        jobs[route.queue.value].append(redis_keys.enqueued(job_id))
+    if jobs:
+        _admit(request, session, caller, jobs=dict(jobs))
+    return job_ids
 
 
-def _admit(request: Request, session: Session, caller: Caller, *, per_queue: dict[str, int],
+def _admit(request: Request, session: Session, caller: Caller, *, jobs: dict[str, list[str]],
            enqueued_marker: str | None = None) -> bool:
     admission = security_of(request).admission
     try:
         return admission.check_batch(
             tenant=caller.tenant,
-            per_queue=per_queue,
+            jobs=jobs,
             enqueued_marker=enqueued_marker,
             active_jobs=lambda: count_active_jobs(session, tenant=caller.tenant),  # SQL only when needed
         )
     except AdmissionRefused as refused:
-        raise _refusal(caller, refused, sorted(per_queue)) from None
+        raise _refusal(caller, refused, sorted(jobs)) from None
     except redis.RedisError as exc:
         # Fail open like the rate limit: publishing will fail the same way and the row stays
         # queued for the reconciler, which is the documented behaviour without Redis.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from api.block_steps import check_steps_fit_block
 from api.errors import ApiError
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.decisions import DecideInput, DecideParams
@@ -38,7 +39,7 @@ def check_decide_limits(
     if len(input.context) > settings.decide_max_context_chars:
         raise _invalid(["input", "context"], f"at most {settings.decide_max_context_chars} characters",
                        len(input.context))
-    steps = params.steps_per_block or settings.default_steps_per_block
+    steps = check_steps_fit_block(params.steps_per_block, params.block_size, settings.default_steps_per_block)
     if steps > settings.max_steps_per_block:
         raise _invalid(["params", "steps_per_block"], f"at most {settings.max_steps_per_block}", steps)
     if params.step_budget is not None and params.step_budget > settings.max_step_budget:

@@ -8,6 +8,7 @@ default error body and no client mistake turns into a 5xx.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,6 +57,54 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
 
+MAX_DETAIL_DEPTH = 16
+MAX_DETAIL_INT_BITS = 256
+
+
+def json_safe(value: Any, _depth: int = 0) -> Any:
+    """``value`` reduced to what strict JSON can carry, for error bodies that echo client input.
+
+    Non-finite floats become their names (``"nan"``, ``"inf"``), text with lone surrogates keeps
+    them as ``\\udXXX`` escapes, huge integers and unknown types become strings, tuples and sets
+    become lists, and nesting is cut at :data:`MAX_DETAIL_DEPTH` levels.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        bits = value.bit_length()
+        return value if bits <= MAX_DETAIL_INT_BITS else f"<integer of {bits} bits>"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+    if _depth >= MAX_DETAIL_DEPTH:
+        return "..."
+    if isinstance(value, Mapping):
+        return {json_safe(key if isinstance(key, str) else str(key)): json_safe(item, _depth + 1)
+                for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_safe(item, _depth + 1) for item in value]
+    return json_safe(str(value))
+
+
+class ErrorJSONResponse(JSONResponse):
+    """The response of every error: rendered as is when it can be, else through :func:`json_safe`.
+
+    Details echo client input (pydantic's ``input``, a field's ``value``), which may be NaN, text
+    with a lone surrogate or a huge integer: none of them may turn an error into a 500.
+    """
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except (TypeError, ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+            return super().render(json_safe(content))
+
+
 def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
     """The JSON body of every error response."""
     return {"error": {"code": code, "message": message, "details": details}}
@@ -68,14 +117,20 @@ def error_response(
     details: Any = None,
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
-    """A JSONResponse in the error shape."""
-    return JSONResponse(error_body(code, message, details), status_code=status_code, headers=headers)
+    """A JSONResponse in the error shape (rendered by :class:`ErrorJSONResponse`)."""
+    return ErrorJSONResponse(error_body(code, message, details), status_code=status_code, headers=headers)
+
+
+def _validation_message(err: Mapping[str, Any]) -> str:
+    message = str(err.get("msg", ""))
+    reason = (err.get("ctx") or {}).get("error") if err.get("type") == "json_invalid" else None
+    return f"{message}: {reason}" if reason else message  # e.g. why api.json_input refused the body
 
 
 def validation_details(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Pydantic errors reduced to what a client needs: where, what, and the error type."""
     return [
-        {"loc": list(err.get("loc", ())), "message": str(err.get("msg", "")), "type": err.get("type")}
+        {"loc": list(err.get("loc", ())), "message": _validation_message(err), "type": err.get("type")}
         for err in errors
     ]
 
@@ -96,10 +151,10 @@ async def _http_exception_handler(_: Request, exc: Exception) -> JSONResponse:
     detail = exc.detail
     # Dependencies (e.g. auth) may raise HTTPException with detail already in our shape.
     if isinstance(detail, Mapping) and "error" in detail:
-        return JSONResponse(dict(detail), status_code=exc.status_code, headers=exc.headers)
+        return ErrorJSONResponse(dict(detail), status_code=exc.status_code, headers=exc.headers)
     if isinstance(detail, Mapping) and "code" in detail:
         body = error_body(str(detail["code"]), str(detail.get("message", "")), detail.get("details"))
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return ErrorJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
     if exc.status_code == 400 and isinstance(detail, str):
         # The framework's answer to a body it cannot parse (undecodable JSON, broken multipart):
         # the same client mistake as malformed JSON, which is a 422 ``invalid_request``.

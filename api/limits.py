@@ -7,12 +7,17 @@ with the offending field in ``details``.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from api.block_steps import check_steps_fit_block
+from api.decision_limits import check_decide_limits
 from api.errors import ApiError
 from api.prompt_tokens import PromptTokenCounter
-from api.schemas.jobs import GenerateJobCreate
+from api.schemas.jobs import DecideJobCreate, GenerateJobCreate
 from scheduler.settings import Settings
+from scheduler.webhooks import WebhookTargetError, check_url
 
 
 def _limit_error(field: str, value: int, limit: int) -> ApiError:
@@ -22,6 +27,60 @@ def _limit_error(field: str, value: int, limit: int) -> ApiError:
         f"params.{field} must be at most {limit}.",
         [{"loc": ["body", "params", field], "message": f"at most {limit}", "type": "limit", "value": value}],
     )
+
+
+def metadata_bytes(metadata: Mapping[str, Any]) -> int:
+    """The size ``metadata`` is measured by: compact JSON, UTF-8 (as it is stored and echoed)."""
+    return len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+
+
+def check_metadata(
+    metadata: Mapping[str, Any] | None, *, settings: Settings, loc: Sequence[str | int] = ("body", "metadata")
+) -> None:
+    """422 ``metadata_too_large`` when ``metadata`` exceeds ``settings.max_metadata_bytes``."""
+    if not metadata:
+        return
+    size = metadata_bytes(metadata)
+    if size > settings.max_metadata_bytes:
+        message = f"metadata is {size} bytes as JSON; at most {settings.max_metadata_bytes} are accepted."
+        raise ApiError(422, "metadata_too_large", message,
+                       [{"loc": list(loc), "message": message, "type": "limit", "value": size}])
+
+
+def check_webhook_url(
+    url: str | None, *, settings: Settings, loc: Sequence[str | int] = ("body", "webhook_url")
+) -> None:
+    """422 ``invalid_webhook_url`` for a URL the service would never deliver to (credentials,
+    loopback/private literal addresses, localhost names; see ``scheduler.webhooks.check_url``).
+    Names that resolve to refused addresses are refused again at every delivery."""
+    if url is None:
+        return
+    try:
+        check_url(url, settings)
+    except WebhookTargetError as exc:
+        message = f"webhook_url is refused: {exc}."
+        raise ApiError(422, "invalid_webhook_url", message,
+                       [{"loc": list(loc), "message": str(exc), "type": "webhook_url_refused"}]) from None
+
+
+def check_job_limits(
+    body: GenerateJobCreate | DecideJobCreate,
+    *,
+    settings: Settings,
+    counter: PromptTokenCounter,
+    faults_enabled: bool,
+) -> dict[str, Any]:
+    """Every deployment limit of one job spec (``POST /v1/jobs`` and each spec of a batch):
+    the kind's own limits, the metadata size and the webhook target. Returns the params to store."""
+    if isinstance(body, DecideJobCreate):
+        params = check_decide_limits(body.input, body.params, settings=settings, counter=counter,
+                                     faults_enabled=faults_enabled)
+    else:
+        params = check_generate_limits(body, settings=settings, counter=counter,
+                                       faults_enabled=faults_enabled)
+    check_metadata(body.metadata, settings=settings)
+    check_webhook_url(str(body.webhook_url) if body.webhook_url is not None else None, settings=settings)
+    return params
 
 
 def check_generate_limits(
@@ -41,7 +100,8 @@ def check_generate_limits(
     thinking = settings.default_thinking if params.thinking is None else params.thinking
     default_new = settings.thinking_default_max_new_tokens if thinking else settings.default_max_new_tokens
     max_new_tokens = params.max_new_tokens or default_new
-    steps_per_block = params.steps_per_block or settings.default_steps_per_block
+    steps_per_block = check_steps_fit_block(params.steps_per_block, params.block_size,
+                                            settings.default_steps_per_block)
     if max_new_tokens > settings.max_new_tokens_limit:
         raise _limit_error("max_new_tokens", max_new_tokens, settings.max_new_tokens_limit)
     if steps_per_block > settings.max_steps_per_block:

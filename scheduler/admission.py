@@ -6,17 +6,28 @@ Three rules, all checked *before* anything is stored, so a refused request leave
    (atomic across every API process; the clock is Redis' ``TIME``, so API hosts with skewed
    clocks agree). The same script answers whether the key was revoked (see ``scheduler.keys``),
    so authentication + rate limiting cost one Redis round trip per request; on the submit path
-   the same round trip also checks the queue rule below (``Admission.admit_job``).
-2. Per-tenant cap on queued + running jobs (counted in SQL, the system of record). Far below
-   the cap an API process reuses its last count for ``tenant_count_cache_seconds`` (plus what
-   it admitted since), which saves a SQL round trip per submit; near the cap, and before every
-   refusal, it counts in SQL, so refusals and their details are exact.
-3. Per-queue cap on the broker queue depth (``LLEN`` of the Celery queue lists: O(1)).
+   the same round trip also runs the queue and tenant reservations below (``Admission.admit_job``).
+2. Per-queue cap on the broker queue depth, exact under concurrent submits: ONE Lua script
+   checks and reserves. A queue's depth is its Celery lists (``LLEN``) plus its *reservations*:
+   jobs admitted whose message is not in the list yet (``redis_keys.queue_reservations``, a
+   sorted set of enqueued-marker keys scored by expiry). The reservation is removed in the same
+   MULTI as the message's ``LPUSH`` (``scheduler.broker.Channel._put``, led by the
+   ``ADMITTED_HEADER`` of the message), so a job is counted once from admission on, never zero
+   times and never twice. A batch reserves all its jobs in every queue they use, or none.
+3. Per-tenant cap on queued + running jobs (SQL, the system of record), never passed under
+   concurrent submits: the same script reserves the jobs for the tenant too (released with the
+   message like the queue's) and bumps the tenant's admission counter; the SQL count runs AFTER
+   that, so every other admitted job is either still reserved or already committed (it is
+   released only after its commit) and counted: SQL count + reservations >= the tenant's jobs.
+   An API process reuses its last such bound for ``tenant_count_cache_seconds`` by adding the
+   admissions of EVERY process since (the counter), so the estimate only over-counts (finished
+   jobs); only a refusal, or an estimate over the cap, counts in SQL again.
 
 Limits have defaults in ``Settings`` and runtime overrides in the Redis hash ``LIMITS_KEY``
 (written by the admin API), so every API process sees a change at once without a restart.
-Under concurrency the tenant cap may be overshot by the number of that tenant's submits in
-flight at the same instant (count, then insert); it bounds load, it is not a quota ledger.
+A reservation expires after ``redis_keys.ADMISSION_RESERVATION_TTL_SECONDS`` (an API process
+that died between admission and publish); a refusal from over-counting is transient (jobs in
+the moment between their commit and their publish count twice for the tenant cap).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +43,10 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from scheduler import redis_keys
 from scheduler.keys import REVOKED_SET
-from scheduler.models import Job, JobStatus
-from scheduler.redis_keys import ENQUEUED_TTL_SECONDS
+from scheduler.models import Job, JobStatus, QueueName
+from scheduler.redis_keys import ADMISSION_RESERVATION_TTL_SECONDS, ENQUEUED_TTL_SECONDS
 from scheduler.settings import Settings
 
 LIMITS_KEY = "cloverq:limits"  # Redis hash of runtime overrides (field -> number)
@@ -85,24 +97,72 @@ local function take_token(bucket_key, limits_key, revoked_key, bucket, rate0, bu
 end
 """
 
-# Depth of a queue (its lists are KEYS[first..last]) and the limit overrides; when ``marker_key``
-# is given, the job's enqueued marker is set in the same call if ``count`` jobs fit the cap
-# (override, else ``cap0``; '' = none). {depth, queue override, tenant override, marker set}.
-_ADMIT_QUEUE_LUA = """
-local function admit_queue(limits_key, first, last, marker_key, queue, tenant, cap0, count, value, ttl)
-  local lim = redis.call('HMGET', limits_key, 'queue_max_depth:' .. queue,
-                         'tenant_max_active:' .. tenant, 'tenant_max_active')
-  local depth = 0
-  for i = first, last do depth = depth + redis.call('LLEN', KEYS[i]) end
-  local marked = 0
-  if marker_key then
-    local cap = tonumber(lim[1]) or tonumber(cap0)
-    if cap == nil or depth + tonumber(count) <= cap then
-      redis.call('SET', marker_key, value, 'EX', ttl)
-      marked = 1
+# Check every queue's cap and reserve the jobs in one step. KEYS[lk]: the limits hash; from
+# ``k``: the tenant's reservations, the tenant's admission counter, then per queue its
+# reservations and its 4 lists, then (when a marker value is given) the job's enqueued
+# marker. ARGV from ``a``:
+# tenant, queue count, reservation ttl ms, marker value ('' = none), marker ttl s, then per
+# queue: name, cap ('' = none), job count; then every job's member (its enqueued-marker key),
+# queue by queue. Returns {admitted, refused queue (1-based; 0), its depth, its cap, tenant
+# override, tenant reservations after adding, tenant admissions so far}.
+_ADMIT_LUA = """
+local function add_members(key, score, first, count)
+  local i = 0
+  while i < count do
+    local n = math.min(count - i, 500)
+    local args = {}
+    for j = 1, n do
+      args[#args + 1] = score
+      args[#args + 1] = ARGV[first + i + j - 1]
+    end
+    redis.call('ZADD', key, unpack(args))
+    i = i + n
+  end
+end
+
+local function admit(lk, k, a)
+  local tenant = ARGV[a]
+  local nq = tonumber(ARGV[a + 1])
+  local ttl = tonumber(ARGV[a + 2])
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local fields = {'tenant_max_active:' .. tenant, 'tenant_max_active'}
+  for i = 1, nq do fields[#fields + 1] = 'queue_max_depth:' .. ARGV[a + 5 + (i - 1) * 3] end
+  local lim = redis.call('HMGET', KEYS[lk], unpack(fields))
+  local tenant_override = lim[1] or lim[2] or ''
+  local total = 0
+  for i = 1, nq do
+    local qa = a + 5 + (i - 1) * 3
+    local qk = k + 2 + (i - 1) * 5
+    local count = tonumber(ARGV[qa + 2])
+    total = total + count
+    redis.call('ZREMRANGEBYSCORE', KEYS[qk], '-inf', now)
+    local depth = redis.call('ZCARD', KEYS[qk])
+    for j = 1, 4 do depth = depth + redis.call('LLEN', KEYS[qk + j]) end
+    local cap = tonumber(lim[2 + i]) or tonumber(ARGV[qa + 1])
+    if cap ~= nil and depth + count > cap then
+      return {0, i, depth, math.floor(cap), tenant_override, 0, 0}
     end
   end
-  return {depth, lim[1] or '', lim[2] or lim[3] or '', marked}
+  local member = a + 5 + nq * 3
+  local expiry = now + ttl
+  for i = 1, nq do
+    local qk = k + 2 + (i - 1) * 5
+    local count = tonumber(ARGV[a + 5 + (i - 1) * 3 + 2])
+    add_members(KEYS[qk], expiry, member, count)
+    redis.call('PEXPIRE', KEYS[qk], ttl + 1000)
+    member = member + count
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[k], '-inf', now)
+  add_members(KEYS[k], expiry, a + 5 + nq * 3, total)
+  redis.call('PEXPIRE', KEYS[k], ttl + 1000)
+  local pending = redis.call('ZCARD', KEYS[k])
+  local admitted = redis.call('INCRBY', KEYS[k + 1], total)
+  redis.call('EXPIRE', KEYS[k + 1], 86400)
+  if ARGV[a + 3] ~= '' then
+    redis.call('SET', KEYS[k + 2 + nq * 5], ARGV[a + 3], 'EX', ARGV[a + 4])
+  end
+  return {1, 0, 0, 0, tenant_override, pending, admitted}
 end
 """
 
@@ -111,80 +171,67 @@ _RATE_LIMIT_LUA = _SCRIPT_PRELUDE + _TAKE_TOKEN_LUA + """
 return take_token(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
 """
 
-# KEYS: limits hash, the queue's lists, then (when ARGV[3] == '1') the job's enqueued marker.
-# ARGV: queue, tenant, marker?, cap, jobs, marker value, marker TTL s.
-_QUEUE_LUA = _ADMIT_QUEUE_LUA + """
-local last = #KEYS
-local marker = nil
-if ARGV[3] == '1' then
-  marker = KEYS[last]
-  last = last - 1
-end
-return admit_queue(KEYS[1], 2, last, marker, ARGV[1], ARGV[2], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+# KEYS: limits hash, then the admission keys; ARGV: the admission arguments.
+_QUEUE_LUA = _SCRIPT_PRELUDE + _ADMIT_LUA + """
+return admit(1, 2, 1)
 """
 
 # Both for one job: the rate rule first; a revoked key or an empty bucket stops there.
-# KEYS: bucket, limits hash, revoked set, the queue's lists, the job's enqueued marker.
-# ARGV: the rate script's five, then queue, tenant, cap, marker value, marker TTL s.
-# Returns the rate script's four values followed by the queue script's four.
-_SUBMIT_LUA = _SCRIPT_PRELUDE + _TAKE_TOKEN_LUA + _ADMIT_QUEUE_LUA + """
+# KEYS: bucket, limits hash, revoked set, then the admission keys.
+# ARGV: the rate script's five, then the admission arguments.
+# Returns the rate script's four values followed by the admission script's seven.
+_SUBMIT_LUA = _SCRIPT_PRELUDE + _TAKE_TOKEN_LUA + _ADMIT_LUA + """
 local r = take_token(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
 if r[1] == 1 or r[2] == 0 then
-  return {r[1], r[2], r[3], r[4], 0, '', '', 0}
+  return {r[1], r[2], r[3], r[4], 0, 0, 0, 0, '', 0, 0}
 end
-local q = admit_queue(KEYS[2], 4, #KEYS - 1, KEYS[#KEYS], ARGV[6], ARGV[7], ARGV[8], 1, ARGV[9], ARGV[10])
-return {r[1], r[2], r[3], r[4], q[1], q[2], q[3], q[4]}
+local q = admit(2, 4, 6)
+return {r[1], r[2], r[3], r[4], q[1], q[2], q[3], q[4], q[5], q[6], q[7]}
 """
 
-
-# A cached tenant count is only trusted this far below the cap: max(MIN, cap // DIVISOR) jobs.
-CACHE_MIN_HEADROOM = 64
-CACHE_HEADROOM_DIVISOR = 10
 
 ActiveJobCount = Callable[[], int]  # counts a tenant's queued + running jobs (SQL)
 
 
 @dataclass(slots=True)
-class _CachedCount:
-    count: int  # last SQL count + jobs admitted by this process since
+class _CachedBound:
+    bound: int  # SQL count + the tenant's reservations, right after the admission that counted
+    admitted: int  # the tenant's admission counter at that admission
     counted_at: float  # time.monotonic() of the SQL count
 
 
 class TenantCountCache:
-    """Per-process estimate of each tenant's active jobs, used only far below the cap.
+    """Per-process upper bound of each tenant's active jobs, so most submits skip the SQL count.
 
-    The estimate is the last SQL count plus what this process admitted since; it ignores
-    jobs that finished (it only over-counts, which sends the next check to SQL) and jobs
-    other API processes admitted in the same ``ttl_seconds`` (bounded by the headroom).
+    ``counted`` stores a bound (SQL count taken after an admission's reservation + the tenant's
+    reservations then) with the tenant's admission counter at that admission; ``estimate``
+    adds every admission since (of any API process: the counter is in Redis). A job that
+    finished is still counted (the estimate only over-counts, which sends the next check to
+    SQL); the bound is trusted for ``ttl_seconds``.
     """
 
     def __init__(self, ttl_seconds: float) -> None:
         self._ttl = ttl_seconds
         self._lock = threading.Lock()
-        self._counts: dict[str, _CachedCount] = {}
+        self._bounds: dict[str, _CachedBound] = {}
 
-    def active_jobs(self, tenant: str, *, cap: int, adding: int, count: ActiveJobCount) -> int:
-        """The tenant's active jobs: the cached estimate when far below ``cap``, else ``count()``."""
-        headroom = max(CACHE_MIN_HEADROOM, cap // CACHE_HEADROOM_DIVISOR)
-        if self._ttl > 0:
-            now = time.monotonic()
-            with self._lock:
-                cached = self._counts.get(tenant)
-                if cached is not None and now - cached.counted_at < self._ttl \
-                        and cached.count + adding <= cap - headroom:
-                    return cached.count
-        counted = count()
-        if self._ttl > 0:
-            with self._lock:
-                self._counts[tenant] = _CachedCount(counted, time.monotonic())
-        return counted
-
-    def admitted(self, tenant: str, jobs: int) -> None:
-        """Add ``jobs`` just admitted for ``tenant`` to its estimate."""
+    def estimate(self, tenant: str, admitted: int) -> int | None:
+        """The tenant's active jobs (an upper bound, this admission included), or None without
+        a fresh bound. ``admitted``: the tenant's admission counter after this admission."""
+        if self._ttl <= 0:
+            return None
         with self._lock:
-            cached = self._counts.get(tenant)
-            if cached is not None:
-                cached.count += jobs
+            cached = self._bounds.get(tenant)
+            if cached is None or time.monotonic() - cached.counted_at >= self._ttl \
+                    or admitted < cached.admitted:  # a reset counter (Redis flushed): count again
+                return None
+            return cached.bound + admitted - cached.admitted
+
+    def counted(self, tenant: str, bound: int, admitted: int) -> None:
+        """Store a fresh bound: SQL count + reservations, at the admission counter ``admitted``."""
+        if self._ttl > 0:
+            with self._lock:
+                self._bounds[tenant] = _CachedBound(bound, admitted, time.monotonic())
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,112 +286,121 @@ class Admission:
         Redis round trip (the API's submit path; elsewhere :meth:`check_rate` and
         :meth:`check_batch` run separately).
 
-        Returns the rate decision and whether the job's enqueued marker was set. When the
-        decision refuses (revoked key or empty bucket) nothing else was checked or written:
+        Returns the rate decision and whether the job's enqueued marker was set (with its
+        reservations, which its message releases: ``scheduler.broker.admitted_headers``). When
+        the decision refuses (revoked key or empty bucket) nothing else was checked or written:
         the caller answers 401/429. Raises :class:`AdmissionRefused` like :meth:`check_batch`.
         """
-        cap = self._settings.queue_max_depth.get(queue)
-        reply = self._submit_script(
-            keys=[*self._rate_keys(bucket), *(queue + suffix for suffix in _PRIORITY_SUFFIXES),
-                  enqueued_marker],
-            args=[*self._rate_args(bucket, key_id, 1), queue, tenant, "" if cap is None else cap,
-                  queue, ENQUEUED_TTL_SECONDS],
-        )
+        jobs = {queue: [enqueued_marker]}
+        keys, args = self._admission_call(tenant, jobs, enqueued_marker)
+        reply = self._submit_script(keys=[*self._rate_keys(bucket), *keys],
+                                    args=[*self._rate_args(bucket, key_id, 1), *args])
         decision = _rate_decision(reply[:4])
         if decision.revoked or not decision.allowed:
             return decision, False
-        depth, queue_override, tenant_override, marked = reply[4:]
-        marker = enqueued_marker if marked else None
-        self._refuse_full_queue(queue, 1, int(depth), queue_override, marker)
-        return decision, self._admit_tenant(tenant, 1, tenant_override, active_jobs, marker)
+        self._settle(tenant, jobs, reply[4:], active_jobs, enqueued_marker)
+        return decision, True
 
-    def check_submission(
-        self, *, tenant: str, queue: str, active_jobs: int | ActiveJobCount | None, count: int = 1
-    ) -> None:
-        """Raise :class:`AdmissionRefused` unless ``count`` more jobs fit ``queue`` and ``tenant``.
+    def check_batch(
+        self, *, tenant: str, jobs: Mapping[str, Sequence[str]], active_jobs: int | ActiveJobCount | None,
+        enqueued_marker: str | None = None,
+    ) -> bool:
+        """Admit jobs spread over queues (``{queue: [each job's enqueued-marker key]}``), all or
+        nothing, in one Redis round trip: every queue's cap is checked and the jobs reserved
+        there and for the tenant (released by their messages), then the tenant rule runs.
 
         ``active_jobs`` is the tenant's queued + running count from SQL (see
         :func:`count_active_jobs`), or a function that counts it (called only when the
-        process' cached estimate is not far enough below the cap); None skips the tenant rule.
+        process' cached bound does not show room; an int must be counted after this call's
+        reservation to be exact); None skips the tenant rule. ``enqueued_marker`` (one job
+        only): that job's enqueued-marker key, set by the same script when the job is admitted,
+        which saves the publisher a round trip; it is removed again if the tenant rule refuses.
+        Returns whether the marker was set.
         """
-        self.check_batch(tenant=tenant, per_queue={queue: count}, active_jobs=active_jobs)
+        if enqueued_marker is not None and [list(m) for m in jobs.values()] != [[enqueued_marker]]:
+            raise ValueError("an enqueued marker needs exactly one job")
+        keys, args = self._admission_call(tenant, jobs, enqueued_marker)
+        reply = self._queue_script(keys=[LIMITS_KEY, *keys], args=args)
+        self._settle(tenant, jobs, reply, active_jobs, enqueued_marker)
+        return enqueued_marker is not None
 
-    def check_batch(
-        self, *, tenant: str, per_queue: Mapping[str, int], active_jobs: int | ActiveJobCount | None,
-        enqueued_marker: str | None = None,
-    ) -> bool:
-        """Like :meth:`check_submission` for jobs spread over queues (``{queue: count}``).
-
-        One script call per queue (a single job: one Redis round trip); all or nothing.
-        ``enqueued_marker`` (one queue only): the job's enqueued-marker key, set by the same
-        script when the job is admitted, which saves the publisher a round trip; it is removed
-        again if the tenant rule refuses. Returns whether the marker was set.
-        """
-        if enqueued_marker is not None and len(per_queue) != 1:
-            raise ValueError("an enqueued marker needs exactly one queue")
-        tenant_override: Any = None
-        marked = False
-        for queue, count in per_queue.items():
+    def _admission_call(
+        self, tenant: str, jobs: Mapping[str, Sequence[str]], marker: str | None
+    ) -> tuple[list[str], list[Any]]:
+        """KEYS (after the limits hash) and ARGV of ``_ADMIT_LUA`` for ``jobs``."""
+        keys = [redis_keys.tenant_reservations(tenant), redis_keys.tenant_admissions(tenant)]
+        queue_value = next(iter(jobs)) if marker is not None else ""  # the marker holds the queue
+        args: list[Any] = [tenant, len(jobs), ADMISSION_RESERVATION_TTL_SECONDS * 1000, queue_value,
+                           ENQUEUED_TTL_SECONDS]
+        for queue, members in jobs.items():
+            keys += [redis_keys.queue_reservations(queue), *(queue + suffix for suffix in _PRIORITY_SUFFIXES)]
             cap = self._settings.queue_max_depth.get(queue)
-            marker_keys = [enqueued_marker] if enqueued_marker is not None else []
-            depth, queue_override, tenant_override, marked_now = self._queue_script(
-                keys=[LIMITS_KEY, *(queue + suffix for suffix in _PRIORITY_SUFFIXES), *marker_keys],
-                args=[queue, tenant, "1" if marker_keys else "0", "" if cap is None else cap, count,
-                      queue, ENQUEUED_TTL_SECONDS],
-            )
-            marked = bool(marked_now)
-            self._refuse_full_queue(queue, count, int(depth), queue_override,
-                                    enqueued_marker if marked else None)
-        total = sum(per_queue.values())
-        return self._admit_tenant(tenant, total, tenant_override, active_jobs,
-                                  enqueued_marker if marked else None)
+            args += [queue, "" if cap is None else cap, len(members)]
+        for members in jobs.values():
+            args += members
+        if marker is not None:
+            keys.append(marker)
+        return keys, args
 
-    def _refuse_full_queue(self, queue: str, count: int, depth: int, override: Any,
-                           marker: str | None) -> None:
-        """Raise ``queue_full`` if ``count`` more jobs do not fit (removing a marker just set)."""
-        queue_cap = _int_or(override, self._settings.queue_max_depth.get(queue))
-        if queue_cap is not None and depth + count > queue_cap:
-            self._forget_marker(marker)
+    def _settle(self, tenant: str, jobs: Mapping[str, Sequence[str]], reply: list[Any],
+                active_jobs: int | ActiveJobCount | None, marker: str | None) -> None:
+        """Raise ``queue_full`` for a queue the script found full (it reserved nothing then),
+        else run the tenant rule, releasing the reservations and marker if it refuses."""
+        admitted, refused, depth, cap, tenant_override, reserved, admissions = reply
+        if not int(admitted):
+            queue = list(jobs)[int(refused) - 1]
             raise AdmissionRefused(
                 "queue_full",
-                f"The {queue} queue is full ({depth} waiting, cap {queue_cap}); retry later.",
+                f"The {queue} queue is full ({int(depth)} waiting, cap {int(cap)}); retry later.",
                 retry_after_seconds=5,
-                details={"queue": queue, "depth": depth, "max_depth": queue_cap},
+                details={"queue": queue, "depth": int(depth), "max_depth": int(cap)},
             )
+        total = sum(len(members) for members in jobs.values())
+        try:
+            self._admit_tenant(tenant, total, tenant_override, active_jobs, int(reserved), int(admissions))
+        except BaseException:
+            self.release(tenant, jobs, marker)  # nothing stored for a refused request
+            raise
 
     def _admit_tenant(self, tenant: str, total: int, override: Any, active_jobs: int | ActiveJobCount | None,
-                      marker: str | None) -> bool:
-        """Raise ``tenant_limit`` if ``total`` more jobs pass the tenant's cap (removing
-        ``marker``, set for a job that will now not be stored); returns whether a marker stands."""
+                      reserved: int, admissions: int) -> None:
+        """Raise ``tenant_limit`` if the tenant's jobs, ``total`` just reserved among its
+        ``reserved`` reservations, pass its cap (``admissions``: its admission counter now)."""
         tenant_cap = _int_or(override, self._settings.tenant_max_active_jobs)
         if active_jobs is None or tenant_cap is None:
-            return marker is not None
-        try:
-            if callable(active_jobs):
-                active_jobs = self._tenant_counts.active_jobs(tenant, cap=tenant_cap, adding=total,
-                                                              count=active_jobs)
-        except BaseException:
-            self._forget_marker(marker)
-            raise
-        if active_jobs + total > tenant_cap:
-            self._forget_marker(marker)  # nothing stored for a refused request
+            return
+        if callable(active_jobs):
+            bound = self._tenant_counts.estimate(tenant, admissions)
+            if bound is not None and bound <= tenant_cap:
+                return
+            active_jobs = active_jobs()  # counted after the reservation: see the module docstring
+        bound = active_jobs + reserved  # a job between its commit and its publish counts twice
+        self._tenant_counts.counted(tenant, bound, admissions)
+        if bound > tenant_cap:
+            others = bound - total
             raise AdmissionRefused(
                 "tenant_limit",
-                f"Tenant has {active_jobs} queued or running jobs (cap {tenant_cap}); retry later.",
+                f"Tenant has {others} queued, running or just admitted jobs (cap {tenant_cap}); retry later.",
                 retry_after_seconds=5,
-                details={"active_jobs": active_jobs, "max_active_jobs": tenant_cap},
+                details={"active_jobs": others, "max_active_jobs": tenant_cap},
             )
-        self._tenant_counts.admitted(tenant, total)
-        return marker is not None
 
-    def _forget_marker(self, marker: str | None) -> None:
-        """Remove a marker set for a job that will not be stored; a Redis failure here must not
-        turn the refusal into an admission (the marker expires, and the reconciler only reads
-        markers of stored rows)."""
-        if marker is None:
-            return
+    def release(self, tenant: str, jobs: Mapping[str, Sequence[str]], marker: str | None = None) -> None:
+        """Drop the reservations (and the marker) of admitted jobs that will not be stored or
+        published. A Redis failure here must not turn a refusal into an admission: the
+        reservations expire, and the reconciler only reads markers of stored rows."""
         try:
-            self._redis.delete(marker)
+            with self._redis.pipeline(transaction=False) as pipe:
+                everyone: list[str] = []
+                for queue, members in jobs.items():
+                    if members:
+                        pipe.zrem(redis_keys.queue_reservations(queue), *members)
+                        everyone += members
+                if everyone:
+                    pipe.zrem(redis_keys.tenant_reservations(tenant), *everyone)
+                if marker is not None:
+                    pipe.delete(marker)
+                pipe.execute()
         except redis.RedisError:
             return
 
@@ -355,6 +411,19 @@ class Admission:
         cap = _int_or(override, self._settings.tenant_max_active_jobs)
         assert cap is not None
         return cap
+
+
+def forget_admitted(client: redis.Redis, *, tenant: str, marker: str,
+                    queues: Iterable[str] = tuple(q.value for q in QueueName)) -> None:
+    """Remove the enqueued marker and the admission reservations (in whichever of ``queues``)
+    of one admitted job that was not stored after all. Raises ``redis.RedisError``; left alone
+    they expire (the marker is only read for stored rows; a reservation over-counts a minute)."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.delete(marker)
+        for queue in queues:
+            pipe.zrem(redis_keys.queue_reservations(queue), marker)
+        pipe.zrem(redis_keys.tenant_reservations(tenant), marker)
+        pipe.execute()
 
 
 def _rate_decision(reply: list[Any]) -> RateDecision:

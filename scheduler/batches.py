@@ -22,10 +22,11 @@ from sqlalchemy import Boolean, ForeignKey, Integer, String, Text, Uuid, func, i
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from scheduler import redis_keys
+from scheduler.broker import admitted_headers, releases_reservations
 from scheduler.celery_app import RUN_JOB_TASK
 from scheduler.jobs import request_fingerprint
 from scheduler.models import Base, Job, JobStatus, JSONType, QueueName, UTCDateTime, utcnow
-from scheduler.routing import route_job
+from scheduler.routing import Route, route_job
 from scheduler.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -92,16 +93,24 @@ class BatchSummary:
         return "cancelled" if self.batch.cancel_requested else "completed"
 
 
-def _job_row(spec: JobSpec, *, tenant: str, batch_id: uuid.UUID, settings: Settings, now: datetime,
-             request_id: str | None) -> dict[str, Any]:
+def batch_route(spec: JobSpec, settings: Settings) -> Route:
+    """Where a batch job goes: ``bulk`` (joint-mode decisions: ``joint``). The API's batch
+    admission checks the caps of exactly these queues."""
     # A client may lower the class further, never raise it above bulk (route_job only lowers).
     route = route_job(kind=spec.kind, input=spec.input, params=spec.params,
                       priority=spec.priority or BATCH_PRIORITY, settings=settings)
     if route.queue != QueueName.JOINT:
-        route = type(route)(cost=route.cost, priority=QueueName.BULK, queue=QueueName.BULK)
+        route = Route(cost=route.cost, priority=QueueName.BULK, queue=QueueName.BULK)
+    return route
+
+
+def _job_row(spec: JobSpec, *, tenant: str, batch_id: uuid.UUID, settings: Settings, now: datetime,
+             request_id: str | None, job_id: uuid.UUID | None = None) -> dict[str, Any]:
+    route = batch_route(spec, settings)
     metadata = dict(spec.metadata) if spec.metadata is not None else None
     return {
-        "id": uuid.uuid4(), "tenant": tenant, "kind": str(spec.kind), "status": JobStatus.QUEUED.value,
+        "id": job_id or uuid.uuid4(), "tenant": tenant, "kind": str(spec.kind),
+        "status": JobStatus.QUEUED.value,
         "priority": route.priority.value, "queue": route.queue.value, "cost": route.cost,
         "input": dict(spec.input), "params": dict(spec.params), "meta": metadata,
         "step_budget": spec.params.get("step_budget"), "steps_used": 0, "attempt": 0,
@@ -124,21 +133,27 @@ def create_batch(
     webhook_url: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     request_id: str | None = None,
+    job_ids: Sequence[uuid.UUID] | None = None,
 ) -> tuple[Batch, list[tuple[uuid.UUID, str]]]:
     """Store the batch and all its jobs in one transaction (committed here).
 
+    ``job_ids``: the jobs' ids, one per spec, when the caller chose them (the API's admission
+    reserves them by id); default fresh uuid4s.
     Returns the batch and ``(job_id, queue)`` in submission order, for ``publish_batch``.
     """
     if not specs:
         raise ValueError("a batch needs at least one job")
     if len(specs) > settings.batch_max_jobs:
         raise ValueError(f"a batch holds at most {settings.batch_max_jobs} jobs")
+    if job_ids is not None and len(job_ids) != len(specs):
+        raise ValueError("one job id per spec")
     now = utcnow()
     batch = Batch(id=uuid.uuid4(), tenant=tenant, total=len(specs), webhook_url=webhook_url,
                   meta=dict(metadata) if metadata is not None else None, cancel_requested=False,
                   request_id=request_id, created_at=now)
+    ids: Sequence[uuid.UUID | None] = job_ids if job_ids is not None else [None] * len(specs)
     rows = [_job_row(spec, tenant=tenant, batch_id=batch.id, settings=settings, now=now,
-                     request_id=request_id) for spec in specs]
+                     request_id=request_id, job_id=job_id) for spec, job_id in zip(specs, ids, strict=True)]
     session.add(batch)
     session.flush()
     session.execute(insert(Job), rows)
@@ -150,13 +165,16 @@ def create_batch(
 
 def publish_batch(
     jobs: Sequence[tuple[uuid.UUID, str]], *, app: Celery, redis_client: redis.Redis,
-    request_id: str | None = None,
+    request_id: str | None = None, tenant: str | None = None,
 ) -> int:
     """Publish every job's message after the commit: enqueued markers first (one pipeline, as
     ``scheduler.enqueue.publish_job`` does, so a fast worker's retry is never hidden), then the
     messages over ONE producer connection. On a broker failure the unsent jobs' markers are
-    removed and the reconciler publishes them. Returns how many went out."""
-    headers = {"cloverq_request_id": request_id} if request_id else None
+    removed and the reconciler publishes them. ``tenant``: the API's admission reserved the
+    jobs for it (by enqueued-marker key); each message releases its job's reservations
+    (``scheduler.broker``), unsent ones expire. Returns how many went out."""
+    base = {"cloverq_request_id": request_id} if request_id else {}
+    release_here = tenant is not None and not releases_reservations(app)
     with redis_client.pipeline(transaction=False) as pipe:
         for job_id, queue in jobs:
             pipe.set(redis_keys.enqueued(job_id), queue, ex=redis_keys.ENQUEUED_TTL_SECONDS)
@@ -165,14 +183,25 @@ def publish_batch(
     try:
         with app.producer_or_acquire() as producer:
             for job_id, queue in jobs:
+                headers = dict(base)
+                if tenant is not None:
+                    headers.update(admitted_headers(queue=queue, tenant=tenant, job_id=job_id))
                 app.send_task(RUN_JOB_TASK, args=[str(job_id)], queue=queue, routing_key=queue,
-                              producer=producer, headers=headers)
+                              producer=producer, headers=headers or None)
                 sent += 1
     except Exception as exc:  # broker trouble: the rows are durable, the reconciler takes over
         log.warning("batch.publish_incomplete", sent=sent, total=len(jobs), error=repr(exc))
         unsent = [redis_keys.enqueued(job_id) for job_id, _ in jobs[sent:]]
         if unsent:
             redis_client.delete(*unsent)
+    if release_here and sent:  # another transport than scheduler.broker's: release them here
+        assert tenant is not None
+        with redis_client.pipeline(transaction=False) as pipe:
+            for job_id, queue in jobs[:sent]:
+                member = redis_keys.enqueued(job_id)
+                pipe.zrem(redis_keys.queue_reservations(queue), member)
+                pipe.zrem(redis_keys.tenant_reservations(tenant), member)
+            pipe.execute()
     return sent
 
 

@@ -9,6 +9,10 @@ command that kombu would have sent through a fresh one (redis-py reconnects insi
 a connection error). It is rebuilt whenever the channel's pool is a new one (kombu drops its pools
 after a fork and on close), so it never outlives the pool it was made for.
 
+It also releases a job's admission reservations (``scheduler.admission``) atomically with the
+job's message: a message carrying ``ADMITTED_HEADER`` is pushed in one MULTI with the ZREMs of
+its reservations, so the job is counted once, first as a reservation, then in the list.
+
 Selected in ``scheduler.celery_app`` through Celery's ``broker_transport`` for ``redis://``
 URLs; everything else about the transport (priority lists, visibility timeout, BRPOP) is
 kombu's own.
@@ -21,8 +25,25 @@ from contextlib import contextmanager
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps
+
+from scheduler import redis_keys
 
 TRANSPORT_PATH = "scheduler.broker:Transport"
+
+# Message header: [queue reservations key, tenant reservations key, member] of an admitted job.
+ADMITTED_HEADER = "cloverq_admitted"
+
+
+def admitted_headers(*, queue: str, tenant: str, job_id: object) -> dict[str, list[str]]:
+    """Headers that make the message of an admitted job release its admission reservations."""
+    return {ADMITTED_HEADER: [redis_keys.queue_reservations(queue), redis_keys.tenant_reservations(tenant),
+                              redis_keys.enqueued(job_id)]}
+
+
+def releases_reservations(app: Any) -> bool:
+    """Whether ``app`` publishes through :class:`Transport` (else a publisher releases itself)."""
+    return bool(getattr(app.conf, "broker_transport", None) == TRANSPORT_PATH)
 
 
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
@@ -41,6 +62,29 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             shared = self._create_client()
             self._shared_client = shared
         yield shared
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        """kombu's ``_put``; an admitted job's message goes in one MULTI with its releases."""
+        admitted = (message.get("headers") or {}).get(ADMITTED_HEADER)
+        kombus_own = kwargs.get("_publish_batch") is not None or (self._expires and queue in self._expires)
+        if not admitted or kombus_own:
+            super()._put(queue, message, **kwargs)
+            if admitted:  # kombu's own path: released right after (the job counts twice a moment)
+                with self.conn_or_acquire() as client:
+                    _release(client.pipeline(transaction=False), admitted).execute()
+            return
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=True)
+            pipe.lpush(key, dumps(message))
+            _release(pipe, admitted).execute()
+
+
+def _release(pipe: Any, admitted: list[str]) -> Any:
+    queue_key, tenant_key, member = admitted
+    pipe.zrem(queue_key, member)
+    pipe.zrem(tenant_key, member)
+    return pipe
 
 
 class Transport(kombu_redis.Transport):  # type: ignore[misc]

@@ -14,6 +14,7 @@ import structlog
 from celery import Celery
 
 from scheduler import redis_keys
+from scheduler.broker import admitted_headers, releases_reservations
 from scheduler.celery_app import RUN_JOB_TASK
 
 log = structlog.get_logger(__name__)
@@ -28,16 +29,22 @@ PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0.0, "interval_step"
 
 def publish_job(
     *, job_id: uuid.UUID | str, queue: str, app: Celery, redis_client: redis.Redis,
-    request_id: str | None = None, marker_set: bool = False,
+    request_id: str | None = None, marker_set: bool = False, tenant: str | None = None,
 ) -> None:
     """Set the job's enqueued marker, then send ``cloverq.run_job(job_id)`` to ``queue``.
 
     The marker is set FIRST: a worker may run (and fail, and clear the marker of) the job
     before ``send_task`` even returns; a marker written after that would hide the retry from
     the reconciler. If sending fails the marker is removed again. ``marker_set``: the caller
-    already set it (the API's admission script does, in its own round trip).
+    already set it (the API's admission script does, in its own round trip, together with the
+    job's reservations for ``queue`` and ``tenant``, which the message then releases: see
+    ``scheduler.broker``; on a failed send they are released here).
     """
-    headers = {"cloverq_request_id": request_id} if request_id else None
+    headers: dict[str, object] = {"cloverq_request_id": request_id} if request_id else {}
+    admitted = marker_set and tenant is not None
+    if admitted:
+        assert tenant is not None
+        headers.update(admitted_headers(queue=queue, tenant=tenant, job_id=job_id))
     marker = redis_keys.enqueued(job_id)
     if not marker_set:
         redis_client.set(marker, queue, ex=redis_keys.ENQUEUED_TTL_SECONDS)
@@ -46,20 +53,35 @@ def publish_job(
         # exchange goes straight to the list named by its routing key), and Celery's
         # per-publish maybe_declare costs ~30 us.
         app.send_task(RUN_JOB_TASK, args=[str(job_id)], queue=queue, routing_key=queue, retry=True,
-                      retry_policy=PUBLISH_RETRY_POLICY, declare=[], headers=headers)
+                      retry_policy=PUBLISH_RETRY_POLICY, declare=[], headers=headers or None)
     except Exception:
-        redis_client.delete(marker)
+        with redis_client.pipeline(transaction=False) as pipe:
+            pipe.delete(marker)
+            if admitted:
+                _release_reservations(pipe, queue=queue, tenant=tenant, job_id=job_id)
+            pipe.execute()
         raise
+    if admitted and not releases_reservations(app):  # another transport: release it ourselves
+        with redis_client.pipeline(transaction=False) as pipe:
+            _release_reservations(pipe, queue=queue, tenant=tenant, job_id=job_id)
+            pipe.execute()
+
+
+def _release_reservations(pipe: redis.client.Pipeline, *, queue: str, tenant: str | None,
+                          job_id: uuid.UUID | str) -> None:
+    member = redis_keys.enqueued(job_id)
+    pipe.zrem(redis_keys.queue_reservations(queue), member)
+    pipe.zrem(redis_keys.tenant_reservations(str(tenant)), member)
 
 
 def try_publish_job(
     *, job_id: uuid.UUID | str, queue: str, app: Celery, redis_client: redis.Redis,
-    request_id: str | None = None, marker_set: bool = False,
+    request_id: str | None = None, marker_set: bool = False, tenant: str | None = None,
 ) -> bool:
     """``publish_job``, but a broker failure is logged and left to the reconciler."""
     try:
         publish_job(job_id=job_id, queue=queue, app=app, redis_client=redis_client, request_id=request_id,
-                    marker_set=marker_set)
+                    marker_set=marker_set, tenant=tenant)
     except Exception as exc:  # any broker/transport error: the row is durable, recovery is periodic
         log.warning("job.publish_failed", job_id=str(job_id), queue=queue, error=repr(exc))
         return False

@@ -1,8 +1,9 @@
 """Job service functions: submit, get, list, cancel, hot progress.
 
 Keyword-only, session passed in, no HTTP: the API is a thin layer over these, and tests call
-them directly. ``submit_job`` commits the row *before* publishing the message (decision 1), so
-a crash or broker failure between the two leaves a queued row that the reconciler publishes.
+them directly. ``submit_job`` commits the row *before* publishing the message
+(docs/architecture.md §3.1), so a crash or broker failure between the two leaves a queued row
+that the reconciler publishes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from scheduler.celery_app import get_celery_app
 from scheduler.enqueue import try_publish_job
 from scheduler.job_events import publish_finished
 from scheduler.metrics import RedisMetricsRecorder
-from scheduler.models import Job, JobStatus, utcnow
+from scheduler.models import Job, JobStatus, as_utc, utcnow
 from scheduler.redis_client import get_redis
 from scheduler.routing import route_job
 from scheduler.settings import Settings, get_settings
@@ -112,7 +113,8 @@ def submit_job(
     Raises ``scheduler.routing.InvalidPriorityError`` for an unknown ``priority``.
     ``publish=False`` leaves publishing to the reconciler (batch submission). ``job_id``: the
     new job's id when the caller chose it (default: a fresh uuid4); ``marker_set``: the caller
-    already set that id's enqueued marker (the API's admission does).
+    already set that id's enqueued marker and its admission reservations (the API's admission
+    does; the message releases them).
     """
     settings = settings or get_settings()
     fingerprint = request_fingerprint(
@@ -179,6 +181,7 @@ def submit_job(
             redis_client=redis_client or get_redis(settings.resolved_redis_url),
             request_id=request_id,
             marker_set=marker_set,
+            tenant=tenant,  # whose admission reservations the message releases (marker_set)
         )
     return job, True
 
@@ -203,7 +206,8 @@ def decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
         created, job_id = base64.urlsafe_b64decode(padded.encode()).decode().split("|", 1)
-        return datetime.fromisoformat(created), uuid.UUID(job_id)
+        # as_utc: a crafted cursor with a naive or out-of-range time is invalid, never a 5xx.
+        return as_utc(datetime.fromisoformat(created)), uuid.UUID(job_id)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidCursorError("invalid cursor") from exc
 

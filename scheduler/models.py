@@ -50,6 +50,17 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(value: datetime) -> datetime:
+    """``value`` in UTC; ValueError when it has no offset or leaves the years 1-9999 in UTC
+    (``0001-01-01T00:00:00+14:00`` is a valid timestamp but no datetime in UTC)."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError("a timestamp needs a UTC offset (e.g. 'Z' or '+00:00')")
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("the timestamp is out of range once converted to UTC") from None
+
+
 class UTCDateTime(TypeDecorator[datetime]):
     """A timestamp that is always timezone-aware UTC in Python, on PostgreSQL and on SQLite.
 

@@ -14,9 +14,27 @@ CANCEL_TTL_SECONDS = 24 * 3600
 
 WORKERS_SET = f"{PREFIX}:workers"
 
+# Admission reservations (scheduler/admission.py): sorted sets of enqueued-marker keys, scored by
+# expiry (unix ms), of jobs admitted whose message is not in their queue's list yet. The message's
+# LPUSH removes them (scheduler/broker.py); one left by a process that died expires.
+ADMISSION_RESERVATION_TTL_SECONDS = 60
+
 
 def enqueued(job_id: object) -> str:
     return f"{PREFIX}:enqueued:{job_id}"
+
+
+def queue_reservations(queue: str) -> str:
+    return f"{PREFIX}:reserved:queue:{queue}"
+
+
+def tenant_reservations(tenant: str) -> str:
+    return f"{PREFIX}:reserved:tenant:{tenant}"
+
+
+def tenant_admissions(tenant: str) -> str:
+    """How many jobs admission ever admitted for the tenant (a counter; see TenantCountCache)."""
+    return f"{PREFIX}:admitted:tenant:{tenant}"
 
 
 def progress(job_id: object) -> str:

@@ -1,7 +1,10 @@
 """Cost estimate, priority class and queue of a job: short requests first, nobody starves.
 
-Cost = generated tokens x denoising steps per block (x questions for decisions): the number of
-token-predictions the engine will make, which is what occupies a batch slot. Cheap jobs go to
+Cost = the token-predictions the engine will make, which is what occupies a batch slot: every
+denoising pass predicts each position of its block, so cost = passes x block size, with passes =
+blocks x steps per block (capped by a step budget), per question for decisions. A request that
+names no block size runs with the checkpoint's, unknown here: its cost is then generated tokens
+x steps (each block's passes times its positions, ignoring the round-up to whole blocks). Cheap jobs go to
 ``interactive``, mid-sized to ``standard``, the rest to ``bulk``; joint-mode decisions go to
 their own ``joint`` queue (own workers, own deadline, capped engine slots).
 
@@ -29,6 +32,10 @@ PRIORITY_ALIASES: Mapping[str, QueueName] = {
     "normal": QueueName.STANDARD,
     "low": QueueName.BULK,
 }
+
+
+# Positions per pass assumed for a step budget's cap when a request names no block size.
+BUDGET_BLOCK_ASSUMED = 4
 
 
 class InvalidPriorityError(ValueError):
@@ -63,23 +70,29 @@ def parse_priority(priority: str | None) -> QueueName | None:
 def estimate_cost(
     *, kind: str, input: Mapping[str, Any] | None, params: Mapping[str, Any], settings: Settings
 ) -> int:
-    """Tokens x steps (x questions): an upper bound of token-predictions for the job."""
-    max_new = int(params.get("max_new_tokens") or settings.default_max_new_tokens)
+    """Passes x block size (x questions): an upper bound of the token-predictions of the job.
+
+    ``steps_per_block`` above ``block_size`` is refused by the API (``api.limits``); here such
+    steps count as the block size, the most passes a block can take (a pass commits >= 1 mask).
+    """
+    block = int(params.get("block_size") or 0)  # 0: the checkpoint's, unknown here
     steps = int(params.get("steps_per_block") or settings.default_steps_per_block)
-    block = int(params.get("block_size") or 4)
+    if block:
+        steps = min(steps, block)
+    width = block or 1  # positions per pass, per generated token when the block is unknown
+    sequences, tokens = 1, int(params.get("max_new_tokens") or settings.default_max_new_tokens)
+    if kind == JobKind.DECIDE:
+        questions = max(1, len((input or {}).get("questions") or ()))
+        tokens = decide_tokens_per_question(input or {}, settings)
+        if (input or {}).get("mode", params.get("mode")) == "joint":
+            tokens *= questions  # one sequence holds every question
+        else:
+            sequences = questions  # one sequence per question
+    cost = sequences * math.ceil(tokens / width) * steps * width
     budget = params.get("step_budget")
-    if budget:
-        blocks = max(1, math.ceil(max_new / max(1, block)))
-        steps = max(1, min(steps, int(budget) // blocks or 1))
-    questions = 1
-    if kind == JobKind.DECIDE and input:
-        questions = max(1, len(input.get("questions") or ()) or 1)
-        max_new = decide_tokens_per_question(input, settings)
-        blocks = max(1, math.ceil(max_new * questions / max(1, block)))
-        if budget:
-            steps = max(1, min(int(params.get("steps_per_block") or settings.default_steps_per_block),
-                               int(budget) // blocks or 1))
-    return max_new * steps * questions
+    if budget is not None:  # at most ``budget`` passes of ``block`` positions (assumed when unknown)
+        cost = min(cost, int(budget) * (block or BUDGET_BLOCK_ASSUMED))
+    return cost
 
 
 def decide_tokens_per_question(input: Mapping[str, Any], settings: Settings) -> int:

@@ -7,13 +7,15 @@ for configuration.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # Positions the chat template adds around a prompt (max_prompt_tokens counts the prompt's text only).
 CHAT_TEMPLATE_SLACK_TOKENS = 64
@@ -68,6 +70,15 @@ class Settings(BaseSettings):
     max_steps_per_block: int = Field(64, ge=1)
     max_step_budget: int = Field(8192, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=1024)
+    max_metadata_bytes: int = Field(
+        16_384, ge=64,
+        description="Bytes of a job's (or batch's) metadata as compact UTF-8 JSON; larger is refused (422).",
+    )
+    list_max_response_bytes: int = Field(
+        4 * 1024 * 1024, ge=65_536,
+        description="GET /v1/jobs ends a page before this many bytes (next_cursor goes on from there); "
+        "a page always holds at least one job.",
+    )
 
     # --- job system (scheduler + worker) -----------------------------------------------------
     max_attempts: int = Field(3, ge=1, description="Claims a job may take before retries_exhausted.")
@@ -140,6 +151,15 @@ class Settings(BaseSettings):
     webhook_backoff_base_seconds: float = Field(1.0, ge=0, description="Webhook retry n waits base*2^(n-1).")
     webhook_backoff_max_seconds: float = Field(300.0, ge=0, description="Cap of the webhook backoff.")
     webhook_timeout_seconds: float = Field(5.0, gt=0, description="Timeout of one webhook POST.")
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Webhook URL hosts (names or addresses, comma-separated or a JSON "
+        "list) delivered to although they resolve to loopback, private, link-local or other non-public "
+        "addresses, which are refused otherwise.",
+    )
+    webhook_allowed_networks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="CIDR networks (comma-separated or a JSON list, e.g. 10.8.0.0/16) "
+        "webhook targets may resolve into although they are not public.",
+    )
     webhook_sweep_interval_seconds: float = Field(
         10.0, gt=0, description="Beat: record missed webhook deliveries and re-publish lost ones."
     )
@@ -164,6 +184,27 @@ class Settings(BaseSettings):
     worker_metrics_interval: float = Field(
         5.0, gt=0, description="Seconds between a worker's metric snapshots (tokens/s, memory, experts)."
     )
+
+    @field_validator("webhook_allowed_hosts", "webhook_allowed_networks", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        """A JSON list or comma-separated text (environment) -> a list of stripped items."""
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, (list, tuple)):
+            return [str(item).strip() for item in value if str(item).strip()]
+        return value
+
+    @field_validator("webhook_allowed_hosts")
+    @classmethod
+    def _hosts(cls, value: list[str]) -> list[str]:
+        return [host.lower().rstrip(".").strip("[]") for host in value]
+
+    @field_validator("webhook_allowed_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        return [str(ipaddress.ip_network(item, strict=False)) for item in value]  # ValueError: refused
 
     @property
     def resolved_database_url(self) -> str:

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Body, Depends, Query, Request
 from api.auth import Caller, require_scope, security_of
 from api.deps import SessionDep, SettingsDep
 from api.errors import ApiError
+from api.json_input import LimitedJsonRoute
 from api.schemas.admin import (
     KeyCreate,
     KeyCreated,
@@ -50,7 +51,8 @@ from scheduler.workers import WorkerInfo, list_workers
 require_admin = require_scope("admin")
 AdminDep = Annotated[Caller, Depends(require_admin)]
 
-router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 429, 503))
+router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 429, 503),
+                   route_class=LimitedJsonRoute)
 
 _celery_lock = threading.Lock()
 

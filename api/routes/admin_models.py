@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from api.auth import Caller
 from api.deps import SessionDep, SettingsDep
 from api.errors import ApiError
+from api.json_input import LimitedJsonRoute
 from api.routes.admin import AdminDep
 from api.schemas.admin_models import ActivateRequest, ModelList, ModelOut, ModelVersionOut, StoreComponent
 from api.schemas.errors import error_responses
@@ -26,7 +27,8 @@ from scheduler.redis_client import get_redis
 from scheduler.settings import Settings
 from scheduler.workers import list_workers
 
-router = APIRouter(prefix="/v1/admin/models", tags=["admin"], responses=error_responses(401, 403, 429, 503))
+router = APIRouter(prefix="/v1/admin/models", tags=["admin"], responses=error_responses(401, 403, 429, 503),
+                   route_class=LimitedJsonRoute)
 
 ModelName = Annotated[StoreComponent, Path(description="Model name (a folder of the model store).")]
 

@@ -21,20 +21,21 @@ from fastapi import APIRouter, BackgroundTasks, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
+from api import json_input
 from api.admission import admit_batch
-from api.decision_limits import check_decide_limits
 from api.deps import CallerDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
 from api.errors import ApiError
-from api.limits import check_generate_limits
+from api.limits import check_job_limits, check_metadata, check_webhook_url
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.batches import BatchCreate, BatchOptions, BatchOut
 from api.schemas.errors import error_responses
-from api.schemas.jobs import DecideJobCreate, JobCreate
+from api.schemas.jobs import JobCreate
 from scheduler import batches as batch_service
 from scheduler.settings import Settings
 
 # 401 / 429: every route authenticates and is rate-limited per key (api.auth).
-router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(401, 429))
+router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(401, 429),
+                   route_class=json_input.LimitedJsonRoute)
 
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-lines", "text/jsonl")
 MAX_REPORTED_ERRORS = 20
@@ -85,7 +86,7 @@ def _parse_jsonl(text: str) -> list[Any]:
         if not line.strip():
             continue
         try:
-            specs.append(json.loads(line))
+            specs.append(json_input.loads(line))
         except json.JSONDecodeError as exc:
             raise _invalid(f"line {number} is not JSON: {exc.msg}", {"line": number}) from None
     return specs
@@ -104,12 +105,8 @@ def _validate_specs(raw: list[Any], *, settings: Settings, counter: PromptTokenC
     for index, item in enumerate(raw):
         try:
             body = _SPEC.validate_python(item)
-            if isinstance(body, DecideJobCreate):
-                params = check_decide_limits(body.input, body.params, settings=settings, counter=counter,
-                                             faults_enabled=settings.fault_injection)
-            else:
-                params = check_generate_limits(body, settings=settings, counter=counter,
-                                               faults_enabled=settings.fault_injection)
+            params = check_job_limits(body, settings=settings, counter=counter,
+                                      faults_enabled=settings.fault_injection)
         except ValidationError as exc:
             errors.append({"index": index, "errors": exc.errors(include_url=False, include_context=False)})
         except ApiError as exc:
@@ -122,9 +119,9 @@ def _validate_specs(raw: list[Any], *, settings: Settings, counter: PromptTokenC
             ))
         if len(errors) >= MAX_REPORTED_ERRORS:
             break
-    if errors:
+    if errors:  # the error renderer copes with whatever the specs held (api.errors.json_safe)
         raise _invalid(f"{len(errors)} job spec(s) are invalid (first {MAX_REPORTED_ERRORS} reported)",
-                       json.loads(json.dumps(errors, default=str)))
+                       errors)
     return specs
 
 
@@ -139,9 +136,12 @@ async def _read_batch(request: Request) -> tuple[list[Any], str | None, dict[str
         text = (await upload.read()).decode("utf-8", errors="strict")
         webhook = form.get("webhook_url")
         metadata = form.get("metadata")
-        return _parse_jsonl(text), str(webhook) if webhook else None, (
-            json.loads(str(metadata)) if metadata else None
-        )
+        try:
+            parsed_metadata = json_input.loads(str(metadata)) if metadata else None
+        except json.JSONDecodeError as exc:
+            raise _invalid(f"the metadata field is not JSON: {exc.msg}",
+                           {"loc": ["body", "metadata"]}) from None
+        return _parse_jsonl(text), str(webhook) if webhook else None, parsed_metadata
     body = await request.body()
     if content_type in JSONL_TYPES:
         webhook = request.query_params.get("webhook_url")
@@ -151,7 +151,7 @@ async def _read_batch(request: Request) -> tuple[list[Any], str | None, dict[str
                        "send application/json, application/x-ndjson or multipart/form-data",
                        {"content_type": content_type})
     try:
-        data = json.loads(body)
+        data = json_input.loads(body)
     except json.JSONDecodeError as exc:
         raise _invalid(f"the body is not JSON: {exc.msg}", {"loc": ["body"]}) from None
     if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
@@ -162,12 +162,16 @@ async def _read_batch(request: Request) -> tuple[list[Any], str | None, dict[str
     return data["jobs"], data.get("webhook_url"), data.get("metadata")
 
 
-def _validate_options(webhook_url: Any, metadata: Any) -> BatchOptions:
+def _validate_options(webhook_url: Any, metadata: Any, *, settings: Settings) -> BatchOptions:
     try:
-        return BatchOptions.model_validate({"webhook_url": webhook_url, "metadata": metadata})
+        options = BatchOptions.model_validate({"webhook_url": webhook_url, "metadata": metadata})
     except ValidationError as exc:
-        errors = json.loads(json.dumps(exc.errors(include_url=False, include_context=False), default=str))
-        raise _invalid("invalid webhook_url or metadata", errors) from None
+        raise _invalid("invalid webhook_url or metadata",
+                       exc.errors(include_url=False, include_context=False)) from None
+    check_metadata(options.metadata, settings=settings)
+    webhook = str(options.webhook_url) if options.webhook_url is not None else None
+    check_webhook_url(webhook, settings=settings)
+    return options
 
 
 @router.post(
@@ -192,23 +196,23 @@ async def create_batch(
         raw, webhook_url, metadata = await _read_batch(request)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _invalid(f"the upload is not UTF-8 JSONL: {exc}", {"loc": ["body"]}) from None
-    options = _validate_options(webhook_url, metadata)
+    options = _validate_options(webhook_url, metadata, settings=settings)
     webhook = str(options.webhook_url) if options.webhook_url is not None else None
     specs = await anyio.to_thread.run_sync(lambda: _validate_specs(raw, settings=settings, counter=counter))
     request_id = getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
 
     def store() -> tuple[batch_service.Batch, list[tuple[uuid.UUID, str]], batch_service.BatchSummary]:
-        admit_batch(request, session, caller, settings=settings, specs=specs)  # 429 before storing
+        job_ids = admit_batch(request, session, caller, settings=settings, specs=specs)  # 429 before storing
         batch, jobs = batch_service.create_batch(
             session, tenant=caller.tenant, specs=specs, settings=settings, webhook_url=webhook,
-            metadata=options.metadata, request_id=request_id,
+            metadata=options.metadata, request_id=request_id, job_ids=job_ids,
         )
         return batch, jobs, batch_service.summarize(session, batch)
 
     batch, jobs, summary = await anyio.to_thread.run_sync(store)
     state = request.app.state
     background.add_task(batch_service.publish_batch, jobs, app=state.celery, redis_client=state.redis,
-                        request_id=request_id)
+                        request_id=request_id, tenant=caller.tenant)  # releases the jobs' reservations
     response.headers["Location"] = f"/v1/batches/{batch.id}"
     return _batch_out(summary)
 

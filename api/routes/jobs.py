@@ -8,9 +8,9 @@ caller's tenant (admin keys see all tenants); another tenant's job is a plain 40
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from contextlib import suppress
-from datetime import datetime
 from typing import Annotated
 
 import structlog
@@ -20,7 +20,6 @@ from starlette.concurrency import run_in_threadpool
 
 from api.admission import admit_submission
 from api.auth import Caller, meter_caller
-from api.decision_limits import check_decide_limits
 from api.deps import (
     CallerDep,
     RedisDep,
@@ -33,13 +32,16 @@ from api.deps import (
 )
 from api.errors import ApiError
 from api.job_waiter import MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
-from api.limits import check_generate_limits
+from api.json_input import LimitedJsonRoute
+from api.limits import check_job_limits
 from api.presenters import job_out
 from api.prompt_tokens import PromptTokenCounter
+from api.schemas.common import UtcDateTime
 from api.schemas.errors import error_responses
 from api.schemas.jobs import DecideJobCreate, GenerateJobCreate, JobCreate, JobList, JobOut
 from scheduler import jobs as job_service
 from scheduler import redis_keys
+from scheduler.admission import forget_admitted
 from scheduler.jobs import IdempotencyConflictError, InvalidCursorError
 from scheduler.metrics import record_submitted
 from scheduler.models import JobKind, JobStatus, QueueName
@@ -47,7 +49,8 @@ from scheduler.routing import InvalidPriorityError
 from scheduler.settings import Settings
 
 # Every route authenticates and is rate-limited per key (api.auth): 401 / 429 are possible anywhere.
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 429))
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 429),
+                   route_class=LimitedJsonRoute)
 
 log = structlog.get_logger(__name__)
 
@@ -117,13 +120,8 @@ def _submit_blocking(
 ) -> tuple[JobOut, bool]:
     try:
         require(caller, "submit")
-        if isinstance(body, DecideJobCreate):
-            params = check_decide_limits(body.input, body.params, settings=settings, counter=counter,
-                                         faults_enabled=settings.fault_injection)
-        else:
-            params = check_generate_limits(
-                body, settings=settings, counter=counter, faults_enabled=settings.fault_injection
-            )
+        params = check_job_limits(body, settings=settings, counter=counter,
+                                  faults_enabled=settings.fault_injection)
     except ApiError:
         meter_caller(request, caller)  # a refused request spends its token too (401/429 win)
         raise
@@ -168,15 +166,15 @@ def _submit_blocking(
             raise ApiError(422, "invalid_request", str(exc), details) from exc
         finally:
             if marker_set and not created:  # nothing stored under job_id (repeat, conflict, error)
-                _drop_marker(state.redis, marker)
+                _drop_marker(state.redis, marker, caller.tenant)
         if created:
             record_submitted(kind=job.kind, queue=job.queue)  # in-process counter; no I/O
         return job_out(job), created
 
 
-def _drop_marker(redis: Redis, marker: str) -> None:
+def _drop_marker(redis: Redis, marker: str, tenant: str) -> None:
     try:
-        redis.delete(marker)
+        forget_admitted(redis, tenant=tenant, marker=marker)  # and the job's admission reservations
     except RedisError as exc:  # it expires on its own; the reconciler only reads markers of rows
         log.warning("job.marker_cleanup_failed", error=type(exc).__name__)
 
@@ -239,15 +237,20 @@ def _read_job(request: Request, job_id: str, tenant: str | None, redis: Redis) -
 def list_jobs(
     session: SessionDep,
     caller: CallerDep,
+    settings: SettingsDep,
     status: Annotated[JobStatus | None, Query(description="Filter by status.")] = None,
     kind: Annotated[JobKind | None, Query(description="Filter by kind.")] = None,
     queue: Annotated[QueueName | None, Query(description="Filter by queue.")] = None,
-    created_after: Annotated[datetime | None, Query()] = None,
-    created_before: Annotated[datetime | None, Query()] = None,
+    created_after: Annotated[UtcDateTime | None, Query(description="With a UTC offset, e.g. ...Z.")] = None,
+    created_before: Annotated[UtcDateTime | None, Query(description="With a UTC offset.")] = None,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
-) -> JobList:
-    """Newest first; ``next_cursor`` is null on the last page."""
+) -> Response:
+    """Newest first; ``next_cursor`` is null on the last page.
+
+    A page also ends before ``settings.list_max_response_bytes`` (then ``next_cursor`` goes on
+    from the last job shown), so large jobs never make one answer unbounded.
+    """
     require(caller, "read")
     try:
         jobs, next_cursor = job_service.list_jobs(
@@ -263,7 +266,18 @@ def list_jobs(
         )
     except InvalidCursorError as exc:
         raise ApiError(422, "invalid_request", str(exc), [{"loc": ["query"], "message": str(exc)}]) from exc
-    return JobList(items=[job_out(job) for job in jobs], next_cursor=next_cursor)
+    # Serialized here, once per job, to stop the page at the byte bound (a JobList body exactly).
+    parts: list[bytes] = []
+    size = 0
+    for index, job in enumerate(jobs):
+        part = job_out(job).model_dump_json().encode()
+        if parts and size + len(part) > settings.list_max_response_bytes:
+            next_cursor = job_service.encode_cursor(jobs[index - 1])
+            break
+        parts.append(part)
+        size += len(part) + 1
+    body = b'{"items":[' + b",".join(parts) + b'],"next_cursor":' + json.dumps(next_cursor).encode() + b"}"
+    return Response(body, media_type="application/json")
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=error_responses(401, 403, 404, 503))

@@ -7,9 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl
 
-from api.schemas.jobs import MAX_METADATA_KEYS, JobCreate
-
-Metadata = Annotated[dict[str, str | int | float | bool | None], Field(max_length=MAX_METADATA_KEYS)]
+from api.schemas.common import Metadata
+from api.schemas.jobs import JobCreate
 
 
 class BatchOptions(BaseModel):

@@ -8,14 +8,26 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from api.schemas.common import (
+    MAX_BLOCK_SIZE,
+    MAX_STEP_BUDGET_BOUND,
+    MAX_STEPS_PER_BLOCK_BOUND,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    Text,
+    bounded_text,
+)
 
 MAX_ID_CHARS = 64
 MAX_CHOICE_CHARS = 64
 MAX_QUESTION_CHARS = 4000
+MAX_DECIDE_SEED = 2**62  # the worker derives per-question seeds from it
 
-QuestionId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
-Choice = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CHOICE_CHARS)]
+QuestionId = bounded_text(min_length=1, max_length=MAX_ID_CHARS)
+Choice = bounded_text(min_length=1, max_length=MAX_CHOICE_CHARS)
+QuestionText = bounded_text(min_length=1, max_length=MAX_QUESTION_CHARS)
 
 
 class _Strict(BaseModel):
@@ -26,7 +38,7 @@ class DecisionQuestionIn(_Strict):
     """One question; the answer is always exactly one of ``choices``."""
 
     id: QuestionId
-    text: Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS)]
+    text: QuestionText
     choices: Annotated[list[Choice], Field(min_length=2)] = Field(default_factory=lambda: ["yes", "no"])
 
     @model_validator(mode="after")
@@ -39,7 +51,7 @@ class DecisionQuestionIn(_Strict):
 class DecideInput(_Strict):
     """A document and the questions to judge against it."""
 
-    context: str
+    context: Text
     questions: Annotated[list[DecisionQuestionIn], Field(min_length=1)]
     mode: Literal["independent", "joint"] = Field(
         "independent",
@@ -62,13 +74,14 @@ class DecideInput(_Strict):
 class DecideParams(_Strict):
     """Decoding parameters of a decision (``None`` = default)."""
 
-    block_size: int | None = Field(None, ge=1, le=1024)
-    steps_per_block: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE)
+    steps_per_block: int | None = Field(None, ge=1, le=MAX_STEPS_PER_BLOCK_BOUND)
     strategy: Literal["static", "dynamic"] = "static"
     threshold: float = Field(0.9, gt=0.0, le=1.0)
-    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy.")
+    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=0, le=2**62)
-    step_budget: int | None = Field(None, ge=1, description="Max denoising passes per sequence.")
-    fault: str | None = Field(None, description="Test-only fault injection; rejected unless enabled.")
+    top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, le=MAX_DECIDE_SEED)
+    step_budget: int | None = Field(None, ge=1, le=MAX_STEP_BUDGET_BOUND,
+                                    description="Max denoising passes per sequence.")
+    fault: Text | None = Field(None, description="Test-only fault injection; rejected unless enabled.")

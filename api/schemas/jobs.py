@@ -12,26 +12,26 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, HttpUrl, model_validator
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
+from api.schemas.common import (
+    MAX_BLOCK_SIZE,
+    MAX_NEW_TOKENS_BOUND,
+    MAX_SEED,
+    MAX_STEP_BUDGET_BOUND,
+    MAX_STEPS_PER_BLOCK_BOUND,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    Metadata,
+    Text,
+)
 from api.schemas.decisions import DecideInput, DecideParams
 
-MAX_METADATA_KEYS = 32
 MAX_MESSAGES = 256
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-def _no_nul(text: str) -> str:
-    # PostgreSQL cannot store U+0000 in text/jsonb: refuse it here (422), never a 5xx later.
-    if "\x00" in text:
-        raise ValueError("text must not contain NUL (U+0000) characters")
-    return text
-
-
-Text = Annotated[str, AfterValidator(_no_nul)]
 
 
 class ChatMessage(_Strict):
@@ -61,35 +61,44 @@ class GenerateInput(_Strict):
 
 
 class GenerateParams(_Strict):
-    """Decoding parameters (see the decoding contract in DESIGN.md); ``None`` = default."""
+    """Decoding parameters (see the decoding contract, docs/architecture.md §3.7); ``None`` = default."""
 
-    max_new_tokens: int | None = Field(None, ge=1, description="Default: settings.default_max_new_tokens.")
-    block_size: int | None = Field(None, ge=1, le=1024, description="Default: the checkpoint's block size.")
-    steps_per_block: int | None = Field(None, ge=1, description="Default: settings.default_steps_per_block.")
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_BOUND,
+                                       description="Default: settings.default_max_new_tokens.")
+    block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE,
+                                   description="Default: the checkpoint's block size.")
+    steps_per_block: int | None = Field(None, ge=1, le=MAX_STEPS_PER_BLOCK_BOUND,
+                                        description="Default: settings.default_steps_per_block.")
     strategy: Literal["static", "dynamic"] = "static"
     threshold: float = Field(0.9, gt=0.0, le=1.0, description="Confidence threshold (dynamic strategy).")
-    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy.")
+    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    step_budget: int | None = Field(None, ge=1, description="Max denoising passes for the whole job.")
+    top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    step_budget: int | None = Field(None, ge=1, le=MAX_STEP_BUDGET_BOUND,
+                                    description="Max denoising passes for the whole job.")
     thinking: bool | None = Field(
         None, description="enable_thinking for the chat template; default settings.default_thinking."
     )
-    fault: str | None = Field(None, description="Test-only fault injection; rejected unless enabled.")
+    fault: Text | None = Field(None, description="Test-only fault injection; rejected unless enabled.")
 
 
 # Classes, plus the aliases high/normal/low (see scheduler.routing.PRIORITY_ALIASES).
 Priority = Literal["interactive", "standard", "bulk", "high", "normal", "low"]
-Metadata = Annotated[dict[Text, Text | int | float | bool | None], Field(max_length=MAX_METADATA_KEYS)]
 
 
 class _JobCreateBase(_Strict):
     priority: Priority | None = Field(
         None, description="Requested class; may only lower the class the cost estimate gives."
     )
-    metadata: Metadata | None = None
-    webhook_url: HttpUrl | None = None
+    metadata: Metadata | None = Field(
+        None, description="Your labels (echoed in reads and webhooks); at most settings.max_metadata_bytes "
+        "as compact JSON.",
+    )
+    webhook_url: HttpUrl | None = Field(
+        None, description="POSTed (signed) when the job is final; no credentials, and only public "
+        "addresses unless settings.webhook_allowed_hosts / webhook_allowed_networks name it.",
+    )
 
 
 class GenerateJobCreate(_JobCreateBase):

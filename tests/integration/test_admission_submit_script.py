@@ -1,5 +1,6 @@
-"""``Admission.admit_job``: the submit path's one Redis script (rate limit + queue + marker),
-run against a real Redis. Every refusal leaves no enqueued marker behind."""
+"""``Admission.admit_job``: the submit path's one Redis script (rate limit + queue and tenant
+reservations + marker), run against a real Redis. Every refusal leaves no enqueued marker and
+no reservation behind."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from collections.abc import Callable
 import pytest
 import redis as redis_lib
 
-from scheduler.admission import LIMITS_KEY, Admission, AdmissionRefused
+from scheduler import redis_keys
+from scheduler.admission import LIMITS_KEY, Admission, AdmissionRefused, forget_admitted
 from scheduler.keys import REVOKED_SET
 from scheduler.settings import Settings
 
@@ -89,3 +91,52 @@ def test_full_queue_and_tenant_cap_refuse_without_a_marker(
                             active_jobs=10)
     assert capped.value.code == "tenant_limit"
     assert client.exists(marker) == 0
+
+
+def test_an_admitted_job_is_reserved_until_its_message_or_its_forgetting(
+    admission: Admission, client: redis_lib.Redis
+) -> None:
+    """The reservation counts as depth (a second job does not fit a cap of 1 before the first
+    one's message exists) and is dropped with the marker when the job is not stored after all."""
+    key, queue, marker = _names()
+    tenant = f"t-{queue}"
+    client.hset(LIMITS_KEY, f"queue_max_depth:{queue}", 1)
+    try:
+        assert admission.admit_job(bucket=key, key_id=key, tenant=tenant, queue=queue, enqueued_marker=marker,
+                                   active_jobs=0)[1]
+        assert client.zscore(redis_keys.queue_reservations(queue), marker) is not None
+        assert client.zscore(redis_keys.tenant_reservations(tenant), marker) is not None
+        with pytest.raises(AdmissionRefused) as full:
+            admission.admit_job(bucket=key, key_id=key, tenant=tenant, queue=queue,
+                                enqueued_marker=marker + "-2", active_jobs=0)
+        assert full.value.details == {"queue": queue, "depth": 1, "max_depth": 1}
+        forget_admitted(client, tenant=tenant, marker=marker, queues=[queue])
+        assert client.exists(marker) == 0
+        assert client.zcard(redis_keys.queue_reservations(queue)) == 0
+        assert client.zcard(redis_keys.tenant_reservations(tenant)) == 0
+        assert admission.admit_job(bucket=key, key_id=key, tenant=tenant, queue=queue,
+                                   enqueued_marker=marker + "-3", active_jobs=0)[1]
+    finally:
+        client.hdel(LIMITS_KEY, f"queue_max_depth:{queue}")
+        client.delete(redis_keys.queue_reservations(queue), redis_keys.tenant_reservations(tenant))
+
+
+def test_the_tenant_rule_counts_the_reservations_of_submits_in_flight(
+    admission: Admission, client: redis_lib.Redis
+) -> None:
+    """Cap 10, 9 stored: of two jobs admitted before either is stored, the second is refused
+    and leaves nothing behind (its reservation and marker removed)."""
+    key, queue, marker = _names()
+    tenant = f"t-{queue}"
+    try:
+        assert admission.admit_job(bucket=key, key_id=key, tenant=tenant, queue=queue, enqueued_marker=marker,
+                                   active_jobs=lambda: 9)[1]
+        with pytest.raises(AdmissionRefused) as capped:
+            admission.admit_job(bucket=key, key_id=key, tenant=tenant, queue=queue,
+                                enqueued_marker=marker + "-2", active_jobs=lambda: 9)
+        assert capped.value.details == {"active_jobs": 10, "max_active_jobs": 10}
+        assert client.exists(marker + "-2") == 0
+        assert client.zrange(redis_keys.tenant_reservations(tenant), 0, -1) == [marker.encode()]
+        assert client.zrange(redis_keys.queue_reservations(queue), 0, -1) == [marker.encode()]
+    finally:
+        client.delete(redis_keys.queue_reservations(queue), redis_keys.tenant_reservations(tenant), marker)

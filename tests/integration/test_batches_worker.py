@@ -31,6 +31,7 @@ def stack(
     settings = make_settings(model_dir=demo_checkpoint, auth="disabled", engine_max_batch=16,
                              batch_max_jobs=BATCH_SIZE, webhook_sweep_interval_seconds=0.5,
                              tenant_max_active_jobs=10 * BATCH_SIZE,  # other modules leave queued jobs
+                             webhook_allowed_networks=["127.0.0.0/8"],  # the loopback receiver (SSRF)
                              log_level="WARNING")
     launcher = ProcessLauncher(tmp_path_factory.mktemp("batch-logs"))
     receiver = WebhookReceiver().start()

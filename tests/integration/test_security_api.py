@@ -246,7 +246,7 @@ def test_submit_takes_its_token_in_the_admission_round_trip(stack: Stack, redis_
     assert_error(stack.submit(key, headers={"Idempotency-Key": "once"}), 429, "rate_limited")
     assert_error(stack.submit(key), 429, "rate_limited")
     # Refused before admission (a limit, a scope) still spends a token: no free tokenizer work.
-    too_long = {**JOB, "params": {"max_new_tokens": 10**7}}
+    too_long = {**JOB, "params": {"max_new_tokens": 10**6}}  # over the limit, within the schema's bound
     assert_error(stack.submit(key, body=too_long), 429, "rate_limited")
     assert _markers(redis_url) == markers
     assert stack.jobs_of(tenant) == 1

@@ -36,6 +36,8 @@ def stack(
         model_dir=demo_checkpoint, auth="disabled", webhook_max_attempts=MAX_ATTEMPTS,
         webhook_backoff_base_seconds=0.2, webhook_backoff_max_seconds=0.5, webhook_timeout_seconds=2.0,
         webhook_sweep_interval_seconds=600.0,  # deliveries here come from the worker's hook
+        # The receiver listens on loopback, which webhooks refuse unless allow-listed (SSRF).
+        webhook_allowed_networks=["127.0.0.0/8"],
     )
     launcher = ProcessLauncher(tmp_path_factory.mktemp("webhook-logs"))
     receiver = WebhookReceiver().start()

@@ -75,3 +75,48 @@ def test_backoff_grows_exponentially_with_bounded_jitter() -> None:
         delays = [backoff_seconds(attempt, settings, rng=rng) for _ in range(200)]
         assert all(base / 2 <= d <= base for d in delays)
         assert max(delays) - min(delays) > base / 4  # jitter actually spreads retries
+
+
+def test_cost_counts_every_position_of_every_pass() -> None:
+    """One generated token in a block of 1024 with 64 steps is 64 passes over 1024 positions."""
+    settings = Settings()  # the deployment's real thresholds
+    params = {"max_new_tokens": 1, "block_size": 1024, "steps_per_block": 64}
+    assert estimate_cost(kind="generate", input={}, params=params, settings=settings) == 1024 * 64
+    route = route_job(kind="generate", input={}, params=params, priority=None, settings=settings)
+    assert route.queue is not QueueName.INTERACTIVE
+    # blocks x block size x steps: 10 tokens in blocks of 4 are 3 blocks of 4 positions
+    params = {"max_new_tokens": 10, "block_size": 4, "steps_per_block": 2}
+    assert estimate_cost(kind="generate", input={}, params=params, settings=SETTINGS) == 3 * 4 * 2
+    short = {"max_new_tokens": 16, "block_size": 4, "steps_per_block": 4}
+    assert route_job(kind="generate", input={}, params=short, priority=None, settings=settings).queue \
+        is QueueName.INTERACTIVE
+
+
+def test_steps_above_the_block_size_count_as_the_block_size() -> None:
+    # The API refuses such requests; a stored row still gets the most passes a block can take.
+    over = {"max_new_tokens": 8, "block_size": 4, "steps_per_block": 64}
+    exact = {"max_new_tokens": 8, "block_size": 4, "steps_per_block": 4}
+    assert estimate_cost(kind="generate", input={}, params=over, settings=SETTINGS) \
+        == estimate_cost(kind="generate", input={}, params=exact, settings=SETTINGS) == 2 * 4 * 4
+
+
+def test_a_step_budget_caps_passes_of_the_block_size() -> None:
+    params = {"max_new_tokens": 1, "block_size": 1024, "steps_per_block": 64, "step_budget": 2}
+    assert estimate_cost(kind="generate", input={}, params=params, settings=SETTINGS) == 2 * 1024
+    # without a block size the budget's passes are counted at the assumed positions per pass
+    params = {"max_new_tokens": 512, "steps_per_block": 4, "step_budget": 8}
+    assert estimate_cost(kind="generate", input={}, params=params, settings=SETTINGS) == 8 * 4
+
+
+def test_decision_cost_is_per_question_in_the_block_geometry() -> None:
+    questions = {"questions": [{}] * 3}
+    params = {"block_size": 32, "steps_per_block": 8}
+    per_question = 1 * 32 * 8  # 16 answer tokens fit one block of 32
+    assert estimate_cost(kind="decide", input=questions, params=params, settings=SETTINGS) == 3 * per_question
+    joint = estimate_cost(kind="decide", input={**questions, "mode": "joint"}, params=params,
+                          settings=SETTINGS)
+    assert joint == 2 * 32 * 8  # 48 tokens of one sequence: 2 blocks
+    big = {"block_size": 1024, "steps_per_block": 64}
+    route = route_job(kind="decide", input={"questions": [{}]}, params=big, priority=None,
+                      settings=Settings())
+    assert route.queue is not QueueName.INTERACTIVE
