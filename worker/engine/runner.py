@@ -205,9 +205,14 @@ class ModelRunner:
     def _choose_sequences(
         self, block_logits: Tensor, rows: list[RowSpec], tokens: Tensor, confidence: Tensor, uniforms: Tensor
     ) -> Tensor | None:
-        """Restricted slots: score each candidate by summed log-probs over the slot's positions
-        in this block, pick the best (or draw at temperature > 0), write its tokens and its
-        normalised probability as the confidence of those positions (in place).
+        """Restricted slots: score each candidate by its summed log-probs over the slot's positions.
+
+        A final group (the slot's last block) adds the scores its earlier blocks carried
+        (``SlotGroup.prior``), normalises over the candidates, picks the argmax (or draws at
+        temperature > 0), and writes the pick's tokens and its normalised probability as the
+        confidence of its positions (in place). A deferred group (not the slot's last block) is
+        only scored: its per-candidate sums go to ``SlotGroup.scores`` (one host copy per pass
+        for all of them), and its pick stays (0, 0.0).
 
         Returns [R, G, 2] (candidate index, normalised probability) or None without slots.
         """
@@ -215,26 +220,45 @@ class ModelRunner:
         if num_groups == 0:
             return None
         picks = torch.zeros(len(rows), num_groups, 2, dtype=torch.float64, device=block_logits.device)
+        deferred: list[tuple[int, int, Tensor]] = []  # (row, group, [C] scores)
         for i, row in enumerate(rows):
             if not row.inp.groups:
                 continue
-            logp = torch.log_softmax(block_logits[i], dim=-1)  # [Bmax, V]
+            logp = torch.log_softmax(block_logits[i].float(), dim=-1)  # [Bmax, V]
             for g, group in enumerate(row.inp.groups):
                 offs = torch.tensor(group.offsets, device=logp.device)  # [n]
                 cands = torch.tensor(group.candidates, device=logp.device)  # [C, n]
                 scores = logp[offs[None, :], cands].sum(dim=-1)  # [C]
-                probs = torch.softmax(scores, dim=-1)  # [C]
-                if row.temperature > 0:
-                    tempered = torch.softmax(scores / row.temperature, dim=-1)
-                    cdf = tempered.cumsum(0)
-                    u = uniforms[i, group.offsets[0]] * cdf[-1]
-                    pick = torch.searchsorted(cdf, u[None], right=True).clamp(max=len(group.candidates) - 1)[
-                        0
-                    ]
-                else:
-                    pick = scores.argmax()
+                if not group.final:
+                    deferred.append((i, g, scores))
+                    continue
+                if group.prior is not None:
+                    scores = scores + torch.tensor(group.prior, dtype=scores.dtype, device=scores.device)
+                pick, prob = _pick_candidate(scores, row.temperature, uniforms[i, group.offsets[0]])
                 tokens[i, offs] = cands[pick]
-                confidence[i, offs] = probs[pick]
+                confidence[i, offs] = prob.to(confidence.dtype)
                 picks[i, g, 0] = pick.to(picks.dtype)
-                picks[i, g, 1] = probs[pick].to(picks.dtype)
+                picks[i, g, 1] = prob.to(picks.dtype)
+        if deferred:
+            flat = torch.cat([scores for _, _, scores in deferred]).tolist()
+            at = 0
+            for i, g, scores in deferred:
+                rows[i].inp.groups[g].scores = flat[at : at + scores.numel()]
+                at += scores.numel()
         return picks
+
+
+def _pick_candidate(scores: Tensor, temperature: float, u: Tensor) -> tuple[Tensor, Tensor]:
+    """The chosen candidate of a restricted slot and its probability among the candidates.
+
+    scores: [C] summed log-probs. The distribution is softmax(scores); temperature 0 takes its
+    argmax (so the probability is >= 1/C), otherwise ``u`` (uniform in [0, 1)) draws from
+    softmax(scores / temperature). Returns 0-dim tensors (index, probability under softmax(scores)).
+    """
+    probs = torch.softmax(scores, dim=-1)  # [C]
+    if temperature > 0:
+        cdf = torch.softmax(scores / temperature, dim=-1).cumsum(0)
+        pick = torch.searchsorted(cdf, (u * cdf[-1])[None], right=True).clamp(max=len(scores) - 1)[0]
+    else:
+        pick = probs.argmax()
+    return pick, probs[pick]

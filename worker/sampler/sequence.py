@@ -7,6 +7,18 @@ on the first pass, the previous block afterwards), whose K/V the pass appends to
 the current block, whose masks it predicts. That fuses prefill and the commit of a finished
 block with the next block's first pass; block-causal attention makes the outputs the same as
 separate passes.
+
+A restricted slot (a decision's answer choices) is chosen ONCE, as the argmax of (or a draw
+from) the distribution over its candidates normalised together: each candidate's score is the
+sum of the log-probabilities of its tokens at every position of the slot, read with the whole
+slot still masked. A slot that crosses block boundaries is *deferred* in every block but its
+last: those positions stay masks (uncommitted, not counted as the block's work, fed to the model
+as mask tokens), the block's last pass scores every candidate on them, and the scores carry over
+to the slot's last block, where the slot is decided over all its positions at once and its
+tokens are written to every position. So the reported confidence is a proper probability over
+the choices (never the product of per-block probabilities), and at temperature 0 the choice is
+its argmax (confidence >= 1 / number of choices). The price: blocks after such a slot's first
+block see its earlier positions as masks in their context (their K/V were cached as masks).
 """
 
 from __future__ import annotations
@@ -28,15 +40,25 @@ class SlotDecision:
     candidates: list[int]  # indexes into SequenceSlot.candidates still consistent
     confidence: float = 1.0
     chosen: int | None = None
+    scores: list[float] = field(default_factory=list)  # per candidate: log-probs of earlier blocks
 
 
 @dataclass
 class SlotGroup:
-    """The part of a restricted slot inside the current block, scored as one unit."""
+    """The part of a restricted slot inside the current block, scored as one unit.
+
+    ``final``: the block holds the slot's last positions, so the pass decides the slot (over
+    ``prior`` + this block's log-probs, normalised over the candidates) and commits ``offsets``
+    as one unit. Otherwise the positions are deferred: the runner only scores the candidates on
+    them and writes the per-candidate sums to ``scores`` (the block's last pass is kept).
+    """
 
     slot: int  # index into RegionLayout.sequence_slots
-    offsets: list[int]  # block offsets of its still-masked positions
+    offsets: list[int]  # block offsets of its still-masked (final) or deferred positions
     candidates: list[tuple[int, ...]]  # per consistent candidate: its tokens at ``offsets``
+    final: bool = True
+    prior: list[float] | None = None  # per candidate: summed log-probs of its earlier blocks
+    scores: list[float] | None = None  # set by the runner for a deferred group
 
 
 @dataclass
@@ -76,6 +98,8 @@ class SequenceState:
     finish_reason: FinishReason | None = None
     slot_decisions: list[SlotDecision] = field(default_factory=list)
     block_masks_left: list[int] = field(default_factory=list)  # masks per region block
+    deferred: list[bool] = field(default_factory=list)  # [region_len] slot positions decided later
+    block_deferred: list[bool] = field(default_factory=list)  # per region block: holds deferred ones
     _pass_groups: list[SlotGroup] = field(default_factory=list)
 
     @classmethod
@@ -98,18 +122,24 @@ class SequenceState:
         fixed = layout.fixed
         state.tokens = list(request.prompt_ids) + [mask_token_id if t is None else t for t in fixed]
         state.committed = [t is not None for t in fixed]
-        state.slot_decisions = [SlotDecision(list(range(len(s.candidates)))) for s in layout.sequence_slots]
-        first = layout.region_start // block_size
-        last = (layout.total_len - 1) // block_size
-        state.block_masks_left = [
-            sum(
-                not c
-                for c in state.committed[
-                    max(b * block_size - layout.region_start, 0) : (b + 1) * block_size - layout.region_start
-                ]
-            )
-            for b in range(first, last + 1)
+        state.slot_decisions = [
+            SlotDecision(list(range(len(s.candidates))), scores=[0.0] * len(s.candidates))
+            for s in layout.sequence_slots
         ]
+        r0 = layout.region_start
+        state.deferred = [False] * layout.region_len
+        for slot in layout.sequence_slots:  # positions before the block of the slot's last one
+            last_block = (r0 + slot.start + slot.length - 1) // block_size
+            for j in range(slot.start, slot.start + slot.length):
+                state.deferred[j] = (r0 + j) // block_size < last_block
+        first = r0 // block_size
+        last = (layout.total_len - 1) // block_size
+        spans = [(max(b * block_size - r0, 0), (b + 1) * block_size - r0) for b in range(first, last + 1)]
+        state.block_masks_left = [
+            sum(not c and not d for c, d in zip(state.committed[lo:hi], state.deferred[lo:hi], strict=True))
+            for lo, hi in spans
+        ]
+        state.block_deferred = [any(state.deferred[lo:hi]) for lo, hi in spans]
         state.block_index = first
         state._begin_block()
         return state
@@ -142,23 +172,30 @@ class SequenceState:
         r0 = self.layout.region_start
         lo, hi = self.block_start, self.block_end
         head = max(r0 - lo, 0)  # prompt positions of a partial first block
-        return [False] * head + [not c for c in self.committed[lo + head - r0 : hi - r0]]
+        span = slice(lo + head - r0, hi - r0)
+        return [False] * head + [
+            not c and not d for c, d in zip(self.committed[span], self.deferred[span], strict=True)
+        ]
 
     def _begin_block(self) -> None:
         """Plan the current block; blocks without masks complete at once (they cost no pass)."""
         while not self.finished:
             masks = sum(self._block_masks())
-            if masks == 0:
+            index = self.block_index - self.first_block
+            if masks == 0 and not self.block_deferred[index]:
                 self._complete_block()
                 continue
             blocks_left = sum(
-                1 for m in self.block_masks_left[self.block_index - self.first_block :] if m > 0
+                1
+                for m, d in zip(self.block_masks_left[index:], self.block_deferred[index:], strict=True)
+                if m > 0 or d
             )
             steps = plan_block_steps(self.request.params.steps_per_block, blocks_left, self.budget_left)
             if steps == 0:
                 self.finish_reason = FinishReason.BUDGET
                 return
-            self.quotas = step_quotas(masks, steps)
+            # A block holding only deferred slot positions still gets one pass, which scores them.
+            self.quotas = step_quotas(masks, steps) if masks else [0]
             self.step_in_block = 0
             return
 
@@ -218,19 +255,22 @@ class SequenceState:
         for offset in range(len(masked)):
             j = lo + offset - r0
             s = self.layout.slot_of_position[j] if j >= 0 else -1
-            if s < 0 or not masked[offset]:
+            deferred = j >= 0 and self.deferred[j] and not self.committed[j]
+            if s < 0 or not (masked[offset] or deferred):
                 continue
             if s not in index_of:
                 index_of[s] = len(groups)
-                groups.append(SlotGroup(slot=s, offsets=[], candidates=[]))
+                groups.append(SlotGroup(slot=s, offsets=[], candidates=[], final=not deferred))
             groups[index_of[s]].offsets.append(offset)
-            group_ids[offset] = index_of[s]
+            if not deferred:  # deferred positions are never committed in this block
+                group_ids[offset] = index_of[s]
         for g in groups:
             slot = self.layout.sequence_slots[g.slot]
+            decision = self.slot_decisions[g.slot]
             rel = [lo + o - r0 - slot.start for o in g.offsets]  # slot-relative
-            g.candidates = [
-                tuple(slot.candidates[c][k] for k in rel) for c in self.slot_decisions[g.slot].candidates
-            ]
+            g.candidates = [tuple(slot.candidates[c][k] for k in rel) for c in decision.candidates]
+            if g.final and any(self.deferred[slot.start : slot.start + slot.length]):
+                g.prior = [decision.scores[c] for c in decision.candidates]
         return groups
 
     def apply_pass(
@@ -260,27 +300,43 @@ class SequenceState:
             if self.step_in_block >= len(self.quotas):
                 raise RuntimeError("schedule exhausted with masks left (commit rule broke its quota)")
             return False
+        self._carry_deferred_scores()
         self._complete_block()
         if not self.finished:
             self._begin_block()
         return True
 
     def _record_groups(self, offsets: list[int], group_choices: Sequence[tuple[int, float]]) -> None:
-        """Narrow each restricted slot committed this pass to the candidates that match."""
+        """Decide each restricted slot committed this pass: its choice, its probability among
+        the candidates, and its tokens at the positions deferred in earlier blocks."""
         done = set(offsets)
         r0 = self.layout.region_start
         for group, (choice, prob) in zip(self._pass_groups, group_choices, strict=True):
-            if not done.issuperset(group.offsets):
+            if not group.final or not done.issuperset(group.offsets):
                 continue
             decision = self.slot_decisions[group.slot]
             slot = self.layout.sequence_slots[group.slot]
             picked = decision.candidates[choice]
-            upto = self.block_end - r0 - slot.start  # slot-relative end of what is now decided
-            key = slot.candidates[picked][:upto]
-            decision.candidates = [c for c in decision.candidates if slot.candidates[c][:upto] == key]
-            decision.confidence *= prob
-            if slot.start + slot.length <= self.block_end - r0:
-                decision.chosen = picked
+            decision.candidates = [picked]
+            decision.confidence = prob
+            decision.chosen = picked
+            for k in range(slot.length):
+                j = slot.start + k
+                if self.deferred[j] and not self.committed[j]:
+                    self.tokens[r0 + j] = slot.candidates[picked][k]
+                    self.committed[j] = True
+
+    def _carry_deferred_scores(self) -> None:
+        """At a block's end, add its deferred positions' log-probs (scored by the block's last
+        pass) to each candidate's running score."""
+        for group in self._pass_groups:
+            if group.final:
+                continue
+            if group.scores is None or len(group.scores) != len(group.candidates):
+                raise RuntimeError("a deferred restricted slot was not scored by the pass")
+            decision = self.slot_decisions[group.slot]
+            for c, score in zip(decision.candidates, group.scores, strict=True):
+                decision.scores[c] += score
 
     def finish(self, reason: FinishReason) -> None:
         if not self.finished:
