@@ -40,7 +40,7 @@ def check_decide_limits(
         raise _invalid(["input", "context"], f"at most {settings.decide_max_context_chars} characters",
                        len(input.context))
     steps = check_steps_fit_block(params.steps_per_block, params.block_size, settings.default_steps_per_block)
-    if steps > settings.max_steps_per_block:
+    if steps is not None and steps > settings.max_steps_per_block:
         raise _invalid(["params", "steps_per_block"], f"at most {settings.max_steps_per_block}", steps)
     if params.step_budget is not None and params.step_budget > settings.max_step_budget:
         raise _invalid(["params", "step_budget"], f"at most {settings.max_step_budget}", params.step_budget)
@@ -61,7 +61,8 @@ def check_decide_limits(
                        {"prompt_tokens": prompt_tokens, "max_prompt_tokens": settings.max_prompt_tokens,
                         "exact": counter.exact})
     stored = params.model_dump(exclude_none=True)
-    stored["steps_per_block"] = steps
+    if steps is not None:  # else the worker's model family default
+        stored["steps_per_block"] = steps
     if input.mode == "joint" and params.step_budget is None:
         stored["step_budget"] = settings.joint_default_step_budget
     return stored

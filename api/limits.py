@@ -104,7 +104,7 @@ def check_generate_limits(
                                             settings.default_steps_per_block)
     if max_new_tokens > settings.max_new_tokens_limit:
         raise _limit_error("max_new_tokens", max_new_tokens, settings.max_new_tokens_limit)
-    if steps_per_block > settings.max_steps_per_block:
+    if steps_per_block is not None and steps_per_block > settings.max_steps_per_block:
         raise _limit_error("steps_per_block", steps_per_block, settings.max_steps_per_block)
     if params.step_budget is not None and params.step_budget > settings.max_step_budget:
         raise _limit_error("step_budget", params.step_budget, settings.max_step_budget)
@@ -143,7 +143,8 @@ def check_generate_limits(
 
     stored = params.model_dump(exclude_none=True)
     stored["max_new_tokens"] = max_new_tokens
-    stored["steps_per_block"] = steps_per_block
+    if steps_per_block is not None:  # else the worker's model family default
+        stored["steps_per_block"] = steps_per_block
     stored["thinking"] = thinking
     if thinking and params.step_budget is None:
         stored["step_budget"] = min(settings.thinking_default_step_budget, settings.max_step_budget)

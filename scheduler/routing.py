@@ -36,6 +36,7 @@ PRIORITY_ALIASES: Mapping[str, QueueName] = {
 
 # Positions per pass assumed for a step budget's cap when a request names no block size.
 BUDGET_BLOCK_ASSUMED = 4
+STEPS_ASSUMED = 4  # steps per block when neither the job nor the deployment names them
 
 
 class InvalidPriorityError(ValueError):
@@ -76,7 +77,8 @@ def estimate_cost(
     steps count as the block size, the most passes a block can take (a pass commits >= 1 mask).
     """
     block = int(params.get("block_size") or 0)  # 0: the checkpoint's, unknown here
-    steps = int(params.get("steps_per_block") or settings.default_steps_per_block)
+    # unset everywhere: the model family's default, unknown here; assume 4 passes per block
+    steps = int(params.get("steps_per_block") or settings.default_steps_per_block or STEPS_ASSUMED)
     if block:
         steps = min(steps, block)
     width = block or 1  # positions per pass, per generated token when the block is unknown

@@ -66,7 +66,12 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(4096, ge=1)
     max_new_tokens_limit: int = Field(2048, ge=1)
     default_max_new_tokens: int = Field(128, ge=1)
-    default_steps_per_block: int = Field(4, ge=1)
+    default_steps_per_block: int | None = Field(
+        None,
+        ge=1,
+        description="Steps per block when a request names none; unset: the model family's default "
+        "(Clover and LLaDA2: the block size; SDAR: 4).",
+    )
     max_steps_per_block: int = Field(64, ge=1)
     max_step_budget: int = Field(8192, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=1024)

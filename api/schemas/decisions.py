@@ -76,8 +76,8 @@ class DecideParams(_Strict):
 
     block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE)
     steps_per_block: int | None = Field(None, ge=1, le=MAX_STEPS_PER_BLOCK_BOUND)
-    strategy: Literal["static", "dynamic"] = "static"
-    threshold: float = Field(0.9, gt=0.0, le=1.0)
+    strategy: Literal["static", "dynamic"] | None = None  # None: the model family's default
+    threshold: float | None = Field(None, gt=0.0, le=1.0)
     temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)

@@ -67,10 +67,18 @@ class GenerateParams(_Strict):
                                        description="Default: settings.default_max_new_tokens.")
     block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE,
                                    description="Default: the checkpoint's block size.")
-    steps_per_block: int | None = Field(None, ge=1, le=MAX_STEPS_PER_BLOCK_BOUND,
-                                        description="Default: settings.default_steps_per_block.")
-    strategy: Literal["static", "dynamic"] = "static"
-    threshold: float = Field(0.9, gt=0.0, le=1.0, description="Confidence threshold (dynamic strategy).")
+    steps_per_block: int | None = Field(
+        None, ge=1, le=MAX_STEPS_PER_BLOCK_BOUND,
+        description="Default: settings.default_steps_per_block, else the model family's "
+        "(Clover, LLaDA2: the block size; SDAR: 4).",
+    )
+    strategy: Literal["static", "dynamic"] | None = Field(
+        None, description="Default: the model family's (Clover, LLaDA2: dynamic; SDAR: static)."
+    )
+    threshold: float | None = Field(
+        None, gt=0.0, le=1.0,
+        description="Confidence threshold (dynamic strategy). Default: the family's (0.95; SDAR 0.9).",
+    )
     temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)

@@ -36,8 +36,13 @@ def test_defaults_are_filled_in_from_settings() -> None:
                                    faults_enabled=False)
     assert params["max_new_tokens"] == 77
     assert params["steps_per_block"] == 3
-    assert params["strategy"] == "static"
-    assert "seed" not in params  # unset optional knobs are not stored
+    assert "seed" not in params and "strategy" not in params  # unset optional knobs are not stored
+
+
+def test_unset_decoding_knobs_are_left_to_the_model_family() -> None:
+    params = check_generate_limits(_body(), settings=_settings(), counter=PromptTokenCounter(None),
+                                   faults_enabled=False)
+    assert not {"steps_per_block", "strategy", "threshold"} & set(params)  # the worker's family defaults
 
 
 @pytest.mark.parametrize(
