@@ -18,9 +18,20 @@ from redis import Redis
 from api.auth import install_security
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
+from api.job_follow import close_stream_redis
 from api.job_waiter import JobWaiter
 from api.prompt_tokens import PromptTokenCounter
-from api.routes import admin, admin_models, batches, health, jobs, webhooks
+from api.routes import (
+    admin,
+    admin_models,
+    batches,
+    health,
+    job_events,
+    jobs,
+    openai,
+    openai_batches,
+    webhooks,
+)
 from api.routes.metrics import install_observability
 from scheduler.celery_app import create_celery_app
 from scheduler.db import make_engine, session_factory
@@ -50,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             thaw_heap()
             await app.state.job_waiter.close()
+            await close_stream_redis(app)
             app.state.redis.close()
             engine.dispose()
 
@@ -73,12 +85,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.token_counter = PromptTokenCounter(None)
 
     install_error_handlers(app)
+    uploads = ("/v1/batches", *openai_batches.FILE_PATHS)  # batch bodies and OpenAI batch files
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
-                       path_limits={"/v1/batches": settings.batch_max_body_bytes})
+                       path_limits=dict.fromkeys(uploads, settings.batch_max_body_bytes))
     install_observability(app)  # outermost middleware: request id + HTTP metrics for every answer
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(job_events.router)  # GET /v1/jobs/{id}/events (SSE)
     app.include_router(batches.router)
+    # OpenAI-compatible: /v1/{chat/completions,completions,models,files} and all of it, the Batch
+    # API included, under /openai/v1 (cloverq's own /v1/batches stays as it is).
+    app.include_router(openai.router)
+    app.include_router(openai.openai_router)
+    app.include_router(openai_batches.files_router)
+    app.include_router(openai_batches.openai_files_router)
+    app.include_router(openai_batches.batches_router)
     app.include_router(webhooks.router)
     app.include_router(admin.router)
     app.include_router(admin_models.router)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_body
+from api.errors import error_body, openai_error_body, openai_style
 
 
 class BodyTooLarge(HTTPException):
@@ -45,7 +45,7 @@ class BodyLimitMiddleware:
         limit = self.path_limits.get(scope.get("path", ""), self.max_body_bytes)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            await self._reject(send, limit)
+            await self._reject(send, limit, scope.get("path", ""))
             return
 
         received = 0
@@ -70,10 +70,15 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not response_started:
-                await self._reject(send, limit)
+                await self._reject(send, limit, scope.get("path", ""))
 
-    async def _reject(self, send: Send, limit: int) -> None:
-        body = json.dumps(_too_large_body(limit)).encode()
+    async def _reject(self, send: Send, limit: int, path: str) -> None:
+        shaped = _too_large_body(limit)
+        if openai_style(path):  # the OpenAI-compatible routes answer in OpenAI's error shape
+            error = shaped["error"]
+            assert isinstance(error, dict)
+            shaped = openai_error_body(413, error["code"], error["message"])
+        body = json.dumps(shaped).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -4,6 +4,12 @@ Clients branch on ``code`` (stable, snake_case), humans read ``message``, and ``
 carries structured context (e.g. which field failed). Every failure path of the service goes
 through :class:`ApiError` or one of the handlers below, so no client ever sees a framework's
 default error body and no client mistake turns into a 5xx.
+
+The OpenAI-compatible routes (:func:`openai_style` paths: ``/v1/chat/completions``,
+``/v1/completions``, ``/v1/models``, ``/v1/files`` and everything under ``/openai/``) answer
+the same errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with
+the same stable ``code``; a request that is not valid is a 400 there (OpenAI's status for it)
+where the job API answers 422.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ _DEFAULT_CODES: Mapping[int, str] = {
 
 
 class ApiError(Exception):
-    """An error the API reports on purpose, with a stable ``code``."""
+    """An error the API reports on purpose, with a stable ``code`` (``param``: the request field
+    it is about, for the OpenAI shape; derived from ``details`` when not given)."""
 
     def __init__(
         self,
@@ -48,6 +55,7 @@ class ApiError(Exception):
         message: str,
         details: Any = None,
         headers: Mapping[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -55,6 +63,54 @@ class ApiError(Exception):
         self.message = message
         self.details = details
         self.headers = dict(headers or {})
+        self.param = param
+
+
+# --- the OpenAI shape -----------------------------------------------------------------------------
+
+OPENAI_PATH_PREFIXES: tuple[str, ...] = (
+    "/openai/", "/v1/chat/", "/v1/completions", "/v1/models", "/v1/files",
+)
+OPENAI_ERROR_TYPES: Mapping[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+def openai_style(path: str) -> bool:
+    """Whether errors on ``path`` take OpenAI's shape (the OpenAI-compatible routes)."""
+    return path.startswith(OPENAI_PATH_PREFIXES)
+
+
+def param_of(details: Any) -> str | None:
+    """The request field a cloverq error's ``details`` point at, OpenAI style (``messages[0].content``)."""
+    entries = details if isinstance(details, list) else [details]
+    for entry in entries:
+        loc = entry.get("loc") if isinstance(entry, Mapping) else None
+        if not isinstance(loc, list | tuple):
+            continue
+        parts = [part for part in loc if part not in ("body", "query", "path", "header")]
+        text = ""
+        for part in parts:
+            text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+        return text or None
+    return None
+
+
+def openai_error_body(status_code: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error on an OpenAI-compatible route."""
+    fallback = "server_error" if status_code >= 500 else "invalid_request_error"
+    error_type = OPENAI_ERROR_TYPES.get(status_code, fallback)
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 MAX_DETAIL_DEPTH = 16
@@ -116,8 +172,16 @@ def error_response(
     message: str,
     details: Any = None,
     headers: Mapping[str, str] | None = None,
+    *,
+    path: str | None = None,
+    param: str | None = None,
 ) -> JSONResponse:
-    """A JSONResponse in the error shape (rendered by :class:`ErrorJSONResponse`)."""
+    """A JSONResponse in the error shape (rendered by :class:`ErrorJSONResponse`); in OpenAI's
+    shape when ``path`` is an OpenAI-compatible route (422 answered as 400 there)."""
+    if path is not None and openai_style(path):
+        status = 400 if status_code == 422 else status_code
+        body = openai_error_body(status, code, message, param if param is not None else param_of(details))
+        return ErrorJSONResponse(body, status_code=status, headers=headers)
     return ErrorJSONResponse(error_body(code, message, details), status_code=status_code, headers=headers)
 
 
@@ -135,56 +199,62 @@ def validation_details(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, An
     ]
 
 
-async def _api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status_code, exc.code, exc.message, exc.details, exc.headers)
+    return error_response(exc.status_code, exc.code, exc.message, exc.details, exc.headers,
+                          path=request.url.path, param=exc.param)
 
 
-async def _validation_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     details = validation_details(exc.errors())
-    return error_response(422, "invalid_request", "The request is not valid.", details)
+    message = "The request is not valid."
+    if openai_style(request.url.path) and details:  # OpenAI clients show only the message
+        message = f"The request is not valid: {details[0]['message']}"
+    return error_response(422, "invalid_request", message, details, path=request.url.path)
 
 
-async def _http_exception_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     detail = exc.detail
+    path = request.url.path
     # Dependencies (e.g. auth) may raise HTTPException with detail already in our shape.
-    if isinstance(detail, Mapping) and "error" in detail:
-        return ErrorJSONResponse(dict(detail), status_code=exc.status_code, headers=exc.headers)
+    if isinstance(detail, Mapping) and isinstance(detail.get("error"), Mapping):
+        detail = detail["error"]
     if isinstance(detail, Mapping) and "code" in detail:
-        body = error_body(str(detail["code"]), str(detail.get("message", "")), detail.get("details"))
-        return ErrorJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return error_response(exc.status_code, str(detail["code"]), str(detail.get("message", "")),
+                              detail.get("details"), exc.headers, path=path)
     if exc.status_code == 400 and isinstance(detail, str):
         # The framework's answer to a body it cannot parse (undecodable JSON, broken multipart):
         # the same client mistake as malformed JSON, which is a 422 ``invalid_request``.
         return error_response(422, "invalid_request", f"The request body cannot be parsed: {detail}",
-                              [{"loc": ["body"], "message": detail, "type": "body_unparsable"}])
+                              [{"loc": ["body"], "message": detail, "type": "body_unparsable"}], path=path)
     code = _DEFAULT_CODES.get(exc.status_code, "error")
-    return error_response(exc.status_code, code, str(detail), None, exc.headers)
+    return error_response(exc.status_code, code, str(detail), None, exc.headers, path=path)
 
 
-async def _database_unavailable_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _database_unavailable_handler(request: Request, exc: Exception) -> JSONResponse:
     # Connection-level failures only (see _is_connection_problem); anything else is a bug -> 500.
     log.warning("database_unavailable", error=type(exc).__name__)
     return error_response(503, "unavailable", "The database is not reachable; retry later.", None,
-                          {"Retry-After": "1"})
+                          {"Retry-After": "1"}, path=request.url.path)
 
 
-async def _data_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _data_error_handler(request: Request, exc: Exception) -> JSONResponse:
     # The database refused a value the request schema let through, e.g. a NUL character in a
     # string on PostgreSQL (text and JSONB cannot hold U+0000): a client mistake, never a 5xx.
     log.info("request_data_refused_by_database", error=type(getattr(exc, "orig", exc)).__name__)
     return error_response(422, "invalid_request",
                           "The request holds a value that cannot be stored (e.g. a NUL character).",
-                          [{"loc": ["body"], "message": "value cannot be stored", "type": "data_error"}])
+                          [{"loc": ["body"], "message": "value cannot be stored", "type": "data_error"}],
+                          path=request.url.path)
 
 
-async def _unexpected_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-        return await _database_unavailable_handler(_, exc)
+        return await _database_unavailable_handler(request, exc)
     log.exception("unhandled_error", error=type(exc).__name__)
-    return error_response(500, "internal_error", "An internal error occurred.")
+    return error_response(500, "internal_error", "An internal error occurred.", path=request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

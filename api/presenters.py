@@ -20,18 +20,25 @@ def _ms(start: datetime | None, end: datetime | None) -> float | None:
 
 
 def _progress(job: Job, hot: Mapping[str, Any] | None) -> JobProgress | None:
-    """Redis hot status wins over the coarser SQL snapshot while the job runs."""
+    """Redis hot status wins over the coarser SQL snapshot while the job runs (the attempt's own
+    status only: a retry starts from zero); a finished job shows its outcome's figures, which are
+    never below what it showed while running (the last blocks can finish after the last report)."""
     merged: dict[str, Any] = {}
     if job.progress:
         merged.update(job.progress)
-    if hot and job.status == JobStatus.RUNNING:
+    if hot and job.status == JobStatus.RUNNING and hot.get("attempt", job.attempt) == job.attempt:
         merged.update(hot)
     usage = (job.result or {}).get("usage") or {}
-    if usage:  # a finished job: the final figures from its outcome
-        if merged.get("blocks_done") is None:
-            merged["blocks_done"] = usage.get("blocks")
-        if merged.get("tokens_committed") is None:
-            merged["tokens_committed"] = usage.get("completion_tokens")
+    if usage and JobStatus(job.status).is_final:
+        for name, figure in (("blocks_done", usage.get("blocks")),
+                             ("tokens_committed", usage.get("completion_tokens")),
+                             ("steps_used", usage.get("steps_used"))):
+            if isinstance(figure, int):
+                merged[name] = max(figure, merged.get(name) or 0)
+    if JobStatus(job.status).is_final and job.steps_used:
+        merged["steps_used"] = max(job.steps_used, merged.get("steps_used") or 0)
+    if job.status == JobStatus.SUCCEEDED and merged.get("blocks_done"):
+        merged["blocks_total"] = merged["blocks_done"]  # what it needed (EOS can come early)
     merged.setdefault("steps_used", job.steps_used)
     merged.setdefault("step_budget", job.step_budget)
     if not merged:

@@ -1,8 +1,6 @@
-"""Client commands over the HTTP API: ``submit [--wait]``, ``jobs`` (a table), ``cancel``.
-
-They talk to ``CLOVERQ_API_URL`` (default http://127.0.0.1:8000) with ``CLOVERQ_API_KEY`` or,
-for the embedded default, the dev key ``cloverq up`` left in ``data_dir/dev_api_key``. They are
-plain HTTP clients: anything they do, curl can do too.
+"""Client commands over the HTTP API: ``submit [--wait | --stream]``, ``decide``, ``jobs`` (a
+table), ``cancel``. Built on the Python client (``client/``, through ``cli/api_client.py``);
+anything they do, curl can do too.
 """
 
 from __future__ import annotations
@@ -10,68 +8,37 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import click
-import httpx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from scheduler.settings import Settings, get_settings
+from cli.api_client import api_client, echo_json
+from client import Client, CloverqError, Job
+from scheduler.keys import DEV_KEY_FILE
 
-DEV_KEY_FILE = "dev_api_key"  # written by `cloverq up` (scheduler.keys.ensure_dev_key)
-FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "expired"})
+__all__ = ["DEV_KEY_FILE", "register"]
 
 _console = Console(stderr=True)
 
 
 def register(group: click.Group) -> None:
     """Add the client commands to the ``cloverq`` group."""
-    for command in (submit, jobs, cancel):
+    for command in (submit, decide, jobs, cancel):
         group.add_command(command)
 
 
-def _api_key(settings: Settings) -> str | None:
-    if settings.api_key:
-        return settings.api_key
-    path = settings.data_dir / DEV_KEY_FILE
-    return path.read_text().strip() if path.is_file() else None
+def _params(values: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in values.items() if value is not None}
 
 
-@contextmanager
-def _client() -> Iterator[httpx.Client]:
-    settings = get_settings()
-    key = _api_key(settings)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    with httpx.Client(base_url=settings.api_url, headers=headers, timeout=30.0) as client:
-        try:
-            yield client
-        except httpx.TransportError as exc:  # the API is not there: say where we looked
-            raise click.ClickException(
-                f"cannot reach the cloverq API at {settings.api_url} ({exc}); "
-                "is it running? set CLOVERQ_API_URL to point elsewhere"
-            ) from None
-
-
-def _checked(response: httpx.Response) -> dict[str, Any]:
-    """The JSON body, or a clean CLI error carrying the API's error code and message."""
-    try:
-        body = response.json()
-    except ValueError:
-        raise click.ClickException(f"HTTP {response.status_code}: {response.text[:200]}") from None
-    if response.status_code >= 400:
-        error = body.get("error", {}) if isinstance(body, dict) else {}
-        details = error.get("details")
-        suffix = f"\n{json.dumps(details, indent=2)}" if details else ""
-        raise click.ClickException(
-            f"{error.get('code', 'error')} (HTTP {response.status_code}): {error.get('message', '')}{suffix}"
-        )
-    if not isinstance(body, dict):
-        raise click.ClickException(f"unexpected response: {body!r}")
-    return body
+def _finish(job: Job) -> None:
+    echo_json(job)
+    if job.status != "succeeded":
+        sys.exit(1)
 
 
 @click.command()
@@ -91,9 +58,12 @@ def _checked(response: httpx.Response) -> dict[str, Any]:
 @click.option("--priority", type=click.Choice(["interactive", "standard", "bulk"]))
 @click.option("--idempotency-key")
 @click.option("--wait", is_flag=True, help="Wait for the job, showing a progress bar of blocks and steps.")
-@click.option("--poll-interval", type=float, default=0.25, show_default=True)
+@click.option("--stream", "stream_text", is_flag=True,
+              help="Print the text as each block is committed (stdout), then the job (stderr).")
+@click.option("--poll-interval", type=float, default=0.25, show_default=True,
+              help="--wait: seconds between polls when the server has no event stream.")
 def submit(
-    prompt: str | None, messages_json: str | None, idempotency_key: str | None, wait: bool,
+    prompt: str | None, messages_json: str | None, idempotency_key: str | None, wait: bool, stream_text: bool,
     poll_interval: float, priority: str | None, **params: Any,
 ) -> None:
     """Submit a generation job (PROMPT, or --messages, or the prompt on stdin with '-')."""
@@ -101,29 +71,27 @@ def submit(
         prompt = sys.stdin.read()
     if (prompt is None) == (messages_json is None):
         raise click.UsageError("give exactly one of PROMPT or --messages")
-    job_input: dict[str, Any] = (
-        {"prompt": prompt} if prompt is not None else {"messages": json.loads(messages_json or "[]")}
-    )
-    body: dict[str, Any] = {
-        "kind": "generate",
-        "input": job_input,
-        "params": {name: value for name, value in params.items() if value is not None},
-    }
-    if priority:
-        body["priority"] = priority
-    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    with _client() as client:
-        job = _checked(client.post("/v1/jobs", json=body, headers=headers))
-        if not wait:
-            click.echo(json.dumps(job, indent=2))
+    messages = json.loads(messages_json) if messages_json is not None else None
+    with api_client() as cq:
+        job = cq.submit(prompt, messages=messages, params=_params(params), priority=priority,
+                        idempotency_key=idempotency_key)
+        if stream_text:
+            for piece in cq.stream_text(job.id):
+                click.echo(piece, nl=False)
+            click.echo()
+            job = cq.wait(job.id)
+            click.echo(json.dumps(job.model_dump(mode="json"), indent=2), err=True)
+            if job.status != "succeeded":
+                sys.exit(1)
             return
-        job = _wait_with_progress(client, job, poll_interval)
-    click.echo(json.dumps(job, indent=2))
-    if job["status"] != "succeeded":
-        sys.exit(1)
+        if not wait:
+            echo_json(job)
+            return
+        job = _wait_with_progress(cq, job, poll_interval)
+    _finish(job)
 
 
-def _wait_with_progress(client: httpx.Client, job: dict[str, Any], poll_interval: float) -> dict[str, Any]:
+def _bars() -> Progress:
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -131,23 +99,100 @@ def _wait_with_progress(client: httpx.Client, job: dict[str, Any], poll_interval
         TextColumn("{task.fields[detail]}"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=_console, transient=False) as bar:
+    return Progress(*columns, console=_console, transient=False)
+
+
+def _show(bar: Progress, blocks: TaskID, steps: TaskID, progress: dict[str, Any], status: str) -> None:
+    bar.update(blocks, completed=progress.get("blocks_done") or 0, total=progress.get("blocks_total"),
+               detail=status)
+    bar.update(steps, completed=progress.get("steps_used") or 0, total=progress.get("step_budget"),
+               detail=f"{progress.get('tokens_committed') or 0} tokens")
+
+
+def _wait_with_progress(cq: Client, job: Job, poll_interval: float) -> Job:
+    """Follow the job's event stream (progress per committed block) until its result; poll
+    ``GET /v1/jobs/{id}`` instead when the stream is not available."""
+    with _bars() as bar:
         blocks = bar.add_task("blocks", total=None, detail="")
         steps = bar.add_task("steps", total=None, detail="")
-        while job["status"] not in FINAL_STATUSES:
+        status = job.status
+        try:
+            for event in cq.stream(job.id):
+                if event.event == "status":
+                    status = str(event.data.get("status"))
+                elif event.event == "progress":
+                    _show(bar, blocks, steps, event.data, status)
+                elif event.event == "result" and event.job is not None:
+                    job = event.job
+        except CloverqError as exc:
+            if exc.status != 404 or exc.code == "job_not_found":
+                raise
+        while not job.is_final:  # no event stream here: poll
             time.sleep(poll_interval)
-            job = _checked(client.get(f"/v1/jobs/{job['id']}"))
-            progress = job.get("progress") or {}
-            bar.update(blocks, completed=progress.get("blocks_done") or 0,
-                       total=progress.get("blocks_total"), detail=job["status"])
-            bar.update(steps, completed=progress.get("steps_used") or 0,
-                       total=progress.get("step_budget"),
-                       detail=f"{progress.get('tokens_committed') or 0} tokens")
-        final = job.get("progress") or {}
+            job = cq.get(job.id)
+            _show(bar, blocks, steps, job.progress.model_dump() if job.progress else {}, job.status)
+        final = job.progress.model_dump() if job.progress else {}
         for task, key in ((blocks, "blocks_done"), (steps, "steps_used")):  # finished: bars end full
             done = final.get(key) or 0
             bar.update(task, total=done or None, completed=done)
     return job
+
+
+def _questions(questions_json: str | None, question: tuple[str, ...],
+               choices: str | None) -> list[dict[str, Any]]:
+    parsed: list[dict[str, Any]] = []
+    if questions_json:
+        source = Path(questions_json[1:]).read_text() if questions_json.startswith("@") else questions_json
+        raw = json.loads(source)
+        if not isinstance(raw, list):
+            raise click.UsageError("--questions must be a JSON list of {id, text, choices?}")
+        parsed.extend(raw)
+    for index, item in enumerate(question, start=len(parsed) + 1):
+        qid, sep, text = item.partition("=")
+        if not sep:
+            qid, text = f"q{index}", item
+        entry: dict[str, Any] = {"id": qid.strip(), "text": text.strip()}
+        if choices:
+            entry["choices"] = [c.strip() for c in choices.split(",") if c.strip()]
+        parsed.append(entry)
+    if not parsed:
+        raise click.UsageError("give at least one --question or --questions")
+    return parsed
+
+
+@click.command()
+@click.option("--context", help="The document to judge (or --context-file).")
+@click.option("--context-file", type=click.File("r"), help="Read the document from a file ('-': stdin).")
+@click.option("--question", "question", multiple=True,
+              help="A question, 'ID=TEXT' or just TEXT (repeat it); choices: --choices, default yes,no.")
+@click.option("--choices", help="Comma-separated choices of every --question (default: yes,no).")
+@click.option("--questions", "questions_json",
+              help='Questions as JSON: [{"id", "text", "choices"}] (or @FILE).')
+@click.option("--mode", type=click.Choice(["independent", "joint"]), default="independent", show_default=True)
+@click.option("--rationale", is_flag=True, help="A short free-text rationale with every answer.")
+@click.option("--block-size", type=int)
+@click.option("--steps-per-block", type=int)
+@click.option("--temperature", type=float)
+@click.option("--seed", type=int)
+@click.option("--step-budget", type=int)
+@click.option("--priority", type=click.Choice(["interactive", "standard", "bulk"]))
+@click.option("--idempotency-key")
+@click.option("--wait", is_flag=True, help="Wait for the answers and print the job.")
+def decide(context: str | None, context_file: Any, question: tuple[str, ...], choices: str | None,
+           questions_json: str | None, mode: str, rationale: bool, priority: str | None,
+           idempotency_key: str | None, wait: bool, **params: Any) -> None:
+    """Submit a decision job: multiple-choice answers about a document, always valid JSON."""
+    if (context is None) == (context_file is None):
+        raise click.UsageError("give exactly one of --context or --context-file")
+    text = context if context is not None else context_file.read()
+    with api_client() as cq:
+        job = cq.decide(text, _questions(questions_json, question, choices), mode=mode, rationale=rationale,
+                        params=_params(params), priority=priority, idempotency_key=idempotency_key)
+        if not wait:
+            echo_json(job)
+            return
+        job = cq.wait(job.id)
+    _finish(job)
 
 
 @click.command()
@@ -160,33 +205,29 @@ def _wait_with_progress(client: httpx.Client, job: dict[str, Any], poll_interval
 def jobs(status: str | None, kind: str | None, queue: str | None, limit: int, cursor: str | None,
          as_json: bool) -> None:
     """List jobs, newest first (a table; --json for the raw page)."""
-    query = {k: v for k, v in {"status": status, "kind": kind, "queue": queue, "limit": limit,
-                               "cursor": cursor}.items() if v is not None}
-    with _client() as client:
-        page = _checked(client.get("/v1/jobs", params=query))
+    with api_client() as cq:
+        page = cq.list_jobs(status=status, kind=kind, queue=queue, limit=limit, cursor=cursor)
     if as_json:
-        click.echo(json.dumps(page, indent=2))
+        echo_json(page)
         return
     table = Table("id", "kind", "status", "queue", "attempt", "steps", "finish", "created")
-    for item in page["items"]:
-        progress = item.get("progress") or {}
-        result = item.get("result") or {}
+    for item in page.items:
+        created = item.timings.created_at.isoformat()[:19] if item.timings.created_at else ""
         table.add_row(
-            item["id"], item["kind"], item["status"], item.get("queue") or "",
-            str(item.get("attempt", "")), str(progress.get("steps_used") or ""),
-            result.get("finish_reason") or "", (item["timings"].get("created_at") or "")[:19],
+            item.id, item.kind, item.status, item.queue or "", str(item.attempt),
+            str((item.progress.steps_used if item.progress else None) or ""),
+            (item.result.finish_reason if item.result else None) or "", created,
         )
     console = Console()
     console.width = max(console.width, 160)  # full ids even when piped
     console.print(table)
-    if page.get("next_cursor"):
-        click.echo(f"next page: cloverq jobs --cursor {page['next_cursor']}")
+    if page.next_cursor:
+        click.echo(f"next page: cloverq jobs --cursor {page.next_cursor}")
 
 
 @click.command()
 @click.argument("job_id")
 def cancel(job_id: str) -> None:
     """Cancel a job (queued: at once; running: within one denoising pass)."""
-    with _client() as client:
-        job = _checked(client.post(f"/v1/jobs/{job_id}/cancel"))
-    click.echo(json.dumps(job, indent=2))
+    with api_client() as cq:
+        echo_json(cq.cancel(job_id))

@@ -17,7 +17,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "cli.model_versions",  # model activate / rollback / versions (adds to the model group)
     "cli.generate",  # offline generation through the engine
     "cli.services",  # up / api / worker / beat / migrate
-    "cli.jobs",  # submit / jobs / cancel
+    "cli.jobs",  # submit / decide / jobs / cancel
+    "cli.batch",  # batch submit / status / results / cancel
     "cli.keys",  # keys create / list / revoke
     "cli.top",  # live terminal view
     "cli.probe",  # probe worker [--ready]: exec probes for containers (deploy/)

@@ -20,6 +20,7 @@ import click
 import httpx
 
 from cli.supervisor import Supervisor
+from client import Client, RetryPolicy
 from scheduler.settings import Settings, get_settings
 
 ALL_QUEUES = "interactive,standard,bulk,joint"
@@ -281,7 +282,7 @@ def _dev_key(settings: Settings, data_dir: Path) -> str | None:
 
 def _wait_ready(base_url: str, supervisor: Supervisor, stop: threading.Event, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as client:
+    with Client(base_url, timeout=2.0, retry=RetryPolicy(max_retries=0)) as client:
         while time.monotonic() < deadline and not stop.is_set():
             dead = supervisor.first_dead()
             if dead is not None:
@@ -289,7 +290,7 @@ def _wait_ready(base_url: str, supervisor: Supervisor, stop: threading.Event, ti
                      f"see {supervisor.log_dir / (dead.name + '.log')}")
                 return False
             try:
-                if client.get(f"{base_url}/readyz").status_code == 200:
+                if client.ready()[0]:
                     return True
             except httpx.HTTPError:
                 pass  # not listening yet

@@ -20,8 +20,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from cli.jobs import DEV_KEY_FILE
-from scheduler.settings import Settings, get_settings
+from cli.api_client import api_client, api_key
+from client import Client, CloverqError
+from scheduler.settings import get_settings
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
 STATUS_STYLES = {
@@ -155,24 +156,16 @@ def render(
     return Group(header, counts, queues, workers, summary)
 
 
-def fetch_overview(client: httpx.Client) -> dict[str, Any]:
+def fetch_overview(client: Client) -> dict[str, Any]:
     """GET the admin overview; raises ``click.ClickException`` with the API's message."""
-    response = client.get("/v1/admin/overview")
-    if response.status_code in (401, 403):
-        raise click.ClickException(
-            f"the API refused the key ({response.status_code}); an admin key is needed"
-        )
-    response.raise_for_status()
-    data: dict[str, Any] = response.json()
-    return data
-
-
-def _default_key(settings: Settings) -> str | None:
-    """Like the other client commands: ``CLOVERQ_API_KEY``, else the dev key ``up`` wrote."""
-    if settings.api_key:
-        return settings.api_key
-    path = settings.data_dir / DEV_KEY_FILE
-    return path.read_text().strip() if path.is_file() else None
+    try:
+        return client.overview()
+    except CloverqError as exc:
+        if exc.status in (401, 403):
+            raise click.ClickException(
+                f"the API refused the key ({exc.status}); an admin key is needed"
+            ) from None
+        raise
 
 
 @click.command("top")
@@ -184,11 +177,10 @@ def top(url: str | None, key: str | None, interval: float, once: bool) -> None:
     """Live view of queues, workers and throughput (Ctrl-C to quit)."""
     settings = get_settings()
     url = url or settings.api_url
-    key = key or _default_key(settings)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    key = key or api_key(settings)
     rates = Rates()
     console = Console()
-    with httpx.Client(base_url=url, headers=headers, timeout=10.0) as client:
+    with api_client(url, key, timeout=10.0) as client:
         try:
             overview = fetch_overview(client)
         except httpx.HTTPError as exc:
@@ -204,7 +196,7 @@ def top(url: str | None, key: str | None, interval: float, once: bool) -> None:
                     time.sleep(interval)
                     try:
                         overview = fetch_overview(client)
-                    except httpx.HTTPError as exc:
+                    except (httpx.HTTPError, CloverqError) as exc:
                         live.console.print(f"[red]poll failed: {exc}[/red]")
                         continue
                     rate = rates.update(overview, time.monotonic())

@@ -41,6 +41,11 @@ def progress(job_id: object) -> str:
     return f"{PREFIX}:progress:{job_id}"
 
 
+def events(job_id: object) -> str:
+    """A job's live event stream (a Redis stream; ``scheduler/job_stream.py``)."""
+    return f"{PREFIX}:events:{job_id}"
+
+
 def cancel(job_id: object) -> str:
     return f"{PREFIX}:cancel:{job_id}"
 

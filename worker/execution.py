@@ -53,6 +53,10 @@ class EngineContext:
     deadline: float | None  # time.monotonic() deadline of this attempt
     cancel_event: Any  # threading.Event shared by every request of the job
     on_progress: Callable[[Progress], None]
+    # Told before the engine runs: ``blocks_total`` (planned blocks) and ``render`` (committed
+    # ids -> (answer, reasoning or None)) for the progress and the event stream (worker/monitor.py).
+    on_plan: Callable[..., None] | None = None
+    default_block_size: int | None = None  # the checkpoint's (used when params give none)
 
 
 @dataclass
@@ -95,6 +99,28 @@ def prompt_ids(input: Mapping[str, Any], params: Mapping[str, Any], tokenizer: C
     raise InputJobError("input needs 'prompt' or 'messages'")
 
 
+def planned_blocks(prompt_len: int, max_new_tokens: int, block_size: int | None) -> int | None:
+    """Blocks a plain request decodes at most: from the prompt's last (partial) block to the block
+    holding its last generated position (``worker/sampler/layout.py`` ``build_layout``); fewer when
+    it stops at EOS or on its budget."""
+    if not block_size or block_size < 1 or max_new_tokens < 1:
+        return None
+    return -(-(prompt_len + max_new_tokens) // block_size) - prompt_len // block_size
+
+
+def thinking_render(tokenizer: ChatTokenizer) -> Callable[[list[int]], tuple[str, str | None]]:
+    """Committed ids of a thinking-mode job -> (answer so far, reasoning so far), split as the
+    result will be (``worker/thinking.py``)."""
+
+    def render(ids: list[int]) -> tuple[str, str | None]:
+        fields = thinking_fields(ids, tokenizer)  # type: ignore[arg-type]
+        if fields.get("reasoning") is None:  # no thinking markers in this checkpoint
+            return tokenizer.decode(ids, skip_special_tokens=True), None
+        return str(fields["text"]), str(fields["reasoning"])
+
+    return render
+
+
 def outcome_of(result: GenerationResult, tokenizer: ChatTokenizer) -> Outcome:
     """Map one engine result to a job outcome (cancellation is decided by the caller)."""
     usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.tokens,
@@ -130,6 +156,12 @@ def run_generate(job: JobSpec, ctx: EngineContext) -> Outcome:
         on_progress=ctx.on_progress,
         cancel_event=ctx.cancel_event,
     )
+    if ctx.on_plan is not None:
+        ctx.on_plan(
+            blocks_total=planned_blocks(len(request.prompt_ids), request.params.max_new_tokens,
+                                        request.params.block_size or ctx.default_block_size),
+            render=thinking_render(ctx.tokenizer) if job.params.get("thinking") else None,
+        )
     outcome = outcome_of(ctx.submit(request).result(), ctx.tokenizer)
     if job.params.get("thinking") and outcome.result is not None:
         outcome.result.update(thinking_fields(outcome.result["token_ids"], ctx.tokenizer))  # type: ignore[arg-type]

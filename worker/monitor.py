@@ -5,7 +5,10 @@ all running jobs so its cost does not grow with per-job round trips:
 
 - every tick (~0.1 s): one pipelined EXISTS over the jobs' cancel keys (a running job's cancel
   reaches the engine within one tick + one denoising pass) and one pipelined write of the
-  latest progress snapshots to Redis (the engine's ``on_progress`` only stores a snapshot);
+  latest progress snapshots to Redis, together with one event per block committed since the
+  last tick on each job's event stream (``scheduler/job_stream.py``: counters plus the
+  committed-text delta; the engine's ``on_progress`` only queues a snapshot, so the engine
+  thread never waits on Redis or on the tokenizer);
 - every ``lease_seconds / 3``: one UPDATE renewing all leases, which also reports jobs whose
   lease was lost (reaped, re-claimed elsewhere) — their engine requests are stopped, the job
   was handed back — and the SQL ``cancel_requested`` flag (backup for a lost Redis signal);
@@ -15,6 +18,7 @@ all running jobs so its cost does not grow with per-job round trips:
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -27,7 +31,7 @@ import redis
 import structlog
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler import redis_keys
+from scheduler import job_stream, redis_keys
 from scheduler.lifecycle import Lease, renew_leases, write_progress
 from scheduler.settings import Settings
 from worker.engine.types import Progress
@@ -35,6 +39,36 @@ from worker.engine.types import Progress
 log = structlog.get_logger(__name__)
 
 TICK_SECONDS = 0.1
+REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
+
+# Renders committed ids as (answer text, reasoning text or None); worker/execution.py passes one
+# for thinking-mode jobs through ``on_plan``.
+Render = Callable[[list[int]], tuple[str, str | None]]
+
+
+@dataclass
+class TextTracker:
+    """The committed text of one channel as published so far, to publish only what is new.
+
+    ``advance`` answers ``(offset, delta)`` with ``text == published[:offset] + delta``:
+    normally ``offset`` is the length already published (an append); when decoding more ids
+    changed earlier characters (bytes of one character split over two blocks), ``offset`` is
+    where the texts part. A trailing replacement character is held back until the next block
+    completes it, unless ``final``.
+    """
+
+    published: str = ""
+
+    def advance(self, text: str, *, final: bool = False) -> tuple[int, str]:
+        if not final:
+            text = text.rstrip(REPLACEMENT)
+        if text.startswith(self.published):
+            offset = len(self.published)
+        else:
+            offset = next((i for i, (a, b) in enumerate(zip(text, self.published, strict=False)) if a != b),
+                          min(len(text), len(self.published)))
+        self.published = text
+        return offset, text[offset:]
 
 
 @dataclass
@@ -51,6 +85,14 @@ class RunningJob:
     lost: bool = False  # the lease was lost: another attempt owns the job now
     cancel_seen: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Block events: snapshots queued by the engine thread, published by the monitor thread.
+    pending: collections.deque[Progress] = field(default_factory=collections.deque)
+    events: list[dict[str, Any]] = field(default_factory=list)  # built, not yet on the stream
+    blocks_total: int | None = None  # planned blocks of the generated region (on_plan)
+    render: Render | None = None
+    text: TextTracker = field(default_factory=TextTracker)
+    reasoning: TextTracker = field(default_factory=TextTracker)
+    partial_text: str = ""  # the committed ids of ``latest``, decoded (for the hot status)
 
 
 class JobMonitor:
@@ -81,6 +123,7 @@ class JobMonitor:
     # --- called from task threads / the engine thread ------------------------------------------
     def add(self, lease: Lease, *, cancel_event: threading.Event, step_budget: int | None) -> RunningJob:
         job = RunningJob(lease=lease, cancel_event=cancel_event, step_budget=step_budget)
+        job.events.append(job_stream.status_event("running", lease.attempt))  # published next tick
         with self._lock:
             self._jobs[lease.job_id] = job
         return job
@@ -90,28 +133,69 @@ class JobMonitor:
             self._jobs.pop(job_id, None)
 
     def finish(self, job: RunningJob, status: str) -> None:
-        """Stop tracking ``job`` and write its final hot status (after any in-flight push)."""
+        """Stop tracking ``job`` and write its final hot status (after any in-flight push), with
+        the events of its last blocks and the ``status`` event that ends the attempt."""
         with self._push_lock:
             self.remove(job.lease.job_id)
             job.status = status
             job.dirty = False
+            self._collect_events(job)
+            job.events.append(job_stream.status_event(status, job.lease.attempt))
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(redis_keys.progress(job.lease.job_id), json.dumps(self.snapshot(job)),
                      ex=redis_keys.PROGRESS_TTL_SECONDS)
             pipe.delete(redis_keys.cancel(job.lease.job_id))
+            job_stream.add_events(pipe, job.lease.job_id, job.events,
+                                  ttl_seconds=job_stream.FINISHED_TTL_SECONDS)
+            job.events = []
             pipe.execute()
 
     def on_progress(self, job_id: uuid.UUID) -> Callable[[Progress], None]:
-        """The engine callback for ``job_id``: store the snapshot (cheap; runs on the engine thread)."""
+        """The engine callback for ``job_id``: queue the snapshot (cheap; runs on the engine thread).
+
+        The engine calls it once per committed block; each call becomes one ``block`` event."""
 
         def record(progress: Progress) -> None:
             job = self._jobs.get(job_id)
             if job is not None:
+                job.pending.append(progress)
                 job.latest = progress
                 job.dirty = True
                 job.sql_dirty = True
 
         return record
+
+    def on_plan(self, job_id: uuid.UUID) -> Callable[..., None]:
+        """The callback worker/execution.py calls before submitting: the job's planned block
+        count and, for thinking-mode jobs, how to split committed ids into answer and reasoning."""
+
+        def plan(*, blocks_total: int | None = None, render: Render | None = None) -> None:
+            job = self._jobs.get(job_id)
+            if job is not None:
+                if blocks_total is not None:
+                    job.blocks_total = blocks_total
+                if render is not None:
+                    job.render = render
+                job.dirty = True
+
+        return plan
+
+    def final_progress(self, job: RunningJob, *, steps_used: int | None, tokens: int | None,
+                       blocks: int | None, complete: bool) -> dict[str, Any]:
+        """The progress of an attempt that ended, for SQL and the last hot status: never below
+        what the job showed while it ran (the outcome counts the blocks the engine finished after
+        its last report), and, for a job that ``complete``-d, ``blocks_total`` = the blocks it
+        needed (a generation that stops at EOS needs fewer than planned)."""
+        latest = job.latest
+        done = max(blocks or 0, latest.blocks_done if latest else 0)
+        steps = max(steps_used or 0, latest.steps_used if latest else 0)
+        committed = max(tokens or 0, latest.tokens_committed if latest else 0)
+        total = job.blocks_total
+        total = (done or total) if complete or total is None else max(total, done)
+        job.extra.update(blocks_done=done, steps_used=steps, tokens_committed=committed, blocks_total=total)
+        doc = self.snapshot(job)
+        doc.pop("partial_text", None)  # SQL keeps counters; text lives in Redis / the result
+        return doc
 
     def running_count(self) -> int:
         return len(self._jobs)
@@ -169,24 +253,48 @@ class JobMonitor:
             "worker_id": self.worker_id,
             "step_budget": job.step_budget,
             "blocks_done": p.blocks_done if p else 0,
+            "blocks_total": job.blocks_total,
             "steps_used": p.steps_used if p else 0,
             "tokens_committed": p.tokens_committed if p else 0,
-            "partial_text": self.decode(p.committed_token_ids) if p else "",
+            "partial_text": job.partial_text,  # decoded once per block (_collect_events)
             "updated_at": time.time(),
         }
         doc.update(job.extra)
         return doc
 
+    def _collect_events(self, job: RunningJob) -> None:
+        """Turn the snapshots the engine queued into ``block`` events (one per committed block)."""
+        while job.pending:
+            progress = job.pending.popleft()
+            ids = progress.committed_token_ids
+            raw = self.decode(ids)
+            text, reasoning = job.render(ids) if job.render is not None else (raw, None)
+            job.partial_text = raw
+            offset, delta = job.text.advance(text)
+            event: dict[str, Any] = {
+                "type": "block", "attempt": job.lease.attempt, "blocks_done": progress.blocks_done,
+                "blocks_total": job.blocks_total, "steps_used": progress.steps_used,
+                "step_budget": job.step_budget, "tokens_committed": progress.tokens_committed,
+                "offset": offset, "delta": delta,
+            }
+            if reasoning is not None:
+                event["reasoning_offset"], event["reasoning_delta"] = job.reasoning.advance(reasoning)
+            job.events.append(event)
+
     def _push_progress(self, jobs: list[RunningJob]) -> None:
         with self._push_lock:
-            dirty = [j for j in jobs if j.dirty and j.lease.job_id in self._jobs]
+            dirty = [j for j in jobs if (j.dirty or j.events) and j.lease.job_id in self._jobs]
             if not dirty:
                 return
             pipe = self.redis.pipeline(transaction=False)
             for job in dirty:
-                job.dirty = False
-                pipe.set(redis_keys.progress(job.lease.job_id), json.dumps(self.snapshot(job)),
-                         ex=redis_keys.PROGRESS_TTL_SECONDS)
+                self._collect_events(job)
+                job_stream.add_events(pipe, job.lease.job_id, job.events)
+                job.events = []
+                if job.dirty:
+                    job.dirty = False
+                    pipe.set(redis_keys.progress(job.lease.job_id), json.dumps(self.snapshot(job)),
+                             ex=redis_keys.PROGRESS_TTL_SECONDS)
             pipe.execute()
 
     def _renew(self, jobs: list[RunningJob]) -> None:

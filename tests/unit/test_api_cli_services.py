@@ -8,8 +8,9 @@ import click
 import httpx
 import pytest
 
-from cli.jobs import _checked
+from cli.api_client import click_error
 from cli.services import ALL_QUEUES, _child_env, _redact_url, _settings_overrides
+from client import CloverqError
 from scheduler.settings import Settings
 
 
@@ -47,7 +48,7 @@ def test_database_passwords_are_never_printed(url: str, shown: str) -> None:
 def test_client_errors_carry_the_api_code_and_message() -> None:
     response = httpx.Response(422, json={"error": {"code": "invalid_request", "message": "bad",
                                                    "details": [{"loc": ["body"]}]}})
-    with pytest.raises(click.ClickException) as caught:
-        _checked(response)
-    assert "invalid_request (HTTP 422): bad" in caught.value.message
-    assert _checked(httpx.Response(200, json={"id": "x"})) == {"id": "x"}
+    error = click_error(CloverqError.from_response(response))
+    assert isinstance(error, click.ClickException)
+    assert "invalid_request (HTTP 422): bad" in error.message
+    assert '"loc"' in error.message  # the details follow

@@ -1,0 +1,228 @@
+"""Following one job from the API: its status changes and committed blocks as they happen.
+
+Used by ``GET /v1/jobs/{id}/events`` (``api/routes/job_events.py``) and by the OpenAI-compatible
+routes (``api/routes/openai.py``: ``stream: true`` and the blocking answer). Two sources, one
+truth:
+
+- **SQL** (with the hot status, exactly what ``GET /v1/jobs/{id}`` shows) decides the status,
+  the attempt and the result. It is re-read when the job's event stream says an attempt began
+  or ended, when the jobs-finished notice arrives (``api/job_waiter.py``), and otherwise on a
+  doubling interval (so a final status written by the beat, which publishes nothing, is seen).
+- **The job's event stream** (``scheduler/job_stream.py``, written by the worker's monitor)
+  brings each committed block as it happens. It is read with ``XREAD BLOCK`` from where the
+  reader left off (``after``: a stream entry id, e.g. SSE's ``Last-Event-ID``), so a reader that
+  reconnects resumes; without a stream (expired, Redis flushed) the hot status stands in for it.
+
+Nothing here holds a database connection or a thread while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+import structlog
+from fastapi import FastAPI, Request
+from redis import Redis, RedisError
+from starlette.concurrency import run_in_threadpool
+
+from api.job_waiter import MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
+from api.presenters import job_out
+from api.schemas.jobs import JobOut
+from scheduler import job_stream, redis_keys
+from scheduler import jobs as job_service
+from scheduler.models import JobStatus
+
+log = structlog.get_logger(__name__)
+
+STREAM_BLOCK_MS = 1000  # one XREAD waits at most this long (then SQL may be re-read)
+STREAM_BATCH = 256  # entries per XREAD
+KEEPALIVE_SECONDS = 10.0  # an SSE comment this often while nothing happens (proxies, disconnects)
+STREAM_MAX_CONNECTIONS = 1024  # XREAD BLOCK holds a connection per following request
+
+
+@dataclass
+class Followed:
+    """One thing that happened to the followed job.
+
+    ``status``: the job as SQL shows it now (first, then on each status or attempt change);
+    ``block``: a committed block (``event`` is the stream's ``block`` document, ``entry_id``
+    its stream id); ``final``: the job is final (``job`` is the last read; nothing follows);
+    ``keepalive``: nothing happened for a while."""
+
+    kind: Literal["status", "block", "final", "keepalive"]
+    job: JobOut | None = None
+    event: dict[str, Any] | None = None
+    entry_id: str | None = None
+
+
+def stream_redis(app: FastAPI) -> aioredis.Redis:
+    """The app's asyncio Redis client for event streams (created in the running event loop)."""
+    client = getattr(app.state, "stream_redis", None)
+    if client is None:
+        client = aioredis.Redis.from_url(
+            app.state.settings.resolved_redis_url, decode_responses=True, socket_connect_timeout=1.0,
+            max_connections=STREAM_MAX_CONNECTIONS,
+        )
+        app.state.stream_redis = client
+    return client
+
+
+async def close_stream_redis(app: FastAPI) -> None:
+    client = getattr(app.state, "stream_redis", None)
+    if client is not None:
+        app.state.stream_redis = None
+        with suppress(Exception):
+            await client.aclose()
+
+
+def read_job(request: Request, job_id: str, tenant: str | None) -> JobOut | None:
+    """The job as ``GET /v1/jobs/{id}`` shows it (SQL plus the hot status while it runs); blocking."""
+    state = request.app.state
+    redis: Redis = state.redis
+    with state.session_factory() as session:
+        job = job_service.get_job(session, job_id=job_id, tenant=tenant)
+        if job is None:
+            return None
+        hot = None
+        if job.status == JobStatus.RUNNING:
+            try:
+                hot = job_service.read_progress(job.id, redis_client=redis)
+            except RedisError:
+                hot = None
+        return job_out(job, hot_progress=hot)
+
+
+def is_final(job: JobOut) -> bool:
+    return JobStatus(job.status).is_final
+
+
+def cancel(request: Request, job_id: str, tenant: str | None) -> None:
+    """Cancel the job (a client that went away no longer wants it); blocking, never raises."""
+    state = request.app.state
+    try:
+        with state.session_factory() as session:
+            job_service.cancel_job(session, job_id=job_id, tenant=tenant, settings=state.settings,
+                                   redis_client=state.redis)
+        log.info("job.cancelled_on_disconnect", job_id=job_id)
+    except Exception as exc:  # the client is gone: nobody to tell; the job runs to its end
+        log.warning("job.cancel_on_disconnect_failed", job_id=job_id, error=type(exc).__name__)
+
+
+async def wait_final(request: Request, job_id: str, tenant: str | None) -> JobOut | None:
+    """The job once it is final (None if it disappears), woken by the jobs-finished notice and
+    re-checked on a doubling interval (``GET /v1/jobs/{id}?wait=`` without the deadline)."""
+    waiter: JobWaiter = request.app.state.job_waiter
+    recheck = RECHECK_SECONDS
+    async with waiter.watch(job_id) as finished:
+        while True:
+            finished.clear()
+            job = await run_in_threadpool(read_job, request, job_id, tenant)
+            if job is None or is_final(job):
+                return job
+            with suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), recheck)
+            recheck = min(2 * recheck, MAX_RECHECK_SECONDS)
+
+
+def _hot_block(job: JobOut) -> dict[str, Any] | None:
+    """A ``block`` event made from the hot status, for a running job whose stream is gone."""
+    progress = job.progress
+    if progress is None or not progress.partial_text:
+        return None
+    return {"type": "block", "attempt": job.attempt, "blocks_done": progress.blocks_done,
+            "blocks_total": progress.blocks_total, "steps_used": progress.steps_used,
+            "step_budget": progress.step_budget, "tokens_committed": progress.tokens_committed,
+            "offset": 0, "delta": progress.partial_text, "from_hot_status": True}
+
+
+async def _replay(client: aioredis.Redis, key: str, cursor: str) -> AsyncIterator[Followed]:
+    """Every ``block`` event the stream holds after ``cursor``, without waiting."""
+    while True:
+        try:
+            answer = await client.xread({key: cursor}, count=STREAM_BATCH)
+        except (RedisError, OSError):
+            return
+        entries = job_stream.parse_entries(answer[0][1]) if answer else []
+        if not entries:
+            return
+        for entry_id, event in entries:
+            cursor = entry_id
+            if event.get("type") == "block":
+                yield Followed("block", event=event, entry_id=entry_id)
+
+
+async def follow_job(
+    request: Request, job_id: str, tenant: str | None, *, after: str | None = None,
+    first: JobOut | None = None, keepalive_seconds: float = KEEPALIVE_SECONDS,
+) -> AsyncGenerator[Followed, None]:
+    """What happens to ``job_id`` from now on: ``status`` first, ``block`` events as the worker
+    commits them (from stream entry ``after`` on; default the stream's start, i.e. the job's
+    whole output so far; for a job already final, what the stream still holds), ``status`` on
+    every change, ``final`` last. ``first``: the job as the caller just read it (saves a read)."""
+    waiter: JobWaiter = request.app.state.job_waiter
+    client = stream_redis(request.app)
+    key = redis_keys.events(job_id)
+    cursor = after or job_stream.STREAM_START
+    async with waiter.watch(job_id) as finished:
+        job = first or await run_in_threadpool(read_job, request, job_id, tenant)
+        if job is None:
+            return
+        yield Followed("status", job=job)
+        if is_final(job):  # what the stream still holds (a resumed reader), then the result
+            async for block in _replay(client, key, cursor):
+                yield block
+            yield Followed("final", job=job)
+            return
+        seen = (job.status, job.attempt)
+        recheck = RECHECK_SECONDS
+        next_read = time.monotonic() + recheck
+        last_sent = time.monotonic()
+        first_read = True
+        while True:
+            reread = False
+            try:
+                answer = await client.xread({key: cursor}, count=STREAM_BATCH, block=STREAM_BLOCK_MS)
+            except (RedisError, OSError) as exc:  # no stream: SQL and the notice still answer
+                log.info("job_follow.stream_unavailable", job_id=job_id, error=type(exc).__name__)
+                answer = []
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(finished.wait(), STREAM_BLOCK_MS / 1000)
+            entries = job_stream.parse_entries(answer[0][1]) if answer else []
+            if first_read and not entries and cursor == job_stream.STREAM_START:
+                hot = _hot_block(job) if job.status == JobStatus.RUNNING else None
+                if hot is not None:
+                    yield Followed("block", job=job, event=hot)
+                    last_sent = time.monotonic()
+            first_read = False
+            for entry_id, event in entries:
+                cursor = entry_id
+                if event.get("type") == "block":
+                    yield Followed("block", job=job, event=event, entry_id=entry_id)
+                    last_sent = time.monotonic()
+                elif event.get("type") == "status":
+                    reread = True
+            now = time.monotonic()
+            if reread or finished.is_set() or now >= next_read:
+                finished.clear()
+                fresh = await run_in_threadpool(read_job, request, job_id, tenant)
+                if fresh is None:
+                    return
+                job = fresh
+                if (job.status, job.attempt) != seen or is_final(job):
+                    seen = (job.status, job.attempt)
+                    yield Followed("status", job=job)
+                    last_sent = time.monotonic()
+                if is_final(job):
+                    yield Followed("final", job=job)
+                    return
+                recheck = RECHECK_SECONDS if reread else min(2 * recheck, MAX_RECHECK_SECONDS)
+                next_read = time.monotonic() + recheck
+            if time.monotonic() - last_sent >= keepalive_seconds:
+                yield Followed("keepalive")
+                last_sent = time.monotonic()

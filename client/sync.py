@@ -1,0 +1,243 @@
+"""The synchronous client (``httpx.Client``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from client._core import (
+    DEFAULT_BASE_URL,
+    MAX_LONG_POLL_SECONDS,
+    RETRY_STATUSES,
+    CloverqError,
+    JobTimeout,
+    RetryPolicy,
+    SSEParser,
+    decide_body,
+    generate_body,
+    headers,
+    idempotency_headers,
+    list_query,
+)
+from client.models import Batch, Job, JobEvent, JobPage
+from client.text import TextAssembler
+
+STREAM_TIMEOUT = httpx.Timeout(10.0, read=60.0)  # the server sends a comment every 10 s
+
+
+class Client:
+    """cloverq's HTTP API from Python::
+
+        with Client("http://127.0.0.1:8000", api_key) as cq:
+            job = cq.submit("Write a haiku", max_new_tokens=32)
+            for piece in cq.stream_text(job.id):
+                print(piece, end="", flush=True)
+            print(cq.wait(job.id).result.usage)
+
+    Every call raises :class:`CloverqError` for an error answer; 429 and 503 are retried first
+    (``retry``, honouring ``Retry-After``).
+    """
+
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, api_key: str | None = None, *,
+                 timeout: float = 30.0, retry: RetryPolicy | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self._http = httpx.Client(base_url=self.base_url, headers=headers(api_key), timeout=timeout,
+                                  transport=transport)
+
+    # --- plumbing ------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, *, retry: bool = True, **kwargs: Any) -> httpx.Response:
+        """One API call with the retry policy; raises :class:`CloverqError` for an error answer."""
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.ConnectError:
+                if not retry or attempt >= self.retry.max_retries:
+                    raise
+                time.sleep(self.retry.delay(attempt, None))
+                attempt += 1
+                continue
+            if retry and response.status_code in RETRY_STATUSES and attempt < self.retry.max_retries:
+                time.sleep(self.retry.delay(attempt, response))
+                attempt += 1
+                continue
+            if response.status_code >= 400:
+                raise CloverqError.from_response(response)
+            return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self.request(method, path, **kwargs).json()
+
+    # --- jobs ----------------------------------------------------------------------------------
+    def submit_job(self, body: Mapping[str, Any], *, idempotency_key: str | None = None) -> Job:
+        """``POST /v1/jobs`` with any job body (``kind`` generate or decide)."""
+        return Job.model_validate(self._json("POST", "/v1/jobs", json=dict(body),
+                                             headers=idempotency_headers(idempotency_key)))
+
+    def submit(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+               params: Mapping[str, Any] | None = None, priority: str | None = None,
+               metadata: Mapping[str, Any] | None = None, webhook_url: str | None = None,
+               idempotency_key: str | None = None, **param_values: Any) -> Job:
+        """Queue a generation job: ``prompt`` or chat ``messages``; decoding parameters as
+        ``params`` or keywords (``max_new_tokens=32, steps_per_block=4, thinking=True``)."""
+        body = generate_body(prompt, messages, {**(params or {}), **param_values}, priority=priority,
+                             metadata=metadata, webhook_url=webhook_url)
+        return self.submit_job(body, idempotency_key=idempotency_key)
+
+    def decide(self, context: str, questions: Sequence[Mapping[str, Any]], *, mode: str = "independent",
+               rationale: bool = False, params: Mapping[str, Any] | None = None, priority: str | None = None,
+               metadata: Mapping[str, Any] | None = None, webhook_url: str | None = None,
+               idempotency_key: str | None = None) -> Job:
+        """Queue a decision job: ``questions`` as ``{"id", "text", "choices"?}`` about ``context``."""
+        body = decide_body(context, questions, mode=mode, rationale=rationale, params=params,
+                           priority=priority, metadata=metadata, webhook_url=webhook_url)
+        return self.submit_job(body, idempotency_key=idempotency_key)
+
+    def get(self, job_id: str, *, wait: float = 0) -> Job:
+        """``GET /v1/jobs/{id}``; ``wait`` > 0 long-polls up to that many seconds (at most 30)."""
+        query = {"wait": min(wait, MAX_LONG_POLL_SECONDS)} if wait > 0 else None
+        timeout = httpx.Timeout(30.0, read=wait + 30.0) if wait > 0 else None  # the server holds it
+        return Job.model_validate(self._json("GET", f"/v1/jobs/{job_id}", params=query,
+                                             **({"timeout": timeout} if timeout else {})))
+
+    def wait(self, job_id: str, *, timeout: float | None = None) -> Job:
+        """The job once it is final (long polling); :class:`JobTimeout` after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = MAX_LONG_POLL_SECONDS if deadline is None else deadline - time.monotonic()
+            job = self.get(job_id, wait=max(0.0, min(left, MAX_LONG_POLL_SECONDS)))
+            if job.is_final:
+                return job
+            if deadline is not None and time.monotonic() >= deadline:
+                raise JobTimeout(job)
+
+    def cancel(self, job_id: str) -> Job:
+        """Cancel: a queued job at once, a running one within one denoising pass."""
+        return Job.model_validate(self._json("POST", f"/v1/jobs/{job_id}/cancel"))
+
+    def list_jobs(self, *, status: str | None = None, kind: str | None = None, queue: str | None = None,
+                  limit: int | None = None, cursor: str | None = None) -> JobPage:
+        query = list_query(status=status, kind=kind, queue=queue, limit=limit, cursor=cursor)
+        return JobPage.model_validate(self._json("GET", "/v1/jobs", params=query))
+
+    # --- streaming -----------------------------------------------------------------------------
+    def stream(self, job_id: str, *, after: str | None = None) -> Iterator[JobEvent]:
+        """The job's events (``GET /v1/jobs/{id}/events``): ``status``, ``progress``, ``delta``,
+        finally ``result``. A dropped connection is resumed after the last event seen."""
+        parser = SSEParser()
+        parser.last_id = after
+        failures = 0
+        while True:
+            extra = {"Last-Event-ID": parser.last_id} if parser.last_id else {}
+            try:
+                with self._http.stream("GET", f"/v1/jobs/{job_id}/events", headers=extra,
+                                       timeout=STREAM_TIMEOUT) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        if response.status_code in RETRY_STATUSES and failures < self.retry.max_retries:
+                            time.sleep(self.retry.delay(failures, response))
+                            failures += 1
+                            continue
+                        raise CloverqError.from_response(response)
+                    for line in response.iter_lines():
+                        event = parser.feed(line)
+                        if event is None:
+                            continue
+                        failures = 0
+                        yield event
+                        if event.event == "result":
+                            return
+            except (httpx.TransportError, httpx.StreamError):
+                if failures >= self.retry.max_retries:
+                    raise
+                time.sleep(self.retry.delay(failures, None))
+                failures += 1
+                continue
+            return  # the server ended the stream without a result (the job is gone)
+
+    def stream_text(self, job_id: str) -> Iterator[str]:
+        """The job's answer as it is committed, piece by piece (block by block); the pieces
+        join to the final ``result.text``."""
+        text = TextAssembler()
+        for event in self.stream(job_id):
+            piece = text.feed(event)
+            if piece:
+                yield piece
+
+    # --- batches -------------------------------------------------------------------------------
+    def create_batch(self, jobs: Sequence[Mapping[str, Any]], *, webhook_url: str | None = None,
+                     metadata: Mapping[str, Any] | None = None) -> Batch:
+        """``POST /v1/batches`` with job bodies (each exactly a ``POST /v1/jobs`` body)."""
+        body: dict[str, Any] = {"jobs": [dict(job) for job in jobs]}
+        if webhook_url is not None:
+            body["webhook_url"] = webhook_url
+        if metadata is not None:
+            body["metadata"] = dict(metadata)
+        return Batch.model_validate(self._json("POST", "/v1/batches", json=body))
+
+    def upload_batch(self, jsonl: str | bytes | Path, *, webhook_url: str | None = None) -> Batch:
+        """``POST /v1/batches`` with a JSONL file (one job body per line)."""
+        content = Path(jsonl).read_bytes() if isinstance(jsonl, Path) else (
+            jsonl.encode() if isinstance(jsonl, str) else jsonl)
+        return Batch.model_validate(self._json(
+            "POST", "/v1/batches", content=content, headers={"Content-Type": "application/x-ndjson"},
+            params=list_query(webhook_url=webhook_url)))
+
+    def get_batch(self, batch_id: str) -> Batch:
+        return Batch.model_validate(self._json("GET", f"/v1/batches/{batch_id}"))
+
+    def cancel_batch(self, batch_id: str) -> Batch:
+        return Batch.model_validate(self._json("POST", f"/v1/batches/{batch_id}/cancel"))
+
+    def wait_batch(self, batch_id: str, *, timeout: float | None = None,
+                   poll_interval: float = 1.0) -> Batch:
+        """The batch once every job is final (polling); :class:`JobTimeout` after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            batch = self.get_batch(batch_id)
+            if batch.is_final:
+                return batch
+            if deadline is not None and time.monotonic() >= deadline:
+                raise JobTimeout(batch)
+            time.sleep(poll_interval)
+
+    def batch_results(self, batch_id: str) -> Iterator[dict[str, Any]]:
+        """One dict per job in submission order (``index``, ``job_id``, ``status``, ``result``, ...)."""
+        with self._http.stream("GET", f"/v1/batches/{batch_id}/results", timeout=STREAM_TIMEOUT) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise CloverqError.from_response(response)
+            for line in response.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
+
+    # --- operations ----------------------------------------------------------------------------
+    def overview(self) -> dict[str, Any]:
+        """``GET /v1/admin/overview`` (an admin key): counts, queues, workers, throughput."""
+        data: dict[str, Any] = self._json("GET", "/v1/admin/overview")
+        return data
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """``GET /readyz``: (ready, checks); a 503 is an answer here, not an error."""
+        response = self._http.get("/readyz")
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        return response.status_code == 200, body if isinstance(body, dict) else {}
