@@ -11,7 +11,14 @@ headroom factor (activations, fragmentation, CUDA context) of 1.3-1.5x.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from worker.model.quant_rules import DEFAULT_INT4_GROUP, QuantMode, matrix_bytes
+
+if TYPE_CHECKING:
+    from worker.model.config import ModelConfig
 
 BYTES_PER_PARAM: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
 GIB = 1024**3
@@ -32,6 +39,9 @@ class PlanInput:
     kv_dtype: str = "bf16"
     gpu_memory_gib: float = 80.0
     headroom: float = 1.4
+    # exact weight bytes per row dtype when known (``weight_bytes`` of a config: quantized matrices
+    # plus what stays high precision); a dtype missing here is total_params x BYTES_PER_PARAM
+    weight_bytes: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in (self.dtype, self.kv_dtype):
@@ -73,7 +83,7 @@ def plan(inp: PlanInput) -> Plan:
     dtypes = [inp.dtype] + [d for d in ("int8", "int4") if d != inp.dtype]
     rows = []
     for dtype in dtypes:
-        weights = inp.total_params * BYTES_PER_PARAM[dtype] / GIB
+        weights = inp.weight_bytes.get(dtype, inp.total_params * BYTES_PER_PARAM[dtype]) / GIB
         total = weights + kv_gib
         sized = total * inp.headroom
         rows.append(
@@ -116,3 +126,85 @@ def format_plan(p: Plan) -> str:
             f"{r.with_headroom_gib:>10.1f} {r.gpus_80gib:>10d} {r.gpus_chosen:>12d}"
         )
     return "\n".join(lines)
+
+
+# --- weight bytes from a config: what a worker holds after load, quantized or not -------------------
+FLOAT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Weights of one model in one precision: the quantized matrices and what stays high precision."""
+
+    weight_dtype: str  # fp32 / bf16 / fp16, or int8 / int4 (then ``high_precision`` is the rest's dtype)
+    high_precision: str
+    quantized_params: int
+    quantized_bytes: int
+    high_precision_params: int
+    high_precision_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.quantized_bytes + self.high_precision_bytes
+
+
+def quantized_matrices(config: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """``(what, count, out, in)`` of every matrix ``CLOVERQ_WEIGHT_DTYPE`` quantizes (``quant_rules``),
+    read from the config's shapes: attention q/k/v/o, GDN in_proj_qkv/in_proj_z/out_proj, dense and
+    shared-expert MLPs, and the routed experts (``count`` = experts of one layer)."""
+    h, d = config.hidden_size, config.head_dim
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    gated = 2 if config.family == "clover" else 1  # Clover's q_proj also emits the output gate
+    hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+    out: list[tuple[str, int, int, int]] = []
+    for layer in range(config.num_hidden_layers):
+        if config.is_linear_layer(layer):
+            out += [("in_proj_qkv", 1, config.linear_conv_dim, h), ("in_proj_z", 1, hv * dv, h),
+                    ("out_proj", 1, h, hv * dv)]  # fmt: skip
+        else:
+            out += [("q_proj", 1, gated * heads * d, h), ("k_proj", 1, kv * d, h), ("v_proj", 1, kv * d, h),
+                    ("o_proj", 1, h, heads * d)]  # fmt: skip
+        if config.is_moe_layer(layer):
+            e, i, s = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
+            out += [("experts.w_gate_up", e, 2 * i, h), ("experts.w_down", e, h, i)]
+            if s:
+                out += [("shared.gate_up", 2, s, h), ("shared.down", 1, h, s)]
+        else:
+            i = config.intermediate_size
+            out += [("dense.gate_up", 2, i, h), ("dense.down", 1, h, i)]
+    return out
+
+
+def weight_bytes(
+    config: ModelConfig,
+    weight_dtype: str,
+    *,
+    high_precision: str = "bf16",
+    group_size: int = DEFAULT_INT4_GROUP,
+) -> WeightBytes:
+    """Bytes of ``config``'s weights in ``weight_dtype``: a float dtype holds everything in it; int8 /
+    int4 quantize ``quantized_matrices`` (codes and scales, ``quant_rules.matrix_bytes``) and keep the
+    rest (embeddings, LM head, norms, routers, GDN gates, conv, preview tensors, biases) in
+    ``high_precision``."""
+    total, _ = config.param_counts()
+    if weight_dtype in FLOAT_DTYPES:
+        per = BYTES_PER_PARAM[weight_dtype]
+        return WeightBytes(weight_dtype, weight_dtype, 0, 0, total, int(total * per))
+    mode = QuantMode(weight_dtype, group_size)
+    params = sum(count * n * k for _, count, n, k in quantized_matrices(config))
+    qbytes = sum(count * matrix_bytes(n, k, mode) for _, count, n, k in quantized_matrices(config))
+    rest = total - params
+    return WeightBytes(weight_dtype, high_precision, params, qbytes, rest,
+                       int(rest * BYTES_PER_PARAM[high_precision]))  # fmt: skip
+
+
+def plan_weight_bytes(
+    config: ModelConfig, dtype: str, *, group_size: int = DEFAULT_INT4_GROUP
+) -> dict[str, float]:
+    """``PlanInput.weight_bytes`` for the rows ``plan`` prints (``dtype``, int8, int4); a quantized row
+    keeps the rest in ``dtype`` when that is a float dtype, else in bf16."""
+    hp = dtype if dtype in FLOAT_DTYPES else "bf16"
+    return {
+        d: float(weight_bytes(config, d, high_precision=hp, group_size=group_size).total)
+        for d in dict.fromkeys((dtype, "int8", "int4"))
+    }
