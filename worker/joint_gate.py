@@ -11,6 +11,11 @@ queues could fill every thread with joint work. The gate keeps short work unaffe
 - a joint message that slipped in before the pause took effect is handed back unclaimed (its
   enqueued marker dropped: the reconciler republishes it), exactly like a message delivered
   while the worker drains.
+
+The same gate, over every class but ``interactive`` with a cap of ``engine_max_batch``, keeps the
+``engine_interactive_reserve`` threads beyond that free for interactive jobs (``capacity_gate_for``:
+it pauses ``standard`` and ``bulk``; a joint job past the cap is handed back, and the joint gate
+alone switches the joint consumer).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import structlog
 log = structlog.get_logger(__name__)
 
 JOINT_QUEUE = "joint"
+INTERACTIVE_QUEUE = "interactive"
+PAUSABLE_AT_CAPACITY = ("standard", "bulk")  # the joint consumer is the joint gate's
 
 
 class JointGate:
@@ -72,28 +79,46 @@ class JointGate:
         log.info(event, active=self._active, cap=self.cap)
 
 
-def consumer_switches(app: object, *, node: str, is_drained: Callable[[], bool]) -> tuple[
-    Callable[[], None], Callable[[], None]
-]:
-    """``(pause, resume)`` for this worker's joint consumer via Celery remote control."""
+def consumer_switches(
+    app: object, *, node: str, is_drained: Callable[[str], bool], queues: tuple[str, ...] = (JOINT_QUEUE,)
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(pause, resume)`` for this worker's consumers of ``queues`` via Celery remote control."""
 
     def pause() -> None:
-        app.control.cancel_consumer(JOINT_QUEUE, destination=[node])  # type: ignore[attr-defined]
+        for queue in queues:
+            app.control.cancel_consumer(queue, destination=[node])  # type: ignore[attr-defined]
 
     def resume() -> None:
-        if not is_drained():  # an operator's drain wins over the gate
-            app.control.add_consumer(JOINT_QUEUE, destination=[node])  # type: ignore[attr-defined]
+        for queue in queues:
+            if not is_drained(queue):  # an operator's drain wins over the gate
+                app.control.add_consumer(queue, destination=[node])  # type: ignore[attr-defined]
 
     return pause, resume
 
 
-def joint_gate_for(*, cap: int, node: str, redis_client: object) -> JointGate:
-    """The gate of a worker consuming ``joint``, switching its consumer through the Celery app."""
+def _gate_for(*, cap: int, node: str, redis_client: object, queues: tuple[str, ...]) -> JointGate:
     from scheduler.celery_app import get_celery_app
     from scheduler.drain import drained_queues
 
-    def is_drained() -> bool:
-        return JOINT_QUEUE in drained_queues(redis_client)  # type: ignore[arg-type]
+    def is_drained(queue: str) -> bool:
+        return queue in drained_queues(redis_client)  # type: ignore[arg-type]
 
-    pause, resume = consumer_switches(get_celery_app(), node=node, is_drained=is_drained)
+    pause, resume = consumer_switches(get_celery_app(), node=node, is_drained=is_drained, queues=queues)
     return JointGate(cap, pause=pause, resume=resume)
+
+
+def joint_gate_for(*, cap: int, node: str, redis_client: object) -> JointGate:
+    """The gate of a worker consuming ``joint``, switching its consumer through the Celery app."""
+    return _gate_for(cap=cap, node=node, redis_client=redis_client, queues=(JOINT_QUEUE,))
+
+
+def capacity_gate_for(*, cap: int, node: str, redis_client: object, queues: tuple[str, ...]) -> JointGate:
+    """The gate that keeps every class but interactive within ``cap`` task threads."""
+    pausable = tuple(q for q in PAUSABLE_AT_CAPACITY if q in queues)
+    return _gate_for(cap=cap, node=node, redis_client=redis_client, queues=pausable)
+
+
+def interactive_reserve(queues: tuple[str, ...] | list[str], reserve: int) -> int:
+    """Threads and engine slots held back for interactive jobs: only where both kinds are consumed."""
+    others = [q for q in queues if q != INTERACTIVE_QUEUE]
+    return reserve if INTERACTIVE_QUEUE in queues and others else 0

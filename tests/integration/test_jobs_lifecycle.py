@@ -210,9 +210,15 @@ def test_one_message_delivered_twice_gives_one_outcome(stack: Stack) -> None:
 
 
 def test_reconciler_recovers_every_queued_job_after_redis_is_flushed(stack: Stack) -> None:
-    # Hold every worker thread with stalled jobs so the next jobs stay queued in Redis.
+    # Hold every worker thread (the batch plus the interactive reserve: these are interactive jobs)
+    # with stalled jobs so the next jobs stay queued in Redis.
+    from worker.joint_gate import interactive_reserve
+
+    threads = stack.settings.engine_max_batch + interactive_reserve(
+        STACK_QUEUES.split(","), stack.settings.engine_interactive_reserve
+    )
     blockers = [stack.submit(params={"max_new_tokens": 8, "fault": "stall_first_attempt"})
-                for _ in range(stack.settings.engine_max_batch)]
+                for _ in range(threads)]
     for blocker in blockers:
         stack.wait_status(blocker.id, JobStatus.RUNNING, timeout=20)
     queued = [stack.submit(params={"max_new_tokens": 8, "seed": i}) for i in range(5)]

@@ -40,10 +40,18 @@ _RATE_WINDOW = 64  # passes over which tokens/s is measured
 class EngineConfig:
     """Capacity limits of one engine."""
 
-    max_batch: int = 16  # active sequences (= KV-cache slots)
+    max_batch: int = 16  # active sequences of the unreserved classes (bulk, standard, joint)
     max_tokens_in_flight: int = 65536  # KV positions reserved by active sequences
     slot_caps: Mapping[str, int] = field(default_factory=dict)  # e.g. {"joint": 4}
     max_len: int = 4096  # per-sequence cache length (prompt + generated region)
+    # slots beyond max_batch that only these classes may hold: short work never waits for a slot
+    reserved_slots: int = 0
+    reserved_classes: frozenset[str] = frozenset({"interactive"})
+
+    @property
+    def slots(self) -> int:
+        """KV-cache slots and most active sequences: the batch plus the reserved slots."""
+        return self.max_batch + self.reserved_slots
 
 
 @dataclass
@@ -88,7 +96,7 @@ class Engine:
         self.default_block_size = default_block_size or self.defaults.block_size
         param = next(model.parameters())
         self.cache = model.new_cache(
-            max_seqs=config.max_batch,
+            max_seqs=config.slots,
             max_len=config.max_len,
             device=param.device,
             dtype=param.dtype,
@@ -195,8 +203,8 @@ class Engine:
             running=self._thread is not None and self._thread.is_alive(),
             active=dict(active),
             waiting=dict(waiting),
-            max_batch=self.config.max_batch,
-            batch_occupancy=sum(active.values()) / self.config.max_batch,
+            max_batch=self.config.slots,
+            batch_occupancy=sum(active.values()) / self.config.slots,
             positions_in_flight=positions,
             tokens_per_second=rate,
             steps=self._steps,
@@ -266,9 +274,11 @@ class Engine:
         chosen = pick_admissions(
             [Candidate(w.request.slot_class, self._footprint(w.layout)) for w in waiting],
             occupancy,
-            max_batch=min(self.config.max_batch, len(self._active) + self.cache.num_free()),
+            max_batch=min(self.config.slots, len(self._active) + self.cache.num_free()),
             max_positions=self.config.max_tokens_in_flight,
             slot_caps=self.config.slot_caps,
+            reserved=self.config.reserved_slots,
+            reserved_classes=self.config.reserved_classes,
         )
         taken = set(chosen)
         self._waiting = collections.deque(w for i, w in enumerate(waiting) if i not in taken)
