@@ -14,6 +14,15 @@ pass attends to (the mean cached length of the run). It is compared with the dev
 (a table of known GPUs, or ``--peak-gbps``) and with a device-to-device copy measured in the same
 run (a practical ceiling).
 
+``--tensor-parallel N`` runs the same model split over ``cuda:0..N-1`` (one worker's ranks; random
+weights built per rank, replicated ones identical everywhere; ``--moe`` picks how the experts
+split); the bytes per forward and the bandwidth are then rank 0's share.
+
+``--weight-dtype int8`` (or ``int4``, ``--group-size``) quantizes the expert and projection matrices
+after the build as ``CLOVERQ_WEIGHT_DTYPE`` does (``worker/model/quantize.py``: the CUDA kernels are
+probed on the device, with a dequantize-then-matmul fallback); the bytes per forward are then the
+quantized ones. Run it next to the bfloat16 run to measure the CUDA path.
+
 Every sequence gets ``--new-tokens`` tokens after a ``--prompt-tokens`` prompt; EOS is disabled so
 random weights cannot stop a run early; ``steps_per_block`` defaults to the block size (one
 token per denoising pass, the most passes a block can take). The default sizes run in well
@@ -28,19 +37,25 @@ runs with a reduced shape, e.g.::
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.model import CloverForBlockDiffusion, ModelConfig
+from worker.model.checkpoint import _SkipParameterInit
 from worker.model.moe import SparseMoE
+from worker.model.parallel.plan import ShardPlan
+from worker.model.parallel.shard import Shard, build_shard
 
 # Spec HBM bandwidth in GB/s (decimal), matched against torch.cuda.get_device_name() in order.
 PEAK_GBPS: tuple[tuple[str, float], ...] = (
@@ -126,19 +141,63 @@ def build_random_model(
     return model.eval()
 
 
+@dataclass(frozen=True)
+class RandomShards:
+    """Random weights for each rank of a tensor-parallel run (``worker.model.parallel.group.launch``).
+
+    Every parameter is drawn from a generator seeded by its name, with the scale of the whole
+    model's fan-in, so replicated tensors (embedding, norms, routers) are identical on every rank.
+    """
+
+    seed: int = 0
+
+    @torch.no_grad()
+    def build(self, config: ModelConfig, plan: ShardPlan, *, device: torch.device, dtype: torch.dtype,
+              reduce: Callable[[torch.Tensor], None]) -> Shard:
+        shard = build_shard(config, plan, device=device, dtype=dtype, reduce=reduce)
+        with torch.device("meta"), _SkipParameterInit():  # shapes only: no (slow) init on meta
+            full = {n: p.shape for n, p in CloverForBlockDiffusion(config).named_parameters()}
+        for name, param in shard.model.named_parameters():
+            seed = self.seed * 1_000_003 + zlib.crc32(name.encode())
+            generator = torch.Generator(device=device).manual_seed(seed)
+            shape = full[name]
+            if param.ndim == 1:
+                param.fill_(1.0)
+            elif "embed" in name:
+                param.normal_(0.0, 1.0, generator=generator)
+            else:
+                fan_in = shape[-1] if len(shape) == 2 else shape[1]
+                param.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=generator)
+        shard.model.eval()
+        return shard
+
+
+def _modules(model: Any) -> torch.nn.Module:
+    """The module tree whose weights this process holds (rank 0's shard under tensor parallelism)."""
+    shard = getattr(model, "shard", None)
+    return shard.model if shard is not None else model
+
+
 def _expert_bytes(model: CloverForBlockDiffusion) -> tuple[float, float]:
     """(bytes of every non-expert weight, bytes of one expert of one layer)."""
+    model = _modules(model)
     dense = 0.0
     per_expert = 0.0
     for module in model.modules():
-        if isinstance(module, SparseMoE):
-            experts = module.w_gate_up.numel() + module.w_down.numel()
-            per_expert = experts * module.w_gate_up.element_size() / module.num_experts
-    for name, param in model.named_parameters():
+        if isinstance(module, SparseMoE):  # a stacked parameter, or int8/int4 buffers (--weight-dtype)
+            experts = sum(_bytes(w) for w in (module.w_gate_up, module.w_down))
+            per_expert = experts / module.num_experts
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
         if "w_gate_up" in name or "w_down" in name or "embed" in name:
             continue  # experts counted per pass; only a few embedding rows are read
-        dense += param.numel() * param.element_size()
+        dense += tensor.numel() * tensor.element_size()
     return dense, per_expert
+
+
+def _bytes(weights: torch.Tensor | torch.nn.Module) -> float:
+    if isinstance(weights, torch.Tensor):
+        return float(weights.numel() * weights.element_size())
+    return float(sum(t.numel() * t.element_size() for t in weights.buffers()))
 
 
 @torch.no_grad()
@@ -150,7 +209,7 @@ def distinct_experts_per_layer(model: CloverForBlockDiffusion, tokens: int, *, d
         top = torch.topk(logits.float(), model.config.num_experts_per_tok, dim=-1).indices  # [N, K]
         counts.append(int(torch.unique(top).numel()))
 
-    routers = [m.router for m in model.modules() if isinstance(m, SparseMoE)]
+    routers = [m.router for m in _modules(model).modules() if isinstance(m, SparseMoE)]
     handles = [router.register_forward_hook(hook) for router in routers]
     try:
         generator = torch.Generator(device=device).manual_seed(1)
@@ -268,6 +327,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--peak-gbps", type=float, default=None, help="spec memory bandwidth, GB/s")
     parser.add_argument("--copy-mb", type=int, default=2048, help="size of the copy-bandwidth probe")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="ranks (devices from --device on)")
+    parser.add_argument("--moe", choices=["columns", "experts"], default="columns",
+                        help="tensor parallel: experts split by columns or whole per rank")
+    parser.add_argument("--weight-dtype", choices=["int8", "int4"], default=None,
+                        help="weight-only quantization of the expert and projection matrices after the "
+                        "build (worker/model/quantize.py, CLOVERQ_WEIGHT_DTYPE); --dtype stays for the rest")
+    parser.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="int4 group")
     return parser.parse_args(argv)
 
 
@@ -285,15 +351,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_gbps or next((gbps for key, gbps in PEAK_GBPS if key in name), None)
 
-    model = build_random_model(config, device=device, dtype=dtype)
+    if args.tensor_parallel > 1:
+        from bench.gpu import RandomShards as Source  # by its module name: it travels to the ranks
+        from worker.model.parallel.group import launch
+
+        model: Any = launch(Source(), config, world=args.tensor_parallel, device=device, dtype=dtype,
+                            moe=args.moe)
+    else:
+        model = build_random_model(config, device=device, dtype=dtype)
+    quantized = ""
+    if args.weight_dtype:
+        if args.tensor_parallel > 1:
+            print("--weight-dtype is not supported with --tensor-parallel yet", file=sys.stderr)
+            return 2
+        from worker.model.quantize import quantize_model
+
+        mode = "int8" if args.weight_dtype == "int8" else f"int4-g{args.group_size}"
+        quantized = f"   {quantize_model(model, mode)}"
     _sync(device)
     params = sum(p.numel() for p in model.parameters())
     dense_bytes, expert_bytes = _expert_bytes(model)
-    kv_per_position = _kv_bytes_per_position(config, dtype)
+    kv_per_position = _kv_bytes_per_position(_modules(model).config, dtype)
     copy_gbps = copy_bandwidth_gbps(device, megabytes=args.copy_mb)
-    print(f"device: {name}   dtype: {args.dtype}   build: {time.perf_counter() - started:.1f} s")
+    tp = f"   tensor parallel: {args.tensor_parallel} ({args.moe})" if args.tensor_parallel > 1 else ""
+    built = time.perf_counter() - started
+    print(f"device: {name}   dtype: {args.dtype}   build: {built:.1f} s{tp}{quantized}")
     print(
-        f"model: {params / 1e9:.3f} B parameters ({params * dtype.itemsize / 1e9:.2f} GB), "
+        f"model{' (rank 0)' if tp else ''}: {params / 1e9:.3f} B parameters "
+        f"({params * dtype.itemsize / 1e9:.2f} GB), "
         f"{config.num_hidden_layers} layers, {config.num_experts} experts top-{config.num_experts_per_tok}, "
         f"hidden {config.hidden_size}, vocab {config.vocab_size}"
     )
@@ -350,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda":
         print(f"\npeak memory: {torch.cuda.max_memory_allocated(device) / 1e9:.1f} GB")
     print(f"total: {time.perf_counter() - started:.1f} s")
+    if args.tensor_parallel > 1:
+        model.close()
     return 0
 
 

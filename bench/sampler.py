@@ -218,7 +218,7 @@ def main() -> None:
         "--checkpoint", type=Path, default=None, help="Default: a fresh small demo checkpoint."
     )
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
-    parser.add_argument("--arch", choices=["clover", "sdar"], default="clover")
+    parser.add_argument("--arch", choices=["clover", "sdar", "llada2"], default="clover")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--new-tokens", type=int, default=64, help="Per request in the throughput runs.")

@@ -2,7 +2,10 @@
 
 Loads a checkpoint, starts an engine with one slot, submits one request and prints the text
 (or, with ``--json``, a JSON object as the last stdout line). Useful for trying a checkpoint and
-for scripts; it exercises exactly the worker's decoding path.
+for scripts; it exercises exactly the worker's decoding path. Every decoding flag not given takes
+the checkpoint's ``generation_config.json`` value, else the model family's default
+(``worker.model.family.decoding_defaults``); the dtype is ``--dtype``, else ``CLOVERQ_DTYPE``, else
+the checkpoint's. A checkpoint that cannot be loaded is one line on stderr, exit 1.
 """
 
 from __future__ import annotations
@@ -26,23 +29,25 @@ def _parse_ids(text: str) -> list[int]:
 @click.option(
     "--model",
     "model_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=None,
-    help="Checkpoint folder (default: the configured model dir).",
+    help="Checkpoint folder (default: CLOVERQ_MODEL_DIR, else the demo under the data dir).",
 )
 @click.option("--prompt", type=str, default=None, help="Prompt text (chat template applied unless --raw).")
 @click.option(
     "--prompt-ids", type=str, default=None, help="Prompt as comma-separated token ids (used as is)."
 )
 @click.option("--raw", is_flag=True, help="Skip the chat template.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=int, default=None, help="Default: generation_config, else 128.")
 @click.option("--block-size", type=int, default=None, help="Default: the checkpoint's block size.")
-@click.option("--steps-per-block", type=int, default=4, show_default=True)
-@click.option("--strategy", type=click.Choice(["static", "dynamic"]), default="static", show_default=True)
-@click.option("--threshold", type=float, default=0.9, show_default=True, help="Dynamic strategy only.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=None)
-@click.option("--top-p", type=float, default=None)
+@click.option("--steps-per-block", type=int, default=None, help="Default: the model family's.")
+@click.option("--strategy", type=click.Choice(["static", "dynamic"]), default=None,
+              help="Default: the model family's.")
+@click.option("--threshold", type=float, default=None, help="Dynamic strategy only. Default: the family's.")
+@click.option("--temperature", type=float, default=None,
+              help="0 = greedy. Default: generation_config, else 0.")
+@click.option("--top-k", type=int, default=None, help="Default: generation_config's.")
+@click.option("--top-p", type=float, default=None, help="Default: generation_config's.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--step-budget", type=int, default=None, help="Max denoising passes for the request.")
 @click.option("--thinking", is_flag=True, help="Enable thinking in the chat template.")
@@ -54,12 +59,12 @@ def generate(
     prompt: str | None,
     prompt_ids: str | None,
     raw: bool,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     block_size: int | None,
-    steps_per_block: int,
-    strategy: str,
-    threshold: float,
-    temperature: float,
+    steps_per_block: int | None,
+    strategy: str | None,
+    threshold: float | None,
+    temperature: float | None,
     top_k: int | None,
     top_p: float | None,
     seed: int,
@@ -72,32 +77,48 @@ def generate(
     """Generate from one prompt with the block-diffusion engine."""
     import torch
 
+    from cli.model import existing_folder, model_errors, one_line
     from scheduler.settings import get_settings
     from worker.engine.engine import Engine, EngineConfig
     from worker.engine.types import FinishReason, GenerationRequest, SamplingParams
-    from worker.model.checkpoint import load_checkpoint
+    from worker.model.family import decoding_defaults
+    from worker.model.hf_defaults import GenerationDefaults
+    from worker.model.quantize import load_model
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
     settings = get_settings()
     folder = model_dir or settings.resolved_model_dir
-    began = time.perf_counter()
-    lm = load_checkpoint(
-        folder,
-        device=device or settings.device,
-        dtype=getattr(torch, dtype or settings.dtype),
-        verify=not settings.skip_verify,
+    hint = "" if model_dir or settings.model_dir else (
+        f" (the demo's place under the data dir: `cloverq model init-demo {folder}` writes it; or give "
+        "--model / CLOVERQ_MODEL_DIR)"
     )
-    load_seconds = time.perf_counter() - began
-    tok = lm.tokenizer
-    if prompt_ids is not None:
-        ids = _parse_ids(prompt_ids)
-    elif raw:
-        ids = tok.encode(prompt or "")
-    else:
-        rendered = tok.render_chat([{"role": "user", "content": prompt or ""}], enable_thinking=thinking)
-        ids = tok.encode(rendered)
-    default_block = block_size or lm.config.block_size or 4
+    existing_folder(folder, hint=hint)
+    began = time.perf_counter()
+    try:
+        lm = load_model(  # load_checkpoint, then CLOVERQ_WEIGHT_DTYPE's quantization (as a worker)
+            folder,
+            device=device or settings.device,
+            dtype=getattr(torch, dtype or settings.dtype) if (dtype or settings.dtype) else None,
+            verify=False if settings.skip_verify else settings.verify_on_load,
+            weight_dtype=settings.weight_dtype,
+            group_size=settings.weight_group_size,
+        )
+        load_seconds = time.perf_counter() - began
+        tok = lm.tokenizer
+        if prompt_ids is not None:
+            ids = _parse_ids(prompt_ids)
+        elif raw:
+            ids = tok.encode(prompt or "")
+        else:
+            rendered = tok.render_chat([{"role": "user", "content": prompt or ""}], enable_thinking=thinking)
+            ids = tok.encode(rendered)
+    except model_errors() as exc:
+        raise click.ClickException(one_line(exc)) from None
+    gen = GenerationDefaults.from_dict(lm.generation_config)
+    max_new_tokens = max_new_tokens or gen.max_new_tokens or 128
+    temperature = temperature if temperature is not None else (gen.temperature or 0.0)
+    default_block = block_size or lm.config.block_size or decoding_defaults(lm.config).block_size
     engine = Engine(
         lm.model,
         EngineConfig(max_batch=1, max_len=max(len(ids) + max_new_tokens + default_block, 64)),
@@ -108,12 +129,12 @@ def generate(
     params = SamplingParams(
         max_new_tokens=max_new_tokens,
         block_size=block_size,
-        steps_per_block=steps_per_block,
+        steps_per_block=steps_per_block or gen.steps_per_block,
         strategy=strategy,  # type: ignore[arg-type]
-        threshold=threshold,
+        threshold=threshold if threshold is not None else gen.threshold,
         temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
+        top_k=top_k if top_k is not None else gen.top_k,
+        top_p=top_p if top_p is not None else gen.top_p,
         seed=seed,
         step_budget=step_budget,
     )

@@ -1,11 +1,102 @@
-"""``cloverq model ...``: write the demo checkpoint, verify a checkpoint folder, plan a deployment."""
+"""``cloverq model ...``: write the demo checkpoint, verify a checkpoint folder, write its manifest,
+plan a deployment.
+
+Every refusal (a missing folder, a bad or missing manifest, an unsupported config) is one line on
+stderr and exit 1, never a traceback: the ``model`` group catches the model package's errors.
+"""
 
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
+
+
+def model_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean "this checkpoint cannot be used" (each carries a one-line reason)."""
+    from worker.model.checkpoint import CheckpointError
+    from worker.model.config import ConfigError
+    from worker.model.manifest import ManifestError
+    from worker.model.tokenizer import TokenizerError
+
+    return (CheckpointError, ConfigError, ManifestError, TokenizerError, OSError)
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (no traceback, no repeated whitespace)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def existing_folder(path: Path, *, what: str = "checkpoint folder", hint: str = "") -> Path:
+    """``path`` if it is a folder, else a one-line ``ClickException``."""
+    if not path.exists():
+        raise click.ClickException(f"{what} {path} does not exist{hint}")
+    if not path.is_dir():
+        raise click.ClickException(f"{what} {path} is not a folder")
+    return path
+
+
+class ByteProgress:
+    """Bytes and rate on stderr while files are copied or hashed: a line when a file is done and
+    at most one every ``interval`` seconds in between."""
+
+    def __init__(self, verb: str, total: int | None = None, *, interval: float = 2.0) -> None:
+        self.verb, self.total, self.interval = verb, total, interval
+        self.done = 0
+        self.began = self._last = time.monotonic()
+        self._file: str | None = None
+        self._file_bytes = 0
+
+    def plan(self, files: dict[str, int | None]) -> None:
+        self.total = sum(size or 0 for size in files.values())
+        click.echo(f"{self.verb} {len(files)} files, {_gb(self.total)}", err=True)
+
+    def __call__(self, relpath: str, nbytes: int) -> None:
+        if relpath != self._file:
+            self._flush_file()
+            self._file, self._file_bytes = relpath, 0
+        self.done += nbytes
+        self._file_bytes += nbytes
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            click.echo(f"  {self._status(now)}  {relpath} ...", err=True)
+
+    def _status(self, now: float) -> str:
+        rate = self.done / max(now - self.began, 1e-9)
+        total = f" / {_gb(self.total)} ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        return f"{_gb(self.done)}{total}  {rate / 1e6:.0f} MB/s"
+
+    def _flush_file(self) -> None:
+        if self._file is not None:
+            status = self._status(time.monotonic())
+            click.echo(f"  {status}  {self._file} ({_gb(self._file_bytes)})", err=True)
+            self._file = None
+
+    def finish(self) -> None:
+        self._flush_file()
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def guarded(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a command, turning the model package's errors into one-line ``ClickException``s."""
+    import functools
+
+    @functools.wraps(func)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except model_errors() as exc:
+            raise click.ClickException(one_line(exc)) from None
+
+    return run
 
 
 def model_group(group: click.Group) -> click.Group:
@@ -27,10 +118,11 @@ def model_group(group: click.Group) -> click.Group:
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option(
     "--arch",
-    type=click.Choice(["clover", "sdar"]),
+    type=click.Choice(["clover", "sdar", "llada2"]),
     default="clover",
     show_default=True,
-    help="clover: the Qwen3.5-MoE hybrid trunk with block-diffusion previews; sdar: SDAR-MoE (Qwen3-MoE).",
+    help="clover: the Qwen3.5-MoE hybrid trunk with block-diffusion previews; sdar: SDAR-MoE (Qwen3-MoE); "
+    "llada2: LLaDA2-MoE (BailingMoeV2).",
 )
 def init_demo(directory: Path, seed: int, size: str, arch: str) -> None:
     """Write a deterministic demo checkpoint (random weights) into DIRECTORY."""
@@ -41,11 +133,11 @@ def init_demo(directory: Path, seed: int, size: str, arch: str) -> None:
 
 
 @click.command("verify")
-@click.argument("directory", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("directory", required=False, type=click.Path(path_type=Path))
 @click.option(
     "--reference",
     "reference_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     help="A checkpoint folder shipping its own modeling code (auto_map): build a tiny random model "
     "from that code and compare its causal logits with ours on the same weights.",
 )
@@ -53,8 +145,14 @@ def init_demo(directory: Path, seed: int, size: str, arch: str) -> None:
 @click.option(
     "--tolerance", type=float, default=1e-4, show_default=True, help="Largest logit difference that passes."
 )
-def verify(directory: Path | None, reference_dir: Path | None, seed: int, tolerance: float) -> None:
-    """Check DIRECTORY against its manifest.json; exit 1 naming every bad or missing file.
+@click.option(
+    "--quick", is_flag=True,
+    help="Sizes and sampled chunks only (what a worker checks at load), not every byte.",
+)
+@guarded
+def verify(directory: Path | None, reference_dir: Path | None, seed: int, tolerance: float,
+           quick: bool) -> None:
+    """Check DIRECTORY against its manifest.json (every byte); exit 1 naming every bad or missing file.
 
     With --reference DIR: check our causal trunk (and block commits) against DIR's own modeling
     code on a tiny random model; prints the largest logit difference, exit 1 on FAIL, exit 2 when
@@ -63,16 +161,51 @@ def verify(directory: Path | None, reference_dir: Path | None, seed: int, tolera
     if directory is None and reference_dir is None:
         raise click.UsageError("give DIRECTORY (manifest check) and/or --reference DIR")
     if directory is not None:
-        from worker.model.manifest import check_manifest
+        from worker.model.manifest import MANIFEST_NAME, check, missing_manifest_message
 
-        problems = check_manifest(directory)
-        if problems:
-            for problem in problems:
+        existing_folder(directory)
+        progress = None if quick else ByteProgress("verifying")
+        report = check(directory, mode="quick" if quick else "full", on_progress=progress)
+        if progress is not None:
+            progress.finish()
+        if [(p.path, p.reason) for p in report.problems] == [(MANIFEST_NAME, "missing")]:
+            raise click.ClickException(missing_manifest_message(directory))
+        if report.problems:
+            for problem in report.problems:
                 click.echo(f"BAD  {problem}", err=True)
             sys.exit(1)
-        click.echo(f"OK   {directory}")
+        click.echo(f"OK   {directory} ({report.summary()})")
     if reference_dir is not None:
-        _verify_reference(reference_dir, seed=seed, tolerance=tolerance)
+        _verify_reference(existing_folder(reference_dir), seed=seed, tolerance=tolerance)
+
+
+@click.command("manifest")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace an existing manifest.json.")
+@guarded
+def manifest_command(directory: Path, force: bool) -> None:
+    """Hash every file of DIRECTORY once and write its manifest.json in place.
+
+    For a checkpoint served from its own folder (CLOVERQ_MODEL_DIR); `cloverq model pull` writes
+    the manifest of a store version itself. An existing manifest is kept (it may be the record
+    that proves the files intact) unless --force.
+    """
+    from worker.model.manifest import MANIFEST_NAME, checkpoint_files, write_manifest
+
+    existing_folder(directory)
+    if (directory / MANIFEST_NAME).exists() and not force:
+        raise click.ClickException(
+            f"{directory / MANIFEST_NAME} exists: `cloverq model verify {directory}` checks the files "
+            "against it; --force replaces it"
+        )
+    files = checkpoint_files(directory)
+    if not files:
+        raise click.ClickException(f"{directory} holds no files")
+    progress = ByteProgress("hashing")
+    progress.plan({rel: (directory / rel).stat().st_size for rel in files})
+    digest = write_manifest(directory, on_progress=progress)
+    progress.finish()
+    click.echo(f"wrote {directory / MANIFEST_NAME}: {len(files)} files, manifest sha256 {digest[:12]}")
 
 
 def _verify_reference(folder: Path, *, seed: int, tolerance: float) -> None:
@@ -129,9 +262,26 @@ _DEFAULT_STATE_BYTES = 2 * 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 4)
 @click.option(
     "--config",
     "config_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     help="Take shapes and parameter counts from a checkpoint folder's config.json.",
 )
+@click.option(
+    "--check",
+    "check_dir",
+    type=click.Path(path_type=Path),
+    help="Also load this checkpoint on the CPU (quantized with --weight-dtype), report its measured "
+    "parameter + buffer bytes next to the planner's prediction (implies --config DIR).",
+)
+@click.option(
+    "--weight-dtype",
+    type=click.Choice(["int8", "int4"]),
+    help="--check: quantize as CLOVERQ_WEIGHT_DTYPE does [the --dtype row when it is int8/int4].",
+)
+@click.option(
+    "--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
+    help="int4 group (CLOVERQ_WEIGHT_GROUP_SIZE) of the int4 row and of --check.",
+)
+@guarded
 def plan_command(
     total_params: float | None,
     active_params: float | None,
@@ -146,16 +296,21 @@ def plan_command(
     gpu_memory: float,
     headroom: float,
     config_dir: Path | None,
+    check_dir: Path | None,
+    weight_dtype: str | None,
+    group_size: str,
 ) -> None:
     """Weight and KV-cache memory, compute per token, and GPUs needed to serve a model."""
-    from worker.model.planner import PlanInput, format_plan, plan
+    from worker.model.planner import PlanInput, format_plan, plan, plan_weight_bytes
 
     shape = dict(_DEFAULT_SHAPE)
     state_bytes = float(_DEFAULT_STATE_BYTES)
+    weights: dict[str, float] = {}
+    config_dir = config_dir or check_dir
     if config_dir is not None:
         from worker.model.checkpoint import read_config
 
-        config = read_config(config_dir)
+        config = read_config(existing_folder(config_dir))
         total, active = config.param_counts()
         shape = {
             "layers": len(config.attention_layers),
@@ -164,6 +319,8 @@ def plan_command(
             "head_dim": config.head_dim,
         }
         state_bytes = 2.0 * config.gdn_state_bytes()
+        if total_params is None:  # exact bytes per row: quantized matrices + what stays high precision
+            weights = plan_weight_bytes(config, dtype, group_size=int(group_size))
         total_params = total_params or total
         active_params = active_params or active
     if total_params is None or active_params is None:
@@ -180,9 +337,27 @@ def plan_command(
         gpu_memory_gib=gpu_memory,
         headroom=headroom,
         state_bytes_per_sequence=state_bytes,
+        weight_bytes=weights,
         **shape,
     )
     click.echo(format_plan(plan(inp)))
+    if check_dir is not None:
+        _check_weights(check_dir, weight_dtype or (dtype if dtype in ("int8", "int4") else None),
+                       int(group_size), dtype)
+
+
+def _check_weights(folder: Path, weight_dtype: str | None, group_size: int, dtype: str) -> None:
+    """``plan --check``: the checkpoint's measured bytes after load (and quantization) vs the plan's."""
+    import torch
+
+    from worker.model.quantize import check_checkpoint
+
+    floats = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    result = check_checkpoint(existing_folder(folder), weight_dtype=weight_dtype, group_size=group_size,
+                              dtype=floats.get(dtype))
+    click.echo("")
+    for line in result.lines():
+        click.echo(line)
 
 
 def register(group: click.Group) -> None:
@@ -190,4 +365,5 @@ def register(group: click.Group) -> None:
     model = model_group(group)
     model.add_command(init_demo)
     model.add_command(verify)
+    model.add_command(manifest_command)
     model.add_command(plan_command)

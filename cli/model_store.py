@@ -14,7 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from cli.model import model_group
+from cli.model import ByteProgress, model_group
 from scheduler.settings import get_settings
 from worker import model_store
 
@@ -38,34 +38,46 @@ def _resolve_root(root: Path | None) -> Path:
 @click.option("--version", "version", required=True, help="Version label (immutable once pulled).")
 @_root_option
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="HTTP timeout, seconds.")
-def pull_command(src: str, name: str, version: str, root: Path | None, timeout: float) -> None:
-    """Copy SRC (folder, file:// or http(s):// URL) into the store, verify it, publish it.
+@click.option(
+    "--link", "link", flag_value="link", help="Hard-link the source files (same filesystem, no copy).",
+)
+@click.option("--copy", "link", flag_value="copy", help="Copy every byte (also for a hub cache snapshot).")
+@click.option(
+    "--auto", "link", flag_value="auto", default=True,
+    help="[default] Link a Hugging Face cache snapshot on the store's filesystem, copy anything else.",
+)
+@click.option("--no-config-check", is_flag=True, help="Pull even if this cloverq cannot serve config.json.")
+def pull_command(src: str, name: str, version: str, root: Path | None, timeout: float, link: str,
+                 no_config_check: bool) -> None:
+    """Copy SRC into the store, hash it once, write its manifest, publish it.
 
-    The version becomes visible only after every file matched the manifest; any failure
-    leaves nothing behind.
+    SRC: a folder (a plain Hugging Face download, with or without manifest.json), a Hugging Face
+    cache entry (models--org--name or its snapshots/<rev>), a file:// URL, or an http(s):// URL
+    of a folder with a manifest.json. When SRC has a manifest every file must match it. The
+    version becomes visible only when complete; any failure leaves nothing behind.
     """
     store_root = _resolve_root(root)
-    console = Console(stderr=True)
-    done_files: set[str] = set()
-
-    def on_progress(relpath: str, _nbytes: int) -> None:
-        if relpath not in done_files:
-            done_files.add(relpath)
-            console.print(f"  fetching {relpath}", highlight=False)
-
+    progress = ByteProgress("pulling")
     try:
         pulled = model_store.pull(
-            src, name=name, version=version, root=store_root, timeout=timeout, on_progress=on_progress
+            src, name=name, version=version, root=store_root, timeout=timeout, on_progress=progress,
+            on_plan=progress.plan, link=link, check_config=not no_config_check,  # type: ignore[arg-type]
         )
     except model_store.VerificationError as exc:
+        progress.finish()
         for problem in exc.problems:
             click.echo(f"bad: {problem}", err=True)
-        raise click.ClickException(f"{name}/{version} refused: the files do not match the manifest") from exc
+        raise click.ClickException(f"{name}/{version} refused: the files do not match the manifest") from None
     except model_store.ModelStoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(" ".join(str(exc).split())) from None
+    except OSError as exc:
+        raise click.ClickException(f"{name}/{version} not pulled: {exc}") from None
+    progress.finish()
+    how = f", {pulled.linked_files} hard-linked" if pulled.linked_files else ""
+    checked = "verified against the source manifest" if pulled.source_manifest else "manifest written"
     click.echo(
-        f"pulled {pulled.name}/{pulled.version}: {pulled.files} files, "
-        f"{pulled.size_bytes / 1e6:.1f} MB at {pulled.path}"
+        f"pulled {pulled.name}/{pulled.version}: {pulled.files} files{how}, "
+        f"{pulled.size_bytes / 1e6:.1f} MB at {pulled.path} ({checked})"
     )
 
 

@@ -6,7 +6,8 @@ heartbeat with a TTL, ``scheduler.workers``); this command reads that entry for 
 hostname (a pod's hostname is its name), so the probe sees exactly what ``/readyz`` and the
 admin API see.
 
-* ``--ready``: exit 0 only if a worker on this host is ``ready`` (model loaded and warmed up).
+* ``--ready``: exit 0 only if a worker on this host is ``ready`` (model loaded and warmed up; for a
+  tensor-parallel worker, every rank: ``stats.tensor_parallel.ranks_ready == size``).
 * liveness (default): exit 0 if a worker on this host still heartbeats (any state but
   ``stopped``), and also when Redis itself cannot be reached: a Redis outage must not make the
   kubelet restart every worker (and reload every model) at once; readiness still fails then.
@@ -22,7 +23,7 @@ import redis
 
 from scheduler.redis_client import get_redis
 from scheduler.settings import get_settings
-from scheduler.workers import WorkerState, list_workers
+from scheduler.workers import WorkerInfo, WorkerState, list_workers
 
 
 @click.group("probe")
@@ -44,11 +45,17 @@ def worker_probe(check_ready: bool, hostname: str | None) -> None:
         sys.exit(1 if check_ready else 0)
     states = sorted({w.state for w in workers})
     if check_ready:
-        healthy = any(w.is_ready for w in workers)
+        healthy = any(w.is_ready and all_ranks_ready(w) for w in workers)
     else:
         healthy = any(w.state != WorkerState.STOPPED for w in workers)
     click.echo(f"{host}: {', '.join(states) if states else 'no worker registered'}")
     sys.exit(0 if healthy else 1)
+
+
+def all_ranks_ready(worker: WorkerInfo) -> bool:
+    """Every rank of a tensor-parallel worker is up (a one-device worker has no such entry)."""
+    tp = worker.stats.get("tensor_parallel")
+    return not isinstance(tp, dict) or tp.get("ranks_ready") == tp.get("size")
 
 
 def register(group: click.Group) -> None:

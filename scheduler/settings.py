@@ -35,8 +35,23 @@ class Settings(BaseSettings):
     # --- model -------------------------------------------------------------------------------
     model_dir: Path | None = Field(None, description="Checkpoint folder; default the demo checkpoint.")
     device: str = Field("cpu", description="torch device for the model: cpu, cuda, cuda:N.")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Weights and compute dtype; default the checkpoint's (config.json dtype or "
+        "torch_dtype), float32 when it names none.",
+    )
+    weight_dtype: Literal["int8", "int4"] | None = Field(
+        None, description="Worker: weight-only quantization at load (expert and projection matrices; "
+        "embeddings, LM head, norms, routers and GDN gates keep dtype): int8 per output channel or int4 "
+        "in groups of weight_group_size. Default: none, the weights stay in dtype.",
+    )
+    weight_group_size: int = Field(
+        64, description="Worker: int4 group along the input dim (weight_dtype=int4): 32, 64 or 128.",
+    )
     skip_verify: bool = Field(False, description="Load a checkpoint even if its manifest fails.")
+    verify_on_load: Literal["quick", "full"] = Field(
+        "quick", description="Manifest check when a worker loads a checkpoint: quick (sizes and sampled "
+        "chunks of every file, the hashes recorded at pull trusted) or full (every byte re-hashed).",
+    )
     model_root: Path | None = Field(
         None, description="Model store: <model_root>/<name>/<version>/; default data_dir/model-store."
     )
@@ -60,6 +75,12 @@ class Settings(BaseSettings):
     )
     torch_threads: int | None = Field(
         None, ge=1, description="Worker: torch.set_num_threads at start. Default: the number of CPU cores.",
+    )
+    tensor_parallel: int = Field(
+        1, ge=1, description="Worker: devices one worker spans (tensor parallel). Ranks 1..N-1 are processes "
+        "the worker starts, on cuda:K+1.. after device cuda:K (NCCL; gloo on CPU, torch_threads split "
+        "among them); heads and MLP widths must divide by N. A rank that dies takes the worker down "
+        "(exit status 75), its jobs come back through lease expiry.",
     )
 
     # --- request limits and defaults -----------------------------------------------------------
@@ -108,6 +129,12 @@ class Settings(BaseSettings):
     worker_heartbeat_seconds: float = Field(2.0, gt=0, description="Worker registry heartbeat.")
     worker_queues: str = Field("interactive,standard,bulk", description="Queues a worker consumes, in order.")
     engine_joint_slot_cap: int = Field(4, ge=1, description="Engine slots joint requests may hold.")
+    engine_interactive_reserve: int = Field(
+        2,
+        ge=0,
+        description="Task threads and engine slots beyond engine_max_batch that only interactive jobs may "
+        "take (on a worker consuming interactive and other queues), so short jobs never wait for bulk work.",
+    )
     fault_injection: bool = Field(False, description="TESTS ONLY: honour params.fault in the worker.")
     fault_stall_seconds: float = Field(30.0, ge=0, description="TESTS ONLY: how long a 'stall' fault waits.")
 
@@ -201,6 +228,13 @@ class Settings(BaseSettings):
             return [str(item).strip() for item in value if str(item).strip()]
         return value
 
+    @field_validator("weight_group_size")
+    @classmethod
+    def _group_size(cls, value: int) -> int:
+        if value not in (32, 64, 128):
+            raise ValueError("weight_group_size must be 32, 64 or 128")
+        return value
+
     @field_validator("webhook_allowed_hosts")
     @classmethod
     def _hosts(cls, value: list[str]) -> list[str]:
@@ -253,13 +287,14 @@ class Settings(BaseSettings):
 
     @property
     def resolved_model_dir(self) -> Path:
-        """The checkpoint to serve: ``model_dir`` or the demo checkpoint under ``data_dir``."""
-        return self.model_dir or (self.data_dir / "models" / "demo")
+        """The checkpoint to serve: ``model_dir`` or the demo checkpoint under ``data_dir`` (an
+        absolute path, so a process started elsewhere finds the same folder)."""
+        return (self.model_dir or (self.data_dir / "models" / "demo")).expanduser().absolute()
 
     @property
     def resolved_model_root(self) -> Path:
         """The model store root: ``model_root`` or ``data_dir/model-store``."""
-        return self.model_root or (self.data_dir / "model-store")
+        return (self.model_root or (self.data_dir / "model-store")).expanduser().absolute()
 
 
 @lru_cache(maxsize=1)

@@ -265,10 +265,22 @@ def sdar_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["clover", "sdar"])
-def family_checkpoint(request: pytest.FixtureRequest, demo_checkpoint: Path, sdar_checkpoint: Path) -> Path:
-    """Each family's tiny demo checkpoint in turn (tests of the engine run on both)."""
-    return demo_checkpoint if request.param == "clover" else sdar_checkpoint
+@pytest.fixture(scope="session")
+def llada2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaDA2-MoE demo checkpoint (seed 0), written once per session."""
+    from worker.model.demo import write_demo_checkpoint
+
+    path = tmp_path_factory.mktemp("demo-llada2") / "tiny"
+    write_demo_checkpoint(path, seed=0, size="tiny", arch="llada2")
+    return path
+
+
+@pytest.fixture(scope="module", params=["clover", "sdar", "llada2"])
+def family_checkpoint(
+    request: pytest.FixtureRequest, demo_checkpoint: Path, sdar_checkpoint: Path, llada2_checkpoint: Path
+) -> Path:
+    """Each family's tiny demo checkpoint in turn (tests of the engine run on all of them)."""
+    return {"clover": demo_checkpoint, "sdar": sdar_checkpoint, "llada2": llada2_checkpoint}[request.param]
 
 
 # --- settings -----------------------------------------------------------------------------------

@@ -40,7 +40,14 @@ from scheduler.settings import Settings
 from scheduler.webhook_tasks import notify_job_finished
 from scheduler.workers import WorkerInfo, WorkerState, heartbeat_ttl, publish_worker, remove_worker
 from worker.execution import EngineContext, JobSpec, Outcome, run_kind
-from worker.joint_gate import JOINT_QUEUE, JointGate, joint_gate_for
+from worker.joint_gate import (
+    INTERACTIVE_QUEUE,
+    JOINT_QUEUE,
+    JointGate,
+    capacity_gate_for,
+    interactive_reserve,
+    joint_gate_for,
+)
 from worker.model_switch import SWITCHING, JobAdmission, ModelFollower, SwitchTurn, consumer_control
 from worker.monitor import JobMonitor, RunningJob
 from worker.telemetry import (
@@ -79,6 +86,14 @@ class WorkerRuntime:
         self.joint_gate: JointGate | None = (
             joint_gate_for(cap=settings.engine_joint_slot_cap, node=self.worker_id, redis_client=self.redis)
             if JOINT_QUEUE in queues else None
+        )
+        # Every class but interactive holds at most engine_max_batch task threads (and engine slots);
+        # the engine_interactive_reserve beyond are interactive's alone (issue 15: short first).
+        self.reserve = interactive_reserve(queues, settings.engine_interactive_reserve)
+        self.capacity_gate: JointGate | None = (
+            capacity_gate_for(cap=settings.engine_max_batch, node=self.worker_id, redis_client=self.redis,
+                              queues=queues)
+            if self.reserve else None
         )
         # Observability: job outcomes and periodic snapshots go to Redis (see worker/telemetry.py).
         self.metrics = RedisMetricsRecorder(self.redis)
@@ -124,17 +139,28 @@ class WorkerRuntime:
         """Load (and verify) the checkpoint at ``path``, start and warm up its engine, and make it
         the one jobs run on; returns the loaded checkpoint."""
         from worker.engine.engine import Engine, EngineConfig
-        from worker.model.checkpoint import load_checkpoint
+        from worker.model.quantize import load_model
 
-        loaded = load_checkpoint(path, device=self.settings.device, dtype=getattr(torch, self.settings.dtype),
-                                 verify=not self.settings.skip_verify)
+        if self.settings.tensor_parallel > 1 and self.settings.weight_dtype:  # not quantized per rank yet
+            raise RuntimeError("CLOVERQ_WEIGHT_DTYPE is not supported with CLOVERQ_TENSOR_PARALLEL > 1 yet")
+        if self.settings.tensor_parallel > 1:  # ranks 1..N-1 in processes of their own
+            from worker.tensor_parallel import load_sharded
+
+            loaded = load_sharded(self, path)
+        else:
+            verify = False if self.settings.skip_verify else self.settings.verify_on_load
+            loaded = load_model(path, device=self.settings.device, dtype=self.load_dtype(path),
+                                verify=verify, weight_dtype=self.settings.weight_dtype,
+                                group_size=self.settings.weight_group_size)  # int8/int4: quantize.py
         loaded.model.eval()
+        self._record_load(loaded)
         engine = Engine(
             loaded.model,
             EngineConfig(max_batch=self.settings.engine_max_batch,
                          max_tokens_in_flight=self.settings.engine_max_tokens_in_flight,
                          max_len=self.settings.resolved_engine_max_len,
-                         slot_caps={"joint": self.settings.engine_joint_slot_cap}),
+                         slot_caps={"joint": self.settings.engine_joint_slot_cap},
+                         reserved_slots=self.reserve, reserved_classes=frozenset({INTERACTIVE_QUEUE})),
             mask_token_id=loaded.tokenizer.mask_token_id,
             eos_token_ids=loaded.tokenizer.eos_token_ids,
             default_block_size=loaded.config.block_size,
@@ -149,6 +175,31 @@ class WorkerRuntime:
         self.model_version = f"{loaded.path.name}@{loaded.manifest_digest[:12]}"
         self.info.model_version = self.model_version
         return loaded
+
+    def load_dtype(self, path: Path) -> torch.dtype:
+        """The dtype to load ``path`` in: CLOVERQ_DTYPE, else its config.json's, else float32."""
+        from worker.model.checkpoint import read_config
+        from worker.model.hf_defaults import resolve_dtype
+
+        if self.settings.dtype:
+            return resolve_dtype(None, self.settings.dtype)
+        return resolve_dtype(read_config(path))
+
+    def _record_load(self, loaded: Any) -> None:
+        """What the load cost and chose, in the log and the registry (``stats.model_verify``): the
+        manifest check's bytes read against the checkpoint's size shows a quick check's saving."""
+        from worker.model.hf_defaults import GenerationDefaults
+
+        report = loaded.verification
+        verify = None if report is None else {
+            "mode": report.mode, "files": report.files, "bytes_total": report.bytes_total,
+            "bytes_read": report.bytes_read, "seconds": round(report.seconds, 4),
+        }
+        self.info.stats["model_verify"] = verify
+        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        log.info("worker.model_checked", path=str(loaded.path), dtype=dtype, verify=verify,
+                 block_size=loaded.config.block_size, family=loaded.config.family,
+                 generation_defaults=GenerationDefaults.from_dict(loaded.generation_config).as_log())
 
     # --- model versions (worker/model_switch.py) -------------------------------------------------
     def _store_path(self, version: str) -> Path:
@@ -362,14 +413,20 @@ class WorkerRuntime:
             self.redis.delete(redis_keys.enqueued(parsed))
             log.warning("job.handed_back_draining", job_id=str(parsed))
             return "handed_back"
-        gate = self.joint_gate if queue == JOINT_QUEUE else None
-        if gate is not None and not gate.try_enter():
-            self.redis.delete(redis_keys.enqueued(parsed))  # unclaimed: the reconciler republishes it
-            log.info("job.handed_back_joint_cap", job_id=str(parsed), cap=gate.cap)
-            return "handed_back"
+        gates = [g for g in (self.joint_gate if queue == JOINT_QUEUE else None,
+                             self.capacity_gate if queue != INTERACTIVE_QUEUE else None) if g is not None]
+        entered: list[JointGate] = []
+        for gate in gates:
+            if not gate.try_enter():
+                for held in entered:
+                    held.leave()
+                self.redis.delete(redis_keys.enqueued(parsed))  # unclaimed: the reconciler republishes it
+                log.info("job.handed_back_class_cap", job_id=str(parsed), queue=queue, cap=gate.cap)
+                return "handed_back"
+            entered.append(gate)
         if not self.admission.enter():  # switching model versions: not claimed, republished later
-            if gate is not None:
-                gate.leave()
+            for held in entered:
+                held.leave()
             self.redis.delete(redis_keys.enqueued(parsed))
             log.info("job.handed_back_switching", job_id=str(parsed))
             return "handed_back"
@@ -377,8 +434,8 @@ class WorkerRuntime:
             return self._claim_and_run(parsed)
         finally:
             self.admission.leave()
-            if gate is not None:
-                gate.leave()
+            for held in entered:
+                held.leave()
 
     def _claim_and_run(self, parsed: uuid.UUID) -> str:
         # From here on the claim in SQL says where the job is, so the enqueued marker goes first:
@@ -434,6 +491,8 @@ class WorkerRuntime:
             submit=self.engine.submit, tokenizer=self.tokenizer, settings=self.settings,
             deadline=time.monotonic() + deadline_seconds(spec.queue, self.settings, spec.params),
             cancel_event=running.cancel_event, on_progress=self.monitor.on_progress(lease.job_id),
+            on_plan=self.monitor.on_plan(lease.job_id),
+            default_block_size=getattr(self.engine, "default_block_size", None),
         )
         try:
             self._inject_fault(spec, running)
@@ -448,15 +507,20 @@ class WorkerRuntime:
             return "lost"
         if outcome.status is JobStatus.CANCELLED and not running.cancel_seen:
             return self._retry(spec, lease, running, "interrupted (engine stopping)")
+        # Final counters from the outcome (the last block may finish after the last report), never
+        # below what the job showed while running: SQL's progress ends where the hot status did.
+        usage = (outcome.result or {}).get("usage") or {}
+        final = self.monitor.final_progress(running, steps_used=outcome.steps_used, tokens=outcome.tokens,
+                                            blocks=usage.get("blocks"),
+                                            complete=outcome.status is JobStatus.SUCCEEDED)
         with self.sessions() as session:
             written = finish_job(session, lease=lease, status=outcome.status, settings=self.settings,
                                  result=outcome.result, steps_used=outcome.steps_used,
-                                 error_code=outcome.error_code, error_message=outcome.error_message)
+                                 error_code=outcome.error_code, error_message=outcome.error_message,
+                                 progress=final)
         running.status = outcome.status.value if written else running.status
-        if written:  # final counters from the outcome: the last block may finish after the last report
-            running.extra.update(steps_used=outcome.steps_used, tokens_committed=outcome.tokens)
-            if outcome.result is not None and "text" in outcome.result:
-                running.extra["partial_text"] = outcome.result["text"]
+        if written and outcome.result is not None and "text" in outcome.result:
+            running.extra["partial_text"] = outcome.result["text"]
         self._final_hot_status(running, outcome.status.value if written else "lost")
         if written:  # long-pollers (after the final hot status), webhooks, summary line, metrics
             publish_finished(self.redis, lease.job_id)

@@ -219,10 +219,17 @@ def test_a_manifest_escaping_the_version_folder_is_refused(source: Path, tmp_pat
     assert list(root.iterdir()) == []
 
 
-def test_a_source_without_manifest_is_refused(source: Path, root: Path) -> None:
+def test_a_folder_without_manifest_is_hashed_and_gets_one(source: Path, root: Path) -> None:
     (source / "manifest.json").unlink()
-    with pytest.raises(model_store.ModelStoreError, match="manifest"):
-        model_store.pull(source, name="demo", version="v1", root=root)
+    pulled = model_store.pull(source, name="demo", version="v1", root=root)
+    assert not pulled.source_manifest and pulled.files == len(list(source.iterdir()))
+    assert check_manifest(pulled.path) == []
+
+
+def test_an_http_source_without_manifest_is_refused(server: CheckpointServer, root: Path) -> None:
+    (server.folder / "manifest.json").unlink()
+    with pytest.raises(model_store.ModelStoreError, match="needs one"):
+        model_store.pull(server.url, name="demo", version="v1", root=root)
     assert list(root.iterdir()) == []
 
 

@@ -18,6 +18,7 @@ from bench.recompute import block_logits
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint
+from worker.model.family import decoding_defaults
 
 
 @pytest.fixture(scope="module")
@@ -163,26 +164,20 @@ def test_partial_prompt_block_is_decoded_first_with_its_prompt_fixed(engine: Eng
 
 
 def test_silent_params_take_the_family_defaults(tiny: LoadedModel, engine: Engine) -> None:
-    """Clover: steps = block size, dynamic, 0.95; SDAR: 4 steps, static, 0.9 (the config's block)."""
-    clover = tiny.config.family == "clover"
-    steps, strategy, threshold = (4, "dynamic", 0.95) if clover else (4, "static", 0.9)
+    """Clover, LLaDA2: steps = block size, dynamic, 0.95; SDAR: 4 steps, static, 0.9."""
+    defaults = decoding_defaults(tiny.config)
     block = tiny.config.block_size or 4
     prompt = [5, 17, 99, 3, 250]
-    expected, passes = reference_generate(
-        tiny, prompt, max_new=10, block=block, steps=steps, strategy=strategy, threshold=threshold, eos=()
-    )
     eng = make_engine(tiny, eos=(), max_batch=2)
     try:
-        result = run(eng, prompt, max_new_tokens=10)
-        assert result.token_ids == expected
-        assert result.steps_used == passes
-        big = run(eng, prompt, max_new_tokens=10, block_size=8)  # Clover: 8 steps for a block of 8
-        assert big.steps_used <= (2 * 8 if clover else 2 * 4)
-        if clover:
-            ref8, passes8 = reference_generate(
-                tiny, prompt, max_new=10, block=8, steps=8, strategy="dynamic", threshold=0.95, eos=()
-            )
-            assert (big.token_ids, big.steps_used) == (ref8, passes8)
+        for size in (block, 8):  # the config's block, and a request's block of 8
+            expected, passes = reference_generate(
+                tiny, prompt, max_new=10, block=size, steps=defaults.steps_for(size),
+                strategy=defaults.strategy, threshold=defaults.threshold, eos=(),
+            )  # fmt: skip
+            result = run(eng, prompt, max_new_tokens=10, block_size=size)
+            assert (result.token_ids, result.steps_used) == (expected, passes)
+        assert defaults.steps_for(8) == (4 if tiny.config.family == "sdar" else 8)
     finally:
         eng.stop()
 

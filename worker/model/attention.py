@@ -15,7 +15,7 @@ from torch import nn
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import CacheFullError, KVCache
 from worker.model.norm import RMSNorm
-from worker.model.rope import apply_rope
+from worker.model.rope import apply_partial_rope
 
 
 @dataclass(frozen=True)
@@ -72,16 +72,16 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, hidden]
-        cos: torch.Tensor,  # [B, T, 1, D] (rope_cos_sin)
-        sin: torch.Tensor,  # [B, T, 1, D] signed sin (rope_cos_sin)
+        cos: torch.Tensor,  # [B, T, 1, R] (rope_cos_sin; R = rotary dims, D unless partial)
+        sin: torch.Tensor,  # [B, T, 1, R] signed sin (rope_cos_sin)
         bias: torch.Tensor,  # [B, 1, G*T, S] additive mask (S = T without cache), see mask.py
         view: CacheView | None,
     ) -> torch.Tensor:  # [B, T, hidden]
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # [B, T, H, D]
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))  # [B, T, KVH, D]
-        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, D] (rotated while contiguous)
-        k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, KVH, T, D]
+        q = apply_partial_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, D] (rotated while contiguous)
+        k = apply_partial_rope(k, cos, sin).transpose(1, 2)  # [B, KVH, T, D]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
         keys, values = k, v  # [B, KVH, T, D]

@@ -25,10 +25,11 @@ import torch
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
-from worker.model import clover_decided
+from worker.model import clover_decided, fp8
 from worker.model.config import ConfigError, ModelConfig
 from worker.model.family import DiffusionModel, build_model
-from worker.model.manifest import manifest_digest, verify_manifest
+from worker.model.hf_defaults import resolve_dtype
+from worker.model.manifest import CheckReport, manifest_digest, verify_manifest
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class LoadedModel:
     generation_config: dict[str, Any]
     path: Path
     manifest_digest: str
+    verification: CheckReport | None = None  # the manifest check done at load (None: skipped)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ class _Target:
     expert: int | None = None  # stacked expert index
     part: Literal["gate", "up", "down", "gate_up_all", "down_all"] | None = None
     also: tuple[tuple[int, ...], ...] = ()  # other accepted shapes (same elements, reshaped)
+    split: tuple[tuple[str, int, int], ...] = ()  # a fused tensor: (our parameter, first row, end row)
+
+    def params(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.split) if self.split else (self.param,)
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
         return shape == self.shape or shape in self.also
@@ -158,6 +164,8 @@ def hf_targets(
     """
     if config.family == "clover":
         return _clover_targets(config, fused_experts=fused_experts, with_preview=with_preview)
+    if config.family == "llada2":
+        return _llada2_targets(config)
     return _sdar_targets(config)
 
 
@@ -194,6 +202,45 @@ def _sdar_targets(config: ModelConfig) -> dict[str, _Target]:
         t[f"{src}.self_attn.q_norm.weight"] = _Target(f"{dst}.attn.q_norm.weight", (d,))
         t[f"{src}.self_attn.k_norm.weight"] = _Target(f"{dst}.attn.k_norm.weight", (d,))
         t.update(_moe_targets(config, n, fused=False))
+    return t
+
+
+def _llada2_targets(config: ModelConfig) -> dict[str, _Target]:
+    """LLaDA2-MoE / BailingMoeV2 names -> ``CloverForBlockDiffusion``.
+
+    ``attention.query_key_value`` ``[(H + 2 KVH) * D, hidden]`` holds the query heads, then the key
+    heads, then the value heads: it is split into our q/k/v projections here.
+    """
+    h, d = config.hidden_size, config.head_dim
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    t = _shared_targets(config)
+    t["model.word_embeddings.weight"] = t.pop("model.embed_tokens.weight")
+    q_rows, kv_rows = heads * d, kv * d
+    for n in range(config.num_hidden_layers):
+        src, dst = f"model.layers.{n}.attention", f"layers.{n}.attn"
+        bounds = (
+            ("q", 0, q_rows),
+            ("k", q_rows, q_rows + kv_rows),
+            ("v", q_rows + kv_rows, q_rows + 2 * kv_rows),
+        )
+        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+            split = tuple((f"{dst}.{name}_proj.{kind}", lo, hi) for name, lo, hi in bounds)
+            shape = (q_rows + 2 * kv_rows, h) if kind == "weight" else (q_rows + 2 * kv_rows,)
+            t[f"{src}.query_key_value.{kind}"] = _Target(split[0][0], shape, split=split)
+        t[f"{src}.dense.weight"] = _Target(f"{dst}.o_proj.weight", (h, heads * d))
+        if config.attention_bias:
+            t[f"{src}.dense.bias"] = _Target(f"{dst}.o_proj.bias", (h,))
+        t[f"{src}.query_layernorm.weight"] = _Target(f"{dst}.q_norm.weight", (d,))
+        t[f"{src}.key_layernorm.weight"] = _Target(f"{dst}.k_norm.weight", (d,))
+        moe = _moe_targets(config, n, fused=False)
+        if config.is_moe_layer(n):  # BailingMoeV2 spells the shared expert(s) and the bias its way
+            mlp, ours = f"model.layers.{n}.mlp", f"layers.{n}.mlp"
+            for part in ("gate", "up", "down"):
+                moe[f"{mlp}.shared_experts.{part}_proj.weight"] = moe.pop(
+                    f"{mlp}.shared_expert.{part}_proj.weight"
+                )
+            moe[f"{mlp}.gate.expert_bias"] = _Target(f"{ours}.expert_bias", (config.num_experts,))
+        t.update(moe)
     return t
 
 
@@ -269,7 +316,8 @@ def _moe_targets(config: ModelConfig, n: int, fused: bool) -> dict[str, _Target]
             t[f"{src}.shared_expert.{name}_proj.weight"] = _Target(
                 f"{dst}.shared_expert.{name}_proj.weight", shape
             )
-        t[f"{src}.shared_expert_gate.weight"] = _Target(f"{dst}.shared_expert_gate.weight", (1, h))
+        if config.shared_expert_gated:
+            t[f"{src}.shared_expert_gate.weight"] = _Target(f"{dst}.shared_expert_gate.weight", (1, h))
     return t
 
 
@@ -357,7 +405,7 @@ def load_weights(model: DiffusionModel, files: list[Path], *, with_preview: bool
     preview_params = {n for n in params if n.rsplit(".", 1)[-1] in PREVIEW_TENSORS}
     unmapped = (
         set(params)
-        - {t.param for t in targets.values()}
+        - {p for t in targets.values() for p in t.params()}
         - ({"lm_head.weight"} if config.tie_word_embeddings else set())
         - (set() if with_preview else preview_params)
     )
@@ -377,6 +425,8 @@ def load_weights(model: DiffusionModel, files: list[Path], *, with_preview: bool
             for name in names:
                 if name.startswith(_SKIPPED_PREFIXES):
                     continue
+                if fp8.is_scale(name) and name.removesuffix(fp8.SCALE_SUFFIX) in found:
+                    continue  # an FP8 tensor's block scales, read with it
                 key = canonical_name(name)
                 target = targets.get(key)
                 if target is None:
@@ -391,7 +441,14 @@ def load_weights(model: DiffusionModel, files: list[Path], *, with_preview: bool
                         f"tensor {name} in {file.name} has shape {list(shape)}, expected {list(target.shape)}"
                     )
                 with torch.no_grad():
-                    _copy_into(params[target.param], target, f.get_tensor(name))
+                    tensor = f.get_tensor(name)
+                    if tensor.dtype in fp8.FP8_DTYPES:  # block-scaled FP8 (fp8.py): dequantized here
+                        tensor = _dequantize_fp8(f, name, tensor, found, config)
+                    if target.split:  # e.g. LLaDA2's query_key_value -> our q/k/v projections
+                        for param, lo, hi in target.split:
+                            params[param].copy_(tensor[lo:hi])
+                    else:
+                        _copy_into(params[target.param], target, tensor)
                 seen.add(key)
     missing = sorted(set(targets) - seen)
     if unexpected or missing:
@@ -405,15 +462,31 @@ def load_weights(model: DiffusionModel, files: list[Path], *, with_preview: bool
         raise CheckpointError("; ".join(parts))
 
 
+def _dequantize_fp8(
+    f: Any, name: str, tensor: torch.Tensor, found: dict[str, Path], config: ModelConfig
+) -> torch.Tensor:
+    scale = fp8.read_scale(f, name, found)
+    if scale is None:
+        raise CheckpointError(f"float8 tensor {name} has no {fp8.scale_name(name)} (block scales)")
+    try:
+        return fp8.dequantize(tensor, scale, fp8.block_size(config.extra))
+    except ValueError as exc:
+        raise CheckpointError(f"tensor {name}: {exc}") from exc
+
+
 def load_checkpoint(
     path: Path | str,
     *,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    verify: bool = True,
+    dtype: torch.dtype | None = torch.float32,
+    verify: bool | Literal["full", "quick"] = True,
     allow_causal_trunk: bool = False,
 ) -> LoadedModel:
     """Verify (unless told not to) and load a checkpoint folder onto ``device`` in ``dtype``.
+
+    ``verify``: ``True``/``"full"`` hashes every byte against ``manifest.json``, ``"quick"`` checks
+    sizes and sampled chunks (``worker.model.manifest``), ``False`` skips the check. ``dtype=None``:
+    the checkpoint's own (``config.json`` ``dtype``/``torch_dtype``, else float32).
 
     ``allow_causal_trunk`` also loads a plain ``qwen3_5_moe`` trunk (no preview tensors) to check
     the causal path against transformers; such a model is never served.
@@ -421,9 +494,13 @@ def load_checkpoint(
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    if verify:
-        verify_manifest(folder)
+    report = verify_manifest(folder, mode="full" if verify is True else verify) if verify else None
     config = read_config(folder, allow_causal_trunk=allow_causal_trunk)
+    if dtype is None:
+        try:
+            dtype = resolve_dtype(config)
+        except ConfigError as exc:
+            raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
     tokenizer = Tokenizer.from_dir(folder)
     model = build_empty_model(config, device=device, dtype=dtype)
     trunk_only = config.model_type not in ("clover_moe", "clover_moe_text") and config.family == "clover"
@@ -435,4 +512,5 @@ def load_checkpoint(
         generation_config=_generation_config(folder),
         path=folder,
         manifest_digest=manifest_digest(folder),
+        verification=report,
     )

@@ -6,6 +6,8 @@ cache and the planner agree on shapes. Two families share it:
 - ``sdar``: Qwen3-MoE / SDAR-MoE (``qwen3_moe``, ``sdar_moe``, ``sdar``), every layer attention.
 - ``clover``: Clover-35B-A3B-Preview (``clover_moe``), the Qwen3.5-MoE hybrid trunk (Gated DeltaNet
   and gated full-attention layers, shared expert) with block-diffusion preview tensors.
+- ``llada2``: LLaDA2.0/2.1-MoE (``llada2_moe``, BailingMoeV2), every layer attention under the
+  block-causal mask like SDAR, with a sigmoid group-limited router and shared experts.
 
 Name variants across published configs (``num_experts`` vs ``num_local_experts``, ``rope_theta`` vs
 ``rope_parameters.rope_theta``, a trunk nested under ``text_config``) are resolved here, once.
@@ -13,6 +15,8 @@ Name variants across published configs (``num_experts`` vs ``num_local_experts``
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,7 +24,10 @@ SDAR_MODEL_TYPES: frozenset[str] = frozenset({"qwen3_moe", "sdar_moe", "sdar"})
 CLOVER_MODEL_TYPES: frozenset[str] = frozenset({"clover_moe", "clover_moe_text"})
 # the causal Qwen3.5-MoE trunk: readable (to check our trunk against it) but not servable
 CAUSAL_TRUNK_MODEL_TYPES: frozenset[str] = frozenset({"qwen3_5_moe", "qwen3_5_moe_text"})
-SUPPORTED_MODEL_TYPES: frozenset[str] = SDAR_MODEL_TYPES | CLOVER_MODEL_TYPES
+LLADA2_MODEL_TYPES: frozenset[str] = frozenset({"llada2_moe"})
+SUPPORTED_MODEL_TYPES: frozenset[str] = SDAR_MODEL_TYPES | CLOVER_MODEL_TYPES | LLADA2_MODEL_TYPES
+SOFTMAX_ROUTER = "softmax"  # Qwen3 / Qwen3.5: softmax over experts, top-k
+SIGMOID_GROUP_ROUTER = "sigmoid_group"  # BailingMoeV2: sigmoid scores, group-limited top-k
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
@@ -68,6 +75,12 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     shared_expert_intermediate_size: int = 0
     partial_rotary_factor: float = 1.0
+    # routing (LLaDA2 / BailingMoeV2: sigmoid scores, a selection-only bias, expert groups)
+    router_type: str = SOFTMAX_ROUTER
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # Qwen3.5's shared expert has a sigmoid gate; LLaDA2's none
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,14 +108,21 @@ class ModelConfig:
                     f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
                     f"linear_num_key_heads={self.linear_num_key_heads}"
                 )
+        if self.router_type not in (SOFTMAX_ROUTER, SIGMOID_GROUP_ROUTER):
+            raise ConfigError(f"router_type={self.router_type!r} is not supported")
+        if self.num_experts and (self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group):
+            groups = f"n_group={self.n_group}, topk_group={self.topk_group}"
+            raise ConfigError(f"{groups} do not fit {self.num_experts} experts")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} gives an odd rotary width")
 
     # --- family and layer kinds ---------------------------------------------------------------
     @property
     def family(self) -> str:
-        """``clover`` (hybrid trunk + preview operators) or ``sdar`` (all-attention Qwen3-MoE)."""
-        return "clover" if self.layer_types else "sdar"
+        """``clover`` (hybrid trunk + preview operators), ``llada2`` (BailingMoeV2) or ``sdar``."""
+        if self.layer_types:
+            return "clover"
+        return "llada2" if self.model_type in LLADA2_MODEL_TYPES else "sdar"
 
     def is_linear_layer(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
@@ -172,16 +192,16 @@ class ModelConfig:
         norms = 2 * h
         dense_ffn = 3 * h * self.intermediate_size
         expert = 3 * h * self.moe_intermediate_size
-        shared = (
-            3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
-        )
+        shared_gate = h if self.shared_expert_gated else 0
+        shared = 3 * h * self.shared_expert_intermediate_size + shared_gate
+        shared = shared if self.shared_expert_intermediate_size else 0
         total = active = 0
         for layer in range(self.num_hidden_layers):
             mixer = linear if self.is_linear_layer(layer) else attn
             total += mixer + norms
             active += mixer + norms
             if self.is_moe_layer(layer):
-                router = self.num_experts * h
+                router = self.num_experts * (h + (self.router_type == SIGMOID_GROUP_ROUTER))  # + bias
                 total += router + self.num_experts * expert + shared
                 active += router + self.num_experts_per_tok * expert + shared
             else:
@@ -210,7 +230,7 @@ class ModelConfig:
             )
         if model_type not in SUPPORTED_MODEL_TYPES | CAUSAL_TRUNK_MODEL_TYPES:
             raise ConfigError(f"model_type={model_type!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}")
-        hybrid = model_type not in SDAR_MODEL_TYPES
+        hybrid = model_type in CLOVER_MODEL_TYPES | CAUSAL_TRUNK_MODEL_TYPES
         if hybrid and isinstance(d.get("text_config"), dict):  # multimodal wrapper: the trunk is nested
             outer = {k: v for k, v in d.items() if k != "text_config"}
             d = {**outer, **d["text_config"], "model_type": model_type}
@@ -274,7 +294,26 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
         )
         fields.update(hybrid_fields)
-        return cls(**fields, extra={k: v for k, v in d.items() if k not in known})
+        if model_type in LLADA2_MODEL_TYPES:
+            fields.update(_llada2_fields(d, rope))
+        config = cls(**fields, extra={k: v for k, v in d.items() if k not in known})
+        refuse_unsupported_flags(d, family=config.family)
+        return config
+
+    def _llada2_hf_dict(self, d: dict[str, Any]) -> dict[str, Any]:
+        """BailingMoeV2's spelling of the fields ``_llada2_fields`` reads."""
+        for name in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim", "shared_expert_intermediate_size",
+                     "mlp_only_layers", "decoder_sparse_step", "router_type", "shared_expert_gated",
+                     "norm_topk_prob", "attention_bias"):  # fmt: skip
+            d.pop(name)
+        d["architectures"] = ["LLaDA2MoeModelLM"]
+        d["first_k_dense_replace"] = len(self.mlp_only_layers)
+        d["num_shared_experts"] = self.shared_expert_intermediate_size // max(self.moe_intermediate_size, 1)
+        d["use_qkv_bias"] = d["use_bias"] = self.attention_bias
+        d["use_qk_norm"] = True
+        d["rope_theta"] = self.rope_theta
+        return d
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` dict that ``from_hf_dict`` reads back and whose trunk transformers'
@@ -295,6 +334,10 @@ class ModelConfig:
             "shared_expert_intermediate_size",
             "partial_rotary_factor",
         )
+        if self.family == "llada2":
+            d = self._llada2_hf_dict(d)
+            d.update(self.extra)
+            return d
         if self.family == "clover":
             d["architectures"] = ["CloverMoeModelLM"]
             d["layer_types"] = list(self.layer_types)
@@ -308,3 +351,79 @@ class ModelConfig:
         d["rope_parameters"] = rope
         d.update(self.extra)
         return d
+
+
+def _llada2_fields(d: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """LLaDA2-MoE (BailingMoeV2) names: dense first layers, shared experts, the grouped sigmoid router."""
+    if d.get("use_qk_norm", True) is False:
+        raise ConfigError("use_qk_norm=false is not supported (LLaDA2's query/key layernorms are always on)")
+    if bool(d.get("use_bias", False)) != bool(d.get("use_qkv_bias", False)):
+        raise ConfigError("use_bias and use_qkv_bias must agree (one bias flag for q/k/v and the output)")
+    shared = int(d.get("num_shared_experts") or 0)
+    return dict(
+        router_type=SIGMOID_GROUP_ROUTER,
+        n_group=int(d.get("n_group") or 1),
+        topk_group=int(d.get("topk_group") or 1),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        shared_expert_gated=False,
+        shared_expert_intermediate_size=shared * int(d.get("moe_intermediate_size", 0)),
+        mlp_only_layers=tuple(range(int(d.get("first_k_dense_replace", 0) or 0))),
+        norm_topk_prob=True,  # the gate normalises its top-k weights (when k > 1)
+        partial_rotary_factor=float(d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
+        attention_bias=bool(d.get("use_qkv_bias", False)),
+    )
+
+
+# --- config flags that change the math and are not implemented -----------------------------------
+
+
+def _rope_type(value: Any) -> str:
+    return str(value.get("rope_type", value.get("type", "default"))) if isinstance(value, dict) else "default"
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None
+
+
+@dataclass(frozen=True)
+class RefusedFlag:
+    """A ``config.json`` key whose value (when ``refused(value)``) asks for math cloverq lacks."""
+
+    key: str
+    refused: Callable[[Any], bool]
+    reason: str
+    families: tuple[str, ...] = ()  # () = every family
+
+
+# Checked by ``from_hf_dict`` on the (flattened) config: a checkpoint that needs any of these is
+# refused at load, naming the key and its value, instead of being served with different math.
+REFUSED_FLAGS: tuple[RefusedFlag, ...] = (
+    RefusedFlag("use_sliding_window", bool, "sliding-window attention is not implemented"),
+    RefusedFlag("rope_scaling", lambda v: v is not None and _rope_type(v) != "default",
+                "only the default RoPE is implemented (no yarn/linear/dynamic/llama3 scaling)"),
+    RefusedFlag("dual_chunk_attention_config", _is_set, "dual chunk attention is not implemented"),
+    RefusedFlag("attn_logit_softcapping", _is_set, "attention logit soft-capping is not implemented"),
+    RefusedFlag("final_logit_softcapping", _is_set, "final logit soft-capping is not implemented"),
+    RefusedFlag("mlp_bias", bool, "biases in the feed-forward layers are not implemented"),
+    RefusedFlag("qk_layernorm", lambda v: v is False, "the attention layers always apply query/key RMSNorm"),
+    RefusedFlag("use_qk_norm", lambda v: v is False, "the attention layers always apply query/key RMSNorm"),
+    RefusedFlag("partial_rotary_factor", lambda v: v is not None and float(v) != 1.0,
+                "SDAR-MoE rotates whole heads (partial RoPE is implemented for Clover only)", ("sdar",)),
+    RefusedFlag("shared_expert_intermediate_size", bool, "SDAR-MoE (Qwen3-MoE) has no shared expert",
+                ("sdar",)),
+    RefusedFlag("layer_types", lambda v: any(t != FULL_ATTENTION for t in v or ()),
+                "SDAR-MoE layers are all full attention", ("sdar",)),
+    RefusedFlag("norm_topk_prob", lambda v: v is False,
+                "the Qwen3.5-MoE router always renormalises its top-k weights", ("clover",)),
+)
+
+
+def refuse_unsupported_flags(d: dict[str, Any], *, family: str) -> None:
+    """Raise ``ConfigError`` naming every ``REFUSED_FLAGS`` entry that ``d`` sets."""
+    found = [
+        f"{flag.key}={json.dumps(d[flag.key])} ({flag.reason})"
+        for flag in REFUSED_FLAGS
+        if flag.key in d and (not flag.families or family in flag.families) and flag.refused(d[flag.key])
+    ]
+    if found:
+        raise ConfigError("unsupported config: " + "; ".join(found))

@@ -40,8 +40,57 @@ from worker.model.demo_tokenizer import (
 from worker.model.manifest import write_manifest
 
 DemoSize = Literal["tiny", "small"]
-DemoArch = Literal["clover", "sdar"]
-DEMO_ARCHS: tuple[str, ...] = ("clover", "sdar")
+DemoArch = Literal["clover", "sdar", "llada2"]
+DEMO_ARCHS: tuple[str, ...] = ("clover", "sdar", "llada2")
+
+_LLADA2_SHAPES: dict[str, dict[str, Any]] = {
+    # a dense first layer, then MoE with 4 groups of 2 experts (2 groups kept), 1 shared expert
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        shared_expert_gated=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=(0,),
+        router_type="sigmoid_group",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        partial_rotary_factor=0.5,
+        block_size=4,
+        dtype=torch.float32,
+    ),
+    "small": dict(
+        vocab_size=512,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        moe_intermediate_size=224,
+        shared_expert_intermediate_size=224,
+        shared_expert_gated=False,
+        num_experts=32,
+        num_experts_per_tok=4,
+        mlp_only_layers=(0,),
+        router_type="sigmoid_group",
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        partial_rotary_factor=0.5,
+        block_size=8,
+        dtype=torch.bfloat16,
+    ),
+}
+_MODEL_TYPES = {"clover": "clover_moe", "sdar": "qwen3_moe", "llada2": "llada2_moe"}
 
 _CLOVER_SHAPES: dict[str, dict[str, Any]] = {
     # ~0.2 M parameters: unit tests and the embedded default (GDN, attention, GDN, attention)
@@ -138,14 +187,14 @@ def demo_config(
 
     ``vocab_size`` is the tokenizer's (the BPE may learn fewer merges than the size allows).
     """
-    shape = dict((_CLOVER_SHAPES if arch == "clover" else _SHAPES)[size])
+    shape = dict({"clover": _CLOVER_SHAPES, "sdar": _SHAPES, "llada2": _LLADA2_SHAPES}[arch][size])
     dtype: torch.dtype = shape.pop("dtype")
     if vocab_size is not None:
         shape["vocab_size"] = vocab_size
     config = ModelConfig(
         **shape,
         norm_topk_prob=True,
-        model_type="clover_moe" if arch == "clover" else "qwen3_moe",
+        model_type=_MODEL_TYPES[arch],
         rms_norm_eps=1e-6,
         rope_theta=1_000_000.0,
         max_position_embeddings=4096,
@@ -183,7 +232,9 @@ def _random_weights(
             t = torch.randn(shape, generator=gen) * 0.25
         elif leaf in ("weight", "conv_right_weight") and "conv" in name:  # [C, 1, K] / [C, K-1] taps
             t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
-        elif name == "model.embed_tokens.weight":
+        elif leaf == "expert_bias":  # LLaDA2's selection-only router bias
+            t = torch.randn(shape, generator=gen) * 0.05
+        elif name in ("model.embed_tokens.weight", "model.word_embeddings.weight"):
             t = torch.randn(shape, generator=gen)
             t[config.mask_token_id] *= 0.01
         elif name == "lm_head.weight":

@@ -1,10 +1,12 @@
-"""The two model families and what differs between them, chosen once from the config.
+"""The model families and what differs between them, chosen once from the config.
 
 ``sdar``: Qwen3-MoE / SDAR-MoE, every layer attention under the block-causal mask
-(``model.CloverForBlockDiffusion``, a ``KVCache``). ``clover``: the Qwen3.5-MoE hybrid trunk with
-block-diffusion preview operators (``hybrid_model.CloverHybridForBlockDiffusion``, a
-``HybridCache``). Both expose the same ``forward`` and ``new_cache``, so nothing downstream
-branches on the family; what a request that names nothing decodes with is decided here too.
+(``model.CloverForBlockDiffusion``, a ``KVCache``). ``llada2``: LLaDA2-MoE (BailingMoeV2), the same
+all-attention block-diffusion model with its own router and shared experts (same classes; the
+config selects the parts). ``clover``: the Qwen3.5-MoE hybrid trunk with block-diffusion preview
+operators (``hybrid_model.CloverHybridForBlockDiffusion``, a ``HybridCache``). All expose the same
+``forward`` and ``new_cache``, so nothing downstream branches on the family; what a request that
+names nothing decodes with is decided here too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ DiffusionModel: TypeAlias = CloverForBlockDiffusion | CloverHybridForBlockDiffus
 # SDAR-MoE's defaults (the reference script's: 4 steps per block, static, threshold 0.9)
 SDAR_DEFAULT_BLOCK_SIZE = 4
 SDAR_DEFAULTS = dict(steps_per_block=4, strategy="static", threshold=0.9)
+# LLaDA2-MoE's (as dInfer and SGLang serve it): blocks of 32, dynamic at 0.95, up to one step per position
+LLADA2_DEFAULT_BLOCK_SIZE = 32
+LLADA2_DEFAULTS = dict(steps_per_block=None, strategy="dynamic", threshold=0.95)
 
 
 def build_model(config: ModelConfig) -> DiffusionModel:
@@ -35,4 +40,6 @@ def decoding_defaults(config: ModelConfig) -> DecodingDefaults:
     """Block size, steps per block, strategy and threshold when config and request are silent."""
     if config.family == "clover":
         return clover_decided.decoding_defaults(config.block_size)
+    if config.family == "llada2":
+        return DecodingDefaults(block_size=config.block_size or LLADA2_DEFAULT_BLOCK_SIZE, **LLADA2_DEFAULTS)
     return DecodingDefaults(block_size=config.block_size or SDAR_DEFAULT_BLOCK_SIZE, **SDAR_DEFAULTS)

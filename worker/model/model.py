@@ -1,4 +1,5 @@
-"""The Qwen3-MoE decoder run as a block-diffusion denoiser (SDAR-MoE).
+"""The all-attention MoE decoder run as a block-diffusion denoiser: SDAR-MoE (Qwen3-MoE) and
+LLaDA2-MoE (BailingMoeV2: its router, shared experts and partial RoPE come from the config).
 
 One forward runs ``T`` new positions per row against the row's committed KV cache under the
 block-causal mask, returns float32 logits for every new position (logits at ``p`` predict the
@@ -16,7 +17,7 @@ from worker.model.attention import Attention, CacheView, build_cache_view
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import KVCache
 from worker.model.mask import block_causal_mask, cached_block_causal_mask, grouped_additive_bias
-from worker.model.moe import DenseMLP, SparseMoE
+from worker.model.moe import DenseMLP, SharedExpertMoE, SparseMoE
 from worker.model.norm import RMSNorm
 from worker.model.rope import rope_cos_sin
 
@@ -28,9 +29,13 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config, layer)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.is_moe = config.is_moe_layer(layer)
-        self.mlp: SparseMoE | DenseMLP = (
-            SparseMoE(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size)
-        )
+        self.mlp: SparseMoE | DenseMLP
+        if not self.is_moe:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+        elif config.shared_expert_intermediate_size:
+            self.mlp = SharedExpertMoE(config)
+        else:
+            self.mlp = SparseMoE(config)
 
     def forward(
         self,
@@ -89,7 +94,7 @@ class CloverForBlockDiffusion(nn.Module):
             mask = cached_block_causal_mask(block_ids, valid, lengths, view.key_len)  # [B, 1, T, S]
         bias = grouped_additive_bias(mask, self.config.kv_groups, self.embed.weight.dtype)  # [B, 1, G*T, S]
         x = self.embed(input_ids)  # [B, T, H]
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
         token_weight = valid.reshape(-1).to(torch.float32) if valid is not None else None  # [B*T]
         for i, layer in enumerate(self.layers):
             counts = router_counts[i] if router_counts is not None else None

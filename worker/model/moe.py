@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model.config import ModelConfig
+from worker.model.config import SIGMOID_GROUP_ROUTER, ModelConfig
 
 
 class DenseMLP(nn.Module):
@@ -36,6 +36,8 @@ _GROUPED_MM_WORKS: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows ``offsets[e-1]:offsets[e]`` of ``x`` ``[N, K]`` times ``w[e]`` ``[K, M]`` -> ``[N, M]``."""
+    if not isinstance(w, torch.Tensor):  # int8/int4 experts (quantize.QuantizedExperts) dispatch themselves
+        return w.grouped_matmul(x, offsets)
     key = (x.device.type, x.device.index, x.dtype)
     if key not in _GROUPED_MM_WORKS:
         _GROUPED_MM_WORKS[key] = _probe_grouped_mm(x.device, x.dtype)
@@ -72,15 +74,27 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class SparseMoE(nn.Module):
-    """Softmax router, top-k experts per token, optional renormalisation of the top-k weights."""
+    """A router picks top-k experts per token; the experts run stacked (see the module doc).
+
+    Two routers: Qwen3's softmax over experts (top-k, optionally renormalised), and BailingMoeV2's
+    (LLaDA2): sigmoid scores, a per-expert bias that only takes part in *selecting* experts,
+    group-limited selection (keep the ``topk_group`` of ``n_group`` expert groups whose two best
+    biased scores sum highest, then the top-k inside them), weights = the unbiased scores of the
+    chosen experts renormalised (k > 1) and multiplied by ``routed_scaling_factor``.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.grouped_sigmoid = config.router_type == SIGMOID_GROUP_ROUTER
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.routed_scaling_factor = config.routed_scaling_factor
         h, i = config.hidden_size, config.moe_intermediate_size
         self.router = nn.Linear(h, self.num_experts, bias=False)
+        if self.grouped_sigmoid:  # selection-only bias (a buffer upstream; a parameter here so it loads)
+            self.expert_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
         self.w_gate_up = nn.Parameter(torch.empty(self.num_experts, h, 2 * i))  # [E, H, 2I]
         self.w_down = nn.Parameter(torch.empty(self.num_experts, i, h))  # [E, I, H]
 
@@ -93,10 +107,9 @@ class SparseMoE(nn.Module):
     ) -> torch.Tensor:  # [B, T, H]
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
-        probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)  # [N, E]
-        top_w, top_e = torch.topk(probs, self.top_k, dim=-1)  # [N, K]
-        if self.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w, top_e = (
+            self._route_grouped_sigmoid(flat) if self.grouped_sigmoid else self._route_softmax(flat)
+        )
         top_w = top_w.to(x.dtype)
 
         expert_of = top_e.reshape(-1)  # [N*K]
@@ -119,15 +132,43 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(flat).index_add_(0, token_of, ys)  # [N, H]
         return out.view(shape)
 
+    def _route_softmax(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights ``[N, K]`` (float32) and experts ``[N, K]`` of Qwen3's softmax router."""
+        probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)  # [N, E]
+        top_w, top_e = torch.topk(probs, self.top_k, dim=-1)  # [N, K]
+        if self.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_w, top_e
+
+    def _route_grouped_sigmoid(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights and experts of BailingMoeV2's router (float32 logits, as upstream)."""
+        n = flat.shape[0]
+        logits = F.linear(flat.float(), self.router.weight.float())  # [N, E]
+        scores = torch.sigmoid(logits)  # [N, E]
+        biased = scores + self.expert_bias.float()  # selection only
+        grouped = biased.view(n, self.n_group, -1)  # [N, G, E/G]
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [N, G]
+        keep = torch.zeros_like(group_score).scatter_(
+            1, group_score.topk(self.topk_group, dim=-1).indices, 1.0
+        )
+        allowed = keep.bool()[:, :, None].expand_as(grouped).reshape(n, -1)  # [N, E]
+        top_e = biased.masked_fill(~allowed, float("-inf")).topk(self.top_k, dim=-1).indices  # [N, K]
+        top_w = scores.gather(1, top_e)  # [N, K] unbiased
+        if self.top_k > 1:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_w * self.routed_scaling_factor, top_e
+
 
 class SharedExpertMoE(SparseMoE):
-    """Qwen3.5-MoE's feed-forward: the routed experts plus one always-on shared expert whose
-    output is scaled by ``sigmoid(shared_expert_gate(x))`` per token."""
+    """The routed experts plus an always-on shared expert: Qwen3.5-MoE scales its output by
+    ``sigmoid(shared_expert_gate(x))`` per token; LLaDA2's shared experts are added as they are."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.shared_expert_gate = (
+            nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gated else None
+        )
 
     def forward(
         self,
@@ -137,4 +178,7 @@ class SharedExpertMoE(SparseMoE):
         counts_out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [B, T, H]
         routed = super().forward(x, token_weight=token_weight, counts_out=counts_out)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + shared

@@ -1,4 +1,8 @@
-"""The checkpoint's tokenizer (``tokenizer.json``) and chat template (``tokenizer_config.json``).
+"""The checkpoint's tokenizer (``tokenizer.json``) and its chat template.
+
+The chat template is read from the first of ``chat_template.jinja`` (what recent transformers'
+``save_pretrained`` writes), ``chat_template.json`` (``{"chat_template": ...}``) and the
+``chat_template`` entry of ``tokenizer_config.json`` (older checkpoints), as transformers does.
 
 Special-token ids (mask, EOS, pad, ``<think>``) are resolved once from the files a published
 checkpoint ships (config.json, generation_config.json, tokenizer_config.json, tokenizer.json), so
@@ -40,6 +44,33 @@ def _ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+CHAT_TEMPLATE_FILES: tuple[str, ...] = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+
+
+def _template_text(value: Any) -> str | None:
+    """A template given as text, or as ``[{"name": "default", "template": ...}, ...]``."""
+    if isinstance(value, list):
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"),
+                     None)
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def find_chat_template(folder: Path, tok_cfg: dict[str, Any] | None = None) -> str | None:
+    """The chat template of a checkpoint folder (first of ``CHAT_TEMPLATE_FILES``), or None."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file() and jinja_file.read_text().strip():
+        return jinja_file.read_text()
+    try:
+        from_json = _template_text(_read_json(folder / "chat_template.json").get("chat_template"))
+    except ValueError as exc:
+        raise TokenizerError(f"{folder / 'chat_template.json'} is not valid JSON: {exc}") from exc
+    if from_json is not None:
+        return from_json
+    if tok_cfg is None:
+        tok_cfg = _read_json(folder / "tokenizer_config.json")
+    return _template_text(tok_cfg.get("chat_template"))
 
 
 class Tokenizer:
@@ -109,12 +140,9 @@ class Tokenizer:
         pad = lookup(_token_text(tok_cfg.get("pad_token")))
         if pad is None:
             pad = gen_cfg.get("pad_token_id", model_cfg.get("pad_token_id"))
-        template = tok_cfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return cls(
             backend,
-            chat_template=template,
+            chat_template=find_chat_template(folder, tok_cfg),
             mask_token_id=int(mask),
             eos_token_ids=eos,
             pad_token_id=int(pad if pad is not None else eos[0]),
@@ -136,7 +164,9 @@ class Tokenizer:
     @cached_property
     def _template(self) -> jinja2.Template:
         if not self.chat_template:
-            raise TokenizerError("this checkpoint has no chat_template in tokenizer_config.json")
+            raise TokenizerError(
+                "this checkpoint has no chat template (none of " + ", ".join(CHAT_TEMPLATE_FILES) + ")"
+            )
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
