@@ -1,0 +1,352 @@
+"""One rank's shard of a model: built from ``rank_config``, filled from slices of the checkpoint.
+
+The shard is the ordinary model class of the family built with the rank's head counts and MLP
+widths (``plan.rank_config``), so every layer runs its own code on its slice. Two forward hooks
+per decoder layer sum the partial outputs across ranks (one all-reduce after the mixer's
+``o_proj``/``out_proj``, one after the feed-forward's down projections: routed experts and the
+shared expert of a layer share that one all-reduce, as their sum is summed). Ranks other than 0
+carry no LM head: only rank 0 samples, so they return empty logits ``[B, K, 0]``.
+
+Weights come from the memory-mapped safetensors through ``safe_open(...).get_slice(name)[...]``:
+a rank reads its rows/columns of every split tensor and nothing else (replicated tensors, i.e.
+embedding, norms, routers, q/k norms, the GDN norm, whole). ``load_shard_weights`` returns the
+number of elements it read, which the tests hold against the shard's parameter count.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from worker.model.checkpoint import (
+    _IGNORED_SUFFIXES,
+    _SKIPPED_PREFIXES,
+    PREVIEW_TENSORS,
+    CheckpointError,
+    build_empty_model,
+    canonical_name,
+    hf_targets,
+    tensor_names,
+)
+from worker.model.config import ModelConfig
+from worker.model.family import DiffusionModel
+from worker.model.moe import SharedExpertMoE, SparseMoE, _grouped_matmul
+from worker.model.parallel.plan import ShardError, ShardPlan, gdn_channels, rank_config
+
+
+@dataclass
+class ReduceCounter:
+    """All-reduces issued by the current forward (a fault before the first one is not fatal)."""
+
+    count: int = 0
+
+
+@dataclass
+class Shard:
+    """A rank's model plus the counter its all-reduce hooks bump."""
+
+    model: DiffusionModel
+    plan: ShardPlan
+    counter: ReduceCounter = field(default_factory=ReduceCounter)
+
+
+class _NoHead(nn.Module):
+    """The LM head of ranks that do not sample: empty logits, no vocabulary matrix held."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., 0]
+        return x.new_empty(*x.shape[:-1], 0)
+
+
+class ExpertParallelMoE(SparseMoE):
+    """Routed experts held ``E / N`` per rank: the router is whole (every rank routes every token
+    alike), each rank runs only the token copies routed to its experts and the partial outputs
+    are summed by the layer's all-reduce."""
+
+    expert_offset: int = 0  # first expert held (set when a module is converted)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        *,
+        token_weight: torch.Tensor | None = None,
+        counts_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [N, H]
+        probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)  # [N, E]
+        top_w, top_e = torch.topk(probs, self.top_k, dim=-1)  # [N, K]
+        if self.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
+        expert_of = top_e.reshape(-1)  # [N*K]
+        order = torch.argsort(expert_of, stable=True)  # [N*K] copies sorted by expert
+        counts = torch.bincount(expert_of, minlength=self.num_experts)  # [E]
+        if counts_out is not None:
+            if token_weight is None:
+                counts_out += counts
+            else:
+                w = token_weight.repeat_interleave(self.top_k)
+                counts_out += torch.bincount(expert_of, weights=w, minlength=self.num_experts).long()
+        held = self.w_gate_up.shape[0]
+        lo = self.expert_offset
+        ends = torch.cumsum(counts, 0)  # [E]
+        first = int(ends[lo - 1]) if lo else 0  # one host sync: where this rank's copies lie
+        last = int(ends[lo + held - 1])
+        out = torch.zeros_like(flat)
+        if last > first:
+            mine = order[first:last]  # [M] sorted copies routed to held experts
+            token_of = mine // self.top_k
+            offsets = (ends[lo : lo + held] - first).to(torch.int32)  # [E/N]
+            gate_up = _grouped_matmul(flat[token_of], self.w_gate_up, offsets)  # [M, 2I]
+            gate, up = gate_up.chunk(2, dim=-1)
+            ys = _grouped_matmul(F.silu(gate) * up, self.w_down, offsets)  # [M, H]
+            out.index_add_(0, token_of, ys * top_w.reshape(-1)[mine, None])
+        return out.view(shape)
+
+
+class ExpertParallelSharedMoE(SharedExpertMoE, ExpertParallelMoE):
+    """Qwen3.5's routed experts (expert parallel) plus its shared expert (column split)."""
+
+
+def build_shard(
+    config: ModelConfig,
+    plan: ShardPlan,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    reduce: Callable[[torch.Tensor], None] | None = None,
+) -> Shard:
+    """Rank ``plan.rank``'s model with uninitialised weights and its all-reduce hooks.
+
+    ``reduce`` sums a tensor across ranks in place (``dist.all_reduce``); required when
+    ``plan.world > 1``.
+    """
+    model = build_empty_model(rank_config(config, plan), device=device, dtype=dtype)
+    shard = Shard(model, plan)
+    if plan.world == 1:
+        return shard
+    if reduce is None:
+        raise ValueError("a shard of a multi-rank plan needs a reduce function")
+    if plan.moe == "experts":
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                _to_expert_parallel(module, plan, device=device, dtype=dtype)
+    if plan.rank > 0:
+        model.lm_head = _NoHead()
+    counter = shard.counter
+
+    def summed(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+        counter.count += 1
+        reduce(output)
+        return output
+
+    for layer in model.layers:
+        mixer = layer.attn if hasattr(layer, "attn") else layer.mixer
+        mixer.register_forward_hook(summed)
+        layer.mlp.register_forward_hook(summed)
+    return shard
+
+
+def _to_expert_parallel(module: SparseMoE, plan: ShardPlan, *, device: torch.device | str,
+                        dtype: torch.dtype) -> None:
+    held = len(plan.experts)
+    _, h, two_i = module.w_gate_up.shape
+    module.w_gate_up = nn.Parameter(torch.empty(held, h, two_i, device=device, dtype=dtype),
+                                    requires_grad=False)
+    module.w_down = nn.Parameter(torch.empty(held, two_i // 2, h, device=device, dtype=dtype),
+                                 requires_grad=False)
+    module.__class__ = ExpertParallelSharedMoE if isinstance(module, SharedExpertMoE) else ExpertParallelMoE
+    module.expert_offset = plan.experts.start
+
+
+# --- which slice of each checkpoint tensor a rank reads -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Read ``ranges`` of dimension ``dim`` (concatenated); ``dim`` None: the whole tensor."""
+
+    dim: int | None = None
+    ranges: tuple[tuple[int, int], ...] = ()
+    skip: bool = False  # not held by this rank (another rank's expert, the LM head of rank > 0)
+    zero: bool = False  # held but zero here (a row-split layer's output bias lives on rank 0)
+
+
+WHOLE = Piece()
+SKIP = Piece(skip=True)
+_LAYER = re.compile(r"layers\.(\d+)\.(attn|mixer|mlp)\.(.+)")
+# GDN tensors with one row (or entry) per value head; the bd_* are the preview's per-head vectors
+_GDN_HEADWISE = {"in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"} | (
+    set(PREVIEW_TENSORS) - {"conv_right_weight"}
+)
+
+
+def _rng(r: range, unit: int = 1, offset: int = 0) -> tuple[int, int]:
+    return (offset + r.start * unit, offset + r.stop * unit)
+
+
+def piece_for(param: str, target: Any, config: ModelConfig, plan: ShardPlan) -> Piece:
+    """The slice of the checkpoint tensor behind ``target`` (our ``param``) this rank holds."""
+    if param == "lm_head.weight":
+        return SKIP if plan.rank > 0 else WHOLE
+    match = _LAYER.fullmatch(param)
+    if match is None or plan.world == 1:
+        return WHOLE  # embedding, norms
+    n, module, rest = int(match[1]), match[2], match[3]
+    d = config.head_dim
+    if module in ("attn", "mixer") and not config.is_linear_layer(n):
+        q_rows = 2 * d if config.family == "clover" else d  # Clover's q_proj emits the gate too
+        if rest.startswith("q_proj."):
+            return Piece(0, (_rng(plan.q_heads, q_rows),))
+        if rest.startswith(("k_proj.", "v_proj.")):
+            return Piece(0, (_rng(plan.kv_heads, d),))
+        if rest == "o_proj.weight":
+            return Piece(1, (_rng(plan.q_heads, d),))
+        if rest == "o_proj.bias":
+            return Piece(zero=plan.rank > 0)
+        if rest in ("q_norm.weight", "k_norm.weight"):
+            return WHOLE
+    elif module == "mixer":  # Gated DeltaNet
+        dv = config.linear_value_head_dim
+        if rest in ("in_proj_qkv.weight", "conv_weight", "conv_right_weight"):
+            return Piece(0, tuple(gdn_channels(config, plan)))
+        if rest == "in_proj_z.weight":
+            return Piece(0, (_rng(plan.v_heads, dv),))
+        if rest in _GDN_HEADWISE:
+            return Piece(0, (_rng(plan.v_heads),))
+        if rest == "out_proj.weight":
+            return Piece(1, (_rng(plan.v_heads, dv),))
+        if rest == "norm.weight":
+            return WHOLE
+    else:  # feed-forward
+        if rest in ("router.weight", "shared_expert_gate.weight"):
+            return WHOLE
+        if rest in ("w_gate_up", "w_down"):
+            return _expert_piece(target, config, plan)
+        cols = plan.shared_cols if rest.startswith("shared_expert.") else plan.dense_cols
+        leaf = rest.rsplit(".", 2)[-2]
+        if leaf in ("gate_proj", "up_proj"):
+            return Piece(0, (_rng(cols),))
+        if leaf == "down_proj":
+            return Piece(1, (_rng(cols),))
+    raise ShardError(f"no tensor-parallel rule for parameter {param}")
+
+
+def _expert_piece(target: Any, config: ModelConfig, plan: ShardPlan) -> Piece:
+    cols, experts, i = plan.moe_cols, plan.experts, config.moe_intermediate_size
+    if target.part in ("gate", "up", "down"):  # one expert: [I, H] (gate/up) or [H, I] (down)
+        if target.expert not in experts:
+            return SKIP
+        return Piece(0 if target.part != "down" else 1, (_rng(cols),))
+    if plan.moe == "experts":  # fused [E, 2I, H] / [E, H, I]: this rank's experts
+        return Piece(0, (_rng(experts),))
+    if target.part == "gate_up_all":  # gate rows then up rows
+        return Piece(1, (_rng(cols), _rng(cols, offset=i)))
+    return Piece(2, (_rng(cols),))  # down_all
+
+
+def read_piece(f: Any, name: str, piece: Piece) -> torch.Tensor:
+    """The slice ``piece`` of tensor ``name`` of an open safetensors file (only those bytes read)."""
+    if piece.dim is None:
+        return f.get_tensor(name)
+    view = f.get_slice(name)
+    lead = (slice(None),) * piece.dim
+    chunks = [view[(*lead, slice(a, b))] for a, b in piece.ranges]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=piece.dim)
+
+
+def _copy_into(param: torch.Tensor, target: Any, tensor: torch.Tensor, plan: ShardPlan) -> None:
+    if target.part is None:
+        param.copy_(tensor.reshape(param.shape))
+    elif target.part in ("gate_up_all", "down_all"):  # fused [E, out, in] -> our [E, in, out]
+        param.copy_(tensor.transpose(1, 2))
+    else:
+        e = target.expert - (plan.experts.start if plan.moe == "experts" else 0)
+        half = param.shape[-1] // 2
+        if target.part == "gate":
+            param[e, :, :half].copy_(tensor.T)
+        elif target.part == "up":
+            param[e, :, half:].copy_(tensor.T)
+        else:
+            param[e].copy_(tensor.T)
+
+
+def load_shard_weights(
+    shard: Shard, files: list[Path], config: ModelConfig, *, with_preview: bool = True
+) -> int:
+    """Fill ``shard`` from its slices of ``files``; returns the number of elements read.
+
+    Missing, unexpected and misshaped tensors are reported by name, as ``load_weights`` does.
+    """
+    model, plan = shard.model, shard.plan
+    found = tensor_names(files)
+    fused = any(canonical_name(n).endswith("mlp.experts.gate_up_proj") for n in found)
+    targets = hf_targets(config, fused_experts=fused, with_preview=with_preview)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    preview = {n for n in params if n.rsplit(".", 1)[-1] in PREVIEW_TENSORS}
+    unmapped = (
+        set(params)
+        - {t.param for t in targets.values()}
+        - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+        - (set() if with_preview else preview)
+    )
+    if unmapped:
+        raise CheckpointError(f"no checkpoint name maps to parameters: {', '.join(sorted(unmapped))}")
+    read = 0
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    by_file: dict[Path, list[str]] = {}
+    for name, file in found.items():
+        by_file.setdefault(file, []).append(name)
+    with torch.no_grad():
+        if not with_preview:
+            for name in preview:
+                params[name].zero_()
+        for file, names in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    if name.startswith(_SKIPPED_PREFIXES):
+                        continue
+                    key = canonical_name(name)
+                    target = targets.get(key)
+                    if target is None:
+                        if not (key == "lm_head.weight" and config.tie_word_embeddings) and not name.endswith(
+                            _IGNORED_SUFFIXES
+                        ):
+                            unexpected.append(name)
+                        continue
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if not target.accepts(shape):
+                        raise CheckpointError(
+                            f"tensor {name} in {file.name} has shape {list(shape)}, "
+                            f"expected {list(target.shape)}"
+                        )
+                    seen.add(key)
+                    piece = piece_for(target.param, target, config, plan)
+                    if piece.skip:
+                        continue
+                    param = params[target.param]
+                    if piece.zero:
+                        param.zero_()
+                        continue
+                    tensor = read_piece(f, name, piece)
+                    read += tensor.numel()
+                    _copy_into(param, target, tensor, plan)
+    missing = sorted(set(targets) - seen)
+    if unexpected or missing:
+        parts = []
+        if missing:
+            more = " ..." if len(missing) > 20 else ""
+            parts.append(f"missing tensors: {', '.join(missing[:20])}{more}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {', '.join(sorted(unexpected)[:20])}")
+        raise CheckpointError("; ".join(parts))
+    return read
