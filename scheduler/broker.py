@@ -24,10 +24,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import redis
+import structlog
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
 from scheduler import redis_keys
+
+log = structlog.get_logger(__name__)
 
 TRANSPORT_PATH = "scheduler.broker:Transport"
 
@@ -46,8 +50,31 @@ def releases_reservations(app: Any) -> bool:
     return bool(getattr(app.conf, "broker_transport", None) == TRANSPORT_PATH)
 
 
+class QoS(kombu_redis.QoS):  # type: ignore[misc]
+    """kombu's QoS, except that handing back this channel's unacked deliveries when the broker is
+    gone never kills the process.
+
+    On a broker restart kombu closes the channel and restores its unacked deliveries through a
+    connection that no longer exists; redis-py then raises (``ConnectionError``, or an
+    ``AttributeError`` on the vanished connection's ``hostname``), which Celery treats as
+    unrecoverable: the worker or beat exited with code 0 and nothing restarted it (issue 16).
+    Skipping the restore loses nothing: a delivery left in Redis's unacked set is restored by
+    kombu's visibility sweep, and one Redis lost is republished from SQL by the reconciler.
+    """
+
+    def restore_unacked(self, client: Any = None) -> None:
+        try:
+            super().restore_unacked(client)
+        except (AttributeError, OSError, redis.RedisError) as exc:
+            log.warning("broker.restore_unacked_skipped", error=f"{type(exc).__name__}: {exc}",
+                        deliveries=len(self._delivered))
+            self._delivered.clear()
+
+
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
     """kombu's Redis channel, reusing one synchronous client for its short commands."""
+
+    QoS = QoS
 
     _shared_client: Any = None
 
