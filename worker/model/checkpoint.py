@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
 from worker.model import clover_decided, fp8
-from worker.model.config import ConfigError, ModelConfig
+from worker.model.config import CLOVER_MODEL_TYPES, ConfigError, ModelConfig
 from worker.model.family import DiffusionModel, build_model
 from worker.model.hf_defaults import resolve_dtype
 from worker.model.manifest import CheckReport, manifest_digest, verify_manifest
@@ -503,7 +503,7 @@ def load_checkpoint(
             raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
     tokenizer = Tokenizer.from_dir(folder)
     model = build_empty_model(config, device=device, dtype=dtype)
-    trunk_only = config.model_type not in ("clover_moe", "clover_moe_text") and config.family == "clover"
+    trunk_only = config.family == "clover" and config.model_type not in CLOVER_MODEL_TYPES
     load_weights(model, weight_files(folder), with_preview=not trunk_only)
     return LoadedModel(
         model=model,
