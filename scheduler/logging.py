@@ -182,7 +182,11 @@ def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> No
     root.setLevel(level)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "celery", "alembic"):
         lib_logger = logging.getLogger(name)
+        # Whoever configured these before (uvicorn.Config's log_level, a dictConfig) may have left
+        # a level or ``disabled``; the root's level and handler decide from here on.
         lib_logger.handlers.clear()
+        lib_logger.setLevel(logging.NOTSET)
+        lib_logger.disabled = False
         lib_logger.propagate = True
 
 
