@@ -207,6 +207,11 @@ async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    from api.auth import meter_refused_request  # here: api.errors loads without the auth stack
+
+    refused = await meter_refused_request(request)  # an invalid body spends its token too
+    if refused is not None:
+        return await _http_exception_handler(request, refused)
     details = validation_details(exc.errors())
     message = "The request is not valid."
     if openai_style(request.url.path) and details:  # OpenAI clients show only the message

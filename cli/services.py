@@ -8,18 +8,22 @@ starting more ``cloverq worker`` processes.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 import httpx
 
-from cli.supervisor import Supervisor
+from cli.supervisor import Child, Supervisor
 from client import Client, RetryPolicy
 from scheduler.settings import Settings, get_settings
 
@@ -58,7 +62,10 @@ def migrate() -> None:
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @click.option("--keep-alive", "keep_alive", default=75, show_default=True, type=int,
               help="Seconds an idle keep-alive connection is held open; keep it above clients' idle expiry.")
-def api(host: str, port: int, workers: int, access_log: bool, keep_alive: int) -> None:
+@click.option("--fd", type=int, default=None,
+              help="Serve on this inherited, listening TCP socket instead of binding --host/--port "
+              "(one process; cloverq up binds the port itself so a taken port fails before anything starts).")
+def api(host: str, port: int, workers: int, access_log: bool, keep_alive: int, fd: int | None) -> None:
     """Serve the HTTP API (uvicorn)."""
     import uvicorn
 
@@ -66,13 +73,18 @@ def api(host: str, port: int, workers: int, access_log: bool, keep_alive: int) -
 
     settings = get_settings()
     configure_logging(settings)
+    if fd is not None and workers > 1:
+        raise click.UsageError("--fd serves from one process: drop --workers")
     if workers > 1:  # several processes on this host: merge their metrics via the mmap dir
         from scheduler.metrics import enable_multiprocess
 
         enable_multiprocess(settings)
-    uvicorn.run(
-        "api.app:create_app",
+    from api.http_protocol import JsonHttpToolsProtocol
+
+    options: dict[str, Any] = dict(
         factory=True,
+        # Bounded request heads, and uvicorn's own 400s in the JSON error shape (api/http_protocol.py).
+        http=JsonHttpToolsProtocol,
         host=host,
         port=port,
         workers=workers,
@@ -90,6 +102,26 @@ def api(host: str, port: int, workers: int, access_log: bool, keep_alive: int) -
         # uvicorn's start-up health check, or the supervisor kills and respawns it forever.
         timeout_worker_healthcheck=120,
     )
+    if fd is None:
+        uvicorn.run("api.app:create_app", **options)
+    else:
+        _serve_inherited_socket(uvicorn.Config("api.app:create_app", **options), fd)
+
+
+def _serve_inherited_socket(config: Any, fd: int) -> None:
+    """Serve ``config`` on the listening socket ``fd`` (what ``uvicorn.run`` does for one process).
+
+    Not uvicorn's own ``fd=``: it rebuilds the socket as AF_UNIX, so accepted TCP connections would
+    miss TCP_NODELAY (asyncio sets it by family) and small responses would wait on Nagle.
+    """
+    import uvicorn
+
+    config.load_app()
+    server = uvicorn.Server(config=config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[socket.socket(fileno=fd)])  # family and type read from the socket
+    if not server.started:
+        sys.exit(3)  # uvicorn's STARTUP_FAILURE
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -154,6 +186,9 @@ def up(host: str, port: int, ready_timeout: float) -> None:
     settings = get_settings()
     data_dir = settings.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
+    # First of all: a port another stack holds must stop us before we start anything (issue 16:
+    # the other stack's /readyz answered, and "cloverq is up" was printed for it).
+    listener = _listen(host, port)
     stop = _StopRequested()
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -173,21 +208,24 @@ def up(host: str, port: int, ready_timeout: float) -> None:
         python = sys.executable
         supervisor.start("worker", [python, "-m", "cli", "worker"], env=env, stop_timeout=60.0)
         supervisor.start("beat", [python, "-m", "cli", "beat"], env=env, stop_timeout=10.0)
-        supervisor.start("api", [python, "-m", "cli", "api", "--host", host, "--port", str(port)],
-                         env=env, stop_timeout=15.0)
+        supervisor.start("api", [python, "-m", "cli", "api", "--fd", str(listener.fileno())],
+                         env=env, stop_timeout=15.0, pass_fds=(listener.fileno(),))
+        listener.close()  # the API holds it now
         base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         _say(f"waiting for readiness (logs in {supervisor.log_dir}) ...")
         if not _wait_ready(base_url, supervisor, stop.event, ready_timeout):
-            raise click.ClickException("the stack did not become ready; see the logs above")
+            if stop.event.is_set():
+                return
+            raise click.ClickException(
+                f"the stack did not become ready within {ready_timeout:g}s; logs: {supervisor.log_dir}"
+            )
         _print_banner(base_url, dev_key, settings)
         while not stop.event.wait(0.5):
             dead = supervisor.first_dead()
             if dead is not None:
-                raise click.ClickException(
-                    f"{dead.name} exited with code {dead.process.returncode}; "
-                    f"see {supervisor.log_dir / (dead.name + '.log')}"
-                )
+                raise click.ClickException(child_failure(dead, supervisor.log_dir))
     finally:
+        listener.close()
         _say("stopping ...")
         supervisor.stop_all()
         _say("stopped.")
@@ -197,9 +235,54 @@ def _say(message: str) -> None:
     click.echo(f"[cloverq up] {message}", err=True)
 
 
-def _settings_overrides(settings: Settings, data_dir: Path) -> dict[str, object]:
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` for the API child (handed over with ``--fd``).
+
+    ``up`` binds it before starting anything, so a port in use fails at once with the cause,
+    and no other process can take the port between a check and the API's own bind.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from exc
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        listener.bind(address)
+        listener.listen(2048)
+    except OSError as exc:
+        listener.close()
+        hint = " (another cloverq up or another service holds it; pass --port)" \
+            if exc.errno == errno.EADDRINUSE else ""
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from exc
+    return listener
+
+
+def child_failure(child: Child, log_dir: Path, *, lines: int = 15) -> str:
+    """Why ``child`` is gone: its exit status and the end of its log (the cause is there, e.g.
+    uvicorn's or Celery's traceback), so ``up`` never fails with only "see the logs"."""
+    log_path = log_dir / f"{child.name}.log"
+    tail = _log_tail(log_path, lines)
+    message = f"{child.name} exited with code {child.process.returncode} (log: {log_path})"
+    return f"{message}; its last lines:\n{tail}" if tail else message
+
+
+def _log_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of ``path`` (at most 64 KiB read), "" when there is none."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 65_536))
+            text = handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join("  " + line for line in text.strip().splitlines()[-lines:])
+
+
+def _settings_overrides(settings: Settings, data_dir: Path) -> dict[str, Any]:
     """What ``up`` pins for its children: absolute paths and the resolved URLs."""
-    overrides: dict[str, object] = {
+    overrides: dict[str, Any] = {  # Settings field values by name
         "data_dir": data_dir,
         "redis_url": settings.redis_url or f"redis://127.0.0.1:{settings.embedded_redis_port}/0",
         # The one embedded worker serves every queue (joint included) unless told otherwise.
@@ -242,15 +325,23 @@ def _start_embedded_redis(
     while time.monotonic() < deadline and not stop.is_set():
         if not child.alive:
             raise click.ClickException(
-                f"redis-server exited (is port {port} in use? set CLOVERQ_EMBEDDED_REDIS_PORT); "
-                f"see {supervisor.log_dir / 'redis.log'}"
+                f"redis-server did not start (is port {port} already in use? set "
+                f"CLOVERQ_EMBEDDED_REDIS_PORT): {child_failure(child, supervisor.log_dir)}"
             )
         try:
-            client.ping()
-            _say(f"redis: embedded redis-server on 127.0.0.1:{port} (data in {redis_dir})")
-            return
+            answering = int(client.info("server")["process_id"])
         except redis.RedisError:
             time.sleep(0.1)
+            continue
+        if answering != child.process.pid:
+            # Another stack's Redis on this port answered before ours failed to bind it: using
+            # it would mix two stacks' queues (issue 16, the same mistake as the API port).
+            raise click.ClickException(
+                f"port {port} is already in use by another redis-server (pid {answering}); "
+                "set CLOVERQ_EMBEDDED_REDIS_PORT"
+            )
+        _say(f"redis: embedded redis-server on 127.0.0.1:{port} (data in {redis_dir})")
+        return
     raise click.ClickException("embedded redis-server did not answer in time")
 
 
@@ -270,10 +361,10 @@ def _ensure_demo_checkpoint(settings: Settings) -> None:
 def _dev_key(settings: Settings, data_dir: Path) -> str | None:
     if settings.auth == "disabled":
         return None
-    from scheduler.db import make_engine, session_factory
+    from scheduler.db import DatabaseTimeouts, make_engine, session_factory
     from scheduler.keys import ensure_dev_key
 
-    engine = make_engine(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url, timeouts=DatabaseTimeouts.from_settings(settings))
     try:
         return ensure_dev_key(session_factory(engine), data_dir=data_dir)
     finally:
@@ -281,14 +372,14 @@ def _dev_key(settings: Settings, data_dir: Path) -> str | None:
 
 
 def _wait_ready(base_url: str, supervisor: Supervisor, stop: threading.Event, timeout: float) -> bool:
+    """Whether ``/readyz`` said ready within ``timeout``; a child that exits meanwhile fails ``up``
+    at once with its cause (:func:`child_failure`) instead of waiting out the timeout."""
     deadline = time.monotonic() + timeout
     with Client(base_url, timeout=2.0, retry=RetryPolicy(max_retries=0)) as client:
         while time.monotonic() < deadline and not stop.is_set():
             dead = supervisor.first_dead()
             if dead is not None:
-                _say(f"{dead.name} exited with code {dead.process.returncode}; "
-                     f"see {supervisor.log_dir / (dead.name + '.log')}")
-                return False
+                raise click.ClickException(child_failure(dead, supervisor.log_dir))
             try:
                 if client.ready()[0]:
                     return True

@@ -55,8 +55,12 @@ class Supervisor:
         env: Mapping[str, str],
         stop_timeout: float = 30.0,
         inherit_output: bool = False,
+        pass_fds: Sequence[int] = (),
     ) -> Child:
-        """Start ``argv`` in its own process group; output goes to ``log_dir/<name>.log``."""
+        """Start ``argv`` in its own process group; output goes to ``log_dir/<name>.log``.
+
+        ``pass_fds``: open descriptors the child inherits (the API's listening socket).
+        """
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         stdout = None if inherit_output else open(log_path, "ab")  # noqa: SIM115 (closed below)
@@ -68,6 +72,7 @@ class Supervisor:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            pass_fds=tuple(pass_fds),
         )
         if stdout is not None:
             stdout.close()

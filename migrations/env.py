@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import pool
 
-from scheduler.db import make_engine
+from scheduler.db import make_engine, process_timeouts
 from scheduler.models import Base
 
 config = context.config
@@ -26,7 +26,8 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     url = config.get_main_option("sqlalchemy.url")
     assert url, "sqlalchemy.url is not set (use scheduler.db.migrate(url))"
-    engine = make_engine(url)
+    # No statement_timeout: a revision may rewrite a large table.
+    engine = make_engine(url, timeouts=process_timeouts().for_migrations())
     engine.pool = pool.NullPool(engine.pool._creator)  # one short-lived connection
     with engine.connect() as connection:
         context.configure(

@@ -12,6 +12,10 @@ Two mechanisms, so a drain holds even for workers that start later or miss a bro
    ``add_consumer`` goes only to workers whose *configured* queues include the queue, so resuming
    never makes a GPU worker of another pool pick up work it was not deployed for.
 
+The flag's record is SQL (``scheduler.operator_state``: the admin API commits the drain there
+before calling :func:`drain_queue`, and beat restores ``DRAINED_SET`` from it after a Redis
+restart); the functions here are the Redis side only.
+
 Draining does not refuse submissions: jobs keep queueing (up to the queue-depth cap) and run
 when the queue is resumed. Running jobs are not touched.
 """

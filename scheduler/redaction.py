@@ -7,7 +7,10 @@ This processor covers what a key-name check cannot see:
 
 - an API key (``cq_<id>_<secret>``) or a ``Bearer`` token inside any string value, e.g. an
   exception message or a stdlib record that formatted a header;
-- the password of a URL (``postgresql://user:PASSWORD@host``, ``redis://:PASSWORD@host``);
+- the password of a URL (``postgresql://user:PASSWORD@host``, ``redis://:PASSWORD@host``), also
+  one holding an unencoded ``@`` (up to the token's last ``@``), and of a percent-encoded URL in
+  a query string (``?webhook_url=https%3A%2F%2Fuser%3APASSWORD%40host``: uvicorn's access log
+  writes the raw target, issue 16);
 - secret-named keys nested inside dicts and lists (e.g. ``headers={"Authorization": ...}``).
 
 Key ids stay visible (``cq_<id>_[redacted]``): they are not secret and make audit lines useful.
@@ -41,7 +44,13 @@ SECRET_NAMES: frozenset[str] = frozenset(
     }
 )
 _BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=\-]+")
-_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
+# The password runs to the last "@" of the token (a password may hold a raw "@" or "/").
+_URL_PASSWORD = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<password>(?:[^@\s]|@(?=\S*@))+)@")
+# The same inside a percent-encoded URL (":" is %3A, "@" is %40; a "@" of the password is %2540).
+_ENCODED_URL_PASSWORD = re.compile(
+    r"(?i)(?P<scheme>[a-z][a-z0-9+.\-]*%3A%2F%2F)(?P<user>(?:[^/\s&%@:]|%(?!3A|2F)[0-9A-F]{2})*)%3A"
+    r"(?:[^/\s&%@]|%(?!40)[0-9A-F]{2})+%40")
 _MAX_DEPTH = 6
 
 
@@ -53,6 +62,9 @@ def redact_text(text: str) -> str:
         text = _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     if "://" in text:
         text = _URL_PASSWORD.sub(lambda m: f"{m.group('scheme')}{m.group('user')}:{REDACTED}@", text)
+    if "%3A%2F%2F" in text or "%3a%2f%2f" in text:
+        text = _ENCODED_URL_PASSWORD.sub(
+            lambda m: f"{m.group('scheme')}{m.group('user')}%3A{REDACTED}%40", text)
     return text
 
 

@@ -3,6 +3,12 @@
 Each worker process keeps one hash (``cloverq:worker:<id>``, refreshed by its heartbeat with a
 TTL) and its id in the ``cloverq:workers`` set. A worker that dies stops refreshing; its hash
 expires and readers drop it. ``/readyz`` and the admin API read this.
+
+The TTL outlives a few heartbeats (a Redis blip must not drop a live worker from the listing),
+so readiness does not wait for it: a reader measures how long ago each entry was refreshed, by
+Redis's clock (the TTL left against the TTL set, so hosts' clocks never matter), and a worker
+whose next heartbeat is overdue is not ready (:func:`stale_after`). A SIGKILLed worker leaves
+``/readyz`` within one heartbeat, not after the TTL (issue 16).
 """
 
 from __future__ import annotations
@@ -10,11 +16,16 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 
 from scheduler import redis_keys
+
+# Hash field holding the TTL a heartbeat set (not a WorkerInfo field: only readers' age uses it).
+HEARTBEAT_TTL_FIELD = "heartbeat_ttl"
+# WorkerInfo fields a reader computes; never published.
+_READ_SIDE_FIELDS = frozenset({"heartbeat_age"})
 
 
 class WorkerState:
@@ -37,24 +48,43 @@ class WorkerInfo:
     model_version: str | None = None
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    # The interval this worker promises to beat at; 0: unknown (only the TTL drops it).
+    heartbeat_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
+    # Read side: seconds since the entry was last refreshed, by Redis's clock (None: unknown).
+    heartbeat_age: float | None = field(default=None, compare=False)
+
+    @property
+    def is_fresh(self) -> bool:
+        """Its last heartbeat is recent enough that the next one is not overdue."""
+        if self.heartbeat_age is None or self.heartbeat_seconds <= 0:
+            return True
+        return self.heartbeat_age <= stale_after(self.heartbeat_seconds)
 
     @property
     def is_ready(self) -> bool:
-        return self.state == WorkerState.READY
+        """Consuming jobs, and alive as of its last heartbeat (a dead one stops being ready)."""
+        return self.state == WorkerState.READY and self.is_fresh
 
 
 def heartbeat_ttl(interval_seconds: float) -> int:
     return max(5, int(3 * interval_seconds) + 2)
 
 
+def stale_after(interval_seconds: float) -> float:
+    """Age at which a worker beating every ``interval_seconds`` has missed a heartbeat: one
+    interval, plus a grace for the monitor's tick, a Redis round trip and a busy host."""
+    return interval_seconds + max(1.0, interval_seconds / 2)
+
+
 def publish_worker(client: redis.Redis, info: WorkerInfo, *, ttl_seconds: int) -> None:
     """Write the worker's hash (full snapshot) and keep it alive for ``ttl_seconds``."""
     info.heartbeat_at = time.time()
-    mapping = {k: json.dumps(v) for k, v in asdict(info).items()}
+    mapping = {k: json.dumps(v) for k, v in asdict(info).items() if k not in _READ_SIDE_FIELDS}
+    mapping[HEARTBEAT_TTL_FIELD] = json.dumps(ttl_seconds)
     key = redis_keys.worker(info.id)
     pipe = client.pipeline(transaction=False)
-    pipe.hset(key, mapping=mapping)
+    pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]  # redis-py: str keys rejected (invariant)
     pipe.expire(key, ttl_seconds)
     pipe.sadd(redis_keys.WORKERS_SET, info.id)
     pipe.execute()
@@ -69,25 +99,35 @@ def remove_worker(client: redis.Redis, worker_id: str) -> None:
 
 def list_workers(client: redis.Redis) -> list[WorkerInfo]:
     """Every live worker (expired entries are pruned from the set on the way)."""
-    ids = sorted(client.smembers(redis_keys.WORKERS_SET))
+    ids = sorted(cast("set[str]", client.smembers(redis_keys.WORKERS_SET)))  # decode_responses clients
     if not ids:
         return []
     pipe = client.pipeline(transaction=False)
     for worker_id in ids:
         pipe.hgetall(redis_keys.worker(worker_id))
-    rows = pipe.execute()
+        pipe.pttl(redis_keys.worker(worker_id))
+    replies = pipe.execute()
     alive: list[WorkerInfo] = []
     dead: list[str] = []
-    for worker_id, row in zip(ids, rows, strict=True):
+    for worker_id, row, pttl in zip(ids, replies[0::2], replies[1::2], strict=True):
         if not row:
             dead.append(worker_id)
             continue
         values = {k: json.loads(v) for k, v in row.items()}
-        known = {k: values[k] for k in WorkerInfo.__dataclass_fields__ if k in values}
-        alive.append(WorkerInfo(**known))
+        known = {k: values[k] for k in WorkerInfo.__dataclass_fields__
+                 if k in values and k not in _READ_SIDE_FIELDS}
+        alive.append(WorkerInfo(**known, heartbeat_age=heartbeat_age(values.get(HEARTBEAT_TTL_FIELD), pttl)))
     if dead:
         client.srem(redis_keys.WORKERS_SET, *dead)
     return alive
+
+
+def heartbeat_age(ttl_seconds: Any, pttl_ms: Any) -> float | None:
+    """Seconds since a heartbeat set ``ttl_seconds`` on a key that has ``pttl_ms`` left (Redis's
+    clock on both sides); None when either is unknown (an entry from an older worker, no TTL)."""
+    if not isinstance(ttl_seconds, (int, float)) or not isinstance(pttl_ms, int) or pttl_ms < 0:
+        return None
+    return max(0.0, float(ttl_seconds) - pttl_ms / 1000)
 
 
 def ready_workers(client: redis.Redis, *, queue: str | None = None) -> list[WorkerInfo]:

@@ -5,6 +5,9 @@
 - limits: rate limits and caps, changed at runtime (Redis; every API process sees them);
 - keys: create / list / revoke API keys (the key is shown once, in the create response).
 
+Drains and limit changes are committed to SQL before Redis is written
+(``scheduler.operator_state``), so they survive a Redis restart.
+
 Model versions (list, activate, roll back) live in ``api/routes/admin_models.py``.
 """
 
@@ -38,8 +41,8 @@ from api.schemas.admin import (
     key_out,
 )
 from api.schemas.errors import error_responses
-from scheduler import drain
-from scheduler.admission import effective_limits, mark_revoked, queue_depths, update_limits
+from scheduler import drain, operator_state
+from scheduler.admission import effective_limits, mark_revoked, queue_depths
 from scheduler.audit import audit
 from scheduler.celery_app import create_celery_app
 from scheduler.keys import create_key, list_keys, revoke_key
@@ -118,21 +121,25 @@ def get_queues(caller: AdminDep, settings: SettingsDep, request: Request) -> Que
 
 
 @router.post("/queues/{queue}/drain", response_model=QueueAction, responses=error_responses(422))
-def drain_queue(queue: QueueName, caller: AdminDep, settings: SettingsDep, request: Request) -> QueueAction:
+def drain_queue(queue: QueueName, caller: AdminDep, session: SessionDep, settings: SettingsDep,
+                request: Request) -> QueueAction:
     """Workers stop taking jobs from ``queue`` (running jobs finish; submits still queue)."""
     client = _registry(settings)
     destinations = [_node_name(w) for w in list_workers(client)]
-    nodes = drain.drain_queue(client, _celery(request, settings), queue.value, destinations=destinations)
+    nodes = operator_state.drain_queue(session, client, _celery(request, settings), queue.value,
+                                       destinations=destinations)
     _audit(caller, "queue.drain", target=queue.value, nodes=nodes)
     return QueueAction(queue=queue.value, drained=True, nodes=nodes)
 
 
 @router.post("/queues/{queue}/resume", response_model=QueueAction, responses=error_responses(422))
-def resume_queue(queue: QueueName, caller: AdminDep, settings: SettingsDep, request: Request) -> QueueAction:
+def resume_queue(queue: QueueName, caller: AdminDep, session: SessionDep, settings: SettingsDep,
+                 request: Request) -> QueueAction:
     """Workers configured for ``queue`` consume it again."""
     client = _registry(settings)
     destinations = [_node_name(w) for w in list_workers(client) if queue.value in w.queues]
-    nodes = drain.resume_queue(client, _celery(request, settings), queue.value, destinations=destinations)
+    nodes = operator_state.resume_queue(session, client, _celery(request, settings), queue.value,
+                                        destinations=destinations)
     _audit(caller, "queue.resume", target=queue.value, nodes=nodes)
     return QueueAction(queue=queue.value, drained=False, nodes=nodes)
 
@@ -146,12 +153,12 @@ def get_limits(caller: AdminDep, settings: SettingsDep) -> dict[str, Any]:
 
 @router.patch("/limits", response_model=LimitsOut, responses=error_responses(422))
 def patch_limits(
-    update: Annotated[LimitsUpdate, Body()], caller: AdminDep, settings: SettingsDep
+    update: Annotated[LimitsUpdate, Body()], caller: AdminDep, session: SessionDep, settings: SettingsDep
 ) -> dict[str, Any]:
     """Change limits at runtime for every API process. Omitted fields stay; null clears."""
     changes = _limit_changes(update)
     client = _registry(settings)
-    update_limits(client, changes)
+    operator_state.update_limits(session, client, changes)
     _audit(caller, "limits.update", changes=changes)
     return effective_limits(client, settings)
 

@@ -1,17 +1,30 @@
-"""``/healthz`` (alive, touches nothing) and ``/readyz`` (can work actually run?)."""
+"""``/healthz`` (alive, touches nothing) and ``/readyz`` (can work actually run?).
+
+``/readyz`` answers within ``readiness_timeout_seconds`` whatever its dependencies do: each check
+runs in a worker thread and one that has not answered by the deadline counts as failed, so a
+database or Redis that accepts connections and never answers gives a prompt 503 (issue 16), not a
+probe that hangs until the load balancer gives up. The abandoned thread ends on its own, bounded by
+the database connect timeout or the Redis socket timeout.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
-from fastapi import APIRouter, Response
+import anyio
+import anyio.to_thread
+from fastapi import APIRouter, Request, Response
+from redis import Redis
 from sqlalchemy import text
 
-from api.deps import RedisDep, SessionDep
 from api.schemas.health import Health, Readiness, ReadinessCheck
 from scheduler.workers import ready_workers
 
 router = APIRouter(tags=["health"])
+
+DependencyResult = tuple[dict[str, ReadinessCheck], dict[str, int]]
 
 
 @router.get("/healthz", response_model=Health)
@@ -21,25 +34,69 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-def readyz(session: SessionDep, redis: RedisDep, response: Response) -> Readiness:
-    """Ready when the database and Redis answer and at least one worker is ready."""
+async def readyz(request: Request, response: Response) -> Readiness:
+    """Ready when the database and Redis answer and at least one worker is ready, decided within
+    the readiness deadline (a check still running then has failed)."""
+    state = request.app.state
+    deadline: float = state.settings.readiness_timeout_seconds
     checks: dict[str, ReadinessCheck] = {}
     per_queue: dict[str, int] = {}
-    try:
-        session.execute(text("SELECT 1"))
-        checks["database"] = ReadinessCheck(ok=True)
-    except Exception as exc:  # any failure means "not ready"; the detail says why
-        checks["database"] = ReadinessCheck(ok=False, detail=type(exc).__name__)
-    try:
-        redis.ping()
-        checks["redis"] = ReadinessCheck(ok=True)
-        live_ready = ready_workers(redis)
-        per_queue = dict(sorted(Counter(queue for w in live_ready for queue in w.queues).items()))
-        checks["workers"] = ReadinessCheck(ok=len(live_ready) > 0, detail=f"{len(live_ready)} ready")
-    except Exception as exc:
-        checks["redis"] = ReadinessCheck(ok=False, detail=type(exc).__name__)
-        checks["workers"] = ReadinessCheck(ok=False, detail="redis unreachable")
-    ready = all(check.ok for check in checks.values())
+
+    async def database() -> None:
+        checks.update(await _bounded(lambda: _check_database(state.session_factory), deadline,
+                                     _timed_out(("database",), deadline)[0]))
+
+    async def redis() -> None:
+        found, queues = await _bounded(lambda: _check_redis(state.redis), deadline,
+                                       _timed_out(("redis", "workers"), deadline))
+        checks.update(found)
+        per_queue.update(queues)
+
+    async with anyio.create_task_group() as group:  # both at once: one deadline, not two
+        group.start_soon(database)
+        group.start_soon(redis)
+    ordered = {name: checks[name] for name in ("database", "redis", "workers")}
+    ready = all(check.ok for check in ordered.values())
     if not ready:
         response.status_code = 503
-    return Readiness(ready=ready, checks=checks, ready_workers=per_queue)
+    return Readiness(ready=ready, checks=ordered, ready_workers=per_queue)
+
+
+def _timed_out(names: tuple[str, ...], deadline: float) -> DependencyResult:
+    """What a check that did not answer within ``deadline`` reports for each of its ``names``."""
+    failed = ReadinessCheck(ok=False, detail=f"no answer within {deadline:g}s")
+    return dict.fromkeys(names, failed), {}
+
+
+async def _bounded(check: Callable[[], Any], deadline: float, on_timeout: Any) -> Any:
+    """``check()`` in a worker thread, or ``on_timeout`` once ``deadline`` seconds have passed.
+
+    The thread is abandoned, not interrupted (a blocking driver call cannot be): it frees its
+    thread-pool token at once and ends when the driver's own timeout fires.
+    """
+    with anyio.move_on_after(deadline):
+        return await anyio.to_thread.run_sync(check, abandon_on_cancel=True)
+    return on_timeout
+
+
+def _check_database(session_factory: Callable[[], Any]) -> dict[str, ReadinessCheck]:
+    """``SELECT 1`` through the app's pool (blocking)."""
+    try:
+        with session_factory() as session:
+            session.execute(text("SELECT 1"))
+        return {"database": ReadinessCheck(ok=True)}
+    except Exception as exc:  # any failure means "not ready"; the detail says why
+        return {"database": ReadinessCheck(ok=False, detail=type(exc).__name__)}
+
+
+def _check_redis(client: Redis) -> DependencyResult:
+    """Redis answers, and the ready workers per queue from the registry (blocking)."""
+    try:
+        client.ping()
+        live_ready = ready_workers(client)
+    except Exception as exc:
+        return {"redis": ReadinessCheck(ok=False, detail=type(exc).__name__),
+                "workers": ReadinessCheck(ok=False, detail="redis unreachable")}, {}
+    per_queue = dict(sorted(Counter(queue for w in live_ready for queue in w.queues).items()))
+    workers = ReadinessCheck(ok=len(live_ready) > 0, detail=f"{len(live_ready)} ready")
+    return {"redis": ReadinessCheck(ok=True), "workers": workers}, per_queue

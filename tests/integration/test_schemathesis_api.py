@@ -25,10 +25,9 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from api.app import create_app
-from scheduler.admission import LIMITS_KEY
 from scheduler.db import make_engine, session_factory
-from scheduler.drain import DRAINED_SET
 from scheduler.keys import ALL_SCOPES, create_key
+from scheduler.operator_state import clear_operator_state
 from scheduler.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -71,8 +70,9 @@ def api_stack(migrated_db: str, redis_url: str, tmp_path_factory: pytest.TempPat
     with sessions() as session:
         key = create_key(session, tenant="schemathesis", scopes=ALL_SCOPES, label="schemathesis").key
     client = redis_lib.Redis.from_url(redis_url)
-    yield {"app": create_app(app_settings), "key": key, "redis": client}
-    client.delete(LIMITS_KEY, DRAINED_SET)
+    yield {"app": create_app(app_settings), "key": key, "redis": client, "sessions": sessions}
+    with sessions() as session:
+        clear_operator_state(session, client)
 
 
 def _operation_labels() -> list[str]:
@@ -120,7 +120,8 @@ def test_api_conforms_to_its_schema(
         finally:
             # Admin calls may tighten limits or drain queues; keep every example independent.
             if case.path.startswith(("/v1/admin/limits", "/v1/admin/queues")):
-                api_stack["redis"].delete(LIMITS_KEY, DRAINED_SET)
+                with api_stack["sessions"]() as session:  # SQL too (scheduler.operator_state)
+                    clear_operator_state(session, api_stack["redis"])
 
     try:
         run()

@@ -17,10 +17,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.app import create_app
-from scheduler.admission import LIMITS_KEY
 from scheduler.db import make_engine, session_factory
 from scheduler.keys import create_key
 from scheduler.models import Job
+from scheduler.operator_state import clear_operator_state
 from scheduler.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -55,7 +55,8 @@ class Stack:
 
 
 @pytest.fixture
-def make_stack(make_settings: Callable[..., Settings], redis_url: str) -> Iterator[Callable[..., Stack]]:
+def make_stack(make_settings: Callable[..., Settings], redis_url: str,
+               migrated_db: str) -> Iterator[Callable[..., Stack]]:
     clients: list[TestClient] = []
 
     def build(**overrides: Any) -> Stack:
@@ -68,7 +69,8 @@ def make_stack(make_settings: Callable[..., Settings], redis_url: str) -> Iterat
     yield build
     for client in clients:
         client.__exit__(None, None, None)
-    redis_lib.Redis.from_url(redis_url).delete(LIMITS_KEY)
+    with session_factory(make_engine(migrated_db))() as session:  # SQL too: API starts restore it
+        clear_operator_state(session, redis_lib.Redis.from_url(redis_url))
 
 
 @pytest.fixture
@@ -250,6 +252,24 @@ def test_submit_takes_its_token_in_the_admission_round_trip(stack: Stack, redis_
     assert_error(stack.submit(key, body=too_long), 429, "rate_limited")
     assert _markers(redis_url) == markers
     assert stack.jobs_of(tenant) == 1
+
+
+def test_bodies_refused_by_the_schema_spend_tokens_too(stack: Stack) -> None:
+    """Issue 16: schema-invalid submits were never rate-limited (the route, which meters, never
+    ran), nor was JSON that does not parse (refused before authentication)."""
+    tenant = tenant_name()
+    key, admin = stack.key(tenant), stack.key(tenant_name(), ("admin",))
+    key_id = key.split("_")[1]
+    limits = {"keys": {key_id: {"rate_per_second": 0.01, "rate_burst": 2}}}
+    assert stack.client.patch("/v1/admin/limits", headers=bearer(admin), json=limits).status_code == 200
+
+    assert_error(stack.submit(key, body={"kind": "generate"}), 422, "invalid_request")  # 1st token
+    unparsable = stack.client.post("/v1/jobs", content=b"{not json", headers={
+        **bearer(key), "content-type": "application/json"})
+    assert_error(unparsable, 422, "invalid_request")  # 2nd token
+    assert_error(stack.submit(key, body={"kind": "generate"}), 429, "rate_limited")
+    assert_error(stack.submit(key), 429, "rate_limited")  # the bucket is empty for valid ones too
+    assert stack.jobs_of(tenant) == 0
 
 
 def test_submit_with_a_key_revoked_elsewhere_is_401(make_stack: Callable[..., Stack]) -> None:

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from scheduler.db import make_engine, session_factory
-from scheduler.drain import DRAINED_SET
 from scheduler.keys import create_key
+from scheduler.operator_state import clear_operator_state
 from scheduler.settings import Settings
 from tests.conftest import ProcessLauncher, wait_for
 
@@ -29,11 +29,13 @@ JOB = {"kind": "generate", "input": {"prompt": "Clause 1:"}, "params": {"max_new
 
 @pytest.fixture
 def admin_client(test_settings: Settings, redis_url: str) -> Iterator[tuple[TestClient, dict[str, str]]]:
-    with session_factory(make_engine(test_settings.resolved_database_url))() as session:
+    sessions = session_factory(make_engine(test_settings.resolved_database_url))
+    with sessions() as session:
         key = create_key(session, tenant="ops", scopes=["admin"]).key
     with TestClient(create_app(test_settings)) as client:
         yield client, {"Authorization": f"Bearer {key}"}
-    redis_lib.Redis.from_url(redis_url).delete(DRAINED_SET)
+    with sessions() as session:  # SQL too: a later API start would restore a leftover drain
+        clear_operator_state(session, redis_lib.Redis.from_url(redis_url))
 
 
 def status_of(client: TestClient, headers: dict[str, str], job_id: str) -> str:

@@ -131,6 +131,33 @@ def test_forget_drops_a_cached_key(sessions: sessionmaker[Session]) -> None:
     assert auth.authenticate(created.key) is None
 
 
+def test_a_flood_of_fresh_bogus_key_ids_costs_a_bounded_number_of_queries(
+    sessions: sessionmaker[Session],
+) -> None:
+    """Issue 16: each fresh key-shaped id cost one SQL lookup (188/s); the cache of unknown ids
+    cannot help when every id is new."""
+    from sqlalchemy import event
+
+    clock = FakeClock()
+    auth = KeyAuthenticator(sessions, cache_seconds=5.0, clock=clock, unknown_lookups_per_second=3)
+    with sessions() as session:
+        existing = create_key(session, tenant="acme", scopes=["read"])
+    queries: list[str] = []
+    event.listen(sessions.kw["bind"], "before_cursor_execute",
+                 lambda _c, _cur, statement, *_: queries.append(statement))
+    bogus = [f"cq_{i:012x}_{'s' * 43}" for i in range(1, 201)]
+    assert all(auth.authenticate(key) is None for key in bogus)
+    assert len(queries) == 3 + 1  # the budget's lookups, then one snapshot of the key ids
+    assert auth.authenticate(existing.key) is not None  # a real key still works mid-flood
+    with sessions() as session:
+        fresh = create_key(session, tenant="acme", scopes=["read"])  # e.g. by another process
+    assert auth.authenticate(fresh.key) is None  # the snapshot is younger than its interval
+    clock.now += 1.0
+    assert all(auth.authenticate(key) is None for key in bogus[:50])  # still bounded
+    assert auth.authenticate(fresh.key) is not None  # within one snapshot interval
+    assert len(queries) < 20
+
+
 def test_list_keys_filters(sessions: sessionmaker[Session]) -> None:
     with sessions() as session:
         a = create_key(session, tenant="a", scopes=["read"])

@@ -28,6 +28,19 @@ def test_bearer_tokens_and_url_passwords_are_masked() -> None:
     assert "s3cret" not in redact_text("redis://:s3cret@cache:6379/0")
 
 
+def test_passwords_with_raw_at_signs_and_percent_encoded_urls_are_masked() -> None:
+    """Issue 16: the access log wrote ``?webhook_url=`` with its percent-encoded password."""
+    masked = redact_text("postgresql+psycopg://app:p@ss/w0rd@db:5432/x?sslmode=require")
+    assert masked == f"postgresql+psycopg://app:{REDACTED}@db:5432/x?sslmode=require"
+    line = '"POST /v1/batches?webhook_url=https%3A%2F%2Fbob%3Ahun%2540ter%40hooks.example%2Fin HTTP/1.1" 202'
+    masked = redact_text(line)
+    assert "hun" not in masked and "ter" not in masked.split("%40")[0]
+    assert f"https%3A%2F%2Fbob%3A{REDACTED}%40hooks.example%2Fin" in masked
+    for kept in ("see https://example.com/a and mail me@x.org", "redis://cache:6379/0 for ops@x.org",
+                 "?next=https%3A%2F%2Fexample.com%2Fa%3Fb%3Dc"):
+        assert redact_text(kept) == kept
+
+
 def test_nested_secret_fields_are_masked_and_other_values_kept() -> None:
     event = {
         "event": "request",
