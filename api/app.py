@@ -23,6 +23,7 @@ from api.job_waiter import JobWaiter
 from api.prompt_tokens import PromptTokenCounter
 from api.routes import (
     admin,
+    admin_canary,
     admin_models,
     batches,
     health,
@@ -34,19 +35,21 @@ from api.routes import (
 )
 from api.routes.metrics import install_observability
 from scheduler.celery_app import create_celery_app
-from scheduler.db import make_engine, session_factory
+from scheduler.db import DatabaseTimeouts, make_engine, session_factory
 from scheduler.heap import freeze_startup_heap, thaw_heap
+from scheduler.operator_state import restore_quietly
 from scheduler.settings import Settings, get_settings
 
 # Sync routes and dependencies run in anyio's thread pool; its default of 40 threads would
 # queue requests behind each other at high concurrency while they wait on the database.
 API_THREADS = 128
+OPERATOR_STATE_RESTORE_SECONDS = 2.0  # at start-up, then the API serves regardless
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the API for ``settings`` (default: the process settings from the environment)."""
     settings = settings or get_settings()
-    engine = make_engine(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url, timeouts=DatabaseTimeouts.from_settings(settings))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,6 +57,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.token_counter = await anyio.to_thread.run_sync(
             PromptTokenCounter.from_model_dir, settings.resolved_model_dir
         )
+        # Redis may have restarted empty since the last API start: put the drains and limits
+        # recorded in SQL back before the first request is admitted (scheduler/operator_state.py).
+        # Bounded: a silent database must not keep the API (and its fast /readyz 503) from
+        # starting; an abandoned restore finishes in the background and beat's tick retries.
+        with anyio.move_on_after(OPERATOR_STATE_RESTORE_SECONDS):
+            await anyio.to_thread.run_sync(_restore_operator_state, app, abandon_on_cancel=True)
         freeze_startup_heap()  # short full GCs from here on (scheduler/heap.py)
         app.state.job_waiter.start()  # subscribed before the first long poll arrives
         try:
@@ -103,4 +112,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(admin.router)
     app.include_router(admin_models.router)
+    app.include_router(admin_canary.router)
     return app
+
+
+def _restore_operator_state(app: FastAPI) -> None:
+    """Mirror the operator state of SQL into Redis; a failure is logged, never fatal (beat's
+    reconcile tick retries it)."""
+    with app.state.session_factory() as session:
+        restore_quietly(session, app.state.redis, where="api_start")

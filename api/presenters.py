@@ -85,6 +85,7 @@ def job_out(job: Job, hot_progress: Mapping[str, Any] | None = None) -> JobOut:
         attempt=job.attempt,
         max_attempts=job.max_attempts,
         model_version=job.model_version,
+        routed_version=job.routed_version,
         params=job.params,
         metadata=job.meta,
         progress=_progress(job, hot_progress),

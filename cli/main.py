@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "cli.model",  # model init-demo / verify / plan
     "cli.model_store",  # model pull / list (adds to the model group)
     "cli.model_versions",  # model activate / rollback / versions (adds to the model group)
+    "cli.model_canary",  # model canary / promote / abort (adds to the model group)
     "cli.generate",  # offline generation through the engine
     "cli.services",  # up / api / worker / beat / migrate
     "cli.jobs",  # submit / decide / jobs / cancel

@@ -146,6 +146,7 @@ def render(
         workers.add_row("(no worker is publishing)", "", "", "", "", "", "")
 
     throughput = overview["throughput"]
+    versions = versions_table(overview)
     rate_text = "-" if job_rate is None else f"{job_rate:.2f}"
     summary = Text.assemble(
         ("throughput ", "bold"),
@@ -153,7 +154,32 @@ def render(
         f"{throughput['finished_last_minute']} finished in the last minute  ",
         (sparkline(tps_history), "cyan"),
     )
-    return Group(header, counts, queues, workers, summary)
+    return Group(header, counts, queues, workers, *([versions] if versions is not None else []), summary)
+
+
+def versions_table(overview: Mapping[str, Any]) -> Table | None:
+    """Model versions side by side, canary first (``versions`` of the overview); None when no
+    job ran on a known version yet (an older API answers without it too)."""
+    rows = overview.get("versions") or []
+    if not rows:
+        return None
+    canaries = overview.get("canaries") or []
+    title = "model versions" + "".join(f"  (canary {c['canary']} at {c['percent']:g}% of {c['model']})"
+                                       for c in canaries)
+    table = Table(title=title, expand=True, title_justify="left")
+    for column in ("version", "track", "ready", "jobs", "error rate", "run p50/p95", "steps", "tok/s",
+                   "invalid retries"):
+        table.add_column(column, justify="left" if column in ("version", "track") else "right")
+    for v in rows:
+        rate = v.get("error_rate")
+        table.add_row(
+            str(v["version"]), v.get("track") or "-", str(v.get("workers_ready", 0)), str(v.get("jobs", 0)),
+            "-" if rate is None else f"{rate * 100:.1f}%",
+            f"{_fmt_seconds(v.get('run_p50'))}/{_fmt_seconds(v.get('run_p95'))}",
+            "-" if v.get("steps_mean") is None else f"{v['steps_mean']:.1f}",
+            f"{v.get('tokens_per_second') or 0:.1f}", str(v.get("invalid_output_retries", 0)),
+        )
+    return table
 
 
 def fetch_overview(client: Client) -> dict[str, Any]:

@@ -65,6 +65,7 @@ class Job(_Model):
     attempt: int = 0
     max_attempts: int | None = None
     model_version: str | None = None
+    routed_version: str | None = None  # pinned by a canary at submit (None: any version)
     params: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     progress: JobProgress | None = None

@@ -23,6 +23,8 @@ from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from scheduler import redis_keys
 from scheduler.broker import admitted_headers, releases_reservations
+from scheduler.canary import current_route
+from scheduler.canary_routing import route_version
 from scheduler.celery_app import RUN_JOB_TASK
 from scheduler.jobs import request_fingerprint
 from scheduler.models import Base, Job, JobStatus, JSONType, QueueName, UTCDateTime, utcnow
@@ -154,6 +156,11 @@ def create_batch(
     ids: Sequence[uuid.UUID | None] = job_ids if job_ids is not None else [None] * len(specs)
     rows = [_job_row(spec, tenant=tenant, batch_id=batch.id, settings=settings, now=now,
                      request_id=request_id, job_id=job_id) for spec, job_id in zip(specs, ids, strict=True)]
+    # A canary pins batch jobs too. Their messages go to the plain queue: a canary job's first
+    # delivery is left queued by a stable worker and the reconciler moves it to its lane.
+    canary = current_route(session, settings.served_model)
+    for row in rows:
+        row["routed_version"] = route_version(row["id"], canary)
     session.add(batch)
     session.flush()
     session.execute(insert(Job), rows)
@@ -173,7 +180,7 @@ def publish_batch(
     removed and the reconciler publishes them. ``tenant``: the API's admission reserved the
     jobs for it (by enqueued-marker key); each message releases its job's reservations
     (``scheduler.broker``), unsent ones expire. Returns how many went out."""
-    base = {"cloverq_request_id": request_id} if request_id else {}
+    base: dict[str, str | list[str]] = {"cloverq_request_id": request_id} if request_id else {}
     release_here = tenant is not None and not releases_reservations(app)
     with redis_client.pipeline(transaction=False) as pipe:
         for job_id, queue in jobs:

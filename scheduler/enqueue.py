@@ -30,8 +30,13 @@ PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0.0, "interval_step"
 def publish_job(
     *, job_id: uuid.UUID | str, queue: str, app: Celery, redis_client: redis.Redis,
     request_id: str | None = None, marker_set: bool = False, tenant: str | None = None,
+    lane: str | None = None,
 ) -> None:
     """Set the job's enqueued marker, then send ``cloverq.run_job(job_id)`` to ``queue``.
+
+    ``lane``: the Celery queue that carries the message when it is not ``queue`` itself (a
+    canary job's ``canary.<queue>``, ``scheduler.canary_routing``); the marker then holds the
+    lane, so the reconciler can tell a message left on a lane a transition retired.
 
     The marker is set FIRST: a worker may run (and fail, and clear the marker of) the job
     before ``send_task`` even returns; a marker written after that would hide the retry from
@@ -46,13 +51,14 @@ def publish_job(
         assert tenant is not None
         headers.update(admitted_headers(queue=queue, tenant=tenant, job_id=job_id))
     marker = redis_keys.enqueued(job_id)
-    if not marker_set:
-        redis_client.set(marker, queue, ex=redis_keys.ENQUEUED_TTL_SECONDS)
+    target = lane or queue
+    if not marker_set or target != queue:
+        redis_client.set(marker, target, ex=redis_keys.ENQUEUED_TTL_SECONDS)
     try:
         # declare=[]: the queue's list needs no declaring on Redis (a message to the default
         # exchange goes straight to the list named by its routing key), and Celery's
         # per-publish maybe_declare costs ~30 us.
-        app.send_task(RUN_JOB_TASK, args=[str(job_id)], queue=queue, routing_key=queue, retry=True,
+        app.send_task(RUN_JOB_TASK, args=[str(job_id)], queue=target, routing_key=target, retry=True,
                       retry_policy=PUBLISH_RETRY_POLICY, declare=[], headers=headers or None)
     except Exception:
         with redis_client.pipeline(transaction=False) as pipe:
@@ -77,11 +83,12 @@ def _release_reservations(pipe: redis.client.Pipeline, *, queue: str, tenant: st
 def try_publish_job(
     *, job_id: uuid.UUID | str, queue: str, app: Celery, redis_client: redis.Redis,
     request_id: str | None = None, marker_set: bool = False, tenant: str | None = None,
+    lane: str | None = None,
 ) -> bool:
     """``publish_job``, but a broker failure is logged and left to the reconciler."""
     try:
         publish_job(job_id=job_id, queue=queue, app=app, redis_client=redis_client, request_id=request_id,
-                    marker_set=marker_set, tenant=tenant)
+                    marker_set=marker_set, tenant=tenant, lane=lane)
     except Exception as exc:  # any broker/transport error: the row is durable, recovery is periodic
         log.warning("job.publish_failed", job_id=str(job_id), queue=queue, error=repr(exc))
         return False

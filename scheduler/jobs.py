@@ -14,17 +14,20 @@ import json
 import uuid
 from collections.abc import Mapping
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import redis
 import structlog
 from celery import Celery
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import Table, and_, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, make_transient_to_detached
 
 from scheduler import redis_keys
+from scheduler.canary import current_route
+from scheduler.canary_routing import lane, route_version
 from scheduler.celery_app import get_celery_app
+from scheduler.db import rowcount
 from scheduler.enqueue import try_publish_job
 from scheduler.job_events import publish_finished
 from scheduler.metrics import RedisMetricsRecorder
@@ -127,10 +130,13 @@ def submit_job(
             return _repeat(existing, fingerprint)
 
     route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
+    job_id = job_id or uuid.uuid4()
+    canary = current_route(session, settings.served_model)  # None without a canary: no pin
+    routed_version = route_version(job_id, canary)
     now = utcnow()
     row: dict[str, Any] = dict.fromkeys(_ATTR_COLUMNS)  # every attribute loaded: no lazy refresh later
     row.update(
-        id=job_id or uuid.uuid4(),
+        id=job_id,
         tenant=tenant,
         kind=str(kind),
         status=JobStatus.QUEUED.value,
@@ -150,6 +156,7 @@ def submit_job(
         request_id=request_id,
         webhook_url=webhook_url,
         batch_id=batch_id,
+        routed_version=routed_version,
         created_at=now,
         available_at=now,
         updated_at=now,
@@ -158,7 +165,7 @@ def submit_job(
         # One Core INSERT (the ORM unit of work costs ~3x the CPU on this hot path), then the
         # row is attached as a persistent object so callers can use the session as usual.
         # None values are left out (SQL NULL, as the ORM writes an unset attribute; never JSON null).
-        session.execute(insert(Job.__table__),
+        session.execute(insert(cast(Table, Job.__table__)),
                         {_ATTR_COLUMNS[name]: value for name, value in row.items() if value is not None})
         session.commit()
     except IntegrityError:
@@ -182,6 +189,7 @@ def submit_job(
             request_id=request_id,
             marker_set=marker_set,
             tenant=tenant,  # whose admission reservations the message releases (marker_set)
+            lane=lane(job.queue, routed_version, canary),
         )
     return job, True
 
@@ -275,12 +283,12 @@ def cancel_job(
     if job is None:
         return None
     now = utcnow()
-    cancelled_queued = session.execute(
+    cancelled_queued = rowcount(session.execute(
         update(Job)
         .where(Job.id == job.id, Job.status == JobStatus.QUEUED.value)
         .values(status=JobStatus.CANCELLED.value, cancel_requested=True, finished_at=now,
                 updated_at=now, expires_at=_expiry(now, settings))
-    ).rowcount
+    ))
     if not cancelled_queued:
         session.execute(
             update(Job)

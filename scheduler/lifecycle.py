@@ -12,16 +12,17 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import Table, bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
+from scheduler.db import rowcount
 from scheduler.models import ErrorCode, Job, JobStatus, utcnow
 from scheduler.retry import backoff_seconds
 from scheduler.settings import Settings
 
-jobs_table = Job.__table__
+jobs_table = cast(Table, Job.__table__)  # a Table (mapped classes type it as FromClause)
 
 # ``available_at`` is written by other hosts' clocks (API, beat, other workers); a worker whose
 # clock lags a little must still take a freshly submitted job rather than skip it.
@@ -60,9 +61,18 @@ def claim_job(
     model_version: str | None,
     settings: Settings,
     now: datetime | None = None,
+    served_version: str | None = None,
 ) -> Job | None:
-    """Take a queued, due job; None when it is not claimable (duplicate, cancelled, not due)."""
+    """Take a queued, due job; None when it is not claimable (duplicate, cancelled, not due, or
+    pinned by a canary to another version than ``served_version``: scheduler/canary_routing.py).
+
+    The version check is part of the same conditional UPDATE, so a job re-pinned by a canary
+    transition (``scheduler.canary``) is either claimed under its old pin or its new one, never
+    by a worker of a version it is not pinned to.
+    """
     now = now or utcnow()
+    pinned_ok = (Job.routed_version.is_(None) if served_version is None
+                 else or_(Job.routed_version.is_(None), Job.routed_version == served_version))
     row = session.execute(
         update(Job)
         .where(
@@ -70,6 +80,7 @@ def claim_job(
             Job.status == JobStatus.QUEUED.value,
             Job.cancel_requested.is_(False),
             Job.available_at <= now + CLOCK_SKEW_TOLERANCE,
+            pinned_ok,
         )
         .values(
             status=JobStatus.RUNNING.value,
@@ -117,11 +128,11 @@ def finish_job(
         values["steps_used"] = steps_used
     if progress is not None:
         values["progress"] = _sql_safe(progress)
-    written = session.execute(
+    written = rowcount(session.execute(
         update(Job)
         .where(Job.id == lease.job_id, Job.attempt == lease.attempt, Job.status == JobStatus.RUNNING.value)
         .values(**values)
-    ).rowcount
+    ))
     session.commit()
     return written == 1
 
@@ -152,7 +163,7 @@ def retry_or_fail(
         )
         return JobStatus.FAILED if done else None
     delay = backoff_seconds(lease.attempt, settings, rng=rng)
-    written = session.execute(
+    written = rowcount(session.execute(
         update(Job)
         .where(Job.id == lease.job_id, Job.attempt == lease.attempt, Job.status == JobStatus.RUNNING.value)
         .values(
@@ -163,7 +174,7 @@ def retry_or_fail(
             error_message=f"attempt {lease.attempt} failed: {error}"[:2000],
             updated_at=now,
         )
-    ).rowcount
+    ))
     session.commit()
     return JobStatus.QUEUED if written == 1 else None
 

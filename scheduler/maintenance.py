@@ -1,5 +1,8 @@
 """Recovery and housekeeping run by beat: reconciler, reaper, aging, expiry.
 
+The reconcile tick also restores the operator state (drain flags, limits) to Redis from SQL
+(``scheduler.operator_state``), so a Redis restart never resumes a drained queue or drops a cap.
+
 Plain functions over a session (testable without a broker) plus thin Celery tasks that call
 them with the process-wide resources. All of them are idempotent and safe to run concurrently
 with workers: every transition is a conditional UPDATE.
@@ -12,7 +15,7 @@ import json
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import redis
 import structlog
@@ -21,9 +24,14 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
+from scheduler.canary import current_route
+from scheduler.canary_reconcile import heal_pins
+from scheduler.canary_routing import is_canary_lane, lane
 from scheduler.celery_app import RUN_JOB_TASK
+from scheduler.db import rowcount
 from scheduler.metrics import RedisMetricsRecorder
 from scheduler.models import FINAL_STATUSES, ErrorCode, Job, JobStatus, QueueName, utcnow
+from scheduler.operator_state import restore_quietly
 from scheduler.retry import backoff_seconds
 from scheduler.settings import Settings, get_settings
 
@@ -67,7 +75,8 @@ def release_orphaned_deliveries(
     Returns how many jobs were released.
     """
     cutoff = (now or utcnow()).timestamp() - settings.lease_seconds
-    tags = redis_client.zrangebyscore(KOMBU_UNACKED_INDEX, "-inf", cutoff, start=0, num=BATCH)
+    tags = cast("list[bytes]",
+                redis_client.zrangebyscore(KOMBU_UNACKED_INDEX, "-inf", cutoff, start=0, num=BATCH))
     if not tags:
         return 0
     by_job: dict[uuid.UUID, list[Any]] = {}
@@ -86,7 +95,8 @@ def release_orphaned_deliveries(
     pipe = redis_client.pipeline(transaction=True)
     for job_id in queued:
         for tag in by_job[job_id]:
-            pipe.zrem(KOMBU_UNACKED_INDEX, tag).hdel(KOMBU_UNACKED, tag)
+            pipe.zrem(KOMBU_UNACKED_INDEX, tag)
+            pipe.hdel(KOMBU_UNACKED, tag)
         pipe.delete(redis_keys.enqueued(job_id))
     pipe.execute()
     log.warning("reconciler.orphaned_deliveries_released", jobs=len(queued))
@@ -108,16 +118,18 @@ def release_lost_messages(
     """
     now = now or utcnow()
     rows = session.execute(
-        select(Job.id, Job.queue)
+        select(Job.id, Job.queue, Job.routed_version)
         .where(Job.status == JobStatus.QUEUED.value, Job.cancel_requested.is_(False),
                Job.available_at <= now - timedelta(seconds=settings.lease_seconds))
         .order_by(Job.available_at)
         .limit(BATCH)
     ).all()
+    canary = current_route(session, settings.served_model) if rows else None
     session.commit()
     if not rows:
         return 0
-    queues = sorted({row.queue for row in rows})
+    lanes = [lane(row.queue, row.routed_version, canary) for row in rows]  # where each message waits
+    queues = sorted(set(lanes))
     pipe = redis_client.pipeline(transaction=False)
     for queue in queues:
         pipe.llen(queue)
@@ -126,8 +138,8 @@ def release_lost_messages(
     answers = pipe.execute()
     empty = {queue for queue, length in zip(queues, answers[:len(queues)], strict=True) if length == 0}
     oldest_fresh_ttl = redis_keys.ENQUEUED_TTL_SECONDS - settings.lease_seconds
-    suspects = [row.id for row, ttl in zip(rows, answers[len(queues):], strict=True)
-                if row.queue in empty and 0 < ttl < oldest_fresh_ttl]
+    suspects = [row.id for row, row_lane, ttl in zip(rows, lanes, answers[len(queues):], strict=True)
+                if row_lane in empty and 0 < ttl < oldest_fresh_ttl]
     if not suspects:
         return 0
     held = {_job_id_of_delivery(raw) for raw in redis_client.hvals(KOMBU_UNACKED)}
@@ -142,30 +154,36 @@ def enqueue_due_jobs(
     session: Session, *, app: Celery, redis_client: redis.Redis, settings: Settings,
     now: datetime | None = None,
 ) -> int:
-    """Reconciler: publish every due queued job that has no message in Redis. Returns how many."""
+    """Reconciler: publish every due queued job that has no message in Redis, or whose message
+    waits on a canary lane it no longer belongs to (the marker records the lane, see
+    ``scheduler.canary_reconcile``). Returns how many."""
     from scheduler.enqueue import try_publish_job
 
     now = now or utcnow()
     due_before = now - timedelta(seconds=settings.reconcile_grace_seconds)
     rows = session.execute(
-        select(Job.id, Job.queue, Job.request_id)
+        select(Job.id, Job.queue, Job.request_id, Job.routed_version)
         .where(Job.status == JobStatus.QUEUED.value, Job.available_at <= due_before,
                Job.cancel_requested.is_(False))
         .order_by(Job.available_at)
         .limit(BATCH)
     ).all()
+    canary = current_route(session, settings.served_model) if rows else None
     session.commit()
     if not rows:
         return 0
     pipe = redis_client.pipeline(transaction=False)
     for row in rows:
-        pipe.exists(redis_keys.enqueued(row.id))
-    present = pipe.execute()
+        pipe.get(redis_keys.enqueued(row.id))
+    markers = pipe.execute()
     published = 0
-    for row, exists in zip(rows, present, strict=True):
-        if not exists and try_publish_job(
-            job_id=row.id, queue=row.queue, app=app, redis_client=redis_client, request_id=row.request_id
-        ):
+    for row, marker in zip(rows, markers, strict=True):
+        expected = lane(row.queue, row.routed_version, canary)
+        held = marker.decode() if isinstance(marker, bytes) else marker
+        if held is not None and not (is_canary_lane(held) and held != expected):
+            continue
+        if try_publish_job(job_id=row.id, queue=row.queue, app=app, redis_client=redis_client,
+                           request_id=row.request_id, lane=expected):
             published += 1
     if published:
         log.info("reconciler.republished", jobs=published)
@@ -213,9 +231,9 @@ def reap_expired_leases(
             values = {"status": JobStatus.QUEUED.value, "available_at": now + timedelta(seconds=delay),
                       "worker_id": None,
                       "error_message": f"attempt {row.attempt}: lease expired (worker lost)"}
-        written = session.execute(
+        written = rowcount(session.execute(
             update(Job).where(*fence).values(lease_deadline=None, updated_at=now, **values)
-        ).rowcount
+        ))
         if not written:
             continue
         reaped.append((row, str(values["status"])))
@@ -291,12 +309,14 @@ def promote_aged_jobs(
         update(Job)
         .where(Job.id.in_(oldest), Job.status == JobStatus.QUEUED.value, Job.queue.in_(AGING_SOURCES))
         .values(queue=QueueName.INTERACTIVE.value, updated_at=now)
-        .returning(Job.id, Job.request_id)
+        .returning(Job.id, Job.request_id, Job.routed_version)
     ).all()
+    canary = current_route(session, settings.served_model)
     session.commit()
     promoted = sum(
         try_publish_job(job_id=row.id, queue=QueueName.INTERACTIVE.value, app=app,
-                        redis_client=redis_client, request_id=row.request_id)
+                        redis_client=redis_client, request_id=row.request_id,
+                        lane=lane(QueueName.INTERACTIVE.value, row.routed_version, canary))
         for row in moved
     )
     if promoted:
@@ -308,11 +328,11 @@ def expire_finished_jobs(session: Session, *, now: datetime | None = None) -> in
     """Expiry: finished jobs past their result TTL become ``expired``; payloads are dropped."""
     now = now or utcnow()
     finished = [s.value for s in FINAL_STATUSES if s is not JobStatus.EXPIRED]
-    expired = session.execute(
+    expired = rowcount(session.execute(
         update(Job)
         .where(Job.status.in_(finished), Job.expires_at < now)
         .values(status=JobStatus.EXPIRED.value, input=None, result=None, progress=None, updated_at=now)
-    ).rowcount
+    ))
     session.commit()
     return expired
 
@@ -342,6 +362,10 @@ def reconcile_task() -> int:
 
     session, client, settings = _resources()
     with session:
+        # First: a Redis that came back empty gets its drain flags and limits before any job is
+        # republished (cheap and idempotent when Redis already matches SQL).
+        restore_quietly(session, client, where="reconcile")
+        heal_pins(session, redis_client=client, settings=settings)  # before publishing: lanes follow pins
         release_orphaned_deliveries(session, redis_client=client, settings=settings)
         release_lost_messages(session, redis_client=client, settings=settings)
         promoted = promote_aged_jobs(session, app=get_celery_app(), redis_client=client, settings=settings)

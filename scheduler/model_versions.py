@@ -50,6 +50,10 @@ class ActiveModel(Base):
     generation: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
     activated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
     activated_by: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # A canary in effect (scheduler/canary.py): its version and share of jobs in basis points.
+    canary_version: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    canary_basis_points: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    canary_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
     __table_args__ = (
         ForeignKeyConstraint(["name", "version"], ["model_versions.name", "model_versions.version"],
@@ -67,6 +71,9 @@ class Activation:
     generation: int
     activated_at: datetime
     activated_by: str | None
+    canary_version: str | None = None
+    canary_basis_points: int = 0  # share of jobs routed to the canary, 1/100 of a percent
+    canary_started_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,9 @@ class RegisteredVersion:
 
 def _activation(row: ActiveModel) -> Activation:
     return Activation(name=row.name, version=row.version, previous_version=row.previous_version,
-                      generation=row.generation, activated_at=row.activated_at, activated_by=row.activated_by)
+                      generation=row.generation, activated_at=row.activated_at, activated_by=row.activated_by,
+                      canary_version=row.canary_version, canary_basis_points=row.canary_basis_points or 0,
+                      canary_started_at=row.canary_started_at)
 
 
 def store_path(root: Path, name: str, version: str) -> Path:
@@ -119,9 +128,11 @@ def activate(session: Session, *, name: str, version: str, actor: str | None = N
     """Make ``version`` the active one of ``name``; workers follow within their poll interval.
 
     The version must be registered, or present in the store under ``store_root`` (then it is
-    registered on the way). Activating the version already active changes nothing.
+    registered on the way). Activating the version already active changes nothing, except that
+    any activation ends a canary in effect (its queued jobs are unpinned: ``scheduler.canary``).
     Raises ``UnknownModelVersion`` otherwise.
     """
+    from scheduler.canary import end_canary_rows  # canary.py builds on this module
     if session.get(ModelVersionRow, (name, version)) is None:
         if store_root is None or not store_has_version(store_root, name, version):
             raise UnknownModelVersion(f"model {name!r} has no registered version {version!r}")
@@ -136,6 +147,8 @@ def activate(session: Session, *, name: str, version: str, actor: str | None = N
         row.generation += 1
         row.activated_at = utcnow()
         row.activated_by = actor
+    if row.canary_version is not None:
+        end_canary_rows(session, row, keep_pinned=None)
     session.commit()
     return _activation(row)
 

@@ -166,6 +166,9 @@ class Job(Base):
     lease_deadline: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     worker_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
     model_version: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # The version a canary pinned the job to at submit (scheduler/canary_routing.py); only a worker
+    # serving it may claim the job. None: no canary, any version.
+    routed_version: Mapped[str | None] = mapped_column(String(128), nullable=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
 
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)

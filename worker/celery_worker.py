@@ -41,11 +41,13 @@ def _connect_signals(runtime: WorkerRuntime) -> None:
         from worker.queue_drain import DrainFollower
 
         follower = DrainFollower(app=get_celery_app(), redis_client=runtime.redis,
-                                 node=runtime.worker_id, configured=runtime.queues)
+                                 node=runtime.worker_id, configured=runtime.queues, lane=runtime.lane_name)
         if sender is not None:
             follower.exclude_at_start(sender.app.amqp.queues)  # operator-drained queues (admin API)
         runtime.drain_follower = follower
         runtime.start()
+        if sender is not None:
+            runtime.use_lane_at_start(sender.app.amqp.queues)  # a canary worker during a canary
 
     def on_ready(**_: Any) -> None:
         runtime.mark_ready()

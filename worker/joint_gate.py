@@ -80,42 +80,49 @@ class JointGate:
 
 
 def consumer_switches(
-    app: object, *, node: str, is_drained: Callable[[str], bool], queues: tuple[str, ...] = (JOINT_QUEUE,)
+    app: object, *, node: str, is_drained: Callable[[str], bool], queues: tuple[str, ...] = (JOINT_QUEUE,),
+    lane: Callable[[str], str] | None = None,
 ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """``(pause, resume)`` for this worker's consumers of ``queues`` via Celery remote control."""
+    """``(pause, resume)`` for this worker's consumers of ``queues`` via Celery remote control.
+    ``lane``: the Celery queue consumed for a class queue now (a canary worker's ``canary.<queue>``)."""
+    named = lane or (lambda queue: queue)
 
     def pause() -> None:
         for queue in queues:
-            app.control.cancel_consumer(queue, destination=[node])  # type: ignore[attr-defined]
+            app.control.cancel_consumer(named(queue), destination=[node])  # type: ignore[attr-defined]
 
     def resume() -> None:
         for queue in queues:
             if not is_drained(queue):  # an operator's drain wins over the gate
-                app.control.add_consumer(queue, destination=[node])  # type: ignore[attr-defined]
+                app.control.add_consumer(named(queue), destination=[node])  # type: ignore[attr-defined]
 
     return pause, resume
 
 
-def _gate_for(*, cap: int, node: str, redis_client: object, queues: tuple[str, ...]) -> JointGate:
+def _gate_for(*, cap: int, node: str, redis_client: object, queues: tuple[str, ...],
+              lane: Callable[[str], str] | None = None) -> JointGate:
     from scheduler.celery_app import get_celery_app
     from scheduler.drain import drained_queues
 
     def is_drained(queue: str) -> bool:
         return queue in drained_queues(redis_client)  # type: ignore[arg-type]
 
-    pause, resume = consumer_switches(get_celery_app(), node=node, is_drained=is_drained, queues=queues)
+    pause, resume = consumer_switches(get_celery_app(), node=node, is_drained=is_drained, queues=queues,
+                                      lane=lane)
     return JointGate(cap, pause=pause, resume=resume)
 
 
-def joint_gate_for(*, cap: int, node: str, redis_client: object) -> JointGate:
+def joint_gate_for(*, cap: int, node: str, redis_client: object,
+                   lane: Callable[[str], str] | None = None) -> JointGate:
     """The gate of a worker consuming ``joint``, switching its consumer through the Celery app."""
-    return _gate_for(cap=cap, node=node, redis_client=redis_client, queues=(JOINT_QUEUE,))
+    return _gate_for(cap=cap, node=node, redis_client=redis_client, queues=(JOINT_QUEUE,), lane=lane)
 
 
-def capacity_gate_for(*, cap: int, node: str, redis_client: object, queues: tuple[str, ...]) -> JointGate:
+def capacity_gate_for(*, cap: int, node: str, redis_client: object, queues: tuple[str, ...],
+                      lane: Callable[[str], str] | None = None) -> JointGate:
     """The gate that keeps every class but interactive within ``cap`` task threads."""
     pausable = tuple(q for q in PAUSABLE_AT_CAPACITY if q in queues)
-    return _gate_for(cap=cap, node=node, redis_client=redis_client, queues=pausable)
+    return _gate_for(cap=cap, node=node, redis_client=redis_client, queues=pausable, lane=lane)
 
 
 def interactive_reserve(queues: tuple[str, ...] | list[str], reserve: int) -> int:

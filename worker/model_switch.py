@@ -14,12 +14,19 @@ every ``model_watch_interval_seconds``. When it changes the worker (``WorkerRunt
 
 Every job records the version it ran on at claim time (``Job.model_version``), and no job is
 claimed while a switch is under way, so that record is exact.
+
+Canaries (``scheduler/canary.py``): the version a worker should serve depends on its
+``model_track``. A ``canary`` worker serves the canary version while one is in effect and then
+consumes the canary lanes (``canary.<queue>``); otherwise it serves the active version like a
+``stable`` worker (``scheduler.canary_routing.served_target``). A promotion that leaves a canary
+worker on the same version only moves its consumers back to the plain queues (no reload).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -27,6 +34,7 @@ import structlog
 from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler import redis_keys
+from scheduler.canary_routing import served_target
 from scheduler.model_versions import Activation, active_version
 
 log = structlog.get_logger(__name__)
@@ -126,8 +134,16 @@ class ModelFollower:
         interval: float,
         current: Callable[[], str | None],
         switch: Callable[[Activation], bool],
+        track: str = "stable",
+        current_lane: Callable[[], bool] | None = None,
+        move_lane: Callable[[bool], None] | None = None,
     ) -> None:
+        """``switch`` gets the activation with ``version`` set to the version this worker's
+        ``track`` serves; ``move_lane(on_canary_lane)`` changes consumers only (same version)."""
         self.model_name = model_name
+        self.track = track
+        self._current_lane = current_lane
+        self._move_lane = move_lane
         self.sessions = sessions
         self.turn = turn
         self.interval = interval
@@ -160,7 +176,15 @@ class ModelFollower:
         """One poll: switch if the active version differs from the served one; True if switched."""
         with self.sessions() as session:
             wanted = active_version(session, name=self.model_name)
-        if wanted is None or wanted.version == self._current():
+        if wanted is None:
+            return False
+        version, on_lane = served_target(stable=wanted.version, canary=wanted.canary_version,
+                                         track=self.track)
+        wanted = replace(wanted, version=version)
+        if version == self._current():
+            lane_now = self._current_lane() if self._current_lane is not None else on_lane
+            if lane_now != on_lane and self._move_lane is not None:
+                self._move_lane(on_lane)  # promoted: same weights, plain queues again
             return False
         if wanted.generation == self._failed_generation:
             return False

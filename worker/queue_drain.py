@@ -11,7 +11,7 @@ another thread).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -27,9 +27,13 @@ class DrainFollower:
     """Keep one worker's consumers in line with the drained-queue flags in Redis."""
 
     def __init__(
-        self, *, app: Celery, redis_client: redis.Redis, node: str, configured: Sequence[str]
+        self, *, app: Celery, redis_client: redis.Redis, node: str, configured: Sequence[str],
+        lane: Callable[[str], str] | None = None,
     ) -> None:
+        """``lane``: the Celery queue consumed for a class queue (a canary worker's
+        ``canary.<queue>``, ``WorkerRuntime.lane_name``); drain flags stay per class queue."""
         self._app = app
+        self._lane = lane or (lambda queue: queue)
         self._redis = redis_client
         self._node = node
         self._configured = list(configured)
@@ -70,10 +74,10 @@ class DrainFollower:
                 configured=self._configured, consuming=self._consuming, drained=drained
             )
             for queue in to_cancel:
-                self._app.control.cancel_consumer(queue, destination=[self._node])
+                self._app.control.cancel_consumer(self._lane(queue), destination=[self._node])
                 self._consuming.discard(queue)
                 log.info("worker.queue_drained", queue=queue, node=self._node)
             for queue in to_add:
-                self._app.control.add_consumer(queue, destination=[self._node])
+                self._app.control.add_consumer(self._lane(queue), destination=[self._node])
                 self._consuming.add(queue)
                 log.info("worker.queue_resumed", queue=queue, node=self._node)

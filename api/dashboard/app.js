@@ -95,6 +95,7 @@ function replaceRows(tbody, rows) {
 // Overview: status tiles, queues, workers
 
 function renderOverview(data) {
+  renderVersions(data);
   const tiles = STATUSES.map((s) =>
     el("div", { class: "tile", style: "--c: var(--" + s + ")", "data-status": s },
       el("div", { class: "n" }, data.counts.by_status[s] || 0),
@@ -127,6 +128,22 @@ function renderOverview(data) {
   replaceRows($("workers-table").tBodies[0], workers);
   const versions = Object.entries(data.model_versions || {}).map(([v, n]) => v + " × " + n);
   $("versions").textContent = versions.length ? "model versions: " + versions.join(", ") : "";
+}
+
+// Model versions side by side (canary first): the figures the promotion gate weighs.
+function renderVersions(data) {
+  const pct = (r) => (r === null || r === undefined ? "–" : (r * 100).toFixed(1) + "%");
+  const rows = (data.versions || []).map((v) => el("tr", { "data-version": v.version, "data-track": v.track },
+    el("td", {}, v.version), el("td", {}, v.track || "–"), el("td", { class: "num" }, v.workers_ready),
+    el("td", { class: "num" }, v.jobs), el("td", { class: "num" }, pct(v.error_rate)),
+    el("td", { class: "num" }, fmtSeconds(v.run_p50) + " / " + fmtSeconds(v.run_p95)),
+    el("td", { class: "num" }, v.steps_mean === null ? "–" : v.steps_mean.toFixed(1)),
+    el("td", { class: "num" }, (v.tokens_per_second || 0).toFixed(1)),
+    el("td", { class: "num" }, v.invalid_output_retries)));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 9, class: "muted" }, "no version has served jobs yet")));
+  replaceRows($("versions-table").tBodies[0], rows);
+  const canaries = (data.canaries || []).map((c) => c.model + ": canary " + c.canary + " at " + c.percent + "% beside " + c.stable);
+  $("canaries").textContent = canaries.length ? canaries.join(" · ") : "no canary in effect";
 }
 
 // ---------------------------------------------------------------------------------------------

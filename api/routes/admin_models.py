@@ -19,7 +19,14 @@ from api.deps import SessionDep, SettingsDep
 from api.errors import ApiError
 from api.json_input import LimitedJsonRoute
 from api.routes.admin import AdminDep
-from api.schemas.admin_models import ActivateRequest, ModelList, ModelOut, ModelVersionOut, StoreComponent
+from api.schemas.admin_models import (
+    ActivateRequest,
+    CanaryOut,
+    ModelList,
+    ModelOut,
+    ModelVersionOut,
+    StoreComponent,
+)
 from api.schemas.errors import error_responses
 from scheduler.audit import audit
 from scheduler.model_versions import UnknownModelVersion, activate, list_active, list_registered
@@ -61,6 +68,9 @@ def _models(session: Session, ready: Counter[str], *, name: str | None = None) -
             generation=current.generation if current else 0,
             activated_at=current.activated_at if current else None,
             activated_by=current.activated_by if current else None,
+            canary=CanaryOut(version=current.canary_version, started_at=current.canary_started_at,
+                             percent=current.canary_basis_points / 100)
+            if current is not None and current.canary_version else None,
         ))
     return out
 

@@ -24,8 +24,10 @@ from sqlalchemy import func, select
 from api.auth import Caller, require_scope
 from api.deps import RedisDep, SessionDep
 from api.schemas.errors import error_responses
+from api.version_compare import canaries, compare_versions
 from scheduler import redis_keys
-from scheduler.metrics import read_worker_snapshots
+from scheduler.metrics import read_version_invalid_retries, read_worker_snapshots
+from scheduler.model_versions import list_active
 from scheduler.models import Job, JobKind, JobStatus, QueueName
 from scheduler.workers import list_workers
 
@@ -198,8 +200,10 @@ def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminDep) -> 
     finished_last_minute = session.scalar(
         select(func.count()).select_from(Job).where(Job.finished_at >= since)
     )
-    points = _latency_points(_recent_finished(session, LATENCY_WINDOW))
+    recent = _recent_finished(session, LATENCY_WINDOW)
+    points = _latency_points(recent)
     workers = _workers(redis_client)
+    active = list_active(session)
     ready_by_queue: dict[str, int] = {q.value: 0 for q in QueueName}
     versions: dict[str, int] = {}
     for worker in workers:  # bookkeeping over a handful of workers
@@ -223,6 +227,10 @@ def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminDep) -> 
         "queues": queues,
         "workers": workers,
         "model_versions": versions,
+        # Side by side per version (canary first) and the canaries in effect (api/version_compare.py).
+        "versions": compare_versions(recent, workers, active=active,
+                                     invalid_retries=read_version_invalid_retries(redis_client)),
+        "canaries": canaries(active),
         "throughput": {
             "finished_last_minute": int(finished_last_minute or 0),
             "tokens_per_second": float(sum(w["tokens_per_second"] or 0.0 for w in workers)),

@@ -17,6 +17,25 @@ class ActivateRequest(BaseModel):
     version: StoreComponent = Field(description="A registered version, or one published in the store.")
 
 
+class CanaryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: StoreComponent = Field(description="The version to send a share of new jobs to.")
+    percent: float = Field(gt=0, lt=100, description="Share of new jobs routed to it, in percent.")
+
+
+class PromoteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    force: bool = Field(False, description="Promote although the promotion gate refuses.")
+
+
+class CanaryOut(BaseModel):
+    version: str
+    percent: float
+    started_at: datetime | None
+
+
 class ModelVersionOut(BaseModel):
     version: str
     path: str = Field(description="Its folder in the model store (never copied by activation).")
@@ -32,6 +51,7 @@ class ModelOut(BaseModel):
     generation: int = Field(description="Activations so far.")
     activated_at: datetime | None
     activated_by: str | None
+    canary: CanaryOut | None = Field(None, description="The canary in effect, if any (cloverq model canary).")
     versions: list[ModelVersionOut]
 
 

@@ -187,6 +187,8 @@ class JobOut(BaseModel):
     attempt: int = 0
     max_attempts: int | None = None
     model_version: str | None = None
+    routed_version: str | None = Field(
+        None, description="The version a canary pinned the job to (only a worker serving it runs the job).")
     params: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     progress: JobProgress | None = None

@@ -170,6 +170,8 @@ def test_dashboard_lists_jobs_and_opens_a_detail(stack: Stack, tmp_path: Path) -
             succeeded_tile = page.locator('.tile[data-status="succeeded"] .n')
             assert int(succeeded_tile.inner_text()) >= len(jobs)
             expect(page.locator("#workers-table tbody tr[data-worker]")).to_have_count(1)
+            # The model versions table (canary beside stable during a canary; here one version).
+            expect(page.locator("#versions-table tbody tr[data-version]")).to_have_count(1)
             assert page.locator("#chart-run circle").count() >= len(jobs)
 
             target = jobs[1]

@@ -1,5 +1,7 @@
-"""Migrations: ``scheduler.db.migrate`` works from any directory, and revision 0001_jobs creates
-exactly the ``jobs`` table the model describes (no drift between the ORM and Alembic)."""
+"""Migrations: ``scheduler.db.migrate`` works from any directory, revision 0001_jobs creates the
+``jobs`` table, and the head revision (0007_canary added ``routed_version``) leaves exactly the
+``jobs`` table the model describes (no drift between the ORM and Alembic); 0008_operator_state
+adds the ``operator_state`` table of ``scheduler.operator_state``."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from scheduler.db import make_engine
+from scheduler.db import make_engine, migrate
 from scheduler.models import Base
 
 pytestmark = pytest.mark.integration
@@ -46,12 +48,26 @@ def test_migrate_from_another_directory_reaches_0001_without_drift(fresh_url: st
         with engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == "0001_jobs"
             diffs = [d for d in compare_metadata(MigrationContext.configure(conn), Base.metadata)
-                     if _touches_jobs(d)]
+                     if _touches_jobs(d) and not _added_later(d)]
         assert diffs == []
+        migrate(fresh_url)  # head: the columns added to ``jobs`` later are there
+        with engine.connect() as conn:
+            columns = [d for d in compare_metadata(MigrationContext.configure(conn), Base.metadata)
+                       if _touches_jobs(d) and not isinstance(d, list) and "column" in d[0]]
+        assert columns == []
         indexes = {ix["name"] for ix in inspect(engine).get_indexes("jobs")}
         assert {"ix_jobs_tenant_created", "ix_jobs_status_available", "ix_jobs_status_lease"} <= indexes
     finally:
         engine.dispose()
+
+
+LATER_JOBS_COLUMNS = {"routed_version"}  # added by 0007_canary
+
+
+def _added_later(diff: object) -> bool:
+    """An ``add_column`` of a ``jobs`` column that a revision after 0001_jobs adds."""
+    return (isinstance(diff, tuple) and diff[0] == "add_column"
+            and getattr(diff[-1], "name", None) in LATER_JOBS_COLUMNS)
 
 
 def _touches_jobs(diff: object) -> bool:
@@ -62,5 +78,36 @@ def _touches_jobs(diff: object) -> bool:
             table = getattr(part, "table", None)
             name = getattr(part, "name", None)
             if part == "jobs" or name == "jobs" or (table is not None and table.name == "jobs"):
+                return True
+    return False
+
+
+def test_head_has_the_operator_state_table_of_the_model(fresh_url: str) -> None:
+    """0008_operator_state: the table matches ``OperatorSetting`` and carries the one-off
+    ``adopt_redis`` row (scheduler/operator_state.py imports pre-0008 Redis state once)."""
+    from sqlalchemy import select
+
+    from scheduler.operator_state import ADOPT_REDIS, KIND_META, OperatorSetting
+
+    migrate(fresh_url)
+    engine = make_engine(fresh_url)
+    try:
+        with engine.connect() as conn:
+            diffs = [d for d in compare_metadata(MigrationContext.configure(conn), Base.metadata)
+                     if _touches_table(d, "operator_state")]
+            rows = conn.execute(select(OperatorSetting.kind, OperatorSetting.name)).all()
+        assert diffs == []
+        assert [tuple(row) for row in rows] == [(KIND_META, ADOPT_REDIS)]
+    finally:
+        engine.dispose()
+
+
+def _touches_table(diff: object, table_name: str) -> bool:
+    items = diff if isinstance(diff, list) else [diff]
+    for item in items:
+        for part in item:
+            table = getattr(part, "table", None)
+            if part == table_name or getattr(part, "name", None) == table_name \
+                    or (table is not None and table.name == table_name):
                 return True
     return False

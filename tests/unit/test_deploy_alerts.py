@@ -214,6 +214,7 @@ def test_rule_unit_tests_cover_every_alert_family_asked_for() -> None:
         "CloverqDeadLetters",
         "CloverqQueueWaitP95High",
         "CloverqQueueBacklog",
+        "CloverqCanaryErrorRateAboveStable",
     }
     assert tested <= set(_alerts_by_name())
 

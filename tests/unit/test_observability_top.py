@@ -65,3 +65,21 @@ def test_frame_shows_queues_workers_and_throughput() -> None:
 def test_sparkline_scales_to_max() -> None:
     assert sparkline([0.0, 1.0]) == "▁█"
     assert sparkline([]) == ""
+
+
+def test_frame_shows_model_versions_side_by_side() -> None:
+    overview = _overview(4, 12.5)
+    overview["versions"] = [
+        {"version": "v2", "track": "canary", "workers_ready": 1, "jobs": 40, "failed": 2, "error_rate": 0.05,
+         "run_p50": 0.2, "run_p95": 0.9, "steps_mean": 6.0, "tokens_per_second": 30.0,
+         "invalid_output_retries": 3},
+        {"version": "v1", "track": "stable", "workers_ready": 3, "jobs": 360, "failed": 0, "error_rate": 0.0,
+         "run_p50": 0.3, "run_p95": 1.2, "steps_mean": 8.0, "tokens_per_second": 90.0,
+         "invalid_output_retries": 0},
+    ]
+    overview["canaries"] = [{"model": "demo", "stable": "v1", "canary": "v2", "percent": 10.0}]
+    console = Console(width=160, record=True)
+    console.print(render(overview, url="http://api:8000", job_rate=None, tps_history=[]))
+    text = console.export_text()
+    for expected in ("model versions", "canary v2 at 10% of demo", "canary", "stable", "5.0%", "200ms/900ms"):
+        assert expected in text, expected
