@@ -117,6 +117,23 @@ FAMILIES: dict[str, FamilySpec] = {
     "cloverq_invalid_output_retries_total": FamilySpec(
         "counter", ("kind",), "Decoding retries because the output did not validate."
     ),
+    # Per model version, side by side during a canary (track: canary|stable, the worker's lane).
+    "cloverq_version_jobs_finished_total": FamilySpec(
+        "counter", ("version", "track", "status"), "Jobs that reached a final status, by the model version "
+        "and track (canary|stable) of the worker that ran them."
+    ),
+    "cloverq_version_job_run_seconds": FamilySpec(
+        "histogram", ("version", "track"), "Run time of a job's finishing attempt, by model version.",
+        RUN_BUCKETS,
+    ),
+    "cloverq_version_job_steps_used": FamilySpec(
+        "histogram", ("version", "track"), "Denoising passes a finished job used, by model version.",
+        STEP_BUCKETS,
+    ),
+    "cloverq_version_invalid_output_retries_total": FamilySpec(
+        "counter", ("version", "track"),
+        "Decoding retries because the output did not validate, by model version.",
+    ),
     # --- published by workers as periodic snapshots in Redis ------------------------------
     "cloverq_worker_tokens_per_second": FamilySpec(
         "gauge", ("worker",), "Tokens committed per second by the worker's engine (recent window)."
@@ -144,6 +161,19 @@ FAMILIES: dict[str, FamilySpec] = {
         ("worker", "layer"),
         "Max over mean of tokens per expert in a layer (1 = balanced; layers routing no token omitted).",
     ),
+    "cloverq_version_tokens_per_second": FamilySpec(
+        "gauge", ("version", "track"), "Tokens committed per second by the workers serving a model version."
+    ),
+    "cloverq_prefix_cache_events_total": FamilySpec(
+        "counter",
+        ("worker", "event"),
+        "Prefix cache of the worker's engine since it started: event hit (a sequence started from a "
+        "stored prompt prefix), miss (a prompt with whole blocks found none stored), evict.",
+    ),
+    "cloverq_prefix_cache_bytes": FamilySpec(
+        "gauge", ("worker",),
+        "Bytes of shared prompt prefixes the worker's engine keeps (at most prefix_cache_bytes).",
+    ),
     # --- computed at scrape time ----------------------------------------------------------
     "cloverq_queue_depth": FamilySpec("gauge", ("queue",), "Jobs waiting (status queued) per queue."),
     "cloverq_workers_ready": FamilySpec("gauge", ("queue",), "Ready workers consuming each queue."),
@@ -157,13 +187,33 @@ REDIS_COUNTERS: tuple[str, ...] = (
     "cloverq_job_retries_total",
     "cloverq_dead_letters_total",
     "cloverq_invalid_output_retries_total",
+    "cloverq_version_jobs_finished_total",
+    "cloverq_version_invalid_output_retries_total",
 )
 REDIS_HISTOGRAMS: tuple[str, ...] = (
     "cloverq_job_queue_wait_seconds",
     "cloverq_job_run_seconds",
     "cloverq_job_steps_used",
     "cloverq_job_tokens",
+    "cloverq_version_job_run_seconds",
+    "cloverq_version_job_steps_used",
 )
+
+# The (version, track) a worker process serves now, for families recorded deep inside a job where
+# no version is at hand (invalid-output retries). One resident model per process (architecture
+# §3.6) and no job claimed during a switch make a process-wide value exact.
+_process_version: tuple[str, str] | None = None
+
+
+def set_process_version(version: str | None, track: str | None) -> None:
+    """Called by the worker runtime whenever it loads a version or changes lanes."""
+    global _process_version
+    _process_version = (version, track or "stable") if version else None
+
+
+def version_label(model_version: str | None) -> str | None:
+    """The version name of a worker's ``<version>@<manifest digest>`` label."""
+    return model_version.split("@", 1)[0] if model_version else None
 
 KEY_PREFIX = "cloverq:metrics"
 WORKER_SET_KEY = f"{KEY_PREFIX}:workers"
@@ -280,6 +330,9 @@ class WorkerSnapshot:
     router_counts: Sequence[Sequence[float]] | None = None
     queues: tuple[str, ...] = ()
     state: str = "ready"
+    # the engine's prefix-cache counters: hits, misses, evictions, bytes; None while it is off
+    prefix_cache: Mapping[str, int] | None = None
+    track: str | None = None  # canary|stable lane of a worker serving a store model
 
     def to_payload(self) -> dict[str, Any]:
         """JSON-ready form, with expert shares and imbalance precomputed (vectorised).
@@ -314,6 +367,8 @@ class WorkerSnapshot:
             "expert_imbalance": imbalance,
             "queues": list(self.queues),
             "state": self.state,
+            "prefix_cache": dict(self.prefix_cache) if self.prefix_cache is not None else None,
+            "track": self.track,
         }
 
 
@@ -337,8 +392,11 @@ class RedisMetricsRecorder:
         run_seconds: float | None,
         steps_used: int | None,
         tokens: int | None,
+        version: str | None = None,
+        track: str | None = None,
     ) -> None:
-        """One job reached a final status: the counter plus its four histograms."""
+        """One job reached a final status: the counter plus its four histograms; with ``version``
+        (the model version that ran it) also the per-version counter and histograms."""
         pipe = self._client.pipeline(transaction=False)
         pipe.hincrbyfloat(
             _counter_key("cloverq_jobs_finished_total"), _labels_field((kind, queue, status)), 1
@@ -353,6 +411,14 @@ class RedisMetricsRecorder:
         for name, value in observations:  # four histograms, not a per-token loop
             if value is not None:
                 self._observe(pipe, name, labels, float(value))
+        if version is not None:
+            pair = (version, track or "stable")
+            pipe.hincrbyfloat(_counter_key("cloverq_version_jobs_finished_total"),
+                              _labels_field((*pair, status)), 1)
+            for name, value in (("cloverq_version_job_run_seconds", run_seconds),
+                                ("cloverq_version_job_steps_used", steps_used)):
+                if value is not None:
+                    self._observe(pipe, name, _labels_field(pair), float(value))
         pipe.execute()
 
     def job_retried(self, *, kind: str, queue: str, reason: str) -> None:
@@ -364,9 +430,12 @@ class RedisMetricsRecorder:
         self._client.hincrbyfloat(_counter_key("cloverq_dead_letters_total"), _labels_field((kind, queue)), 1)
 
     def invalid_output_retry(self, *, kind: str) -> None:
-        self._client.hincrbyfloat(
-            _counter_key("cloverq_invalid_output_retries_total"), _labels_field((kind,)), 1
-        )
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hincrbyfloat(_counter_key("cloverq_invalid_output_retries_total"), _labels_field((kind,)), 1)
+        if _process_version is not None:  # a worker serving a version: count it there too
+            pipe.hincrbyfloat(_counter_key("cloverq_version_invalid_output_retries_total"),
+                              _labels_field(_process_version), 1)
+        pipe.execute()
 
     def publish_worker(self, snapshot: WorkerSnapshot, *, ttl_seconds: float = 30.0) -> None:
         """Store the worker's snapshot; it disappears from ``/metrics`` ``ttl_seconds`` after the
@@ -416,6 +485,16 @@ def read_worker_snapshots(client: Any) -> list[dict[str, Any]]:
     if stale:
         client.srem(WORKER_SET_KEY, *stale)
     return live
+
+
+def read_version_invalid_retries(client: Any) -> dict[str, float]:
+    """Invalid-output retries per model version name (both tracks summed), for the dashboard."""
+    out: dict[str, float] = {}
+    for raw_labels, raw_value in (client.hgetall(_counter_key("cloverq_version_invalid_output_retries_total"))
+                                  or {}).items():
+        version = json.loads(_decode(raw_labels))[0]
+        out[version] = out.get(version, 0.0) + float(_decode(raw_value))
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -530,12 +609,22 @@ class ClusterCollector(Collector):
         memory = gauge("cloverq_device_memory_bytes")
         share = gauge("cloverq_expert_token_share")
         imbalance = gauge("cloverq_expert_load_imbalance")
+        events_spec = FAMILIES["cloverq_prefix_cache_events_total"]
+        prefix_events = CounterMetricFamily(
+            _prom_name("cloverq_prefix_cache_events_total"), events_spec.help, labels=events_spec.labels
+        )
+        prefix_bytes = gauge("cloverq_prefix_cache_bytes")
+        by_version: dict[tuple[str, str], float] = {}
         for snap in snapshots:  # one entry per worker process
             worker = str(snap["worker"])
             tps.add_metric([worker], float(snap.get("tokens_per_second") or 0.0))
             occupancy.add_metric([worker], float(snap.get("batch_occupancy") or 0.0))
             if snap.get("model_load_seconds") is not None:
                 load.add_metric([worker], float(snap["model_load_seconds"]))
+            version = version_label(snap.get("model_version"))
+            if version is not None:
+                pair = (version, str(snap.get("track") or "stable"))
+                by_version[pair] = by_version.get(pair, 0.0) + float(snap.get("tokens_per_second") or 0.0)
             if snap.get("model_version") is not None or snap.get("model_name") is not None:
                 info.add_metric(
                     [worker, str(snap.get("model_name") or ""), str(snap.get("model_version") or "")], 1
@@ -547,7 +636,16 @@ class ClusterCollector(Collector):
                     share.add_metric([worker, layer, str(expert)], float(value))
             for layer, value in snap.get("expert_imbalance", {}).items():
                 imbalance.add_metric([worker, layer], float(value))
-        yield from (tps, occupancy, load, info, memory, share, imbalance)
+            prefix = snap.get("prefix_cache")
+            if prefix:
+                for event, key in (("hit", "hits"), ("miss", "misses"), ("evict", "evictions")):
+                    prefix_events.add_metric([worker, event], float(prefix.get(key) or 0))
+                prefix_bytes.add_metric([worker], float(prefix.get("bytes") or 0))
+        per_version = gauge("cloverq_version_tokens_per_second")
+        for pair, value in sorted(by_version.items()):
+            per_version.add_metric(list(pair), value)
+        yield from (tps, occupancy, load, info, memory, share, imbalance, per_version)
+        yield from (prefix_events, prefix_bytes)
 
 
 def _bound(b: float) -> str:

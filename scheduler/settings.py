@@ -31,6 +31,26 @@ class Settings(BaseSettings):
     database_url: str | None = Field(None, description="SQLAlchemy URL; default SQLite under data_dir.")
     redis_url: str | None = Field(None, description="Redis URL; default the embedded redis-server.")
     embedded_redis_port: int = Field(6390, description="Port of the embedded redis-server.")
+    database_connect_timeout_seconds: float = Field(
+        5.0, gt=0, description="Seconds to open one database connection (PostgreSQL connect_timeout, "
+        "whole seconds, at least 2): a server that accepts and never answers fails fast (503).",
+    )
+    database_statement_timeout_seconds: float = Field(
+        30.0, ge=0, description="PostgreSQL statement_timeout of every session (0: none); migrations run "
+        "without it.",
+    )
+    database_lock_timeout_seconds: float = Field(
+        30.0, ge=0, description="How long a statement waits for a lock: PostgreSQL lock_timeout (0: no "
+        "bound), SQLite busy timeout (the embedded default's writers queue on one file lock).",
+    )
+    database_pool_timeout_seconds: float = Field(
+        10.0, gt=0, description="PostgreSQL: how long a request waits for a free pooled connection "
+        "before it fails (503).",
+    )
+    readiness_timeout_seconds: float = Field(
+        2.0, gt=0, description="/readyz answers within this: a database or Redis check that has not "
+        "answered by then counts as failed (503).",
+    )
 
     # --- model -------------------------------------------------------------------------------
     model_dir: Path | None = Field(None, description="Checkpoint folder; default the demo checkpoint.")
@@ -57,7 +77,7 @@ class Settings(BaseSettings):
     )
     served_model: str | None = Field(
         None, description="Worker: serve this store model and follow its active version (cloverq model "
-        "activate); unset: serve model_dir as is.",
+        "activate); unset: serve model_dir as is. API and beat: route jobs by this model's canary.",
     )
     served_model_initial_version: str | None = Field(
         None, description="Worker: version of served_model to activate when none is active yet.",
@@ -65,10 +85,33 @@ class Settings(BaseSettings):
     model_watch_interval_seconds: float = Field(
         2.0, gt=0, description="Worker: how often it checks the active version of served_model.",
     )
+    # Canary releases (scheduler/canary.py, docs/architecture.md "Canary releases").
+    model_track: Literal["stable", "canary"] = Field(
+        "stable", description="Worker: canary workers serve the canary version of served_model while "
+        "one is in effect (cloverq model canary), stable ones the active version.",
+    )
+    canary_min_jobs: int = Field(
+        50, ge=0, description="Promotion is refused until the canary finished this many jobs "
+        "(--force overrides).",
+    )
+    canary_error_margin: float = Field(
+        0.01, ge=0, le=1, description="Promotion is refused when the canary's error rate exceeds the "
+        "stable one's by more than this (--force overrides).",
+    )
+    canary_reroute_seconds: float = Field(
+        60.0, gt=0, description="A canary job queued this long while no canary worker is registered "
+        "is re-routed to the stable version (reconciler).",
+    )
 
     # --- engine ------------------------------------------------------------------------------
     engine_max_batch: int = Field(16, ge=1, description="Sequences in one batched forward.")
     engine_max_tokens_in_flight: int = Field(65536, ge=1, description="KV positions held at once.")
+    prefix_cache_bytes: int = Field(
+        512 * 1024 * 1024, ge=0, description="Worker: bytes of shared prompt prefixes (K/V, and GDN "
+        "states at the cached block boundary) the engine keeps, evicted least recently used; prompts "
+        "that share whole blocks (a decision's questions, jobs over one document) prefill them once. "
+        "0 turns prefix sharing off.",
+    )
     engine_max_len: int | None = Field(
         None, ge=1, description="KV positions per sequence (prompt + generated region). Default: "
         "max_prompt_tokens + max_new_tokens_limit + 64 (chat template) rounded up to 64-token blocks.",
@@ -96,6 +139,13 @@ class Settings(BaseSettings):
     max_steps_per_block: int = Field(64, ge=1)
     max_step_budget: int = Field(8192, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=1024)
+    max_header_bytes: int = Field(
+        32_768, ge=1024, description="cloverq api: bytes of a request's head (request line and headers); "
+        "a larger one is refused with 431 as it arrives.",
+    )
+    max_header_count: int = Field(
+        100, ge=8, description="cloverq api: header lines of one request; more are refused with 431.",
+    )
     max_metadata_bytes: int = Field(
         16_384, ge=64,
         description="Bytes of a job's (or batch's) metadata as compact UTF-8 JSON; larger is refused (422).",

@@ -8,6 +8,7 @@ the alert log line and metric for invalid model output, and the mapping to an ``
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from scheduler.logging import get_logger
 from scheduler.metrics import RedisMetricsRecorder
@@ -37,7 +38,7 @@ def _count_invalid_output(ctx: EngineContext) -> None:
 
 
 def _outcome(decision: DecisionOutcome) -> Outcome:
-    common = {"steps_used": decision.steps_used, "tokens": decision.tokens,
+    common: dict[str, Any] = {"steps_used": decision.steps_used, "tokens": decision.tokens,
               "prompt_tokens": decision.prompt_tokens, "finish_reason": decision.finish_reason.value}
     if decision.result is not None:
         return Outcome(JobStatus.SUCCEEDED, decision.result, **common)
@@ -84,6 +85,7 @@ def run_decide(job: JobSpec, ctx: EngineContext) -> Outcome:
         cancel_event=ctx.cancel_event,
         on_invalid_output=on_invalid_output,
         on_progress=ctx.on_progress,
+        submit_many=ctx.submit_many,
     )
     if decision.error_code == INVALID_MODEL_OUTPUT:
         log.warning("decision.failed_invalid_model_output", alert=True, job_id=job.job_id,

@@ -7,7 +7,7 @@ service).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -57,6 +57,8 @@ class EngineContext:
     # ids -> (answer, reasoning or None)) for the progress and the event stream (worker/monitor.py).
     on_plan: Callable[..., None] | None = None
     default_block_size: int | None = None  # the checkpoint's (used when params give none)
+    # queues several requests in one admission round (Engine.submit_many: shared prompt prefixes)
+    submit_many: Callable[[Sequence[GenerationRequest]], list[Future[GenerationResult]]] | None = None
 
 
 @dataclass
@@ -132,7 +134,7 @@ def outcome_of(result: GenerationResult, tokenizer: ChatTokenizer) -> Outcome:
         "usage": usage,
         "timings": {"engine_queue_seconds": result.queue_seconds, "engine_run_seconds": result.run_seconds},
     }
-    common = {"steps_used": result.steps_used, "finish_reason": result.finish_reason.value,
+    common: dict[str, Any] = {"steps_used": result.steps_used, "finish_reason": result.finish_reason.value,
               "tokens": result.tokens, "prompt_tokens": result.prompt_tokens}
     if result.finish_reason is FinishReason.ERROR:
         return Outcome(JobStatus.FAILED, None, error_code=ErrorCode.INVALID_INPUT.value,

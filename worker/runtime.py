@@ -25,12 +25,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
+from scheduler.canary_routing import lane_names, queue_of_lane, served_target
 from scheduler.db import get_session_factory
 from scheduler.drain import drained_queues
 from scheduler.heap import freeze_startup_heap, thaw_heap
 from scheduler.job_events import publish_finished
 from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
-from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot
+from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot, set_process_version, version_label
 from scheduler.model_versions import Activation, active_version, ensure_active, register_version, store_path
 from scheduler.models import ErrorCode, Job, JobStatus, utcnow
 from scheduler.redis_client import get_redis
@@ -75,16 +76,21 @@ class WorkerRuntime:
         self.sessions = get_session_factory(settings.resolved_database_url)
         self.redis = get_redis(settings.resolved_redis_url)
         self.info = WorkerInfo(id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
-                               queues=list(queues), state=WorkerState.STARTING, started_at=time.time())
+                               queues=list(queues), state=WorkerState.STARTING, started_at=time.time(),
+                               heartbeat_seconds=settings.worker_heartbeat_seconds)
         self.engine: Any = None
         self.tokenizer: Any = None
         self.model_version: str | None = None
         self.monitor: JobMonitor | None = None
         self._ready = threading.Event()
         self._draining = threading.Event()
+        # Canaries (scheduler/canary.py): True while this worker serves the canary version and
+        # consumes the canary lanes (canary.<queue>) instead of the class queues.
+        self.canary_lane = False
         # At most engine_joint_slot_cap joint jobs hold task threads (worker/joint_gate.py).
         self.joint_gate: JointGate | None = (
-            joint_gate_for(cap=settings.engine_joint_slot_cap, node=self.worker_id, redis_client=self.redis)
+            joint_gate_for(cap=settings.engine_joint_slot_cap, node=self.worker_id, redis_client=self.redis,
+                           lane=self.lane_name)
             if JOINT_QUEUE in queues else None
         )
         # Every class but interactive holds at most engine_max_batch task threads (and engine slots);
@@ -92,7 +98,7 @@ class WorkerRuntime:
         self.reserve = interactive_reserve(queues, settings.engine_interactive_reserve)
         self.capacity_gate: JointGate | None = (
             capacity_gate_for(cap=settings.engine_max_batch, node=self.worker_id, redis_client=self.redis,
-                              queues=queues)
+                              queues=queues, lane=self.lane_name)
             if self.reserve else None
         )
         # Observability: job outcomes and periodic snapshots go to Redis (see worker/telemetry.py).
@@ -107,6 +113,8 @@ class WorkerRuntime:
         self.served_version: str | None = None
         self.follower: ModelFollower | None = None
         self.admission = JobAdmission()
+        self.info.stats["model_track"] = settings.model_track
+        self.info.stats["served_model"] = settings.served_model
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,9 +124,12 @@ class WorkerRuntime:
         began = time.monotonic()
         if self.settings.served_model:  # follow the active version in SQL (worker/model_switch.py)
             activation = self._initial_activation(self.settings.served_model)
-            self._load_engine(self._store_path(activation.version))
+            version, on_lane = served_target(stable=activation.version, canary=activation.canary_version,
+                                             track=self.settings.model_track)
+            self._load_engine(self._store_path(version))
             self.model_name = self.settings.served_model
-            self.served_version = activation.version
+            self.served_version = version
+            self._set_lane(on_lane)
             self._register_loaded()
         else:
             loaded = self._load_engine(self.settings.resolved_model_dir)
@@ -158,6 +169,7 @@ class WorkerRuntime:
             loaded.model,
             EngineConfig(max_batch=self.settings.engine_max_batch,
                          max_tokens_in_flight=self.settings.engine_max_tokens_in_flight,
+                         prefix_cache_bytes=self.settings.prefix_cache_bytes,
                          max_len=self.settings.resolved_engine_max_len,
                          slot_caps={"joint": self.settings.engine_joint_slot_cap},
                          reserved_slots=self.reserve, reserved_classes=frozenset({INTERACTIVE_QUEUE})),
@@ -174,6 +186,7 @@ class WorkerRuntime:
         self.engine, self.tokenizer = engine, loaded.tokenizer
         self.model_version = f"{loaded.path.name}@{loaded.manifest_digest[:12]}"
         self.info.model_version = self.model_version
+        set_process_version(version_label(self.model_version), self.info.stats.get("lane"))
         return loaded
 
     def load_dtype(self, path: Path) -> torch.dtype:
@@ -232,11 +245,45 @@ class WorkerRuntime:
             turn=SwitchTurn(self.redis, model_name=name, worker_id=self.worker_id),
             interval=self.settings.model_watch_interval_seconds,
             current=lambda: self.served_version, switch=self.switch_model,
+            track=self.settings.model_track, current_lane=lambda: self.canary_lane, move_lane=self.move_lane,
         )
+
+    # --- canary lanes (scheduler/canary_routing.py) ---------------------------------------------
+    def lane_name(self, queue: str) -> str:
+        """The Celery queue this worker consumes for class ``queue`` (its canary lane or itself)."""
+        return lane_names([queue], canary=self.canary_lane)[0]
+
+    def _set_lane(self, on_lane: bool) -> None:
+        self.canary_lane = on_lane
+        self.info.stats["lane"] = "canary" if on_lane else "stable"
+        set_process_version(version_label(self.model_version), self.info.stats["lane"])
+
+    def use_lane_at_start(self, queues: Any) -> None:
+        """On ``worker_init``, after ``start``: a canary worker starting during a canary consumes
+        the canary lanes from its first message on (``queues``: the app's ``amqp.queues``)."""
+        if not self.canary_lane:
+            return
+        plain = self.drain_follower.consuming if self.drain_follower is not None else list(self.queues)
+        queues.deselect(plain)
+        for name in lane_names(plain, canary=True):
+            queues.select_add(name)
+        log.info("worker.canary_lanes_at_start", queues=lane_names(plain, canary=True))
+
+    def move_lane(self, on_lane: bool) -> None:
+        """Same version, other lane (a promotion leaves a canary worker on its version): move the
+        consumers only. The claim's version check is the guarantee; consumers are delivery."""
+        queues = self.drain_follower.consuming if self.drain_follower is not None else list(self.queues)
+        self._consumers("cancel", queues)
+        self._set_lane(on_lane)
+        self._consumers("add", queues)
+        self._quietly(self.heartbeat)
+        log.info("worker.lane_moved", lane=self.info.stats["lane"], version=self.served_version)
 
     def switch_model(self, activation: Activation) -> bool:
         """Drain, load ``activation``'s version, warm up, take jobs again (module doc of
-        worker/model_switch.py). Returns False (still serving the old version) if it cannot load."""
+        worker/model_switch.py). Returns False (still serving the old version) if it cannot load.
+        ``activation.version`` is the version this worker's track serves (``ModelFollower``): on
+        the canary lanes when it is the canary version."""
         target = self._store_path(activation.version)
         if not (target / "manifest.json").is_file():
             log.error("worker.model_switch_missing", version=activation.version, path=str(target))
@@ -255,6 +302,8 @@ class WorkerRuntime:
             self._consumers("cancel", queues)
             self.admission.close_and_wait()  # every claimed job finishes on the old version
             outcome = self._swap_engine(activation.version)
+            if outcome:
+                self._set_lane(activation.version == activation.canary_version)
         finally:  # whatever happened, a worker with a model takes jobs again
             if outcome is not None:
                 self._resume_after_switch(queues)
@@ -306,7 +355,7 @@ class WorkerRuntime:
             self._quietly(self.telemetry.publish_now)
 
     @staticmethod
-    def _quietly(action: Callable[[], None]) -> None:
+    def _quietly(action: Callable[[], object]) -> None:
         """Registry and bookkeeping writes during a switch: a Redis or SQL hiccup is logged and
         the switch goes on (the next heartbeat publishes again)."""
         try:
@@ -323,7 +372,7 @@ class WorkerRuntime:
 
         cancel, add = consumer_control(get_celery_app(), node=self.worker_id)
         try:
-            (cancel if action == "cancel" else add)(queues)
+            (cancel if action == "cancel" else add)(lane_names(queues, canary=self.canary_lane))
         except Exception as exc:
             log.warning("worker.consumer_switch_failed", action=action, error=f"{type(exc).__name__}: {exc}")
 
@@ -371,7 +420,9 @@ class WorkerRuntime:
                 self._engine_died()
             self.info.stats.update(running_jobs=self.monitor.running_count() if self.monitor else 0,
                                    batch_occupancy=stats.batch_occupancy,
-                                   tokens_per_second=round(stats.tokens_per_second, 2))
+                                   tokens_per_second=round(stats.tokens_per_second, 2),
+                                   engine_passes=stats.passes,
+                                   engine_busy_seconds=round(stats.busy_seconds, 3))
         ttl = heartbeat_ttl(self.settings.worker_heartbeat_seconds)
         publish_worker(self.redis, self.info, ttl_seconds=ttl)
         if self.drain_follower is not None and self.info.state == WorkerState.READY:
@@ -392,6 +443,7 @@ class WorkerRuntime:
             device=self.settings.device, queues=self.queues, state=self.info.state,
             model_name=self.model_name, model_version=self.model_version,
             model_load_seconds=self.info.stats.get("model_load_seconds"),
+            track=self.info.stats.get("lane"),
         )
 
     def _decode(self, ids: list[int]) -> str:
@@ -401,8 +453,10 @@ class WorkerRuntime:
     def run_job(self, job_id: str, *, queue: str | None = None) -> str:
         """Claim, run and record one job; returns what happened (for logs/tests).
 
-        ``queue`` is the queue the message came from: joint messages pass the joint gate.
+        ``queue`` is the queue the message came from: joint messages pass the joint gate (a
+        canary lane counts as its class queue).
         """
+        queue = queue_of_lane(queue) if queue is not None else None
         try:
             parsed = uuid.UUID(str(job_id))
         except ValueError:
@@ -450,7 +504,8 @@ class WorkerRuntime:
         with self.sessions() as session:
             try:
                 job = claim_job(session, job_id=parsed, worker_id=self.worker_id,
-                                model_version=self.model_version, settings=self.settings)
+                                model_version=self.model_version, settings=self.settings,
+                                served_version=self.served_version)
             except Exception:  # database hiccup: this message is spent; let the reconciler republish
                 self.redis.delete(redis_keys.enqueued(parsed))
                 raise
@@ -487,11 +542,14 @@ class WorkerRuntime:
             self.redis.delete(redis_keys.enqueued(job_id))
 
     def _execute(self, spec: JobSpec, lease: Lease, running: RunningJob) -> str:
+        monitor = self.monitor
+        assert monitor is not None  # started before any job is claimed
         ctx = EngineContext(
-            submit=self.engine.submit, tokenizer=self.tokenizer, settings=self.settings,
+            submit=self.engine.submit, submit_many=getattr(self.engine, "submit_many", None),
+            tokenizer=self.tokenizer, settings=self.settings,
             deadline=time.monotonic() + deadline_seconds(spec.queue, self.settings, spec.params),
-            cancel_event=running.cancel_event, on_progress=self.monitor.on_progress(lease.job_id),
-            on_plan=self.monitor.on_plan(lease.job_id),
+            cancel_event=running.cancel_event, on_progress=monitor.on_progress(lease.job_id),
+            on_plan=monitor.on_plan(lease.job_id),
             default_block_size=getattr(self.engine, "default_block_size", None),
         )
         try:
@@ -510,7 +568,7 @@ class WorkerRuntime:
         # Final counters from the outcome (the last block may finish after the last report), never
         # below what the job showed while running: SQL's progress ends where the hot status did.
         usage = (outcome.result or {}).get("usage") or {}
-        final = self.monitor.final_progress(running, steps_used=outcome.steps_used, tokens=outcome.tokens,
+        final = monitor.final_progress(running, steps_used=outcome.steps_used, tokens=outcome.tokens,
                                             blocks=usage.get("blocks"),
                                             complete=outcome.status is JobStatus.SUCCEEDED)
         with self.sessions() as session:
@@ -560,7 +618,7 @@ class WorkerRuntime:
             attempt=spec.attempt, created_at=facts.created_at, started_at=facts.started_at,
             finished_at=utcnow(), steps_used=steps_used, step_budget=facts.step_budget, tokens=tokens,
             model_version=self.model_version, finish_reason=finish_reason, error_code=error_code,
-            request_id=facts.request_id, logger=log,
+            request_id=facts.request_id, logger=log, track=self.info.stats.get("lane"),
         )
 
     def _final_hot_status(self, running: RunningJob, status: str) -> None:

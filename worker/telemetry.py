@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from scheduler.logging import get_logger, log_job_finished
-from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot
+from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot, version_label
 from worker.engine.stats import EngineStats
 
 log = get_logger(__name__)
@@ -71,6 +71,7 @@ def snapshot_from_stats(
     model_name: str | None,
     model_version: str | None,
     model_load_seconds: float | None,
+    track: str | None = None,
 ) -> WorkerSnapshot:
     """The worker's snapshot from one ``Engine.stats()`` (None while the engine is not built)."""
     return WorkerSnapshot(
@@ -84,7 +85,21 @@ def snapshot_from_stats(
         router_counts=stats.router_counts if stats is not None and stats.router_counts else None,
         queues=queues,
         state=state,
+        prefix_cache=_prefix_counters(stats),
+        track=track,
     )
+
+
+def _prefix_counters(stats: EngineStats | None) -> dict[str, int] | None:
+    """The engine's prefix-cache counters for the snapshot (None while the cache is off)."""
+    if stats is None or stats.prefix_cache_budget_bytes <= 0:
+        return None
+    return {
+        "hits": stats.prefix_cache_hits,
+        "misses": stats.prefix_cache_misses,
+        "evictions": stats.prefix_cache_evictions,
+        "bytes": stats.prefix_cache_bytes,
+    }
 
 
 class TelemetryThread:
@@ -157,8 +172,10 @@ def observe_job_finished(
     error_code: str | None = None,
     request_id: str | None = None,
     logger: Any = None,
+    track: str | None = None,
 ) -> None:
-    """Summary log line + finished counter + wait/run/steps/tokens histograms for one job.
+    """Summary log line + finished counter + wait/run/steps/tokens histograms for one job (and
+    the per-version families: ``model_version``'s name and ``track``, canary or stable).
 
     ``wait`` is submission -> start of the finishing attempt, ``run`` that attempt's duration.
     """
@@ -192,6 +209,8 @@ def observe_job_finished(
         run_seconds=run_seconds,
         steps_used=steps_used,
         tokens=tokens,
+        version=version_label(model_version),
+        track=track,
     )
     if not recorded:
         log.warning("metrics.record_failed", job_id=job_id)

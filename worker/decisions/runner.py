@@ -8,7 +8,7 @@ the task's transient-fault retry handles them; everything else becomes an outcom
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
@@ -62,10 +62,17 @@ def _retry_params(params: SamplingParams, options: DecisionOptions) -> SamplingP
     return replace(params, seed=seed, temperature=max(params.temperature, options.retry_temperature))
 
 
+SubmitMany = Callable[[Sequence[GenerationRequest]], list[Future[GenerationResult]]]
+
+
 def _gather(
-    requests: tuple[GenerationRequest, ...], submit: Callable[[GenerationRequest], Future[GenerationResult]]
+    requests: tuple[GenerationRequest, ...],
+    submit: Callable[[GenerationRequest], Future[GenerationResult]],
+    submit_many: SubmitMany | None = None,
 ) -> list[GenerationResult]:
-    futures = [submit(request) for request in requests]  # all at once: the engine batches them
+    # all at once: the engine batches them; with ``submit_many`` they also join one admission
+    # round, so an independent decision's shared context is prefilled once (the prefix cache)
+    futures = submit_many(requests) if submit_many is not None else [submit(r) for r in requests]
     return [future.result() for future in futures]
 
 
@@ -83,8 +90,12 @@ def run_decision(
     cancel_event: threading.Event | None = None,
     on_invalid_output: Callable[[int, str], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    submit_many: SubmitMany | None = None,
 ) -> DecisionOutcome:
     """Decode the decision; retry once with a new seed when a rationale is invalid.
+
+    ``submit_many`` (the engine's ``Engine.submit_many``), when given, queues an attempt's
+    sequences together, so that they share their context's prefill.
 
     ``on_invalid_output(attempt, reason)`` is called for every invalid attempt (the task logs
     an alert line and counts the metric there). A second invalid attempt ends with error code
@@ -99,7 +110,7 @@ def run_decision(
             rationale_tokens=options.rationale_tokens, slot_class=slot_class, deadline=deadline,
             cancel_event=cancel, on_progress=on_progress,
         )
-        results = _gather(plan.requests, submit)
+        results = _gather(plan.requests, submit, submit_many)
         outcome.attempts = attempt + 1
         outcome.sequences += len(results)
         outcome.steps_used += sum(r.steps_used for r in results)

@@ -24,10 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker.engine.admission import Candidate, Occupancy, pick_admissions
+from worker.engine.prefix_cache import PrefixCache, PrefixEntry, chain_hashes
 from worker.engine.runner import ModelRunner, PassTimings, RowOutcome, RowSpec
 from worker.engine.stats import EngineStats
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from worker.model.family import DiffusionModel, decoding_defaults
+from worker.model.kv_cache import KVCache
 from worker.sampler.layout import RegionLayout, RequestError, build_layout
 from worker.sampler.sequence import SequenceState
 
@@ -47,6 +49,9 @@ class EngineConfig:
     # slots beyond max_batch that only these classes may hold: short work never waits for a slot
     reserved_slots: int = 0
     reserved_classes: frozenset[str] = frozenset({"interactive"})
+    # bytes of shared prompt prefixes kept between admission rounds (prefix_cache.py); 0 = no
+    # prefix sharing at all, not even between the sequences of one round
+    prefix_cache_bytes: int = 0
 
     @property
     def slots(self) -> int:
@@ -61,6 +66,7 @@ class _Waiting:
     block_size: int
     future: concurrent.futures.Future[GenerationResult]
     submitted: float
+    prefix_keys: list[bytes] = field(default_factory=list)  # chain keys of the prompt's whole blocks
 
 
 @dataclass
@@ -70,6 +76,7 @@ class _Active:
     future: concurrent.futures.Future[GenerationResult]
     submitted: float
     admitted: float
+    prefix_keys: list[bytes] = field(default_factory=list)
 
 
 class EngineStopped(RuntimeError):
@@ -102,6 +109,10 @@ class Engine:
             dtype=param.dtype,
         )
         self.runner = ModelRunner(model, self.cache, mask_token_id=mask_token_id)
+        # prefix sharing copies committed state between slots of one local cache (not tensor parallel)
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache_bytes > 0 and isinstance(self.cache, KVCache):
+            self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
         per_position = self.cache.bytes_per_position(model.config, param.dtype)
         # a hybrid model's fixed per-sequence state, counted in admission as positions of equal bytes
         self.state_positions = -(-self.cache.bytes_per_sequence(model.config) // per_position)
@@ -120,6 +131,8 @@ class Engine:
         self._failed = 0
         self._busy = 0.0
         self._forward_seconds = 0.0
+        self._prefill_positions = 0  # prompt positions run through the model (prefixes included)
+        self._reused_positions = 0  # prompt positions copied from a shared prefix instead
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_WINDOW)
 
     # ---- public API --------------------------------------------------------------------------
@@ -132,8 +145,30 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
         """Queue ``request``; the future resolves with its result (see module doc for failures)."""
-        future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+        return self.submit_many([request])[0]
+
+    def submit_many(
+        self, requests: Sequence[GenerationRequest]
+    ) -> list[concurrent.futures.Future[GenerationResult]]:
+        """Queue ``requests`` at once (futures in order): the engine sees them all in the same
+        admission round, so prompts that share a prefix (the questions of one decision) prefill it
+        once instead of racing the engine thread one by one."""
         now = time.monotonic()
+        prepared = [self._prepare(request, now) for request in requests]
+        entries = [w for w, _ in prepared if w is not None]
+        if entries:
+            with self._cond:
+                if not self._accepting:
+                    raise EngineStopped("the engine is stopping and accepts no new requests")
+                self._waiting.extend(entries)
+                self._cond.notify_all()
+        return [future for _, future in prepared]
+
+    def _prepare(
+        self, request: GenerationRequest, now: float
+    ) -> tuple[_Waiting | None, concurrent.futures.Future[GenerationResult]]:
+        """The queue entry of ``request``, or None when it is invalid (its future then resolved)."""
+        future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
         request.params = self._with_defaults(request.params)
         block_size = request.params.block_size or self.default_block_size
         try:
@@ -146,13 +181,9 @@ class Engine:
                 )
         except RequestError as exc:
             future.set_result(_error_result(request, str(exc)))
-            return future
-        with self._cond:
-            if not self._accepting:
-                raise EngineStopped("the engine is stopping and accepts no new requests")
-            self._waiting.append(_Waiting(request, layout, block_size, future, now))
-            self._cond.notify_all()
-        return future
+            return None, future
+        keys = chain_hashes(request.prompt_ids, block_size) if self.prefix_cache is not None else []
+        return _Waiting(request, layout, block_size, future, now, keys), future
 
     def _footprint(self, layout: RegionLayout) -> int:
         """Memory a sequence holds, in K/V positions: its positions plus, for a hybrid model, its
@@ -216,7 +247,25 @@ class Engine:
             busy_seconds=self._busy,
             forward_seconds=self._forward_seconds,
             router_counts=self.runner.router_counts.cpu().tolist(),
+            prefill_positions=self._prefill_positions,
+            prefix_reused_positions=self._reused_positions,
+            **self._prefix_stats(),
         )
+
+    def _prefix_stats(self) -> dict[str, int]:
+        cache = self.prefix_cache
+        if cache is None:
+            return {}
+        c = cache.counters()
+        return {
+            "prefix_cache_hits": c.hits,
+            "prefix_cache_misses": c.misses,
+            "prefix_cache_evictions": c.evictions,
+            "prefix_cache_stores": c.stores,
+            "prefix_cache_entries": c.entries,
+            "prefix_cache_bytes": c.bytes,
+            "prefix_cache_budget_bytes": cache.budget_bytes,
+        }
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -238,9 +287,12 @@ class Engine:
                     return False  # stopping, drained
                 self._settle_waiting()
                 admitted = self._admit()
+                peers = self._prefix_peers(admitted)
         if abort:
             self._cancel_everything()
             return False
+        if admitted:
+            self._share_prefixes(admitted, peers)
         now = time.monotonic()
         for a in admitted:
             a.admitted = now
@@ -300,10 +352,107 @@ class Engine:
                 self._failed += 1
                 w.future.set_exception(exc)
                 continue
-            active = _Active(state, self.cache.allocate(), w.future, w.submitted, time.monotonic())
+            active = _Active(
+                state, self.cache.allocate(), w.future, w.submitted, time.monotonic(), w.prefix_keys
+            )
             self._active.append(active)
             admitted.append(active)
         return admitted
+
+    # ---- shared prompt prefixes (prefix_cache.py) ---------------------------------------------
+    def _prefix_peers(self, admitted: list[_Active]) -> collections.Counter[bytes]:
+        """How many of the just admitted and the still waiting prompts hold each chain key (under
+        the lock): a key two of them hold is a prefix worth computing once."""
+        peers: collections.Counter[bytes] = collections.Counter()
+        if self.prefix_cache is None:
+            return peers
+        for keys in [a.prefix_keys for a in admitted] + [w.prefix_keys for w in self._waiting]:
+            peers.update(keys)
+        return peers
+
+    def _share_prefixes(self, admitted: list[_Active], peers: collections.Counter[bytes]) -> None:
+        """Start the sequences just admitted from shared prefixes where their prompts allow.
+
+        Per sequence the target is the deepest of (a) the stored prefix it extends and (b) the
+        deepest block boundary it shares with another prompt (``PrefixCache.shared_depth``).
+        Targets are taken shallowest first, so a deeper one is computed from a shallower one made
+        in the same round. A missing target is prefilled once into the first sequence that needs
+        it (from the deepest stored prefix below it), stored, and copied into the slots of the
+        others. A fault there only costs the sharing: the sequence then prefills as usual.
+        """
+        cache = self.prefix_cache
+        began = time.perf_counter()
+        timings = PassTimings()
+        if cache is not None:
+            plans: list[tuple[int, _Active]] = []
+            for a in admitted:
+                keys, block = a.prefix_keys, a.state.block_size
+                if not keys:
+                    continue
+                stored = cache.deepest(a.state.request.prompt_ids, keys, block)
+                depth = max(cache.shared_depth(keys, peers), 0 if stored is None else stored.length // block)
+                if depth == 0:
+                    cache.misses += 1
+                    continue
+                plans.append((depth, a))
+            pinned: list[PrefixEntry] = []
+            try:
+                for depth, a in sorted(plans, key=lambda plan: plan[0]):
+                    entry = self._adopt_prefix(a, depth, timings)
+                    if entry is not None:
+                        cache.pin(entry)  # later sequences of this round may still copy it
+                        pinned.append(entry)
+                        cache.trim()  # older, unpinned entries make room as the round stores
+            finally:
+                for entry in pinned:
+                    cache.unpin(entry)
+                cache.trim()
+                for a in admitted:
+                    cache.remember(a.prefix_keys)
+        for a in admitted:
+            whole = len(a.state.request.prompt_ids) // a.state.block_size * a.state.block_size
+            self._prefill_positions += max(whole - a.state.cached_len, 0)
+        if timings.forwards:
+            with self._cond:
+                self._busy += time.perf_counter() - began
+                self._forwards += timings.forwards
+                self._forward_seconds += timings.forward_seconds
+
+    def _adopt_prefix(self, a: _Active, depth: int, timings: PassTimings) -> PrefixEntry | None:
+        """Give ``a``'s slot the committed state of its first ``depth`` blocks: copied from the
+        stored entry (a hit), else prefilled here and stored (a miss). None if that failed."""
+        cache = self.prefix_cache
+        assert cache is not None
+        block = a.state.block_size
+        prompt = a.state.request.prompt_ids
+        length = depth * block
+        if length > a.state.block_start:  # the first decoded block must stay in the pass
+            return None
+        key = a.prefix_keys[depth - 1]
+        entry = cache.get(key, prompt[:length], block)
+        try:
+            if entry is not None:
+                self.cache.import_prefix(a.slot, entry.state)
+                cache.hits += 1
+                self._reused_positions += length
+            else:
+                base = cache.deepest(prompt, a.prefix_keys, block, below=depth)
+                start = 0
+                if base is not None:
+                    self.cache.import_prefix(a.slot, base.state)
+                    start = base.length
+                self.runner.run_prefill(a.slot, prompt[start:length], start, block, timings)
+                entry = cache.put(key, prompt[:length], block, self.cache.export_prefix(a.slot, length))
+                cache.misses += 1
+                self._prefill_positions += length - start
+                self._reused_positions += start
+        except Exception:
+            log.exception("sharing a prefix of %s failed; it prefills alone", a.state.request.request_id)
+            self.cache.free(a.slot)  # back to an empty committed state
+            a.slot = self.cache.allocate()
+            return None
+        a.state.cached_len = length
+        return entry
 
     def _interrupt_active(self, now: float) -> None:
         for a in self._active:
@@ -370,7 +519,8 @@ class Engine:
             top_k=p.top_k or 0,
             top_p=p.top_p if p.top_p is not None else 1.0,
             dynamic=p.strategy == "dynamic",
-            threshold=p.threshold,
+            # resolved at submit for dynamic rows (family defaults); static rows never read it
+            threshold=p.threshold if p.threshold is not None else 1.0,
             inp=a.state.pass_input(),
         )
 

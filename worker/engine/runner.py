@@ -92,6 +92,39 @@ class ModelRunner:
             raise
         return [outcomes[i] for i in range(len(rows))]
 
+    def run_prefill(self, slot: int, tokens: list[int], start_pos: int, block_size: int,
+                    timings: PassTimings) -> None:
+        """Commit ``tokens`` (whole prompt blocks from ``start_pos``) into ``slot``: a shared prefix
+        computed once for the prefix cache. The same forward as a pass's commit rows, with no block
+        to denoise (the logits of one position are computed and dropped). On an exception the slot's
+        committed state is as before."""
+        dev = self.device
+        t = len(tokens)
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)  # [1, T]
+        positions = start_pos + torch.arange(t, device=dev)[None, :]  # [1, T]
+        slots = torch.tensor([slot], dtype=torch.long, device=dev)  # [1]
+        before = self.cache.snapshot(slots)
+        began = time.perf_counter()
+        try:
+            self.model(
+                ids,
+                positions,
+                positions // block_size,
+                valid=torch.ones(1, t, dtype=torch.bool, device=dev),
+                cache=self.cache,
+                slots=slots,
+                commit_lens=torch.tensor([t], dtype=torch.long, device=dev),
+                router_counts=self.router_counts if self.model.config.num_experts > 0 else None,
+                logits_index=torch.zeros(1, 1, dtype=torch.long, device=dev),
+            )
+            if self._sync:
+                torch.cuda.synchronize(dev)
+        except BaseException:
+            self.cache.restore(slots, before)
+            raise
+        timings.forward_seconds += time.perf_counter() - began
+        timings.forwards += 1
+
     @staticmethod
     def _split(rows: list[RowSpec]) -> list[list[int]]:
         """Rows with long prefill parts go to their own forward when padding would dominate."""

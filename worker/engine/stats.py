@@ -25,8 +25,24 @@ class EngineStats:
     busy_seconds: float  # time inside passes
     forward_seconds: float  # time inside model forwards (the rest of busy time is overhead)
     router_counts: list[list[int]] = field(default_factory=list)  # [L, E] tokens per expert
+    # prompt prefill and the prefix cache (worker/engine/prefix_cache.py; zeros while it is off)
+    prefill_positions: int = 0  # prompt positions run through the model, shared prefixes included
+    prefix_reused_positions: int = 0  # prompt positions copied from a shared prefix instead
+    prefix_cache_hits: int = 0  # sequences started from a stored prefix
+    prefix_cache_misses: int = 0  # sequences with whole prompt blocks that found none stored
+    prefix_cache_evictions: int = 0
+    prefix_cache_stores: int = 0  # prefixes computed and stored
+    prefix_cache_entries: int = 0
+    prefix_cache_bytes: int = 0  # bytes the stored prefixes hold now (K/V, and GDN states)
+    prefix_cache_budget_bytes: int = 0  # its budget; 0: prefix sharing is off
 
     @property
     def overhead_share(self) -> float:
         """Share of pass time spent outside the model forward."""
         return 0.0 if self.busy_seconds <= 0 else 1.0 - self.forward_seconds / self.busy_seconds
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of prefix lookups (sequences with whole prompt blocks) that hit a stored prefix."""
+        lookups = self.prefix_cache_hits + self.prefix_cache_misses
+        return 0.0 if lookups == 0 else self.prefix_cache_hits / lookups

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from worker.model.config import ModelConfig
-from worker.model.kv_cache import KVCache
+from worker.model.kv_cache import KVCache, PrefixState
 
 
 class HybridCache(KVCache):
@@ -77,6 +77,29 @@ class HybridCache(KVCache):
     def restore(self, slots: torch.Tensor, snapshot: tuple[torch.Tensor, ...]) -> None:
         self.lengths[slots] = snapshot[0]
         self.current[slots] = snapshot[1]
+
+    def export_prefix(self, slot: int, length: int) -> PrefixState:
+        """K/V of the first ``length`` positions plus the committed GDN rings and states, which are
+        the state *at* ``length``: so ``length`` must be the slot's committed length exactly."""
+        if length != self.length(slot):
+            raise ValueError(f"a GDN state exists only at the committed length {self.length(slot)}, "
+                             f"not {length}")
+        prefix = super().export_prefix(slot, length)
+        row = 2 * slot + int(self.current[slot].item())
+        prefix.ring = [ring[row].clone() for ring in self.ring]  # [K-1, C] each
+        prefix.state = [state[row].clone() for state in self.state]  # [Hv, dk, dv] each
+        return prefix
+
+    def import_prefix(self, slot: int, prefix: PrefixState) -> None:
+        """K/V as ``KVCache`` does, and the rings/states into the slot's committed copy."""
+        if len(prefix.ring) != len(self.ring) or len(prefix.state) != len(self.state):
+            raise ValueError("the prefix carries no GDN state for this hybrid cache")
+        super().import_prefix(slot, prefix)
+        row = 2 * slot + int(self.current[slot].item())
+        for dst, src in zip(self.ring, prefix.ring, strict=True):
+            dst[row] = src
+        for dst, src in zip(self.state, prefix.state, strict=True):
+            dst[row] = src
 
     def truncate(self, slot: int, length: int) -> None:
         """A recurrent state cannot be rewound: only a no-op truncation is allowed."""

@@ -8,6 +8,8 @@ Preallocation keeps the hot path free of allocation and lets slots be reused wit
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from worker.model.config import ModelConfig
@@ -15,6 +17,30 @@ from worker.model.config import ModelConfig
 
 class CacheFullError(RuntimeError):
     """No free slot (or no room left in a slot)."""
+
+
+@dataclass
+class PrefixState:
+    """The committed state of one sequence after its first ``length`` positions, detached from any
+    slot: what the engine's prefix cache keeps and copies into the slots of sequences that start
+    with the same blocks (``KVCache.export_prefix`` / ``import_prefix``).
+
+    ``k``/``v`` hold the K/V of positions ``0..length-1`` of every attention layer. ``ring`` and
+    ``state`` hold, for a hybrid model, each GDN layer's conv ring and recurrent state *at*
+    ``length`` (a recurrent state exists only at the boundary it was taken at); both empty for an
+    all-attention model.
+    """
+
+    length: int
+    k: list[torch.Tensor]  # per attention layer [KVH, length, D]
+    v: list[torch.Tensor]  # per attention layer [KVH, length, D]
+    ring: list[torch.Tensor] = field(default_factory=list)  # per GDN layer [K-1, C] float32
+    state: list[torch.Tensor] = field(default_factory=list)  # per GDN layer [Hv, dk, dv] float32
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the copy holds."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.ring, *self.state))
 
 
 class KVCache:
@@ -90,6 +116,34 @@ class KVCache:
         if slot not in self._in_use:
             raise ValueError(f"slot {slot} is not allocated")
         self.lengths[slot] = torch.clamp(self.lengths[slot], max=length)
+
+    def export_prefix(self, slot: int, length: int) -> PrefixState:
+        """A copy of the committed state of ``slot``'s first ``length`` positions (K/V only here)."""
+        self._check_prefix(slot, length)
+        return PrefixState(
+            length=length,
+            k=[k[slot, :, :length].clone() for k in self.k],  # [KVH, length, D] each
+            v=[v[slot, :, :length].clone() for v in self.v],
+        )
+
+    def import_prefix(self, slot: int, prefix: PrefixState) -> None:
+        """Make ``prefix`` the committed state of the freshly allocated ``slot`` (a copy: the slot
+        then appends its own blocks after it, exactly as if it had committed the prefix itself)."""
+        if slot not in self._in_use:
+            raise ValueError(f"slot {slot} is not allocated")
+        if prefix.length > self.max_len:
+            raise CacheFullError(f"prefix of {prefix.length} positions exceeds max_len {self.max_len}")
+        for dst, src in zip(self.k, prefix.k, strict=True):
+            dst[slot, :, : prefix.length] = src
+        for dst, src in zip(self.v, prefix.v, strict=True):
+            dst[slot, :, : prefix.length] = src
+        self.lengths[slot] = prefix.length
+
+    def _check_prefix(self, slot: int, length: int) -> None:
+        if slot not in self._in_use:
+            raise ValueError(f"slot {slot} is not allocated")
+        if length > self.length(slot):
+            raise ValueError(f"slot {slot} has not committed {length} positions")
 
     def length(self, slot: int) -> int:
         """Committed positions of one slot (a host sync; not for hot loops)."""
