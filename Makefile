@@ -19,6 +19,10 @@ up: install
 lint: install
 	$(BIN)/ruff check .
 
+# Two pytest-xdist sessions side by side (CI's two cores); stack tests stay serial in one group.
+PYTEST_WORKERS ?= 2
+
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup

@@ -18,7 +18,7 @@ carries ``code``): 401 ``unauthorized`` (no, malformed, unknown or revoked key),
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -26,11 +26,11 @@ import redis
 import structlog
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import create_engine
 from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from scheduler.admission import Admission, RateDecision
+from scheduler.db import DatabaseTimeouts, make_engine
 from scheduler.keys import ALL_SCOPES, SCOPE_ADMIN, KeyAuthenticator, NotCached, parse_key
 from scheduler.settings import Settings, get_settings
 
@@ -73,9 +73,11 @@ class Security:
     def __init__(self, settings: Settings, *, session_factory: Callable[[], Any] | None = None,
                  redis_client: redis.Redis | None = None) -> None:
         if session_factory is None:
-            session_factory = sessionmaker(create_engine(settings.resolved_database_url, pool_pre_ping=True))
+            timeouts = DatabaseTimeouts.from_settings(settings)
+            session_factory = sessionmaker(make_engine(settings.resolved_database_url, timeouts=timeouts))
         if redis_client is None:
-            redis_client = redis.Redis.from_url(settings.resolved_redis_url, socket_timeout=2.0)
+            redis_client = redis.Redis.from_url(settings.resolved_redis_url, socket_timeout=2.0,
+                                                socket_connect_timeout=1.0)
         self.settings = settings
         self.session_factory = session_factory
         self.redis = redis_client
@@ -137,6 +139,7 @@ def meter_caller(request: Request, caller: Caller) -> None:
     protects capacity, and a submit needs Redis anyway. Blocking: call it off the event loop."""
     if caller.key_id is None:
         return
+    request.state.rate_metered = True
     try:
         decision = security_of(request).admission.check_rate(caller.key_id, key_id=caller.key_id)
     except redis.RedisError as exc:
@@ -182,11 +185,38 @@ async def _authenticate(request: Request, credentials: HTTPAuthorizationCredenti
     return caller
 
 
+async def meter_refused_request(request: Request) -> HTTPException | None:
+    """Spend a rate-limit token for a request refused before its route could (issue 16: bodies
+    that fail validation were never rate-limited, so a client could send them without end).
+
+    Called by the validation error handler. The caller is the one the route's dependency
+    authenticated, or, when the body was refused before any dependency ran (JSON that does not
+    parse), the key in the request's header. Returns the 401/429 to answer instead of the 422, or
+    None (already metered, no key, an invalid key: the 422 stands).
+    """
+    if getattr(request.state, "rate_metered", False):
+        return None
+    caller = getattr(request.state, "caller", None)
+    if caller is None:
+        try:
+            caller = await _authenticate(request, await _bearer_scheme(request))
+        except HTTPException:
+            return None
+    if not isinstance(caller, Caller) or caller.key_id is None:
+        return None
+    try:
+        await run_in_threadpool(meter_caller, request, caller)
+    except HTTPException as refused:
+        return refused
+    return None
+
+
 def enforce_rate(request: Request, caller: Caller, decision: RateDecision | None) -> None:
     """Raise 401 for a key the rate script reports revoked, 429 for an empty bucket.
 
     ``decision`` None: the rate limit could not be checked (Redis unavailable): fail open.
     """
+    request.state.rate_metered = True
     if decision is None or caller.key_id is None:
         return
     if decision.revoked:
@@ -199,7 +229,7 @@ def enforce_rate(request: Request, caller: Caller, decision: RateDecision | None
                      {"retry_after_seconds": decision.retry_after_seconds})
 
 
-def require_scope(scope: str) -> Callable[..., Caller]:
+def require_scope(scope: str) -> Callable[..., Awaitable[Caller]]:
     """A dependency that passes the caller through if it holds ``scope``, else 403."""
 
     async def dependency(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:  # no I/O: no hop

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from starlette.exceptions import HTTPException
+from fastapi import HTTPException  # starlette's types ``detail`` as str; ours is the error dict
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_body, openai_error_body, openai_style

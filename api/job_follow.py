@@ -141,6 +141,12 @@ def _hot_block(job: JobOut) -> dict[str, Any] | None:
             "offset": 0, "delta": progress.partial_text, "from_hot_status": True}
 
 
+def _stream_entries(answer: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The entries of a one-stream ``XREAD`` answer, ``[[key, entries]]`` on our RESP2 clients
+    (redis-py types the answer as a union with RESP3's ``{key: entries}``)."""
+    return job_stream.parse_entries(answer[0][1]) if answer else []
+
+
 async def _replay(client: aioredis.Redis, key: str, cursor: str) -> AsyncIterator[Followed]:
     """Every ``block`` event the stream holds after ``cursor``, without waiting."""
     while True:
@@ -148,7 +154,7 @@ async def _replay(client: aioredis.Redis, key: str, cursor: str) -> AsyncIterato
             answer = await client.xread({key: cursor}, count=STREAM_BATCH)
         except (RedisError, OSError):
             return
-        entries = job_stream.parse_entries(answer[0][1]) if answer else []
+        entries = _stream_entries(answer)
         if not entries:
             return
         for entry_id, event in entries:
@@ -193,7 +199,7 @@ async def follow_job(
                 answer = []
                 with suppress(TimeoutError):
                     await asyncio.wait_for(finished.wait(), STREAM_BLOCK_MS / 1000)
-            entries = job_stream.parse_entries(answer[0][1]) if answer else []
+            entries = _stream_entries(answer)
             if first_read and not entries and cursor == job_stream.STREAM_START:
                 hot = _hot_block(job) if job.status == JobStatus.RUNNING else None
                 if hot is not None:

@@ -95,11 +95,12 @@ def generate(
     )
     existing_folder(folder, hint=hint)
     began = time.perf_counter()
+    dtype_name = dtype or settings.dtype
     try:
         lm = load_model(  # load_checkpoint, then CLOVERQ_WEIGHT_DTYPE's quantization (as a worker)
             folder,
             device=device or settings.device,
-            dtype=getattr(torch, dtype or settings.dtype) if (dtype or settings.dtype) else None,
+            dtype=getattr(torch, dtype_name) if dtype_name else None,
             verify=False if settings.skip_verify else settings.verify_on_load,
             weight_dtype=settings.weight_dtype,
             group_size=settings.weight_group_size,

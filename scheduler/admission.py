@@ -25,6 +25,8 @@ Three rules, all checked *before* anything is stored, so a refused request leave
 
 Limits have defaults in ``Settings`` and runtime overrides in the Redis hash ``LIMITS_KEY``
 (written by the admin API), so every API process sees a change at once without a restart.
+That hash mirrors SQL (``scheduler.operator_state``: committed there first, restored from there
+after a Redis restart); ``update_limits`` below writes the Redis side only.
 A reservation expires after ``redis_keys.ADMISSION_RESERVATION_TTL_SECONDS`` (an API process
 that died between admission and publish); a refusal from over-counting is transient (jobs in
 the moment between their commit and their publish count twice for the tenant cap).
@@ -413,8 +415,11 @@ class Admission:
         return cap
 
 
+ALL_QUEUES: tuple[str, ...] = tuple(queue.value for queue in QueueName)
+
+
 def forget_admitted(client: redis.Redis, *, tenant: str, marker: str,
-                    queues: Iterable[str] = tuple(q.value for q in QueueName)) -> None:
+                    queues: Iterable[str] = ALL_QUEUES) -> None:
     """Remove the enqueued marker and the admission reservations (in whichever of ``queues``)
     of one admitted job that was not stored after all. Raises ``redis.RedisError``; left alone
     they expire (the marker is only read for stored rows; a reservation over-counts a minute)."""

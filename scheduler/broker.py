@@ -50,7 +50,7 @@ def releases_reservations(app: Any) -> bool:
     return bool(getattr(app.conf, "broker_transport", None) == TRANSPORT_PATH)
 
 
-class QoS(kombu_redis.QoS):  # type: ignore[misc]
+class QoS(kombu_redis.QoS):
     """kombu's QoS, except that handing back this channel's unacked deliveries when the broker is
     gone never kills the process.
 
@@ -71,7 +71,7 @@ class QoS(kombu_redis.QoS):  # type: ignore[misc]
             self._delivered.clear()
 
 
-class Channel(kombu_redis.Channel):  # type: ignore[misc]
+class Channel(kombu_redis.Channel):
     """kombu's Redis channel, reusing one synchronous client for its short commands."""
 
     QoS = QoS
@@ -114,7 +114,7 @@ def _release(pipe: Any, admitted: list[str]) -> Any:
     return pipe
 
 
-class Transport(kombu_redis.Transport):  # type: ignore[misc]
+class Transport(kombu_redis.Transport):
     """kombu's Redis transport with :class:`Channel`."""
 
     Channel = Channel

@@ -140,7 +140,7 @@ def shared_processors(settings: Settings) -> list[Processor]:
 def _extra_redaction_processors() -> list[Processor]:
     """The security helper's redaction processor (``scheduler.redaction``), once it exists."""
     try:
-        from scheduler import redaction  # type: ignore[attr-defined]
+        from scheduler import redaction
     except ImportError:
         return []
     processor = getattr(redaction, "redact_secrets", None) or getattr(redaction, "processor", None)

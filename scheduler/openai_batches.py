@@ -11,6 +11,7 @@ not stored: they are rendered from the batch's jobs whenever they are read.
 
 from __future__ import annotations
 
+import builtins
 import secrets
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,7 +39,7 @@ class OpenAIFile(Base):
     purpose: Mapped[str] = mapped_column(String(32), nullable=False)
     filename: Mapped[str] = mapped_column(String(255), nullable=False)
     bytes: Mapped[int] = mapped_column(Integer, nullable=False)
-    content: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    content: Mapped[builtins.bytes] = mapped_column(LargeBinary, nullable=False)  # `bytes` is a column
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
 
 

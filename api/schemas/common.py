@@ -2,7 +2,8 @@
 
 Each rule lives here once and every model uses it, so a field added later cannot forget it:
 
-- :data:`Text` (and :func:`bounded_text`): text that can be encoded, stored and echoed — no
+- :data:`Text` (with length bounds: ``Annotated[str, StringConstraints(...),
+  AfterValidator(storable_text)]``): text that can be encoded, stored and echoed — no
   NUL (PostgreSQL text/JSONB cannot hold U+0000) and no lone surrogate (``"\\ud800"`` is legal
   in a JSON string but is not Unicode text: UTF-8 encoding, the tokenizer and the JSON
   renderer all fail on it).
@@ -16,9 +17,9 @@ Each rule lives here once and every model uses it, so a field added later cannot
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated
 
-from pydantic import AfterValidator, AllowInfNan, Field, StringConstraints
+from pydantic import AfterValidator, AllowInfNan, Field
 
 from scheduler.models import as_utc
 
@@ -51,12 +52,6 @@ def storable_text(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(storable_text)]
-
-
-def bounded_text(*, min_length: int | None = None, max_length: int | None = None) -> Any:
-    """:data:`Text` with length bounds."""
-    return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length),
-                     AfterValidator(storable_text)]
 
 
 def _utc(value: datetime) -> datetime:

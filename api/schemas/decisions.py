@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from api.schemas.common import (
     MAX_BLOCK_SIZE,
@@ -17,7 +17,7 @@ from api.schemas.common import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     Text,
-    bounded_text,
+    storable_text,
 )
 
 MAX_ID_CHARS = 64
@@ -25,9 +25,12 @@ MAX_CHOICE_CHARS = 64
 MAX_QUESTION_CHARS = 4000
 MAX_DECIDE_SEED = 2**62  # the worker derives per-question seeds from it
 
-QuestionId = bounded_text(min_length=1, max_length=MAX_ID_CHARS)
-Choice = bounded_text(min_length=1, max_length=MAX_CHOICE_CHARS)
-QuestionText = bounded_text(min_length=1, max_length=MAX_QUESTION_CHARS)
+QuestionId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS),
+                      AfterValidator(storable_text)]
+Choice = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CHOICE_CHARS),
+                   AfterValidator(storable_text)]
+QuestionText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS),
+                         AfterValidator(storable_text)]
 
 
 class _Strict(BaseModel):

@@ -31,6 +31,8 @@ class DecisionTokenizer(Protocol):
         self, messages: list[dict[str, str]], *, enable_thinking: bool, add_generation_prompt: bool = ...
     ) -> str: ...
 
+    def __hash__(self) -> int: ...  # per-tokenizer caches key on it (``templates.safe_text_token_ids``)
+
 
 @dataclass(frozen=True)
 class DecisionQuestion:

@@ -165,7 +165,7 @@ def _fla_kernel(device: torch.device, dtype: torch.dtype) -> Any:
 
 def _probe_fla(device: torch.device) -> Any:
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore[import-not-found]
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # not installed / no triton: the torch form serves
         return None
 

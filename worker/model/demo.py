@@ -262,7 +262,12 @@ def write_demo_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_demo_tokenizer(_SHAPES[size]["vocab_size"])
-    special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    special_ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(t)
+        if token_id is None:  # build_demo_tokenizer adds every special token
+            raise RuntimeError(f"the demo tokenizer lacks {t!r}")
+        special_ids[t] = token_id
     config, dtype = demo_config(
         size, special_ids=special_ids, vocab_size=tokenizer.get_vocab_size(), arch=arch
     )

@@ -11,7 +11,7 @@ names nothing decodes with is decided here too.
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import TypeAlias, TypedDict
 
 from worker.model import clover_decided
 from worker.model.clover_decided import DecodingDefaults
@@ -21,12 +21,21 @@ from worker.model.model import CloverForBlockDiffusion
 
 DiffusionModel: TypeAlias = CloverForBlockDiffusion | CloverHybridForBlockDiffusion
 
+
+class _FamilyDecoding(TypedDict):
+    """``DecodingDefaults`` less the block size."""
+
+    steps_per_block: int | None
+    strategy: str
+    threshold: float
+
+
 # SDAR-MoE's defaults (the reference script's: 4 steps per block, static, threshold 0.9)
 SDAR_DEFAULT_BLOCK_SIZE = 4
-SDAR_DEFAULTS = dict(steps_per_block=4, strategy="static", threshold=0.9)
+SDAR_DEFAULTS: _FamilyDecoding = {"steps_per_block": 4, "strategy": "static", "threshold": 0.9}
 # LLaDA2-MoE's (as dInfer and SGLang serve it): blocks of 32, dynamic at 0.95, up to one step per position
 LLADA2_DEFAULT_BLOCK_SIZE = 32
-LLADA2_DEFAULTS = dict(steps_per_block=None, strategy="dynamic", threshold=0.95)
+LLADA2_DEFAULTS: _FamilyDecoding = {"steps_per_block": None, "strategy": "dynamic", "threshold": 0.95}
 
 
 def build_model(config: ModelConfig) -> DiffusionModel:

@@ -99,7 +99,7 @@ class CloverForBlockDiffusion(nn.Module):
         for i, layer in enumerate(self.layers):
             counts = router_counts[i] if router_counts is not None else None
             x = layer(x, cos, sin, bias, view, token_weight, counts)
-        if view is not None and commit_lens is not None:
+        if view is not None and cache is not None and commit_lens is not None:  # a view has a cache
             cache.lengths.index_add_(0, view.slots, commit_lens.to(cache.lengths))  # K/V already stored
         if logits_index is not None:  # e.g. only the block being denoised, not a long prefill
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]

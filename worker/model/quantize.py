@@ -255,6 +255,9 @@ def _int4_layout(device: torch.device, n: int, k: int) -> str:
 class Int8Linear(nn.Module):
     """``nn.Linear`` with an int8 weight ``[N, K]`` and a bfloat16 scale per output row."""
 
+    qweight: torch.Tensor  # buffers
+    scale: torch.Tensor
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
@@ -282,6 +285,9 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """``nn.Linear`` with a group-wise int4 weight (``quantize_int4``), packed for ``layout``'s kernel."""
+
+    qweight: torch.Tensor  # buffers
+    scales_zeros: torch.Tensor
 
     def __init__(
         self, codes: torch.Tensor, scales_zeros: torch.Tensor, group: int, bias: nn.Parameter | None
@@ -326,6 +332,9 @@ class QuantizedExperts(nn.Module):
     ``moe._grouped_matmul`` calls ``grouped_matmul`` with the copies sorted by expert; ``shape``
     is the stack's, as the parameter it replaces.
     """
+
+    qweight: torch.Tensor  # buffers
+    scales: torch.Tensor
 
     def __init__(self, stack: torch.Tensor, mode: QuantMode) -> None:
         super().__init__()

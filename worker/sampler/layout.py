@@ -103,13 +103,15 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
             unrestricted.append(i)
             continue
         candidates = []
+        pad_id = template.pad_id
         for seq in slot.allowed_sequences:
-            if len(seq) > slot.length or (len(seq) < slot.length and template.pad_id is None):
+            if len(seq) > slot.length or (len(seq) < slot.length and pad_id is None):
                 raise RequestError(
                     f"slot {i}: allowed sequence of length {len(seq)} does not fit length {slot.length}"
                     " (shorter ones need the template's pad_id)"
                 )
-            padded = tuple(seq) + (template.pad_id,) * (slot.length - len(seq))  # type: ignore[operator]
+            # no pad_id: the sequence is full length (checked above)
+            padded = tuple(seq) if pad_id is None else tuple(seq) + (pad_id,) * (slot.length - len(seq))
             if any(not 0 <= t < vocab_size for t in padded):
                 raise RequestError(f"slot {i}: allowed sequence has token ids out of range")
             candidates.append(padded)

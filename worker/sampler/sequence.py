@@ -190,7 +190,10 @@ class SequenceState:
                 for m, d in zip(self.block_masks_left[index:], self.block_deferred[index:], strict=True)
                 if m > 0 or d
             )
-            steps = plan_block_steps(self.request.params.steps_per_block, blocks_left, self.budget_left)
+            steps_per_block = self.request.params.steps_per_block
+            if steps_per_block is None:  # the engine resolves the family's default before a sequence starts
+                raise ValueError("steps_per_block is unresolved")
+            steps = plan_block_steps(steps_per_block, blocks_left, self.budget_left)
             if steps == 0:
                 self.finish_reason = FinishReason.BUDGET
                 return

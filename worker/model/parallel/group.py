@@ -558,7 +558,7 @@ def load_tensor_parallel(
                    device=device, dtype=dtype, threads=threads, moe=moe, on_fatal=on_fatal)
     gen = folder / "generation_config.json"
     return LoadedModel(
-        model=model,  # type: ignore[arg-type]  (a stand-in with the model's interface)
+        model=model,  # type: ignore[arg-type]  # a stand-in with the model's interface
         config=config,
         tokenizer=tokenizer,
         generation_config=read_json(gen) if gen.is_file() else {},

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from worker.model.config import ConfigError, ModelConfig
 
@@ -109,7 +109,7 @@ def rank_config(config: ModelConfig, plan: ShardPlan) -> ModelConfig:
     """The config whose model has exactly this rank's shapes (router and vocabulary stay whole)."""
     if plan.world == 1:
         return config
-    changes: dict[str, int] = dict(
+    changes: dict[str, Any] = dict(  # int fields (mypy checks ``replace(**changes)`` against every field)
         num_attention_heads=len(plan.q_heads),
         num_key_value_heads=len(plan.kv_heads),
         moe_intermediate_size=len(plan.moe_cols),
