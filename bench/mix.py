@@ -360,8 +360,8 @@ def main() -> None:
     parser.add_argument("--worker-log-level", default="WARNING")
     parser.add_argument("--bulk-backlog", type=int, default=24, help="bulk jobs kept queued (bulk phases)")
     parser.add_argument("--bulk-tokens", type=int, default=256, help="tokens per bulk job")
-    parser.add_argument("--reserve", type=int, default=2,
-                        help="engine_interactive_reserve of the shared worker")
+    parser.add_argument("--reserve", type=int, default=Settings().engine_interactive_reserve,
+                        help="engine_interactive_reserve of the shared worker (default: the product's)")
     parser.add_argument("--no-bulk", dest="bulk", action="store_false", help="skip the two bulk phases")
     parser.add_argument("--no-shared", dest="shared", action="store_false",
                         help="skip the extra phase with ONE worker consuming every queue (cloverq up)")
