@@ -23,7 +23,7 @@ from typing import Any
 import click
 import httpx
 
-from cli.supervisor import Child, Supervisor
+from cli.supervisor import Child, RestartBudget, Supervisor
 from client import Client, RetryPolicy
 from scheduler.settings import Settings, get_settings
 
@@ -220,15 +220,27 @@ def up(host: str, port: int, ready_timeout: float) -> None:
                 f"the stack did not become ready within {ready_timeout:g}s; logs: {supervisor.log_dir}"
             )
         _print_banner(base_url, dev_key, settings)
+        budget = RestartBudget()
         while not stop.event.wait(0.5):
             dead = supervisor.first_dead()
-            if dead is not None:
-                raise click.ClickException(child_failure(dead, supervisor.log_dir))
+            if dead is None:
+                continue
+            # The worker and beat are restarted whatever their exit code (a Celery process may
+            # exit 0 after an "unrecoverable" broker error); jobs they held are handed back by
+            # the lease reaper. The API holds the listening socket ``up`` passed it: fatal.
+            if dead.name in RESTARTABLE_CHILDREN and budget.allow(time.monotonic()):
+                _say(f"{child_failure(dead, supervisor.log_dir, lines=5)}\nrestarting {dead.name} ...")
+                supervisor.restart(dead)
+                continue
+            raise click.ClickException(child_failure(dead, supervisor.log_dir))
     finally:
         listener.close()
         _say("stopping ...")
         supervisor.stop_all()
         _say("stopped.")
+
+
+RESTARTABLE_CHILDREN = ("worker", "beat")
 
 
 def _say(message: str) -> None:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +35,31 @@ class Child:
     name: str
     process: subprocess.Popen[bytes]
     stop_timeout: float
+    argv: tuple[str, ...] = ()  # how it was started, so it can be started again
+    env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def alive(self) -> bool:
         return self.process.poll() is None
+
+
+@dataclass
+class RestartBudget:
+    """At most ``max_restarts`` restarts within ``window_seconds``: a process that dies now and
+    then (a broker restart, an OOM) is restarted, one that cannot stay up fails loudly."""
+
+    max_restarts: int = 5
+    window_seconds: float = 60.0
+    _times: deque[float] = field(default_factory=deque)
+
+    def allow(self, now: float) -> bool:
+        """Whether one more restart at ``now`` (monotonic seconds) fits; counts it if so."""
+        while self._times and now - self._times[0] > self.window_seconds:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
 
 
 @dataclass
@@ -76,9 +98,20 @@ class Supervisor:
         )
         if stdout is not None:
             stdout.close()
-        child = Child(name=name, process=process, stop_timeout=stop_timeout)
+        child = Child(name=name, process=process, stop_timeout=stop_timeout, argv=tuple(argv),
+                      env=dict(env))
         self.children.append(child)
         return child
+
+    def restart(self, child: Child) -> Child:
+        """Start a dead ``child`` again with its command and environment, in its place in the
+        stop order (a child that was handed descriptors, the API, cannot be restarted)."""
+        index = self.children.index(child)
+        self.children.remove(child)
+        fresh = self.start(child.name, child.argv, env=child.env, stop_timeout=child.stop_timeout)
+        self.children.remove(fresh)
+        self.children.insert(index, fresh)
+        return fresh
 
     def first_dead(self) -> Child | None:
         """A child that exited on its own, if any."""

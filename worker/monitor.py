@@ -134,7 +134,11 @@ class JobMonitor:
 
     def finish(self, job: RunningJob, status: str) -> None:
         """Stop tracking ``job`` and write its final hot status (after any in-flight push), with
-        the events of its last blocks and the ``status`` event that ends the attempt."""
+        the events of its last blocks and the ``status`` event that ends the attempt.
+
+        Never raises: it runs after the outcome is committed in SQL, and a Redis blip here must
+        not cost the job's summary line, metrics and notices that follow (issue 16). Readers
+        fall back to SQL, the truth, when the hot status is missing or stale."""
         with self._push_lock:
             self.remove(job.lease.job_id)
             job.status = status
@@ -148,7 +152,11 @@ class JobMonitor:
             job_stream.add_events(pipe, job.lease.job_id, job.events,
                                   ttl_seconds=job_stream.FINISHED_TTL_SECONDS)
             job.events = []
-            pipe.execute()
+            try:
+                pipe.execute()
+            except redis.RedisError as exc:
+                log.warning("job.final_hot_status_failed", job_id=str(job.lease.job_id), status=status,
+                            error=type(exc).__name__)
 
     def on_progress(self, job_id: uuid.UUID) -> Callable[[Progress], None]:
         """The engine callback for ``job_id``: queue the snapshot (cheap; runs on the engine thread).

@@ -244,7 +244,7 @@ def test_systemd_unit_runs_the_worker_safely() -> None:
     assert int(service["TimeoutStopSec"][0]) >= max(
         settings.job_deadline_seconds, settings.thinking_deadline_seconds
     )
-    assert service["Restart"] == ["on-failure"]
+    assert service["Restart"] == ["always"]
     env_names = {value.split("=", 1)[0] for value in service["Environment"]}
     assert "CLOVERQ_WORKER_QUEUES" in env_names and "CLOVERQ_DEVICE" in env_names
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]

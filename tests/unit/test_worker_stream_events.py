@@ -118,3 +118,21 @@ def test_planned_blocks_match_the_layout(block_size: int, prompt_len: int, new_t
     layout = build_layout(request, block_size, vocab_size=64, max_len=4096)
     first, last = layout.region_start // block_size, (layout.total_len - 1) // block_size
     assert planned_blocks(prompt_len, new_tokens, block_size) == last - first + 1
+
+
+def test_final_hot_status_write_never_raises_when_redis_is_gone() -> None:
+    """Issue 16: it runs after the SQL commit; a Redis blip must not cost the summary line,
+    metrics and notices that follow it."""
+    import socket
+
+    import redis as redis_lib
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    gone = redis_lib.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+    monitor = JobMonitor(settings=Settings(), sessions=None, redis_client=gone, worker_id="w",  # type: ignore[arg-type]
+                         decode=lambda ids: "", heartbeat=lambda: None)
+    running = monitor.add(Lease(uuid.uuid4(), 1), cancel_event=threading.Event(), step_budget=None)
+    monitor.finish(running, "succeeded")
+    assert running.status == "succeeded" and monitor.running_count() == 0
