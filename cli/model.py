@@ -301,6 +301,7 @@ def plan_command(
     group_size: str,
 ) -> None:
     """Weight and KV-cache memory, compute per token, and GPUs needed to serve a model."""
+    from scheduler.settings import get_settings
     from worker.model.planner import PlanInput, format_plan, plan, plan_weight_bytes
 
     shape = dict(_DEFAULT_SHAPE)
@@ -337,6 +338,7 @@ def plan_command(
         gpu_memory_gib=gpu_memory,
         headroom=headroom,
         state_bytes_per_sequence=state_bytes,
+        prefix_cache_bytes=float(get_settings().prefix_cache_bytes),
         weight_bytes=weights,
         **shape,
     )

@@ -139,6 +139,25 @@ def _submit_and_finish(stack: Stack, bodies: list[dict[str, Any]]) -> list[dict[
             time.sleep(0.2)
 
 
+def _relabel_as_second_version(stack: Stack, job_id: str) -> str:
+    """Record ``job_id`` as run on a second version of the model (what a canary's jobs look like
+    in SQL), straight in the stack's SQLite file; returns that version's label."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(f"sqlite:///{stack.log_path.parent / 'data' / 'cloverq.db'}")
+    try:
+        with engine.begin() as conn:
+            served = conn.execute(text("SELECT model_version FROM jobs WHERE id = :id"),
+                                  {"id": job_id.replace("-", "")}).scalar()
+            assert served, "the finished job records the version it ran on"
+            second = "canary-v2"  # a version label is "<version>@<manifest digest>"
+            conn.execute(text("UPDATE jobs SET model_version = :v WHERE id = :id"),
+                         {"v": f"{second}@{str(served).split('@')[-1]}", "id": job_id.replace("-", "")})
+    finally:
+        engine.dispose()
+    return second
+
+
 def test_dashboard_lists_jobs_and_opens_a_detail(stack: Stack, tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
 
@@ -149,6 +168,7 @@ def test_dashboard_lists_jobs_and_opens_a_detail(stack: Stack, tmp_path: Path) -
     ]
     jobs = _submit_and_finish(stack, bodies)
     assert all(job["status"] == "succeeded" for job in jobs), jobs
+    second = _relabel_as_second_version(stack, jobs[0]["id"])
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
@@ -170,8 +190,10 @@ def test_dashboard_lists_jobs_and_opens_a_detail(stack: Stack, tmp_path: Path) -
             succeeded_tile = page.locator('.tile[data-status="succeeded"] .n')
             assert int(succeeded_tile.inner_text()) >= len(jobs)
             expect(page.locator("#workers-table tbody tr[data-worker]")).to_have_count(1)
-            # The model versions table (canary beside stable during a canary; here one version).
-            expect(page.locator("#versions-table tbody tr[data-version]")).to_have_count(1)
+            # The model versions table, side by side: the served version and the second one the
+            # record shows (a canary's jobs carry their own version; one such job is relabelled).
+            expect(page.locator("#versions-table tbody tr[data-version]")).to_have_count(2)
+            expect(page.locator(f'#versions-table tbody tr[data-version="{second}"]')).to_be_visible()
             assert page.locator("#chart-run circle").count() >= len(jobs)
 
             target = jobs[1]

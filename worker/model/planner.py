@@ -36,6 +36,7 @@ class PlanInput:
     head_dim: int
     attention_heads: int
     state_bytes_per_sequence: float = 0.0  # recurrent-layer state per sequence (hybrid models)
+    prefix_cache_bytes: float = 0.0  # the engine's store of shared prompt prefixes (its budget)
     kv_dtype: str = "bf16"
     gpu_memory_gib: float = 80.0
     headroom: float = 1.4
@@ -57,7 +58,7 @@ class PlanRow:
 
     weight_dtype: str
     weights_gib: float
-    kv_gib: float  # K/V of every position plus recurrent state of every sequence
+    kv_gib: float  # K/V of every position, recurrent state of every sequence, the prefix store
     total_gib: float  # weights + KV
     with_headroom_gib: float
     gpus_80gib: int
@@ -78,7 +79,10 @@ def _gpus(gib: float, per_gpu: float) -> int:
 
 def plan(inp: PlanInput) -> Plan:
     kv_per_token = 2 * inp.layers * inp.kv_heads * inp.head_dim * BYTES_PER_PARAM[inp.kv_dtype]
-    kv_gib = (kv_per_token * inp.context + inp.state_bytes_per_sequence) * inp.batch / GIB
+    # Sequences hold their own copy of a shared prefix (the prefix cache saves prefill compute,
+    # not slot memory), so the store's budget comes on top of every slot.
+    kv_gib = ((kv_per_token * inp.context + inp.state_bytes_per_sequence) * inp.batch
+              + inp.prefix_cache_bytes) / GIB
     attention_flops = 4 * inp.layers * inp.attention_heads * inp.head_dim * inp.context  # QK^T + AV
     dtypes = [inp.dtype] + [d for d in ("int8", "int4") if d != inp.dtype]
     rows = []
@@ -111,7 +115,8 @@ def format_plan(p: Plan) -> str:
             f"; recurrent state {i.state_bytes_per_sequence / 2**20:.1f} MiB per sequence"
             if i.state_bytes_per_sequence
             else ""
-        ),
+        )
+        + (f"; prefix store {i.prefix_cache_bytes / GIB:.2f} GiB" if i.prefix_cache_bytes else ""),
         f"compute: {p.flops_per_token / 1e9:.2f} GFLOP per token "
         f"(2 x active = {2 * i.active_params / 1e9:.2f}, attention at full context = "
         f"{(p.flops_per_token - 2 * i.active_params) / 1e9:.2f})",
