@@ -36,7 +36,8 @@ def _echo(result: Activation) -> None:
 @click.command("canary")
 @click.argument("name")
 @click.argument("version")
-@click.option("--percent", type=float, required=True, help="Share of new jobs routed to VERSION (0-100).")
+@click.option("--percent", type=click.FloatRange(0.01, 99.99), required=True,
+              help="Share of new jobs routed to VERSION, in percent (0.01-99.99).")
 def canary_command(name: str, version: str, percent: float) -> None:
     """Send PERCENT % of new jobs of model NAME to VERSION, served by the canary workers."""
     settings = get_settings()

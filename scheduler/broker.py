@@ -60,7 +60,30 @@ class QoS(kombu_redis.QoS):
     unrecoverable: the worker or beat exited with code 0 and nothing restarted it (issue 16).
     Skipping the restore loses nothing: a delivery left in Redis's unacked set is restored by
     kombu's visibility sweep, and one Redis lost is republished from SQL by the reconciler.
+
+    The same holds for the ack (or reject) of a task that finished while the broker was away:
+    kombu acks on the channel the message came from, whose connection is gone, and the
+    ``AttributeError`` on ``connection.client`` was the second unrecoverable error of issue 16.
+    The job's outcome is already in SQL; a redelivery of the unacked message (the visibility
+    sweep, when Redis kept it) finds the job final and is dropped at claim.
     """
+
+    def ack(self, delivery_tag: Any) -> None:
+        try:
+            super().ack(delivery_tag)
+        except (AttributeError, OSError, redis.RedisError) as exc:
+            self._skip_settled(delivery_tag, "ack", exc)
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        try:
+            super().reject(delivery_tag, requeue=requeue)
+        except (AttributeError, OSError, redis.RedisError) as exc:
+            self._skip_settled(delivery_tag, "reject", exc)
+
+    def _skip_settled(self, delivery_tag: Any, action: str, exc: BaseException) -> None:
+        """Forget a delivery whose ack/reject could not reach the broker (see the class docstring)."""
+        log.warning("broker.settle_skipped", action=action, error=f"{type(exc).__name__}: {exc}")
+        self._delivered.pop(delivery_tag, None)
 
     def restore_unacked(self, client: Any = None) -> None:
         try:

@@ -10,9 +10,9 @@ Backends come from the environment when given (CI: ``.ci/run``), otherwise embed
 
 Parallel runs (``make test`` runs ``pytest -n 2``, pytest-xdist): every xdist worker is a
 session of its own, so each gets its own PostgreSQL database (above) and its own Redis DB (the
-given DB number plus the worker's index: ``gw1`` of ``redis://h/0`` uses ``/1``). Tests that
-start whole stacks on fixed embedded ports or break shared services (``tests/e2e``,
-``tests/chaos``) share one xdist group, so they run one after another on one worker.
+given DB number plus the worker's index: ``gw1`` of ``redis://h/0`` uses ``/1``). The tests of
+one file run on one worker, in order; tests that start whole stacks or break shared services
+(``tests/e2e``, ``tests/chaos``) share one xdist group, so they run one after another.
 
 Integration tests that touch SQL should prefer ``db_backend_url`` (parametrized over SQLite
 and PostgreSQL; the PostgreSQL case is skipped when no server is configured).
@@ -71,10 +71,11 @@ SERIAL_DIRS = ("chaos", "e2e")  # whole stacks, throwaway services: never two at
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put the stack-starting tests in one xdist group (``--dist loadgroup`` runs it serially)."""
+    """One xdist group per test file (``--dist loadgroup`` runs a group on one worker, in order:
+    a file's tests may build on module-scoped state), and one group for every stack-starting test."""
     for item in items:
-        if any(f"/tests/{name}/" in str(item.path) for name in SERIAL_DIRS):
-            item.add_marker(pytest.mark.xdist_group("serial"))
+        serial = any(f"/tests/{name}/" in str(item.path) for name in SERIAL_DIRS)
+        item.add_marker(pytest.mark.xdist_group("serial" if serial else item.nodeid.split("::")[0]))
 
 
 def xdist_redis_url(given: str) -> str:

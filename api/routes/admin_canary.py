@@ -62,6 +62,8 @@ def post_canary(
         raise ApiError(404, "model_version_not_found", str(exc), details) from exc
     except CanaryConflict as exc:
         raise _conflict(exc, name) from exc
+    except ValueError as exc:  # a share that rounds to 0 or 100 % (the schema's bounds keep it out)
+        raise ApiError(422, "invalid_request", str(exc), {"percent": body.percent}) from exc
     _audit(caller, "model.canary", target=name, version=result.canary_version, percent=body.percent,
            stable=result.version)
     [model] = _models(session, _ready_by_version(settings), name=name)

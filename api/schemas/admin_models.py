@@ -21,7 +21,9 @@ class CanaryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: StoreComponent = Field(description="The version to send a share of new jobs to.")
-    percent: float = Field(gt=0, lt=100, description="Share of new jobs routed to it, in percent.")
+    # Routing keeps basis points (two decimals of a percent): 0.01 is the smallest share, 99.99 the largest.
+    percent: float = Field(ge=0.01, le=99.99, description="Share of new jobs routed to it, in percent "
+                           "(0.01-99.99; two decimals kept).")
 
 
 class PromoteRequest(BaseModel):

@@ -379,5 +379,8 @@ def chaos_stack(demo_checkpoint: Path) -> Iterator[ChaosStack]:
                 postgres.stop("immediate")
             except (RuntimeError, subprocess.SubprocessError) as exc:
                 print(f"throwaway PostgreSQL did not stop cleanly: {exc}", file=sys.stderr)
+        keep = os.environ.get("CLOVERQ_CHAOS_KEEP_LOGS")  # debugging: where to copy the logs to
+        if keep:
+            shutil.copytree(root / "logs", Path(keep) / root.name, dirs_exist_ok=True)
         shutil.rmtree(root, ignore_errors=True)
 
