@@ -95,11 +95,21 @@ class ThrowawayRedis:
 
         wait_for(up, timeout=10, message="throwaway redis-server")
 
-    def stop(self) -> None:
-        """SIGKILL: the harshest restart (nothing saved, connections cut)."""
+    def stop(self, *, graceful: bool = False, snapshot: bool = False) -> None:
+        """SIGKILL by default: the harshest restart (connections cut). ``graceful``: SIGTERM.
+        ``snapshot``: SAVE first, so the next ``start`` loads what Redis held then (messages,
+        unacked deliveries, markers); otherwise the next start is empty."""
+        dump = self.workdir / "dump.rdb"
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            if snapshot:
+                self.client().save()
+            if graceful:
+                self.proc.terminate()
+            else:
+                self.proc.kill()
             self.proc.wait(timeout=10)
+        if not snapshot:
+            dump.unlink(missing_ok=True)
         self.proc = None
 
 

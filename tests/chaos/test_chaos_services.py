@@ -32,14 +32,21 @@ def _wait_some_running(stack: ChaosStack, job_ids: list[str]) -> None:
         time.sleep(0.05)
 
 
-def test_redis_restarted_mid_run_every_accepted_job_completes(chaos_stack: ChaosStack) -> None:
+@pytest.mark.parametrize(("graceful", "snapshot"), [(False, False), (True, True)],
+                         ids=["killed-back-empty", "stopped-back-with-snapshot"])
+def test_redis_restarted_mid_run_every_accepted_job_completes(
+    chaos_stack: ChaosStack, graceful: bool, snapshot: bool
+) -> None:
+    """Issue 16: a SIGKILLed Redis back empty (every message, marker and lease signal gone) and a
+    SIGTERMed one back with its snapshot (stale messages and unacked deliveries of jobs that
+    finish meanwhile come back): every accepted job ends exactly once, every process lives."""
     stack = chaos_stack
     stack.ensure_workers(2)
     statuses: list[int] = []
     with stack.client(timeout=15.0) as client:
         accepted = _submit_many(stack, client, 40)
         _wait_some_running(stack, accepted)
-        stack.redis.stop()  # SIGKILL, no persistence: every message, marker and lease signal is gone
+        stack.redis.stop(graceful=graceful, snapshot=snapshot)
         down_since = time.monotonic()
         while time.monotonic() - down_since < 3.0:  # submissions while Redis is down
             response = client.post("/v1/jobs", json=BODY)
