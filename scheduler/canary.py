@@ -28,7 +28,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from scheduler.canary_routing import VersionRoute, basis_points
-from scheduler.db import rowcount
+from scheduler.db import lift_statement_timeout, rowcount
 from scheduler.model_versions import (
     Activation,
     ActiveModel,
@@ -135,6 +135,7 @@ def end_canary_rows(session: Session, row: ActiveModel, *, keep_pinned: str | No
     row.canary_version = row.canary_basis_points = row.canary_started_at = None
     row.generation += 1
     queued = (Job.status == JobStatus.QUEUED.value)
+    lift_statement_timeout(session)  # every queued pinned job: a backlog must not fail the move
     if keep_pinned is None:
         moved = session.execute(update(Job).where(queued, Job.routed_version.is_not(None))
                                 .values(routed_version=None, updated_at=utcnow()))

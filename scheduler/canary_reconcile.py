@@ -7,7 +7,8 @@ the two documented rules for a job whose version has no worker:
    the canary one (an activation or promotion moved on while it waited, or an API process routed
    it with the state of an instant before) is unpinned: any worker takes it.
 2. **Canary without a worker: re-routed to stable.** While no registered worker serves or loads the
-   canary version, a canary job queued longer than ``canary_reroute_seconds`` is pinned to the
+   canary version *for the job's queue* (a canary pool may consume some class queues only, e.g.
+   not ``joint``), a canary job queued longer than ``canary_reroute_seconds`` is pinned to the
    stable version instead. Jobs pinned to the stable version wait for a stable worker, as every job
    waits for a worker of its queue.
 
@@ -25,6 +26,7 @@ import structlog
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from scheduler.canary_routing import queue_of_lane
 from scheduler.db import rowcount
 from scheduler.model_versions import ActiveModel
 from scheduler.models import Job, JobStatus, utcnow
@@ -48,6 +50,12 @@ def serves_or_loads(worker: WorkerInfo, model: str, version: str) -> bool:
     return worker.stats.get("model_track") == "canary" and worker.state in LOADING_STATES
 
 
+def canary_queues(workers: list[WorkerInfo], model: str, version: str) -> list[str]:
+    """The class queues some worker serving (or loading) ``model``'s canary ``version`` consumes."""
+    return sorted({queue_of_lane(queue) for worker in workers if serves_or_loads(worker, model, version)
+                   for queue in worker.queues})
+
+
 def heal_pins(session: Session, *, redis_client: redis.Redis, settings: Settings,
               now: datetime | None = None) -> int:
     """Apply rules 1 and 2 of the module doc for ``settings.served_model``; returns jobs moved."""
@@ -66,13 +74,13 @@ def heal_pins(session: Session, *, redis_client: redis.Redis, settings: Settings
     ))
     rerouted = 0
     if row.canary_version is not None:
-        workers = list_workers(redis_client)
-        if not any(serves_or_loads(w, row.name, row.canary_version) for w in workers):
-            waited = now - timedelta(seconds=settings.canary_reroute_seconds)
-            rerouted = rowcount(session.execute(
-                update(Job).where(queued, Job.routed_version == row.canary_version, Job.created_at <= waited)
-                .values(routed_version=row.version, updated_at=now)
-            ))
+        covered = canary_queues(list_workers(redis_client), row.name, row.canary_version)
+        waited = now - timedelta(seconds=settings.canary_reroute_seconds)
+        rerouted = rowcount(session.execute(
+            update(Job).where(queued, Job.routed_version == row.canary_version, Job.created_at <= waited,
+                              Job.queue.not_in(covered))
+            .values(routed_version=row.version, updated_at=now)
+        ))
     session.commit()
     if retired or rerouted:
         log.warning("reconciler.canary_pins_moved", unpinned=retired, rerouted_to_stable=rerouted,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import CursorResult, Engine, Result, create_engine, event, make_url
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
 if TYPE_CHECKING:
@@ -25,6 +25,14 @@ def rowcount(result: Result[Any]) -> int:
     """The rows an ``UPDATE`` / ``DELETE`` matched. ``Session.execute`` is typed to answer a
     ``Result``; for those statements it is a ``CursorResult``, which has ``rowcount``."""
     return cast("CursorResult[Any]", result).rowcount
+
+
+def lift_statement_timeout(session: Session) -> None:
+    """No statement bound for the rest of ``session``'s transaction (PostgreSQL ``SET LOCAL``):
+    for one statement over an unbounded set of rows (expiry, moving a canary's queued pins),
+    which must finish rather than fail the same way on every try."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL statement_timeout = 0"))
 
 
 @dataclass(frozen=True, slots=True)

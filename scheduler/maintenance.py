@@ -28,7 +28,7 @@ from scheduler.canary import current_route
 from scheduler.canary_reconcile import heal_pins
 from scheduler.canary_routing import is_canary_lane, lane
 from scheduler.celery_app import RUN_JOB_TASK
-from scheduler.db import rowcount
+from scheduler.db import lift_statement_timeout, rowcount
 from scheduler.metrics import RedisMetricsRecorder
 from scheduler.models import FINAL_STATUSES, ErrorCode, Job, JobStatus, QueueName, utcnow
 from scheduler.operator_state import restore_quietly
@@ -328,6 +328,7 @@ def expire_finished_jobs(session: Session, *, now: datetime | None = None) -> in
     """Expiry: finished jobs past their result TTL become ``expired``; payloads are dropped."""
     now = now or utcnow()
     finished = [s.value for s in FINAL_STATUSES if s is not JobStatus.EXPIRED]
+    lift_statement_timeout(session)  # one UPDATE over every due row: a backlog must finish once
     expired = rowcount(session.execute(
         update(Job)
         .where(Job.status.in_(finished), Job.expires_at < now)
@@ -365,7 +366,11 @@ def reconcile_task() -> int:
         # First: a Redis that came back empty gets its drain flags and limits before any job is
         # republished (cheap and idempotent when Redis already matches SQL).
         restore_quietly(session, client, where="reconcile")
-        heal_pins(session, redis_client=client, settings=settings)  # before publishing: lanes follow pins
+        try:  # before publishing: lanes follow pins; a failure must not stop the republishing below
+            heal_pins(session, redis_client=client, settings=settings)
+        except Exception as exc:
+            session.rollback()
+            log.warning("reconciler.heal_pins_failed", error=f"{type(exc).__name__}: {exc}")
         release_orphaned_deliveries(session, redis_client=client, settings=settings)
         release_lost_messages(session, redis_client=client, settings=settings)
         promoted = promote_aged_jobs(session, app=get_celery_app(), redis_client=client, settings=settings)

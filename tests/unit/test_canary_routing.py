@@ -125,3 +125,18 @@ def test_a_canary_worker_starting_during_a_canary_consumes_only_the_lanes() -> N
     plain.select(["interactive"])
     WorkerRuntime.use_lane_at_start(SimpleNamespace(canary_lane=False), plain)  # type: ignore[arg-type]
     assert list(plain.consume_from) == ["interactive"]
+
+
+def test_canary_queues_are_those_a_live_canary_worker_consumes() -> None:
+    """Rule 2 per queue: a canary pool without ``joint`` leaves canary joint jobs to stable."""
+    from scheduler.canary_reconcile import canary_queues
+    from scheduler.workers import WorkerInfo
+
+    def worker(version: str, queues: list[str], state: str = "ready", track: str = "canary") -> WorkerInfo:
+        return WorkerInfo(id=version + ",".join(queues), hostname="h", pid=1, queues=queues, state=state,
+                          model_version=f"{version}@abc", stats={"model_track": track})
+
+    workers = [worker("v2", ["canary.interactive", "canary.bulk"]), worker("v1", ["joint"], track="stable"),
+               worker("v2", ["joint"], state="failed")]
+    assert canary_queues(workers, "m", "v2") == ["bulk", "interactive"]
+    assert canary_queues(workers, "m", "v3") == []
