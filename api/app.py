@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 import anyio.to_thread
+import structlog
 from fastapi import FastAPI
 from redis import Redis
 
@@ -44,6 +46,9 @@ from scheduler.settings import Settings, get_settings
 # queue requests behind each other at high concurrency while they wait on the database.
 API_THREADS = 128
 OPERATOR_STATE_RESTORE_SECONDS = 2.0  # at start-up, then the API serves regardless
+SHUTDOWN_STEP_SECONDS = 5.0  # each asynchronous clean-up step at shutdown
+
+log = structlog.get_logger(__name__)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -69,8 +74,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             thaw_heap()
-            await app.state.job_waiter.close()
-            await close_stream_redis(app)
+            # Bounded: a Redis connection that never answers must not hold the API's shutdown
+            # (a TestClient teardown once waited 300 s here); what is left is dropped with the process.
+            with anyio.move_on_after(SHUTDOWN_STEP_SECONDS) as waiter_scope:
+                await app.state.job_waiter.close()
+            with anyio.move_on_after(SHUTDOWN_STEP_SECONDS) as stream_scope:
+                await close_stream_redis(app)
+            if waiter_scope.cancelled_caught or stream_scope.cancelled_caught:
+                log.warning("api.shutdown_step_abandoned", seconds=SHUTDOWN_STEP_SECONDS)
             app.state.redis.close()
             engine.dispose()
 
