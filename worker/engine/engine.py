@@ -364,7 +364,7 @@ class Engine:
         """How many of the just admitted and the still waiting prompts hold each chain key (under
         the lock): a key two of them hold is a prefix worth computing once."""
         peers: collections.Counter[bytes] = collections.Counter()
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or not admitted:  # most passes admit nothing: no count per pass
             return peers
         for keys in [a.prefix_keys for a in admitted] + [w.prefix_keys for w in self._waiting]:
             peers.update(keys)
