@@ -70,12 +70,30 @@ FAST_JOB_SETTINGS: dict[str, Any] = {
 SERIAL_DIRS = ("chaos", "e2e")  # whole stacks, throwaway services: never two at once
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One xdist group per test file (``--dist loadgroup`` runs a group on one worker, in order:
-    a file's tests may build on module-scoped state), and one group for every stack-starting test."""
-    for item in items:
-        serial = any(f"/tests/{name}/" in str(item.path) for name in SERIAL_DIRS)
-        item.add_marker(pytest.mark.xdist_group("serial" if serial else item.nodeid.split("::")[0]))
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work one xdist session runs whole and in order: the test file, or ``serial``
+    for every stack-starting test (``SERIAL_DIRS``), so that two of those never run at once."""
+    path = nodeid.split("::", 1)[0]
+    return "serial" if any(path.startswith(f"tests/{name}/") for name in SERIAL_DIRS) else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (``make test``) schedules by ``xdist_scope``.
+
+    Not xdist's own loadgroup: it groups by a suffix it writes into ``item._nodeid``, which
+    pytest 9 no longer reads (``nodeid`` comes from the structured id), so ``xdist_group`` marks
+    grouped nothing and one file's tests ran in both sessions. Scopes keep collection order
+    (``serial`` first: tests/chaos sorts first), so the longest unit starts at once."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileAndSerialScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return FileAndSerialScheduling(config, log)
 
 
 def xdist_redis_url(given: str) -> str:

@@ -252,13 +252,15 @@ def test_two_workers_switch_one_at_a_time(
     redis_url: str,
 ) -> None:
     client, headers = api
-    current = client.get("/v1/admin/models", headers=headers).json()["items"]
-    start_version = next(m for m in current if m["name"] == MODEL)["active_version"]
-    target = "v2" if start_version == "v1" else "v1"
     first = launcher.start_worker(stack_settings, concurrency=2, wait_ready=False)
     second = launcher.start_worker(stack_settings, concurrency=2, wait_ready=False)
     for service in (first, second):  # both load at once
         launcher.wait_ready(service, stack_settings, timeout=120)
+    # Read after the workers are up: a worker's first start registers and activates the initial
+    # version, so this test does not depend on an earlier test of the module having run.
+    current = client.get("/v1/admin/models", headers=headers).json()["items"]
+    start_version = next(m for m in current if m["name"] == MODEL)["active_version"]
+    target = "v2" if start_version == "v1" else "v1"
     recorder = StateRecorder(redis_url)
     recorder.start()
     jobs = [submit(client, headers, SHORT_JOB) for _ in range(6)]
@@ -276,3 +278,6 @@ def test_two_workers_switch_one_at_a_time(
     assert switching_seen, "each worker goes through 'switching'"
     never_dark = all(any(s[p][0] == "ready" for p in pids) for s in samples)
     assert never_dark, "both workers were switching at once"
+    # Leave the module's model where this test found it (the tests of a module may run in any order).
+    activate(client, headers, start_version)
+    wait_serving(redis_url, first.pid, start_version)
