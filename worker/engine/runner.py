@@ -4,8 +4,14 @@ It never decides policy (who runs, when a request ends): it receives each row's 
 and returns, per row, the token chosen at every block position and which positions to commit.
 All active rows go through one forward padded to the longest row; rows that carry a long
 prefill are split into a second forward when padding them together would waste more than half
-of the batch. Per-row sampling and commit rules run batched on the device; the host receives
-one small copy per pass.
+of the batch. Per-row sampling and commit rules run batched on the device.
+
+Per forward the host writes every row's inputs into persistent staging buffers (``_Staging``:
+one int64 and one float32 buffer, pinned on CUDA, grown to the largest batch seen and then
+reused) and sends them in one copy per dtype; positions, the validity mask and the logits index
+are derived on the device from one cached ``arange``. The host receives ONE copy per forward
+(tokens, commit flags and restricted-slot scores packed together); the model forward itself
+syncs once more (its cache view's lengths).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -54,6 +61,75 @@ class PassTimings:
     forwards: int = 0
 
 
+class _Staging:
+    """A persistent host buffer of one dtype (pinned on CUDA) and its device twin.
+
+    Why: building each per-pass input as its own small tensor cost a dozen-odd host tensors and
+    host-to-device copies per pass. Here the host writes every input of a forward into
+    ``host(n)`` (a numpy view: assigning Python lists to it is fast), and ``upload(n)`` sends the
+    whole lot to the device in one copy. Capacity grows to the next power of two and is kept
+    (a few dozen elements per row). On CPU the host buffer *is* the device buffer: no copy.
+    The views handed out are valid until the next ``host`` call.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype = dtype
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._host = torch.empty(0, dtype=dtype)
+        self._dev = self._host
+        self._array: np.ndarray = self._host.numpy()
+        self._uploaded: torch.cuda.Event | None = None  # the last non-blocking copy out of _host
+
+    def host(self, n: int) -> np.ndarray:
+        """``[n]`` host elements to write this forward's inputs into (contents undefined)."""
+        if self._uploaded is not None:  # normally long done: the last pass copied its results back
+            self._uploaded.synchronize()
+            self._uploaded = None
+        if n > self._host.numel():
+            size = 1 << max(n - 1, 63).bit_length()  # >= 64 elements, a power of two
+            self._host = torch.empty(size, dtype=self.dtype, pin_memory=self._cuda)
+            self._dev = torch.empty(size, dtype=self.dtype, device=self.device) if self._cuda else self._host
+            self._array = self._host.numpy()
+        return self._array[:n]
+
+    def upload(self, n: int) -> Tensor:
+        """The first ``n`` host elements on the device (one copy; none on CPU): ``[n]``."""
+        if not self._cuda:
+            return self._host[:n]
+        dev = self._dev[:n]
+        dev.copy_(self._host[:n], non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+        return dev
+
+
+@dataclass(frozen=True)
+class _ForwardInputs:
+    """One forward's inputs on the device (views of the staging buffers; R rows, T tokens,
+    Bmax block positions)."""
+
+    ids: Tensor  # [R, T] long, mask ids as padding
+    positions: Tensor  # [R, T] long absolute positions
+    block_ids: Tensor  # [R, T] long
+    valid: Tensor  # [R, T] bool, False = padding
+    slots: Tensor  # [R] long
+    commit_lens: Tensor  # [R] long
+    offsets: Tensor  # [R, Bmax] long: the block's token indices (logits_index)
+    masked: Tensor  # [R, Bmax] bool
+    group_ids: Tensor  # [R, Bmax] long, -1 = no restricted slot
+    quota: Tensor  # [R] long
+    threshold: Tensor  # [R] float32
+    dynamic: Tensor  # [R] bool
+    uniforms: Tensor  # [R, Bmax] float32 (0 where a row draws nothing)
+    sampling: RowSampling
+
+
+# per-row int64 scalars of a forward, one contiguous [R] column each (in the staging buffer)
+_START, _COMMIT, _BLOCK, _SLOT, _QUOTA, _TOP_K, _DYNAMIC, _COUNT = range(8)
+_SCALARS = 8
+
+
 class ModelRunner:
     """Owns the model and its KV cache; runs passes for the engine thread."""
 
@@ -67,6 +143,16 @@ class ModelRunner:
             cfg.num_hidden_layers, max(cfg.num_experts, 1), dtype=torch.long, device=self.device
         )
         self._sync = self.device.type == "cuda"
+        self._longs = _Staging(torch.long, self.device)  # a forward's int64 inputs
+        self._floats = _Staging(torch.float32, self.device)  # a forward's float32 inputs
+        self._slots = _Staging(torch.long, self.device)  # a pass's slots (held across its forwards)
+        self._arange = torch.arange(64, device=self.device)  # [N] 0..N-1, grown on demand
+
+    def _iota(self, n: int) -> Tensor:
+        """``arange(n)`` on the device, sliced from one cached tensor: ``[n]`` long."""
+        if n > self._arange.numel():
+            self._arange = torch.arange(1 << (n - 1).bit_length(), device=self.device)
+        return self._arange[:n]
 
     def run_pass(self, rows: list[RowSpec], timings: PassTimings) -> list[RowOutcome]:
         """One denoising pass for ``rows`` (one or two forwards); outcomes in row order. On an
@@ -74,7 +160,8 @@ class ModelRunner:
         as before the pass, so it can be re-run."""
         groups = self._split(rows)
         outcomes: dict[int, RowOutcome] = {}
-        slots = torch.tensor([row.slot for row in rows], dtype=torch.long, device=self.device)  # [R]
+        self._slots.host(len(rows))[:] = [row.slot for row in rows]
+        slots = self._slots.upload(len(rows))  # [R]
         before = self.cache.snapshot(slots)
         try:
             for members in groups:
@@ -138,77 +225,144 @@ class ModelRunner:
         padded_apart = len(long_rows) * max(lengths) + len(short_rows) * short_limit
         return [long_rows, short_rows] if padded_apart * 2 < padded_together else [list(range(len(rows)))]
 
+    def _stage(self, rows: list[RowSpec], t: int, bmax: int) -> _ForwardInputs:
+        """Write the rows' inputs into the staging buffers, send them (one copy per dtype) and
+        derive the rest on the device.
+
+        int64 layout:   ids [R*T] | masked [R*Bmax] | group_ids [R*Bmax] | scalars [8*R] |
+                        filtered positions [N] (row * Bmax + offset) | sampling rows [S]
+        float32 layout: uniforms [R*Bmax] | temperature [R] | top_p [R] | threshold [R]
+        """
+        r = len(rows)
+        # top-k/top-p sort the vocabulary: only at the masked positions of the rows that filter
+        filter_at = [
+            i * bmax + o
+            for i, row in enumerate(rows)
+            if row.top_k > 0 or row.top_p < 1.0
+            for o, m in enumerate(row.inp.masked)
+            if m
+        ]
+        sample_rows = [i for i, row in enumerate(rows) if row.temperature > 0]
+        n_ids, n_block = r * t, r * bmax
+        at_scalars = n_ids + 2 * n_block
+        at_rows = at_scalars + _SCALARS * r
+        n_long = at_rows + len(filter_at) + len(sample_rows)
+        n_float = n_block + 3 * r
+
+        longs = self._longs.host(n_long)
+        ids = longs[:n_ids].reshape(r, t)
+        masked = longs[n_ids : n_ids + n_block].reshape(r, bmax)
+        group_ids = longs[n_ids + n_block : at_scalars].reshape(r, bmax)
+        scalars = longs[at_scalars:at_rows].reshape(_SCALARS, r)
+        ids.fill(self.mask_token_id)
+        masked.fill(0)
+        group_ids.fill(-1)
+        floats = self._floats.host(n_float)
+        uniforms = floats[:n_block].reshape(r, bmax)
+        uniforms.fill(0.0)
+        for i, row in enumerate(rows):
+            p = row.inp
+            n, b = len(p.tokens), p.block_len
+            ids[i, :n] = p.tokens
+            masked[i, :b] = p.masked
+            group_ids[i, :b] = p.group_ids
+            scalars[:, i] = (p.start_pos, p.commit_len, row.block_size, row.slot, p.quota, row.top_k,
+                             row.dynamic, n)
+            if p.uniforms is not None:
+                uniforms[i, :b] = p.uniforms[:b].numpy()
+        longs[at_rows:] = filter_at + sample_rows
+        floats[n_block:] = (
+            [row.temperature for row in rows] + [row.top_p for row in rows] + [row.threshold for row in rows]
+        )
+
+        dl, df = self._longs.upload(n_long), self._floats.upload(n_float)
+        col = dl[at_scalars:at_rows].view(_SCALARS, r)  # [8, R]
+        start, commit_lens, count = col[_START], col[_COMMIT], col[_COUNT]
+        iota = self._iota(max(t, bmax))
+        positions = start[:, None] + iota[None, :t]  # [R, T]
+        at_sample = at_rows + len(filter_at)
+        temperature, top_p = df[n_block : n_block + r], df[n_block + r : n_block + 2 * r]
+        return _ForwardInputs(
+            ids=dl[:n_ids].view(r, t),
+            positions=positions,
+            block_ids=positions // col[_BLOCK][:, None],  # [R, T]
+            valid=iota[None, :t] < count[:, None],  # [R, T]
+            slots=col[_SLOT],
+            commit_lens=commit_lens,
+            offsets=(commit_lens[:, None] + iota[None, :bmax]).clamp(max=t - 1),  # [R, Bmax]
+            masked=dl[n_ids : n_ids + n_block].view(r, bmax) != 0,
+            group_ids=dl[n_ids + n_block : at_scalars].view(r, bmax),
+            quota=col[_QUOTA],
+            threshold=df[n_block + 2 * r : n_block + 3 * r],
+            dynamic=col[_DYNAMIC] != 0,
+            uniforms=df[:n_block].view(r, bmax),
+            sampling=RowSampling(
+                temperature=temperature,
+                top_k=col[_TOP_K],
+                top_p=top_p,
+                filtering=bool(filter_at),
+                sampling=bool(sample_rows),
+                filter_at=dl[at_rows:at_sample],
+                sample_rows=dl[at_sample:n_long] if len(sample_rows) < r else None,
+            ),
+        )
+
     def _run_group(self, rows: list[RowSpec], timings: PassTimings) -> list[RowOutcome]:
         r = len(rows)
         t = max(len(row.inp.tokens) for row in rows)
         bmax = max(row.inp.block_len for row in rows)
-        dev = self.device
-
-        # ---- host-side tensors (small, built from padded lists), one copy each to the device --
-        mask_id = self.mask_token_id
-        ids = torch.tensor([row.inp.tokens + [mask_id] * (t - len(row.inp.tokens)) for row in rows])  # [R, T]
-        valid = (
-            torch.arange(t)[None, :] < torch.tensor([len(row.inp.tokens) for row in rows])[:, None]
-        )  # [R, T]
-        masked = torch.tensor(
-            [row.inp.masked + [False] * (bmax - row.inp.block_len) for row in rows]
-        )  # [R, Bmax]
-        group_ids = torch.tensor([row.inp.group_ids + [-1] * (bmax - row.inp.block_len) for row in rows])
-        uniforms = torch.zeros(r, bmax)  # [R, Bmax]
-        for i, row in enumerate(rows):
-            if row.inp.uniforms is not None:
-                uniforms[i, : row.inp.block_len] = row.inp.uniforms[: row.inp.block_len]
-        start = torch.tensor([row.inp.start_pos for row in rows], dtype=torch.long)  # [R]
-        commit_lens = torch.tensor([row.inp.commit_len for row in rows], dtype=torch.long)  # [R]
-        block_size = torch.tensor([row.block_size for row in rows], dtype=torch.long)  # [R]
-        positions = start[:, None] + torch.arange(t)[None, :]  # [R, T]
-        block_ids = positions // block_size[:, None]  # [R, T]
-        slots = torch.tensor([row.slot for row in rows], dtype=torch.long)  # [R]
-        sampling = RowSampling(
-            temperature=torch.tensor([row.temperature for row in rows], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([row.top_k for row in rows], dtype=torch.long, device=dev),
-            top_p=torch.tensor([row.top_p for row in rows], dtype=torch.float32, device=dev),
-            filtering=any(row.top_k > 0 or row.top_p < 1.0 for row in rows),
-            sampling=any(row.temperature > 0 for row in rows),
-        )
-        quota = torch.tensor([row.inp.quota for row in rows], dtype=torch.long, device=dev)  # [R]
-        threshold = torch.tensor([row.threshold for row in rows], dtype=torch.float32, device=dev)
-        dynamic = torch.tensor([row.dynamic for row in rows], dtype=torch.bool, device=dev)  # [R]
+        inp = self._stage(rows, t, bmax)  # one copy per dtype to the device
 
         # ---- the forward: logits only for each row's current block ---------------------------
-        offsets = (commit_lens[:, None] + torch.arange(bmax)[None, :]).clamp(max=t - 1)  # [R, Bmax]
         began = time.perf_counter()
         block_logits = self.model(
-            ids.to(dev),
-            positions.to(dev),
-            block_ids.to(dev),
-            valid=valid.to(dev),
+            inp.ids,
+            inp.positions,
+            inp.block_ids,
+            valid=inp.valid,
             cache=self.cache,
-            slots=slots.to(dev),
-            commit_lens=commit_lens.to(dev),
+            slots=inp.slots,
+            commit_lens=inp.commit_lens,
             router_counts=self.router_counts if self.model.config.num_experts > 0 else None,
-            logits_index=offsets.to(dev),
+            logits_index=inp.offsets,
         )  # [R, Bmax, V]
         if self._sync:
-            torch.cuda.synchronize(dev)
+            torch.cuda.synchronize(self.device)
         timings.forward_seconds += time.perf_counter() - began
         timings.forwards += 1
 
-        # ---- decisions ----------------------------------------------------------------------
+        # ---- decisions (in place on the logits: no other [R, Bmax, V] tensor when greedy) ----
         block_logits[..., self.mask_token_id] = float("-inf")  # never commit a mask token
         self._restrict_ids(block_logits, rows)
-        masked = masked.to(dev)
-        uniforms = uniforms.to(dev)
-        tokens, confidence = select_tokens(block_logits, sampling, uniforms)  # [R, Bmax] x2
-        group_picks = self._choose_sequences(block_logits, rows, tokens, confidence, uniforms)
-        commit = choose_commits(confidence, masked, quota, threshold, dynamic)  # [R, Bmax]
+        tokens, confidence = select_tokens(block_logits, inp.sampling, inp.uniforms)  # [R, Bmax] x2
+        group_picks, deferred = self._choose_sequences(block_logits, rows, tokens, confidence, inp.uniforms)
+        commit = choose_commits(confidence, inp.masked, inp.quota, inp.threshold, inp.dynamic)  # [R, Bmax]
         num_groups = max((len(row.inp.groups) for row in rows), default=0)
         if num_groups:
-            commit = expand_to_groups(commit, group_ids.to(dev), num_groups)
+            commit = expand_to_groups(commit, inp.group_ids, num_groups)
 
-        tokens_host = tokens.tolist()
-        commit_host = commit.tolist()
-        picks_host = group_picks.tolist() if group_picks is not None else None
+        # ---- ONE device-to-host copy for everything the host needs from this pass -------------
+        # int64: tokens [R*Bmax], commit flags [R*Bmax]; then the float64 candidate picks
+        # [R*G*2] and deferred slot scores, carried as their int64 bit patterns
+        parts = [tokens.reshape(-1), commit.reshape(-1).to(torch.long)]
+        floats = ([group_picks.reshape(-1)] if group_picks is not None else []) + [
+            scores.to(torch.float64) for _, _, scores in deferred
+        ]
+        if floats:
+            parts.append(torch.cat(floats).view(torch.long))
+        host = torch.cat(parts).cpu().numpy()  # the pass's only host sync outside the forward
+        n_block = r * bmax
+        tokens_host = host[:n_block].reshape(r, bmax)
+        commit_host = host[n_block : 2 * n_block].reshape(r, bmax).astype(bool)
+        floats_host = host[2 * n_block :].view(np.float64)
+        at = 0
+        picks_host = None
+        if group_picks is not None:
+            at = group_picks.numel()
+            picks_host = floats_host[:at].reshape(group_picks.shape).tolist()  # [R, G, 2]
+        for i, g, scores in deferred:  # per-candidate sums of deferred slot positions
+            rows[i].inp.groups[g].scores = floats_host[at : at + scores.numel()].tolist()
+            at += scores.numel()
         outcomes = []
         for i, row in enumerate(rows):
             n = row.inp.block_len
@@ -217,11 +371,12 @@ class ModelRunner:
                 choices = [
                     (int(picks_host[i][g][0]), picks_host[i][g][1]) for g in range(len(row.inp.groups))
                 ]
-            outcomes.append(RowOutcome(tokens_host[i][:n], commit_host[i][:n], choices))
+            outcomes.append(RowOutcome(tokens_host[i, :n].tolist(), commit_host[i, :n].tolist(), choices))
         return outcomes
 
     def _restrict_ids(self, block_logits: Tensor, rows: list[RowSpec]) -> None:
-        """Positions restricted to a set of ids: every other id gets -inf (in place)."""
+        """Positions restricted to a set of ids: every other id gets -inf (in place). Only the
+        restricted positions' [V] masks are stacked and copied ([N, V], not [R, Bmax, V])."""
         restricted = [
             (i, o, mask)
             for i, row in enumerate(rows)
@@ -230,28 +385,33 @@ class ModelRunner:
         ]
         if not restricted:
             return
-        allowed = torch.ones(block_logits.shape, dtype=torch.bool)  # [R, Bmax, V]
-        for i, o, mask in restricted:
-            allowed[i, o] = mask
-        block_logits.masked_fill_(~allowed.to(block_logits.device), float("-inf"))
+        dev = block_logits.device
+        at_rows = torch.tensor([i for i, _, _ in restricted], device=dev)  # [N]
+        at_offsets = torch.tensor([o for _, o, _ in restricted], device=dev)  # [N]
+        allowed = torch.stack([mask for _, _, mask in restricted]).to(dev)  # [N, V]
+        block_logits[at_rows, at_offsets] = block_logits[at_rows, at_offsets].masked_fill(
+            ~allowed, float("-inf")
+        )
 
     def _choose_sequences(
         self, block_logits: Tensor, rows: list[RowSpec], tokens: Tensor, confidence: Tensor, uniforms: Tensor
-    ) -> Tensor | None:
+    ) -> tuple[Tensor | None, list[tuple[int, int, Tensor]]]:
         """Restricted slots: score each candidate by its summed log-probs over the slot's positions.
 
         A final group (the slot's last block) adds the scores its earlier blocks carried
         (``SlotGroup.prior``), normalises over the candidates, picks the argmax (or draws at
         temperature > 0), and writes the pick's tokens and its normalised probability as the
         confidence of its positions (in place). A deferred group (not the slot's last block) is
-        only scored: its per-candidate sums go to ``SlotGroup.scores`` (one host copy per pass
-        for all of them), and its pick stays (0, 0.0).
+        only scored: its per-candidate sums are returned as ``(row, group, [C] scores)`` and the
+        caller writes them to ``SlotGroup.scores`` after the pass's one host copy; its pick stays
+        (0, 0.0).
 
-        Returns [R, G, 2] (candidate index, normalised probability) or None without slots.
+        Returns ([R, G, 2] (candidate index, normalised probability) or None without slots, the
+        deferred groups' scores).
         """
         num_groups = max((len(row.inp.groups) for row in rows), default=0)
         if num_groups == 0:
-            return None
+            return None, []
         picks = torch.zeros(len(rows), num_groups, 2, dtype=torch.float64, device=block_logits.device)
         deferred: list[tuple[int, int, Tensor]] = []  # (row, group, [C] scores)
         for i, row in enumerate(rows):
@@ -272,13 +432,7 @@ class ModelRunner:
                 confidence[i, offs] = prob.to(confidence.dtype)
                 picks[i, g, 0] = pick.to(picks.dtype)
                 picks[i, g, 1] = prob.to(picks.dtype)
-        if deferred:
-            flat = torch.cat([scores for _, _, scores in deferred]).tolist()
-            at = 0
-            for i, g, scores in deferred:
-                rows[i].inp.groups[g].scores = flat[at : at + scores.numel()]
-                at += scores.numel()
-        return picks
+        return picks, deferred
 
 
 def _pick_candidate(scores: Tensor, temperature: float, u: Tensor) -> tuple[Tensor, Tensor]:

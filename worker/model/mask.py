@@ -9,6 +9,20 @@ from __future__ import annotations
 
 import torch
 
+# [N] 0..N-1 per device, grown on demand: the index vectors of every mask (and the identity)
+# are slices of it instead of fresh ``arange``/``eye`` tensors on every forward
+_ARANGE: dict[torch.device, torch.Tensor] = {}
+
+
+def _iota(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` (int64) on ``device`` as a slice of one cached tensor: ``[n]``."""
+    cached = _ARANGE.get(device)
+    if cached is None or cached.numel() < n:
+        if len(_ARANGE) >= 16:  # bounded: a handful of devices per process
+            _ARANGE.clear()
+        cached = _ARANGE[device] = torch.arange(max(1 << max(n - 1, 0).bit_length(), 64), device=device)
+    return cached[:n]
+
 
 def block_causal_mask(block_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Mask of a forward without cache: ``[B, 1, T, T]`` bool, True = may attend."""
@@ -16,7 +30,9 @@ def block_causal_mask(block_ids: torch.Tensor, valid: torch.Tensor | None) -> to
     new = block_ids[:, None, :] <= block_ids[:, :, None]  # [B, Tq, Tk]
     if valid is not None:
         new = new & valid[:, None, :]
-    return (new | torch.eye(t, dtype=torch.bool, device=block_ids.device))[:, None]
+    iota = _iota(t, block_ids.device)
+    itself = iota[:, None] == iota[None, :]  # [T, T] the identity
+    return (new | itself)[:, None]
 
 
 def cached_block_causal_mask(
@@ -32,7 +48,7 @@ def cached_block_causal_mask(
     """
     t = block_ids.shape[1]
     device = block_ids.device
-    rel = torch.arange(key_len, device=device)[None, :] - lengths[:, None]  # [B, S] new-token index
+    rel = _iota(key_len, device)[None, :] - lengths[:, None]  # [B, S] new-token index
     is_new = (rel >= 0) & (rel < t)  # [B, S]
     rel_c = rel.clamp(0, t - 1)
     key_block = block_ids.gather(1, rel_c)  # [B, S]
@@ -40,7 +56,7 @@ def cached_block_causal_mask(
     if valid is not None:
         visible = visible & valid.gather(1, rel_c)[:, None, :]
     committed = (rel < 0)[:, None, :]  # [B, 1, S]
-    itself = rel[:, None, :] == torch.arange(t, device=device)[None, :, None]  # [B, T, S]
+    itself = rel[:, None, :] == _iota(t, device)[None, :, None]  # [B, T, S]
     return (visible | committed | itself)[:, None]
 
 

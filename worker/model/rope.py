@@ -11,6 +11,22 @@ from __future__ import annotations
 
 import torch
 
+# inverse frequencies [D/2] per (head_dim, theta, device): built once, not on every forward
+_INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}
+_INV_FREQ_LIMIT = 16  # bounded: a process serves a handful of models and devices
+
+
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """``1 / theta ** (2i / head_dim)`` for i < head_dim / 2: ``[D/2]`` float32 (cached)."""
+    key = (head_dim, float(theta), device)
+    inv = _INV_FREQ.get(key)
+    if inv is None:
+        if len(_INV_FREQ) >= _INV_FREQ_LIMIT:
+            _INV_FREQ.clear()
+        exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
+        inv = _INV_FREQ[key] = 1.0 / (theta**exponent)  # [D/2]
+    return inv
+
 
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
@@ -20,8 +36,7 @@ def rope_cos_sin(
     ``signed_sin`` is ``sin`` with its first half negated: ``rotate_half(x) * sin`` equals
     ``swap_halves(x) * signed_sin`` exactly (a sign flip is exact in every dtype).
     """
-    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)  # [D/2]
+    inv_freq = _inv_freq(head_dim, theta, positions.device)  # [D/2]
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
     sin = emb.sin().to(dtype)
