@@ -8,10 +8,13 @@ The route is computed with the same pure function ``scheduler.jobs.submit_job`` 
 queue the job will go to. An idempotent repeat (same tenant +
 ``Idempotency-Key`` already stored) stores nothing new, so these rules never refuse it.
 
-The per-key rate limit runs in ``api.auth.get_caller`` for most routes; ``POST /v1/jobs``
-authenticates with ``get_unmetered_caller`` and its token is taken here (``metered=False``):
-inside the admission script when there is one to run, else on its own
-(``api.auth.meter_caller``), so every submit, refused or repeated, spends one token.
+The per-key rate limit runs in the route's caller dependency (``api.auth.requires``) for most
+routes; the submit hot path (``POST /v1/jobs``, the OpenAI completions) authenticates with
+``api.deps.AdmittedSubmitCaller`` (``requires(Scope.SUBMIT, token_at_admission=True)``), and
+its token is taken here when the route passes ``metered=False`` (``api.auth.token_taken`` says
+no token was taken yet): inside the admission script when there is one to run, else on its
+own (``api.auth.meter_caller``). If the route never reaches this call, the dependency takes
+the token itself, so every submit, refused or repeated, spends exactly one.
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ def admit_submission(
 
     ``enqueued_marker``: the new job's enqueued-marker key, set in the admission round trip
     when the job is admitted (see ``Admission.check_batch``); returns whether it was set.
-    ``metered=False``: the caller came through ``get_unmetered_caller``, so its rate-limit
-    token is taken here too, in the same Redis round trip (401 revoked / 429 rate_limited).
+    ``metered=False``: the caller came through ``AdmittedSubmitCaller`` and its rate-limit
+    token is not taken yet (``token_taken(request)`` is False), so it is taken here too, in the
+    same Redis round trip (401 revoked / 429 rate_limited).
     """
     repeat = idempotency_key is not None and _exists(session, tenant=caller.tenant, key=idempotency_key)
     route = None

@@ -15,12 +15,11 @@ import anyio
 import anyio.to_thread
 import structlog
 from fastapi import FastAPI
-from redis import Redis
 
 from api.auth import install_security
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
-from api.job_follow import close_stream_redis
+from api.job_follow import close_stream_redis, stream_redis
 from api.job_waiter import JobWaiter
 from api.prompt_tokens import PromptTokenCounter
 from api.routes import (
@@ -40,6 +39,7 @@ from scheduler.celery_app import create_celery_app
 from scheduler.db import DatabaseTimeouts, make_engine, session_factory
 from scheduler.heap import freeze_startup_heap, thaw_heap
 from scheduler.operator_state import restore_quietly
+from scheduler.redis_client import get_redis
 from scheduler.settings import Settings, get_settings
 
 # Sync routes and dependencies run in anyio's thread pool; its default of 40 threads would
@@ -82,7 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await close_stream_redis(app)
             if waiter_scope.cancelled_caught or stream_scope.cancelled_caught:
                 log.warning("api.shutdown_step_abandoned", seconds=SHUTDOWN_STEP_SECONDS)
-            app.state.redis.close()
+            # app.state.redis stays open: it is the process' shared client (scheduler/redis_client.py).
             engine.dispose()
 
     app = FastAPI(
@@ -94,13 +94,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = session_factory(engine)
-    # decode_responses: the scheduler's Redis helpers (worker registry, hot progress) use str.
-    app.state.redis = Redis.from_url(
-        settings.resolved_redis_url, socket_timeout=2.0, socket_connect_timeout=1.0, decode_responses=True
-    )
+    # The process' one sync client for the URL (one pool; short timeouts, so a hanging Redis fails
+    # a request fast): the routes, auth's rate limit and admission, the admin routes all use it.
+    app.state.redis = get_redis(settings.resolved_redis_url)
     app.state.celery = create_celery_app(settings)
-    app.state.job_waiter = JobWaiter(settings.resolved_redis_url)  # GET /v1/jobs/{id}?wait=S
-    install_security(app, settings, session_factory=app.state.session_factory)
+    # GET /v1/jobs/{id}?wait=S; its subscription shares the event streams' asyncio pool.
+    app.state.job_waiter = JobWaiter(lambda: stream_redis(app))
+    install_security(app, settings, session_factory=app.state.session_factory, redis_client=app.state.redis)
     # Replaced at start-up by the lifespan; the byte bound is the safe default meanwhile.
     app.state.token_counter = PromptTokenCounter(None)
 

@@ -1,25 +1,40 @@
-"""Who is calling: API-key authentication, scopes, and the per-key rate limit.
+"""Who is calling: API-key authentication, scopes, and the per-key rate limit, in ONE pattern.
 
-``get_caller`` is the FastAPI dependency every ``/v1`` route depends on (through
-``api.deps.CallerDep``). It reads ``Authorization: Bearer <key>``, authenticates the key
+Every authenticated route states the privilege it needs in its signature, through a
+dependency made by :func:`requires` (aliases in ``api.deps``: ``ReadCaller``, ``SubmitCaller``,
+``AdminCaller``, ``AdmittedSubmitCaller``)::
+
+    @router.get("/{job_id}")
+    def get_job(job_id: str, caller: ReadCaller) -> JobOut: ...
+
+The dependency reads ``Authorization: Bearer <key>``, authenticates the key
 (``scheduler.keys``: lookup by id, constant-time compare of a sha256 digest; cached per
-process), then takes one token from the key's rate-limit bucket (``scheduler.admission``; the
-same Redis round trip also reports a revocation). ``POST /v1/jobs``, the hot path, uses
-``get_unmetered_caller`` instead and takes its token in the Redis round trip of its admission
-check (one round trip and one thread-pool hop fewer per submit). With ``CLOVERQ_AUTH=disabled``
-every request is a development caller of tenant ``default`` with all scopes (and no rate
-limit: there is no key to meter).
+process), takes one token from the key's rate-limit bucket (``scheduler.admission``; the same
+Redis round trip also reports a revocation) and checks the scope (``admin`` holds every scope).
+No route body checks a scope or meters itself.
 
-Errors use the API's JSON error shape (``api.errors`` renders an ``HTTPException`` whose detail
-carries ``code``): 401 ``unauthorized`` (no, malformed, unknown or revoked key), 403
-``forbidden`` (missing scope), 429 ``rate_limited`` with ``Retry-After``.
+The submit hot path (``POST /v1/jobs`` and the OpenAI completions, which submit the same way)
+uses ``requires(scope, token_at_admission=True)`` (``AdmittedSubmitCaller``): its token rides in
+the Redis round trip of the admission check (``api.admission.admit_submission``: one round trip
+and one thread-pool hop fewer per submit). That variant cannot be misused: it is a dependency
+with ``yield`` that checks, when the route is done, that the request's token was taken, and
+takes it itself when not: with the route's error when the route failed (so a refused request
+spends its token too, and a 401 / 429 wins over the route's error), quietly after a success.
+The request's :class:`RequestAdmission` records every call that takes the token, so none is
+ever taken twice. With ``CLOVERQ_AUTH=disabled`` every request is a development caller of
+tenant ``default`` with all scopes (and no rate limit: there is no key to meter).
+
+Failures are :class:`api.errors.ApiError` (the API's JSON error shape, stable ``code``): 401
+``unauthorized`` (no, malformed, unknown or revoked key), 403 ``forbidden`` (missing scope), 429
+``rate_limited`` with ``Retry-After``. The order is 401, then 429, then 403.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Annotated, Any
 
 import redis
@@ -29,9 +44,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from api.errors import ApiError
+from scheduler import keys
 from scheduler.admission import Admission, RateDecision
 from scheduler.db import DatabaseTimeouts, make_engine
 from scheduler.keys import ALL_SCOPES, SCOPE_ADMIN, KeyAuthenticator, NotCached, parse_key
+from scheduler.redis_client import get_redis
 from scheduler.settings import Settings, get_settings
 
 log = structlog.get_logger(__name__)
@@ -39,6 +57,15 @@ log = structlog.get_logger(__name__)
 # Documents the scheme in OpenAPI (the lock icon in /docs); we do the checking ourselves so
 # that every failure has our error shape.
 _bearer_scheme = HTTPBearer(auto_error=False, description="An API key from `cloverq keys create`.")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer_scheme)]
+
+
+class Scope(StrEnum):
+    """The privileges a key may hold (``scheduler.keys``); ``admin`` implies the others."""
+
+    SUBMIT = keys.SCOPE_SUBMIT
+    READ = keys.SCOPE_READ
+    ADMIN = keys.SCOPE_ADMIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +95,11 @@ DEV_CALLER = Caller(tenant="default", scopes=ALL_SCOPES, key_id=None)
 
 
 class Security:
-    """The per-app security objects: key authenticator and admission (rate limits)."""
+    """The per-app security objects: key authenticator and admission (rate limits).
+
+    Admission runs on the process' shared Redis client (``scheduler.redis_client.get_redis``:
+    one pool per URL, short timeouts, so a hanging Redis fails a request's rate-limit check in
+    seconds instead of hanging it)."""
 
     def __init__(self, settings: Settings, *, session_factory: Callable[[], Any] | None = None,
                  redis_client: redis.Redis | None = None) -> None:
@@ -76,8 +107,7 @@ class Security:
             timeouts = DatabaseTimeouts.from_settings(settings)
             session_factory = sessionmaker(make_engine(settings.resolved_database_url, timeouts=timeouts))
         if redis_client is None:
-            redis_client = redis.Redis.from_url(settings.resolved_redis_url, socket_timeout=2.0,
-                                                socket_connect_timeout=1.0)
+            redis_client = get_redis(settings.resolved_redis_url)
         self.settings = settings
         self.session_factory = session_factory
         self.redis = redis_client
@@ -85,18 +115,51 @@ class Security:
         self.admission = Admission(redis_client, settings)
 
 
+class RequestAdmission:
+    """The app's :class:`Admission` as one request uses it.
+
+    The calls that take the request's rate-limit token (``check_rate``; ``admit_job``, whose
+    script takes the token before anything else, whatever it answers) record that on the
+    request before they run, whoever makes them, so the guarantee of
+    ``requires(..., token_at_admission=True)`` never takes a second token. Everything else is
+    the shared object's."""
+
+    def __init__(self, shared: Admission, request: Request) -> None:
+        self._shared = shared
+        self._request = request
+
+    def check_rate(self, bucket: str, *, key_id: str | None, cost: int = 1) -> RateDecision:
+        _note_token_taken(self._request)
+        return self._shared.check_rate(bucket, key_id=key_id, cost=cost)
+
+    def admit_job(self, **kwargs: Any) -> tuple[RateDecision, bool]:
+        _note_token_taken(self._request)
+        return self._shared.admit_job(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # check_batch, release, tenant_cap, ...
+        return getattr(self._shared, name)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSecurity:
+    """:class:`Security` as one request uses it (:func:`security_of`)."""
+
+    authenticator: KeyAuthenticator
+    admission: RequestAdmission
+    shared: Security
+
+
 _security_lock = threading.Lock()
 
 
 def install_security(app: Any, settings: Settings, **kwargs: Any) -> Security:
-    """Create the app's :class:`Security` now (``create_app`` may call this; else it is lazy)."""
+    """Create the app's :class:`Security` now (``create_app`` calls this; else it is lazy)."""
     security = Security(settings, **kwargs)
     app.state.security = security
     return security
 
 
-def security_of(request: Request) -> Security:
-    """The app's :class:`Security`, built on first use from the app's settings."""
+def _app_security(request: Request) -> Security:
     state = request.app.state
     security = getattr(state, "security", None)
     if security is None:
@@ -107,55 +170,90 @@ def security_of(request: Request) -> Security:
     return security
 
 
+def security_of(request: Request) -> RequestSecurity:
+    """The app's :class:`Security` (built on first use from the app's settings), for ``request``."""
+    shared = _app_security(request)
+    return RequestSecurity(shared.authenticator, RequestAdmission(shared.admission, request), shared)
+
+
 def _settings_of(request: Request) -> Settings:
     settings = getattr(request.app.state, "settings", None)
     return settings if isinstance(settings, Settings) else get_settings()
 
 
-def _error(status_code: int, code: str, message: str, headers: dict[str, str] | None = None,
-           details: Any = None) -> HTTPException:
-    return HTTPException(status_code, detail={"code": code, "message": message, "details": details},
-                         headers=headers)
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, "unauthorized", message, None, {"WWW-Authenticate": "Bearer"})
 
 
-def _unauthorized(message: str) -> HTTPException:
-    return _error(401, "unauthorized", message, {"WWW-Authenticate": "Bearer"})
+def _forbidden(caller: Caller, scope: Scope) -> ApiError:
+    log.warning("auth.forbidden", key_id=caller.key_id, tenant=caller.tenant, required_scope=str(scope))
+    return ApiError(403, "forbidden", f"This API key lacks the '{scope}' scope.",
+                    {"required_scope": str(scope)})
 
 
-async def get_caller(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer_scheme)],
-) -> Caller:
-    """Authenticate the request and meter it against its key's rate limit."""
-    caller = await _authenticate(request, credentials)
-    if caller.key_id is not None:
-        await run_in_threadpool(meter_caller, request, caller)
-    return caller
+# --- the one way routes authenticate ---------------------------------------------------------------
 
 
-def meter_caller(request: Request, caller: Caller) -> None:
-    """Take one token from the caller's rate-limit bucket (one Redis round trip, which also
-    reports a revocation): 401 revoked / 429 empty. Fails open without Redis: the rate limit
-    protects capacity, and a submit needs Redis anyway. Blocking: call it off the event loop."""
-    if caller.key_id is None:
-        return
+def requires(scope: Scope, *, token_at_admission: bool = False) -> Callable[..., Any]:
+    """The dependency of a route that needs ``scope``: the authenticated, rate-limited caller.
+
+    ``token_at_admission``: the rate-limit token is taken in the route's admission round trip
+    (the submit path: ``api.admission.admit_submission``); the dependency makes sure it was
+    (see the module docstring). Use it through ``api.deps.AdmittedSubmitCaller``, which also
+    sets ``scope="function"`` (the check runs before the response is sent).
+    """
+    if token_at_admission:
+        return _admitted_dependency(scope)
+
+    async def dependency(request: Request, credentials: Credentials) -> Caller:  # no hop unless metered
+        caller = await _authenticate(request, credentials)
+        await _take_token(request, caller)  # 401 revoked / 429 before the 403
+        if not caller.has_scope(scope):
+            raise _forbidden(caller, scope)
+        return caller
+
+    dependency.__name__ = f"requires_{scope}"
+    return dependency
+
+
+def _admitted_dependency(scope: Scope) -> Callable[..., AsyncIterator[Caller]]:
+    async def dependency(request: Request, credentials: Credentials) -> AsyncIterator[Caller]:
+        caller = await _authenticate(request, credentials)
+        if not caller.has_scope(scope):
+            await _take_token(request, caller)  # a refused request spends its token too; 401/429 win
+            raise _forbidden(caller, scope)
+        try:
+            yield caller
+        except Exception:
+            if not token_taken(request):
+                await _take_token(request, caller)  # refused before its admission: 401/429 win
+            raise
+        if not token_taken(request) and caller.key_id is not None:
+            # The route never reached its admission: take the token now. The answer stands
+            # (the request's work is done), so a refusal is only logged.
+            log.warning("auth.token_after_route", key_id=caller.key_id, path=request.url.path)
+            try:
+                await _take_token(request, caller)
+            except ApiError as refused:
+                log.info("auth.refused_after_route", code=refused.code, key_id=caller.key_id)
+
+    dependency.__name__ = f"requires_{scope}_token_at_admission"
+    return dependency
+
+
+def token_taken(request: Request) -> bool:
+    """Whether this request's rate-limit token was taken (or its taking was attempted: without
+    Redis the limit fails open). ``api.admission.admit_submission(metered=...)`` is told this."""
+    return bool(getattr(request.state, "rate_metered", False))
+
+
+def _note_token_taken(request: Request) -> None:
     request.state.rate_metered = True
-    try:
-        decision = security_of(request).admission.check_rate(caller.key_id, key_id=caller.key_id)
-    except redis.RedisError as exc:
-        log.warning("rate_limit_unavailable", error=type(exc).__name__, key_id=caller.key_id)
-        return
-    enforce_rate(request, caller, decision)
 
 
-async def get_unmetered_caller(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer_scheme)],
-) -> Caller:
-    """Authenticate only: for a route that takes the rate-limit token itself, in a Redis round
-    trip it makes anyway (``POST /v1/jobs``: ``Admission.admit_job``), and then MUST pass the
-    decision to :func:`enforce_rate`."""
-    return await _authenticate(request, credentials)
+async def _take_token(request: Request, caller: Caller) -> None:
+    if caller.key_id is not None and not token_taken(request):
+        await run_in_threadpool(meter_caller, request, caller)
 
 
 async def _authenticate(request: Request, credentials: HTTPAuthorizationCredentials | None) -> Caller:
@@ -169,7 +267,7 @@ async def _authenticate(request: Request, credentials: HTTPAuthorizationCredenti
         log.info("auth.refused", reason="missing_key", path=request.url.path)
         raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
     key = credentials.credentials.strip()
-    authenticator = security_of(request).authenticator
+    authenticator = _app_security(request).authenticator
     cached = authenticator.authenticate_cached(key)
     info = (await run_in_threadpool(authenticator.authenticate, key)
             if isinstance(cached, NotCached) else cached)
@@ -185,30 +283,21 @@ async def _authenticate(request: Request, credentials: HTTPAuthorizationCredenti
     return caller
 
 
-async def meter_refused_request(request: Request) -> HTTPException | None:
-    """Spend a rate-limit token for a request refused before its route could (issue 16: bodies
-    that fail validation were never rate-limited, so a client could send them without end).
+# --- taking the token (also api.admission's, for the submit path) ---------------------------------
 
-    Called by the validation error handler. The caller is the one the route's dependency
-    authenticated, or, when the body was refused before any dependency ran (JSON that does not
-    parse), the key in the request's header. Returns the 401/429 to answer instead of the 422, or
-    None (already metered, no key, an invalid key: the 422 stands).
-    """
-    if getattr(request.state, "rate_metered", False):
-        return None
-    caller = getattr(request.state, "caller", None)
-    if caller is None:
-        try:
-            caller = await _authenticate(request, await _bearer_scheme(request))
-        except HTTPException:
-            return None
-    if not isinstance(caller, Caller) or caller.key_id is None:
-        return None
+
+def meter_caller(request: Request, caller: Caller) -> None:
+    """Take one token from the caller's rate-limit bucket (one Redis round trip, which also
+    reports a revocation): 401 revoked / 429 empty. Fails open without Redis: the rate limit
+    protects capacity, and a submit needs Redis anyway. Blocking: call it off the event loop."""
+    if caller.key_id is None:
+        return
     try:
-        await run_in_threadpool(meter_caller, request, caller)
-    except HTTPException as refused:
-        return refused
-    return None
+        decision = security_of(request).admission.check_rate(caller.key_id, key_id=caller.key_id)
+    except redis.RedisError as exc:
+        log.warning("rate_limit_unavailable", error=type(exc).__name__, key_id=caller.key_id)
+        return
+    enforce_rate(request, caller, decision)
 
 
 def enforce_rate(request: Request, caller: Caller, decision: RateDecision | None) -> None:
@@ -216,28 +305,44 @@ def enforce_rate(request: Request, caller: Caller, decision: RateDecision | None
 
     ``decision`` None: the rate limit could not be checked (Redis unavailable): fail open.
     """
-    request.state.rate_metered = True
+    _note_token_taken(request)
     if decision is None or caller.key_id is None:
         return
     if decision.revoked:
-        security_of(request).authenticator.forget(caller.key_id)
+        _app_security(request).authenticator.forget(caller.key_id)
         log.warning("auth.refused", reason="revoked_key", key_id=caller.key_id, path=request.url.path)
         raise _unauthorized("Invalid or revoked API key.")
     if not decision.allowed:
-        raise _error(429, "rate_limited", "Too many requests for this API key; slow down.",
-                     {"Retry-After": str(decision.retry_after_seconds)},
-                     {"retry_after_seconds": decision.retry_after_seconds})
+        raise ApiError(429, "rate_limited", "Too many requests for this API key; slow down.",
+                       {"retry_after_seconds": decision.retry_after_seconds},
+                       {"Retry-After": str(decision.retry_after_seconds)})
 
 
-def require_scope(scope: str) -> Callable[..., Awaitable[Caller]]:
-    """A dependency that passes the caller through if it holds ``scope``, else 403."""
+async def meter_refused_request(request: Request) -> HTTPException | None:
+    """Spend a rate-limit token for a request refused before its route could (issue 16: bodies
+    that fail validation were never rate-limited, so a client could send them without end).
 
-    async def dependency(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:  # no I/O: no hop
-        if not caller.has_scope(scope):
-            log.warning("auth.forbidden", key_id=caller.key_id, tenant=caller.tenant, required_scope=scope)
-            raise _error(403, "forbidden", f"This API key lacks the '{scope}' scope.",
-                         details={"required_scope": scope})
-        return caller
+    Called by the validation error handler. The caller is the one the route's dependency
+    authenticated, or, when the body was refused before any dependency ran (JSON that does not
+    parse), the key in the request's header. Returns the 401/429 to answer instead of the 422, or
+    None (already metered, no key, an invalid key: the 422 stands). The refusal comes back as an
+    ``HTTPException`` carrying our error shape only because ``api.errors``' validation handler
+    renders it with its ``HTTPException`` handler.
+    """
+    if token_taken(request):
+        return None
+    caller = getattr(request.state, "caller", None)
+    if caller is None:
+        try:
+            caller = await _authenticate(request, await _bearer_scheme(request))
+        except ApiError:
+            return None
+    if not isinstance(caller, Caller) or caller.key_id is None:
+        return None
+    try:
+        await _take_token(request, caller)
+    except ApiError as refused:
+        detail = {"code": refused.code, "message": refused.message, "details": refused.details}
+        return HTTPException(refused.status_code, detail=detail, headers=refused.headers)
+    return None
 
-    dependency.__name__ = f"require_{scope}_scope"
-    return dependency

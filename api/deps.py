@@ -14,8 +14,7 @@ from fastapi import Depends, Request
 from redis import Redis
 from sqlalchemy.orm import Session
 
-from api.auth import Caller, get_caller, get_unmetered_caller
-from api.errors import ApiError
+from api.auth import Caller, Scope, requires
 from api.prompt_tokens import PromptTokenCounter
 from scheduler.settings import Settings
 
@@ -47,16 +46,16 @@ SettingsDep = Annotated[Settings, Depends(_settings)]
 SessionDep = Annotated[Session, Depends(_session)]
 RedisDep = Annotated[Redis, Depends(_redis)]
 TokenCounterDep = Annotated[PromptTokenCounter, Depends(_token_counter)]
-CallerDep = Annotated[Caller, Depends(get_caller)]
-# Authenticated but not yet rate-limited: only for a route that meters itself (see api.auth).
-UnmeteredCallerDep = Annotated[Caller, Depends(get_unmetered_caller)]
-
-
-def require(caller: Caller, scope: str) -> None:
-    """403 ``forbidden`` unless ``caller`` holds ``scope`` (``admin`` holds every scope)."""
-    if not caller.has_scope(scope):
-        message = f"This API key lacks the '{scope}' scope."
-        raise ApiError(403, "forbidden", message, {"required_scope": scope})
+# The caller of an authenticated route, with the privilege it needs (api.auth ``requires``):
+# authenticated (401), rate-limited per key (401 revoked / 429), holding the scope (403).
+ReadCaller = Annotated[Caller, Depends(requires(Scope.READ))]
+SubmitCaller = Annotated[Caller, Depends(requires(Scope.SUBMIT))]
+AdminCaller = Annotated[Caller, Depends(requires(Scope.ADMIN))]
+# The submit hot path (POST /v1/jobs, the OpenAI completions): ``submit``, its rate-limit token
+# taken in the admission round trip, and taken by the dependency itself if the route did not.
+AdmittedSubmitCaller = Annotated[
+    Caller, Depends(requires(Scope.SUBMIT, token_at_admission=True), scope="function")
+]
 
 
 def visible_tenant(caller: Caller) -> str | None:

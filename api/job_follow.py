@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from redis import Redis, RedisError
 from starlette.concurrency import run_in_threadpool
 
-from api.job_waiter import MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
+from api.job_waiter import HEALTH_CHECK_SECONDS, MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
 from api.presenters import job_out
 from api.schemas.jobs import JobOut
 from scheduler import job_stream, redis_keys
@@ -43,7 +43,7 @@ log = structlog.get_logger(__name__)
 STREAM_BLOCK_MS = 1000  # one XREAD waits at most this long (then SQL may be re-read)
 STREAM_BATCH = 256  # entries per XREAD
 KEEPALIVE_SECONDS = 10.0  # an SSE comment this often while nothing happens (proxies, disconnects)
-STREAM_MAX_CONNECTIONS = 1024  # XREAD BLOCK holds a connection per following request
+STREAM_MAX_CONNECTIONS = 1024  # XREAD BLOCK holds a connection per following request (+1: the waiter)
 
 
 @dataclass
@@ -62,12 +62,15 @@ class Followed:
 
 
 def stream_redis(app: FastAPI) -> aioredis.Redis:
-    """The app's asyncio Redis client for event streams (created in the running event loop)."""
+    """The app's one asyncio Redis client (created in the running event loop): the event streams'
+    ``XREAD BLOCK`` and the job waiter's subscription (``api/job_waiter.py``). Separate from the
+    process' sync client (``scheduler.redis_client.get_redis``) because asyncio connections
+    belong to their event loop, and because these reads block on purpose: no socket timeout."""
     client = getattr(app.state, "stream_redis", None)
     if client is None:
         client = aioredis.Redis.from_url(
             app.state.settings.resolved_redis_url, decode_responses=True, socket_connect_timeout=1.0,
-            max_connections=STREAM_MAX_CONNECTIONS,
+            max_connections=STREAM_MAX_CONNECTIONS, health_check_interval=HEALTH_CHECK_SECONDS,
         )
         app.state.stream_redis = client
     return client

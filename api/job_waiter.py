@@ -5,12 +5,15 @@ job's id after committing its outcome) wakes the requests waiting on that job; e
 re-reads the row. A waiting request holds no thread and no database connection, only an
 ``asyncio.Event``. Without notices (Redis down, a status written by the beat) a waiter still
 re-reads every ``RECHECK_SECONDS``, so a notice is an optimisation, never a dependency.
+
+The subscription's connection comes from the app's one asyncio Redis pool, the one the event
+streams use (``api/job_follow.py`` ``stream_redis``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
 import redis.asyncio as aioredis
@@ -23,14 +26,15 @@ log = structlog.get_logger(__name__)
 RECHECK_SECONDS = 1.0  # a waiter's first re-read without a notice; doubled after each one ...
 MAX_RECHECK_SECONDS = 8.0  # ... up to this (a 30 s wait reads the row about 7 times at most)
 RESUBSCRIBE_PAUSE_SECONDS = 1.0
-HEALTH_CHECK_SECONDS = 30  # a half-open subscription socket is noticed and replaced
+HEALTH_CHECK_SECONDS = 30  # a half-open subscription socket is noticed and replaced (the pool's setting)
 
 
 class JobWaiter:
     """Waiting requests by job id, woken by the jobs-finished channel."""
 
-    def __init__(self, redis_url: str) -> None:
-        self._redis_url = redis_url
+    def __init__(self, redis: Callable[[], aioredis.Redis]) -> None:
+        """``redis``: the app's asyncio client (called in the running event loop, when subscribing)."""
+        self._redis = redis
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._listener: asyncio.Task[None] | None = None
         self.notices = 0  # finished-notices that woke at least one waiter (tests, debugging)
@@ -71,9 +75,8 @@ class JobWaiter:
 
     async def _listen(self) -> None:
         while True:
-            client = aioredis.Redis.from_url(self._redis_url, health_check_interval=HEALTH_CHECK_SECONDS)
             try:
-                async with client.pubsub() as pubsub:
+                async with self._redis().pubsub() as pubsub:  # its connection goes back to the pool
                     await pubsub.subscribe(JOBS_FINISHED_CHANNEL)
                     async for message in pubsub.listen():
                         if message.get("type") == "message":
@@ -82,9 +85,6 @@ class JobWaiter:
                 raise
             except Exception as exc:  # Redis gone: waiters fall back to re-checking
                 log.warning("job_waiter.subscription_lost", error=type(exc).__name__)
-            finally:
-                with suppress(Exception):
-                    await client.aclose()
             await asyncio.sleep(RESUBSCRIBE_PAUSE_SECONDS)
 
     def _wake(self, data: bytes | str) -> None:

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import ApiError
 from api.schemas.jobs import GenerateJobCreate, JobOut
+from scheduler.models import ErrorCode, JobStatus
 from scheduler.settings import Settings
 
 MAX_STOP_SEQUENCES = 16
@@ -406,14 +407,14 @@ def completion_id(job_id: str) -> str:
 
 def job_failure(job: JobOut) -> ApiError:
     """The error a finished, unsuccessful job answers with."""
-    if job.status == "cancelled":
+    if job.status == JobStatus.CANCELLED:
         return ApiError(409, "job_cancelled", f"Job {job.id} was cancelled before it finished.",
                         {"job_id": job.id})
-    if job.status == "expired":
+    if job.status == JobStatus.EXPIRED:
         return ApiError(410, "job_expired", f"Job {job.id} expired.", {"job_id": job.id})
     code = job.error.code if job.error and job.error.code else "job_failed"
     message = (job.error.message if job.error else None) or "the job failed"
-    status = 400 if code == "invalid_input" else 500
+    status = 400 if code == ErrorCode.INVALID_INPUT else 500
     return ApiError(status, code, f"Job {job.id} failed: {message}", {"job_id": job.id})
 
 

@@ -38,13 +38,15 @@ import httpx
 from bench.backends import HOST, free_port, scratch_database, scratch_redis
 from bench.http_load import LoadResult, build_request, run_load
 from cli.supervisor import _die_with_parent
+from scheduler.models import JobStatus
+from scheduler.queue_names import JOB_QUEUES
 
 JOB_TIMEOUT_SECONDS = 60.0
 
 SUBMIT_BODY = json.dumps(
     {"kind": "generate", "input": {"prompt": "The quick brown fox"}, "params": {"max_new_tokens": 16}}
 ).encode()
-BIG_LIMITS = {"interactive": 10**9, "standard": 10**9, "bulk": 10**9, "joint": 10**9}
+BIG_LIMITS = dict.fromkeys(JOB_QUEUES, 10**9)
 
 
 # --- backends -----------------------------------------------------------------------------------
@@ -131,7 +133,7 @@ def _overhead(api_url: str, headers: dict[str, str], jobs: int) -> dict[str, lis
             started = time.perf_counter()
             job = client.post("/v1/jobs", json=body).json()
             deadline = time.monotonic() + JOB_TIMEOUT_SECONDS
-            while job["status"] in ("queued", "running"):
+            while job["status"] in (JobStatus.QUEUED, JobStatus.RUNNING):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"job {job['id']} did not finish in {JOB_TIMEOUT_SECONDS}s: {job}")
                 if long_poll:
@@ -140,7 +142,7 @@ def _overhead(api_url: str, headers: dict[str, str], jobs: int) -> dict[str, lis
                     time.sleep(0.002)
                     job = client.get(f"/v1/jobs/{job['id']}").json()
             elapsed_ms = (time.perf_counter() - started) * 1000.0
-            if job["status"] != "succeeded":
+            if job["status"] != JobStatus.SUCCEEDED:
                 raise RuntimeError(f"job did not succeed: {job}")
             timings = job["timings"]
             engine_ms = (timings["engine_run_ms"] or 0.0) + (timings["engine_queue_ms"] or 0.0)
@@ -284,7 +286,8 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
             # Drop the backlog the throughput phase queued so the worker sees only our jobs.
             redis.Redis.from_url(redis_url).flushdb()
             with session_factory(engine)() as session:
-                session.execute(update(Job).where(Job.status == "queued").values(status="cancelled"))
+                session.execute(update(Job).where(Job.status == JobStatus.QUEUED.value)
+                                .values(status=JobStatus.CANCELLED.value))
                 session.commit()
             worker = Service("worker", [python, "-m", "cli", "worker"], env, workdir)
             services.append(worker)

@@ -26,7 +26,7 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from scheduler.db import make_engine, session_factory
-from scheduler.models import Job, utcnow
+from scheduler.models import Job, JobStatus, QueueName, utcnow
 from scheduler.settings import get_settings
 
 BARE_QUEUE = "bench:bare:queue"
@@ -61,16 +61,16 @@ def create_bare_app() -> FastAPI:
         job_id = uuid.uuid4()
         now = utcnow()
         session.execute(insert(Job).values(
-            id=job_id, tenant="bench", kind=str(body.get("kind", "generate")), status="queued",
-            priority="interactive", queue="interactive", cost=0, input=body.get("input"),
-            params=body.get("params") or {}, steps_used=0, attempt=0, max_attempts=3,
+            id=job_id, tenant="bench", kind=str(body.get("kind", "generate")), status=JobStatus.QUEUED.value,
+            priority=QueueName.INTERACTIVE.value, queue=QueueName.INTERACTIVE.value, cost=0,
+            input=body.get("input"), params=body.get("params") or {}, steps_used=0, attempt=0, max_attempts=3,
             cancel_requested=False, created_at=now, available_at=now, updated_at=now,
         ))
         session.commit()
         message = {"id": str(job_id), "task": "cloverq.run_job", "args": [str(job_id)], "pad": "x" * 600}
         redis.lpush(BARE_QUEUE, json.dumps(message))
         response.headers["Location"] = f"/bare/jobs/{job_id}"
-        return {"id": str(job_id), "status": "queued"}
+        return {"id": str(job_id), "status": JobStatus.QUEUED.value}
 
     @app.get("/bare/jobs/{job_id}")
     def read(job_id: uuid.UUID, session: SessionDep) -> dict[str, Any]:

@@ -53,7 +53,8 @@ from bench.backends import scratch_database, scratch_redis
 from scheduler.celery_app import RUN_JOB_TASK, create_celery_app
 from scheduler.db import get_session_factory, migrate
 from scheduler.jobs import submit_job
-from scheduler.models import Job, JobStatus, utcnow
+from scheduler.models import Job, JobStatus, QueueName, utcnow
+from scheduler.queue_names import DEFAULT_WORKER_QUEUES, JOB_QUEUES
 from scheduler.settings import Settings
 from scheduler.workers import list_workers
 
@@ -192,7 +193,7 @@ class Load:
     def bulk(self, i: int, *, fifo: bool) -> uuid.UUID:
         params = {"max_new_tokens": self.args.bulk_tokens, "steps_per_block": 4, "seed": i}
         return self._submit(kind="generate", input={"prompt": f"Bulk request {i}: write a long story."},
-                            params=params, fifo=fifo, priority="bulk")
+                            params=params, fifo=fifo, priority=QueueName.BULK.value)
 
     def queued(self, ids: list[uuid.UUID]) -> int:
         if not ids:
@@ -293,7 +294,7 @@ def _report(phases: list[Phase], args: argparse.Namespace) -> None:
     print()
     print(f"short jobs: generate, {args.short_tokens} tokens, Poisson {args.short_rate}/s for "
           f"{args.phase_seconds:.0f}s per phase; joint: {args.joint_questions} questions each, "
-          f"backlog kept at {args.joint_backlog}")
+          f"backlog kept at {args.joint_backlog}; workers' switch interval {args.switch_interval_ms} ms")
     header = f"{'phase':<28}{'n':>5}{'p50 wait ms':>13}{'p95 wait ms':>13}{'max ms':>10}" \
              f"{'engine p50/p95 ms':>20}{'joint done':>12}"
     print(header)
@@ -362,6 +363,9 @@ def main() -> None:
     parser.add_argument("--bulk-tokens", type=int, default=256, help="tokens per bulk job")
     parser.add_argument("--reserve", type=int, default=Settings().engine_interactive_reserve,
                         help="engine_interactive_reserve of the shared worker (default: the product's)")
+    parser.add_argument("--switch-interval-ms", type=float, default=Settings().worker_switch_interval_ms,
+                        help="worker_switch_interval_ms of every worker (default: the product's; "
+                             "Python's own is 5)")
     parser.add_argument("--no-bulk", dest="bulk", action="store_false", help="skip the two bulk phases")
     parser.add_argument("--no-shared", dest="shared", action="store_false",
                         help="skip the extra phase with ONE worker consuming every queue (cloverq up)")
@@ -383,7 +387,7 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
     migrate(db_url)
     base = Settings(database_url=db_url, redis_url=redis_url, data_dir=workdir, model_dir=checkpoint,
                     auth="disabled", log_level=args.worker_log_level, engine_max_batch=args.threads,
-                    engine_joint_slot_cap=args.joint_cap)
+                    engine_joint_slot_cap=args.joint_cap, worker_switch_interval_ms=args.switch_interval_ms)
     joint_settings = base.model_copy(update={"engine_max_batch": args.joint_cap})
     load = Load(base, args)
     phases = [Phase("idle (priority queues)"), Phase("joint load (priority queues)"),
@@ -393,9 +397,10 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
     try:
         print("starting workers: short (interactive,standard,bulk) + joint ...", flush=True)
         workers = [
-            _start_worker("worker-short", base, workdir, queues="interactive,standard,bulk",
+            _start_worker("worker-short", base, workdir, queues=",".join(DEFAULT_WORKER_QUEUES),
                           threads=args.threads),
-            _start_worker("worker-joint", joint_settings, workdir, queues="joint", threads=args.joint_cap,
+            _start_worker("worker-joint", joint_settings, workdir, queues=QueueName.JOINT.value,
+                          threads=args.joint_cap,
                           nice=args.joint_nice, extra_env={"OMP_NUM_THREADS": str(args.joint_cpu_threads)}),
         ]
         _wait_ready(workers, redis_url)
@@ -405,31 +410,31 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
         load.run(phases[1], joint=True, fifo=False)
         for worker in workers:
             worker.stop()
-        redis.Redis.from_url(redis_url).delete("joint", "interactive", "standard", "bulk")
+        redis.Redis.from_url(redis_url).delete(*JOB_QUEUES)
         if args.shared:
             print("phase 2b: joint load, ONE worker consuming all queues (joint gate)", flush=True)
             shared_settings = base.model_copy(update={"engine_max_batch": args.threads + args.joint_cap})
             workers = [_start_worker("worker-shared", shared_settings, workdir,
-                                     queues="interactive,standard,bulk,joint",
+                                     queues=",".join(JOB_QUEUES),
                                      threads=args.threads + args.joint_cap),
                        _start_beat(base, workdir)]  # republishes joint messages the gate hands back
             _wait_ready(workers[:1], redis_url)
             load.run(phases[3], joint=True, fifo=False)
             for worker in workers:
                 worker.stop()
-            redis.Redis.from_url(redis_url).delete("joint", "interactive", "standard", "bulk")
+            redis.Redis.from_url(redis_url).delete(*JOB_QUEUES)
         if args.bulk:
             print("phase 4: bulk load, ONE worker consuming all queues (interactive reserve)", flush=True)
             bulk_settings = base.model_copy(update={"engine_interactive_reserve": args.reserve})
             workers = [_start_worker("worker-bulk", bulk_settings, workdir,
-                                     queues="interactive,standard,bulk,joint",
+                                     queues=",".join(JOB_QUEUES),
                                      threads=args.threads + args.reserve),
                        _start_beat(base, workdir)]  # republishes what the capacity gate hands back
             _wait_ready(workers[:1], redis_url)
             load.run(phases[4], joint=False, fifo=False, bulk=True)
             for worker in workers:
                 worker.stop()
-            redis.Redis.from_url(redis_url).delete("joint", "interactive", "standard", "bulk")
+            redis.Redis.from_url(redis_url).delete(*JOB_QUEUES)
             print("phase 5: bulk load, one FIFO queue", flush=True)
             workers = [_start_worker("worker-fifo-bulk", base, workdir, queues=FIFO_QUEUE,
                                      threads=args.threads)]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from scheduler.queue_names import QueueName
 from worker.decisions import DecisionSpec, plan_decision
 from worker.decisions.spec import DecisionQuestion
 from worker.engine.engine import Engine, EngineConfig
@@ -96,7 +97,7 @@ def decision(lm: LoadedModel, text: str, questions: int, prefix_bytes: int, max_
         rationale=rationale > 0,
     )
     plan = plan_decision(spec, lm.tokenizer, request_id="bench", params=SamplingParams(),
-                         rationale_tokens=max(rationale, 1), slot_class="standard")
+                         rationale_tokens=max(rationale, 1), slot_class=QueueName.STANDARD.value)
     engine = _engine(lm, prefix_bytes, questions, max_len)
     try:
         before = engine.stats()

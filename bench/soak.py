@@ -30,7 +30,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "expired"})
+from scheduler import models
+
+FINAL_STATUSES = frozenset(status.value for status in models.FINAL_STATUSES)
 TINY_JOB = {"kind": "generate", "input": {"prompt": "Soak test"},
             "params": {"max_new_tokens": 4, "steps_per_block": 1, "seed": 1}}
 
@@ -81,7 +83,7 @@ class SoakReport:
 
     @property
     def not_succeeded(self) -> dict[str, str]:
-        return {job: status for job, status in self.finished.items() if status != "succeeded"}
+        return {job: status for job, status in self.finished.items() if status != models.JobStatus.SUCCEEDED}
 
     def rss_at_warmup(self) -> dict[str, int]:
         after = [s for s in self.rss if s.at >= self.warmup_seconds]

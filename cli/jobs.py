@@ -19,6 +19,10 @@ from rich.table import Table
 from cli.api_client import api_client, echo_json
 from client import Client, CloverqError, Job
 from scheduler.keys import DEV_KEY_FILE
+from scheduler.models import JobStatus
+from scheduler.queue_names import PRIORITY_CLASSES
+
+PRIORITY_CHOICES = [q.value for q in PRIORITY_CLASSES]  # the classes a client may ask for
 
 __all__ = ["DEV_KEY_FILE", "register"]
 
@@ -37,7 +41,7 @@ def _params(values: dict[str, Any]) -> dict[str, Any]:
 
 def _finish(job: Job) -> None:
     echo_json(job)
-    if job.status != "succeeded":
+    if job.status != JobStatus.SUCCEEDED:
         sys.exit(1)
 
 
@@ -55,7 +59,7 @@ def _finish(job: Job) -> None:
 @click.option("--seed", type=int)
 @click.option("--step-budget", type=int)
 @click.option("--thinking/--no-thinking", default=None)
-@click.option("--priority", type=click.Choice(["interactive", "standard", "bulk"]))
+@click.option("--priority", type=click.Choice(PRIORITY_CHOICES))
 @click.option("--idempotency-key")
 @click.option("--wait", is_flag=True, help="Wait for the job, showing a progress bar of blocks and steps.")
 @click.option("--stream", "stream_text", is_flag=True,
@@ -81,7 +85,7 @@ def submit(
             click.echo()
             job = cq.wait(job.id)
             click.echo(json.dumps(job.model_dump(mode="json"), indent=2), err=True)
-            if job.status != "succeeded":
+            if job.status != JobStatus.SUCCEEDED:
                 sys.exit(1)
             return
         if not wait:
@@ -175,7 +179,7 @@ def _questions(questions_json: str | None, question: tuple[str, ...],
 @click.option("--temperature", type=float)
 @click.option("--seed", type=int)
 @click.option("--step-budget", type=int)
-@click.option("--priority", type=click.Choice(["interactive", "standard", "bulk"]))
+@click.option("--priority", type=click.Choice(PRIORITY_CHOICES))
 @click.option("--idempotency-key")
 @click.option("--wait", is_flag=True, help="Wait for the answers and print the job.")
 def decide(context: str | None, context_file: Any, question: tuple[str, ...], choices: str | None,

@@ -25,9 +25,10 @@ import httpx
 
 from cli.supervisor import Child, RestartBudget, Supervisor
 from client import Client, RetryPolicy
+from scheduler.queue_names import JOB_QUEUES
 from scheduler.settings import Settings, get_settings
 
-ALL_QUEUES = "interactive,standard,bulk,joint"
+ALL_QUEUES = ",".join(JOB_QUEUES)  # the one embedded worker of `cloverq up` serves every job queue
 
 
 def register(group: click.Group) -> None:

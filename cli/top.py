@@ -22,16 +22,17 @@ from rich.text import Text
 
 from cli.api_client import api_client, api_key
 from client import Client, CloverqError
+from scheduler.models import FINAL_STATUSES, JobStatus
 from scheduler.settings import get_settings
 
-STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
-STATUS_STYLES = {
-    "queued": "bright_black",
-    "running": "blue",
-    "succeeded": "green",
-    "failed": "red",
-    "cancelled": "yellow",
-    "expired": "bright_black",
+STATUSES: tuple[str, ...] = tuple(status.value for status in JobStatus)
+STATUS_STYLES: dict[str, str] = {
+    JobStatus.QUEUED: "bright_black",
+    JobStatus.RUNNING: "blue",
+    JobStatus.SUCCEEDED: "green",
+    JobStatus.FAILED: "red",
+    JobStatus.CANCELLED: "yellow",
+    JobStatus.EXPIRED: "bright_black",
 }
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -47,7 +48,7 @@ class Rates:
     def update(self, overview: Mapping[str, Any], now: float) -> float | None:
         """Jobs finished per second since the previous poll (None on the first one)."""
         by_status = overview["counts"]["by_status"]
-        finished = sum(int(by_status.get(s, 0)) for s in ("succeeded", "failed", "cancelled", "expired"))
+        finished = sum(int(by_status.get(s.value, 0)) for s in FINAL_STATUSES)
         rate = None
         if self._last_finished is not None and self._last_time is not None and now > self._last_time:
             rate = max(0.0, (finished - self._last_finished) / (now - self._last_time))
@@ -122,8 +123,8 @@ def render(
             q["name"],
             str(q["queued"]),
             str(q["running"]),
-            str(per_queue.get("succeeded", 0)),
-            str(per_queue.get("failed", 0)),
+            str(per_queue.get(JobStatus.SUCCEEDED.value, 0)),
+            str(per_queue.get(JobStatus.FAILED.value, 0)),
             str(q["workers_ready"]),
             _fmt_seconds(lat.get("wait", {}).get("p95")),
             _fmt_seconds(lat.get("run", {}).get("p95")),

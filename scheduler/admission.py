@@ -46,13 +46,15 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from scheduler import redis_keys
-from scheduler.keys import REVOKED_SET
-from scheduler.models import Job, JobStatus, QueueName
-from scheduler.redis_keys import ADMISSION_RESERVATION_TTL_SECONDS, ENQUEUED_TTL_SECONDS
+from scheduler.models import Job, JobStatus
+from scheduler.queue_names import JOB_QUEUES
+from scheduler.redis_keys import (
+    ADMISSION_RESERVATION_TTL_SECONDS,
+    ENQUEUED_TTL_SECONDS,
+    LIMITS_KEY,
+    REVOKED_SET,
+)
 from scheduler.settings import Settings
-
-LIMITS_KEY = "cloverq:limits"  # Redis hash of runtime overrides (field -> number)
-BUCKET_PREFIX = "cloverq:ratelimit:"  # + bucket id (key id, or "tenant:<t>" without keys)
 
 # Celery's Redis transport keeps one list per queue and priority step: "<q>" and "<q>\x06\x16<n>".
 _PRIORITY_SUFFIXES: tuple[str, ...] = ("", "\x06\x163", "\x06\x166", "\x06\x169")
@@ -274,7 +276,7 @@ class Admission:
                                                 args=self._rate_args(bucket, key_id, cost)))
 
     def _rate_keys(self, bucket: str) -> list[str]:
-        return [BUCKET_PREFIX + bucket, LIMITS_KEY, REVOKED_SET]
+        return [redis_keys.rate_bucket(bucket), LIMITS_KEY, REVOKED_SET]
 
     def _rate_args(self, bucket: str, key_id: str | None, cost: int) -> list[Any]:
         return [bucket, self._settings.rate_limit_per_second, self._settings.rate_limit_burst, cost,
@@ -415,11 +417,8 @@ class Admission:
         return cap
 
 
-ALL_QUEUES: tuple[str, ...] = tuple(queue.value for queue in QueueName)
-
-
 def forget_admitted(client: redis.Redis, *, tenant: str, marker: str,
-                    queues: Iterable[str] = ALL_QUEUES) -> None:
+                    queues: Iterable[str] = JOB_QUEUES) -> None:
     """Remove the enqueued marker and the admission reservations (in whichever of ``queues``)
     of one admitted job that was not stored after all. Raises ``redis.RedisError``; left alone
     they expire (the marker is only read for stored rows; a reservation over-counts a minute)."""

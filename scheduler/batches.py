@@ -9,6 +9,7 @@ after the commit; a publish that fails leaves the rows queued for the reconciler
 
 from __future__ import annotations
 
+import enum
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from scheduler.jobs import request_fingerprint
 from scheduler.models import Base, Job, JobStatus, JSONType, QueueName, UTCDateTime, utcnow
 from scheduler.routing import Route, route_job
 from scheduler.settings import Settings
+from scheduler.webhooks import WebhookEvent
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +78,15 @@ class JobSpec:
     webhook_url: str | None = None
 
 
+class BatchStatus(enum.StrEnum):
+    """A batch's status (derived from its jobs' statuses, never stored)."""
+
+    RUNNING = "running"
+    CANCELLING = "cancelling"  # cancel requested, some jobs not final yet
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+
+
 @dataclass(frozen=True)
 class BatchSummary:
     """A batch with its job counts by status."""
@@ -88,11 +99,11 @@ class BatchSummary:
         return sum(n for status, n in self.counts.items() if JobStatus(status).is_final)
 
     @property
-    def status(self) -> str:
+    def status(self) -> BatchStatus:
         """``cancelled`` / ``completed`` once every job is final, else ``running``."""
         if self.finished < self.batch.total:
-            return "cancelling" if self.batch.cancel_requested else "running"
-        return "cancelled" if self.batch.cancel_requested else "completed"
+            return BatchStatus.CANCELLING if self.batch.cancel_requested else BatchStatus.RUNNING
+        return BatchStatus.CANCELLED if self.batch.cancel_requested else BatchStatus.COMPLETED
 
 
 def batch_route(spec: JobSpec, settings: Settings) -> Route:
@@ -298,8 +309,8 @@ def batch_webhook(session: Session, batch_id: uuid.UUID) -> tuple[str, dict[str,
         return None
     summary = summarize(session, batch)
     payload = {
-        "event": "batch.finished",
-        "batch": {"id": str(batch.id), "status": summary.status, "total": batch.total,
+        "event": WebhookEvent.BATCH_FINISHED.value,
+        "batch": {"id": str(batch.id), "status": summary.status.value, "total": batch.total,
                   "counts": summary.counts, "metadata": batch.meta},
     }
     return batch.webhook_url, payload

@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.process import run_then_exit
+from scheduler.queue_names import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from scheduler.settings import Settings, get_settings
-
-MAINTENANCE_QUEUE = "maintenance"
-WEBHOOKS_QUEUE = "webhooks"  # webhook deliveries (scheduler.webhook_tasks): never on a GPU worker
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:

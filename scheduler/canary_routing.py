@@ -22,8 +22,9 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from scheduler.queue_names import CANARY_LANE_PREFIX
+
 BASIS_POINTS = 10_000  # a canary's share is stored in 1/100 of a percent
-CANARY_LANE_PREFIX = "canary."
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,12 @@ from functools import lru_cache
 from celery import Celery
 from kombu import Queue
 
-from scheduler.beat import MAINTENANCE_QUEUE, beat_schedule
+from scheduler.beat import beat_schedule
 from scheduler.broker import TRANSPORT_PATH
-from scheduler.models import QueueName
+from scheduler.queue_names import ALL_QUEUES, QueueName
 from scheduler.settings import Settings, get_settings
 
 RUN_JOB_TASK = "cloverq.run_job"
-
-WEBHOOKS_QUEUE = "webhooks"  # webhook deliveries; consumed by the light beat process too
-ALL_QUEUES: tuple[str, ...] = (*(q.value for q in QueueName), MAINTENANCE_QUEUE, WEBHOOKS_QUEUE)
 
 
 def create_celery_app(settings: Settings) -> Celery:

@@ -2,15 +2,26 @@
 
 Two mechanisms, so a drain holds even for workers that start later or miss a broadcast:
 
-1. The durable flag: the Redis set ``DRAINED_SET`` names drained queues. A worker consumes
-   ``consumable_queues(configured, drained)`` at start and re-checks at its heartbeat
-   (``queues_to_change``), so a restart never silently resumes a drained queue.
+1. The durable flag: the Redis set ``redis_keys.DRAINED_SET`` names drained queues. A worker
+   reads it (``worker/queue_drain.py`` ``DrainFollower``, through :func:`drained_queues`) before
+   its consumer starts and again at every heartbeat, and hands it to its consumer controller
+   (``worker/consumers.py``): ``consumed_queues`` leaves drained queues out (and their canary
+   lanes, ``canary.<queue>``), so a restart never silently resumes a drained queue.
 2. The fast path: a Celery remote-control command (``cancel_consumer`` / ``add_consumer``)
    reaches every running worker at once. Both are addressed (``destination``) to registered
    workers only (from the worker registry), never to every Celery node: beat is a node too (it
    consumes ``webhooks``) and neither takes nor answers for a job queue's drain.
    ``add_consumer`` goes only to workers whose *configured* queues include the queue, so resuming
-   never makes a GPU worker of another pool pick up work it was not deployed for.
+   never makes a GPU worker of another pool pick up work it was not deployed for. The broadcast
+   names the plain queue and knows nothing of a worker's own state (a model switch, a full gate,
+   the canary lane): when the worker next reads the flag and sees it changed, its controller
+   sets both the queue and its canary lane to what its state wants, so a broadcast that
+   disagrees with that state (or a canary worker's lane that a drain broadcast missed) is
+   corrected within one heartbeat.
+
+:func:`consumable_queues` and :func:`queues_to_change` are the drain flags' rule on their own;
+the worker no longer uses them (``worker/consumers.py`` ``consumed_queues`` decides, with every
+other input), and only tests call them.
 
 The flag's record is SQL (``scheduler.operator_state``: the admin API commits the drain there
 before calling :func:`drain_queue`, and beat restores ``DRAINED_SET`` from it after a Redis
@@ -28,7 +39,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-DRAINED_SET = "cloverq:queues:drained"
+from scheduler.redis_keys import DRAINED_SET
 
 
 def _text(value: bytes | str) -> str:

@@ -51,7 +51,6 @@ KEY_PATTERN = re.compile(r"^cq_(?P<key_id>[0-9a-f]{12})_(?P<secret>[A-Za-z0-9_\-
 KEY_SEARCH_PATTERN = re.compile(r"cq_[0-9a-f]{12}_[A-Za-z0-9_\-]{20,128}")
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
-REVOKED_SET = "cloverq:keys:revoked"  # Redis set of revoked key ids (read by the admission script)
 DEV_KEY_FILE = "dev_api_key"  # under data_dir: the key `cloverq up` prints (embedded default only)
 
 

@@ -49,6 +49,7 @@ from prometheus_client.core import (
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from scheduler.redis_keys import METRICS_WORKERS_SET, metrics_counter, metrics_histogram, metrics_worker
 from scheduler.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -214,21 +215,6 @@ def set_process_version(version: str | None, track: str | None) -> None:
 def version_label(model_version: str | None) -> str | None:
     """The version name of a worker's ``<version>@<manifest digest>`` label."""
     return model_version.split("@", 1)[0] if model_version else None
-
-KEY_PREFIX = "cloverq:metrics"
-WORKER_SET_KEY = f"{KEY_PREFIX}:workers"
-
-
-def _counter_key(name: str) -> str:
-    return f"{KEY_PREFIX}:c:{name}"
-
-
-def _histogram_key(name: str) -> str:
-    return f"{KEY_PREFIX}:h:{name}"
-
-
-def _worker_key(worker: str) -> str:
-    return f"{KEY_PREFIX}:w:{worker}"
 
 
 def _prom_name(name: str) -> str:
@@ -399,7 +385,7 @@ class RedisMetricsRecorder:
         (the model version that ran it) also the per-version counter and histograms."""
         pipe = self._client.pipeline(transaction=False)
         pipe.hincrbyfloat(
-            _counter_key("cloverq_jobs_finished_total"), _labels_field((kind, queue, status)), 1
+            metrics_counter("cloverq_jobs_finished_total"), _labels_field((kind, queue, status)), 1
         )
         observations = (
             ("cloverq_job_queue_wait_seconds", wait_seconds),
@@ -413,7 +399,7 @@ class RedisMetricsRecorder:
                 self._observe(pipe, name, labels, float(value))
         if version is not None:
             pair = (version, track or "stable")
-            pipe.hincrbyfloat(_counter_key("cloverq_version_jobs_finished_total"),
+            pipe.hincrbyfloat(metrics_counter("cloverq_version_jobs_finished_total"),
                               _labels_field((*pair, status)), 1)
             for name, value in (("cloverq_version_job_run_seconds", run_seconds),
                                 ("cloverq_version_job_steps_used", steps_used)):
@@ -423,17 +409,18 @@ class RedisMetricsRecorder:
 
     def job_retried(self, *, kind: str, queue: str, reason: str) -> None:
         self._client.hincrbyfloat(
-            _counter_key("cloverq_job_retries_total"), _labels_field((kind, queue, reason)), 1
+            metrics_counter("cloverq_job_retries_total"), _labels_field((kind, queue, reason)), 1
         )
 
     def dead_letter(self, *, kind: str, queue: str) -> None:
-        self._client.hincrbyfloat(_counter_key("cloverq_dead_letters_total"), _labels_field((kind, queue)), 1)
+        self._client.hincrbyfloat(metrics_counter("cloverq_dead_letters_total"),
+                                  _labels_field((kind, queue)), 1)
 
     def invalid_output_retry(self, *, kind: str) -> None:
         pipe = self._client.pipeline(transaction=False)
-        pipe.hincrbyfloat(_counter_key("cloverq_invalid_output_retries_total"), _labels_field((kind,)), 1)
+        pipe.hincrbyfloat(metrics_counter("cloverq_invalid_output_retries_total"), _labels_field((kind,)), 1)
         if _process_version is not None:  # a worker serving a version: count it there too
-            pipe.hincrbyfloat(_counter_key("cloverq_version_invalid_output_retries_total"),
+            pipe.hincrbyfloat(metrics_counter("cloverq_version_invalid_output_retries_total"),
                               _labels_field(_process_version), 1)
         pipe.execute()
 
@@ -441,21 +428,22 @@ class RedisMetricsRecorder:
         """Store the worker's snapshot; it disappears from ``/metrics`` ``ttl_seconds`` after the
         worker stops publishing (a dead worker must not look alive on a dashboard)."""
         pipe = self._client.pipeline(transaction=False)
-        pipe.set(_worker_key(snapshot.worker), json.dumps(snapshot.to_payload()), px=int(ttl_seconds * 1000))
-        pipe.sadd(WORKER_SET_KEY, snapshot.worker)
+        pipe.set(metrics_worker(snapshot.worker), json.dumps(snapshot.to_payload()),
+                 px=int(ttl_seconds * 1000))
+        pipe.sadd(METRICS_WORKERS_SET, snapshot.worker)
         pipe.execute()
 
     def remove_worker(self, worker: str) -> None:
         """Drop a worker's snapshot at clean shutdown."""
         pipe = self._client.pipeline(transaction=False)
-        pipe.delete(_worker_key(worker))
-        pipe.srem(WORKER_SET_KEY, worker)
+        pipe.delete(metrics_worker(worker))
+        pipe.srem(METRICS_WORKERS_SET, worker)
         pipe.execute()
 
     @staticmethod
     def _observe(pipe: Any, name: str, labels: str, value: float) -> None:
         buckets = FAMILIES[name].buckets
-        key = _histogram_key(name)
+        key = metrics_histogram(name)
         pipe.hincrbyfloat(key, f"{labels}|b{_bucket_index(buckets, value)}", 1)
         pipe.hincrbyfloat(key, f"{labels}|sum", value)
         pipe.hincrbyfloat(key, f"{labels}|count", 1)
@@ -471,10 +459,11 @@ class RedisMetricsRecorder:
 
 def read_worker_snapshots(client: Any) -> list[dict[str, Any]]:
     """All live worker snapshots (expired ones are dropped from the index as a side effect)."""
-    names = sorted(n.decode() if isinstance(n, bytes) else str(n) for n in client.smembers(WORKER_SET_KEY))
+    names = sorted(n.decode() if isinstance(n, bytes) else str(n)
+                   for n in client.smembers(METRICS_WORKERS_SET))
     if not names:
         return []
-    raw = client.mget([_worker_key(n) for n in names])
+    raw = client.mget([metrics_worker(n) for n in names])
     live: list[dict[str, Any]] = []
     stale: list[str] = []
     for name, blob in zip(names, raw, strict=True):
@@ -483,15 +472,15 @@ def read_worker_snapshots(client: Any) -> list[dict[str, Any]]:
         else:
             live.append(json.loads(blob))
     if stale:
-        client.srem(WORKER_SET_KEY, *stale)
+        client.srem(METRICS_WORKERS_SET, *stale)
     return live
 
 
 def read_version_invalid_retries(client: Any) -> dict[str, float]:
     """Invalid-output retries per model version name (both tracks summed), for the dashboard."""
     out: dict[str, float] = {}
-    for raw_labels, raw_value in (client.hgetall(_counter_key("cloverq_version_invalid_output_retries_total"))
-                                  or {}).items():
+    counts = client.hgetall(metrics_counter("cloverq_version_invalid_output_retries_total")) or {}
+    for raw_labels, raw_value in counts.items():
         version = json.loads(_decode(raw_labels))[0]
         out[version] = out.get(version, 0.0) + float(_decode(raw_value))
     return out
@@ -546,9 +535,9 @@ class ClusterCollector(Collector):
     def _collect_redis(self) -> Iterator[Metric]:
         pipe = self._redis.pipeline(transaction=False)
         for name in REDIS_COUNTERS:
-            pipe.hgetall(_counter_key(name))
+            pipe.hgetall(metrics_counter(name))
         for name in REDIS_HISTOGRAMS:
-            pipe.hgetall(_histogram_key(name))
+            pipe.hgetall(metrics_histogram(name))
         results = pipe.execute()
         snapshots = read_worker_snapshots(self._redis)
         ready = self._workers_ready() if self._workers_ready is not None else ready_from_snapshots(snapshots)

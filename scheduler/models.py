@@ -29,6 +29,10 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+# Enums of the job domain defined in leaf modules (no SQL there), re-exported here.
+from scheduler.error_codes import ErrorCode as ErrorCode
+from scheduler.queue_names import QueueName as QueueName
+
 # Stable constraint names so Alembic revisions can refer to them on every backend.
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -112,29 +116,6 @@ class JobKind(enum.StrEnum):
 
     GENERATE = "generate"
     DECIDE = "decide"
-
-
-class QueueName(enum.StrEnum):
-    """Celery queues, one per priority class; their order here is the consumption priority."""
-
-    INTERACTIVE = "interactive"
-    STANDARD = "standard"
-    BULK = "bulk"
-    JOINT = "joint"
-
-    @property
-    def rank(self) -> int:
-        """0 = served first. ``joint`` is separate (own workers/slot cap), ranked last."""
-        return list(QueueName).index(self)
-
-
-class ErrorCode(enum.StrEnum):
-    """Stable error codes written to ``Job.error_code``."""
-
-    RETRIES_EXHAUSTED = "retries_exhausted"
-    INVALID_INPUT = "invalid_input"
-    DEADLINE_EXCEEDED = "deadline_exceeded"
-    INTERNAL = "internal_error"
 
 
 class Job(Base):

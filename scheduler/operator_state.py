@@ -3,11 +3,12 @@
 What it covers (everything the admin API or the ``cloverq`` CLI sets that admission or the
 workers read from Redis):
 
-- queue drain flags: ``scheduler.drain.DRAINED_SET``, read by every worker
-  (``worker/queue_drain.py``, ``worker/runtime.py``, ``worker/joint_gate.py``);
-- runtime limits: ``scheduler.admission.LIMITS_KEY`` (global and per-key rate limits, the
+- queue drain flags: ``scheduler.redis_keys.DRAINED_SET``, read by every worker: its
+  ``worker/queue_drain.py`` ``DrainFollower`` reads them and feeds its ``worker/consumers.py``
+  ``ConsumerController``, which keeps the drained queues unconsumed;
+- runtime limits: ``scheduler.redis_keys.LIMITS_KEY`` (global and per-key rate limits, the
   default and per-tenant active-job caps, per-queue depth caps), read by the admission scripts;
-- key revocations: ``scheduler.keys.REVOKED_SET``. Their record already is the ``api_keys``
+- key revocations: ``scheduler.redis_keys.REVOKED_SET``. Their record already is the ``api_keys``
   row (``revoked``); the Redis set is only how every API process learns at once, so it is
   restored from those rows, not stored twice.
 
@@ -51,12 +52,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from scheduler import drain
-from scheduler.admission import LIMITS_KEY, validate_limit_field
 from scheduler.admission import update_limits as mirror_limits
+from scheduler.admission import validate_limit_field
 from scheduler.db import rowcount
-from scheduler.drain import DRAINED_SET
-from scheduler.keys import REVOKED_SET, ApiKey
+from scheduler.keys import ApiKey
 from scheduler.models import Base, UTCDateTime, utcnow
+from scheduler.redis_keys import DRAINED_SET, LIMITS_KEY, REVOKED_SET
 
 log = structlog.get_logger(__name__)
 

@@ -14,6 +14,11 @@ CANCEL_TTL_SECONDS = 24 * 3600
 
 WORKERS_SET = f"{PREFIX}:workers"
 
+# Operator state (scheduler/operator_state.py restores these from SQL after a Redis flush).
+DRAINED_SET = f"{PREFIX}:queues:drained"  # set of drained queue names (scheduler/drain.py)
+LIMITS_KEY = f"{PREFIX}:limits"  # hash of runtime limit overrides, field -> number (scheduler/admission.py)
+REVOKED_SET = f"{PREFIX}:keys:revoked"  # set of revoked API key ids (read by the admission script)
+
 # Admission reservations (scheduler/admission.py): sorted sets of enqueued-marker keys, scored by
 # expiry (unix ms), of jobs admitted whose message is not in their queue's list yet. The message's
 # LPUSH removes them (scheduler/broker.py); one left by a process that died expires.
@@ -26,6 +31,11 @@ def enqueued(job_id: object) -> str:
 
 def queue_reservations(queue: str) -> str:
     return f"{PREFIX}:reserved:queue:{queue}"
+
+
+def rate_bucket(bucket: str) -> str:
+    """A token bucket of the rate limit: ``bucket`` is a key id, or ``tenant:<t>`` without keys."""
+    return f"{PREFIX}:ratelimit:{bucket}"
 
 
 def tenant_reservations(tenant: str) -> str:
@@ -56,3 +66,27 @@ def worker(worker_id: str) -> str:
 
 # Pub/sub channel: a job id is published when the job reaches a final status (job_events.py).
 JOBS_FINISHED_CHANNEL = f"{PREFIX}:jobs:finished"
+
+
+def model_switch_turn(model_name: str) -> str:
+    """Whose turn it is to switch ``model_name``'s version (worker/model_switch.py)."""
+    return f"{PREFIX}:model:switch-turn:{model_name}"
+
+
+# Metrics shared by the API, beat and worker processes (scheduler/metrics.py).
+METRICS_PREFIX = f"{PREFIX}:metrics"
+METRICS_WORKERS_SET = f"{METRICS_PREFIX}:workers"  # worker names with a metrics snapshot
+
+
+def metrics_counter(family: str) -> str:
+    """Hash of a counter family: labels field -> value."""
+    return f"{METRICS_PREFIX}:c:{family}"
+
+
+def metrics_histogram(family: str) -> str:
+    return f"{METRICS_PREFIX}:h:{family}"
+
+
+def metrics_worker(worker_name: str) -> str:
+    """A worker's latest metrics snapshot (JSON, with a TTL)."""
+    return f"{METRICS_PREFIX}:w:{worker_name}"

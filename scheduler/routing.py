@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.models import JobKind, QueueName
+from scheduler.queue_names import PRIORITY_CLASSES
 from scheduler.settings import Settings
 
-# Classes a client may name in ``priority``; ranks follow QueueName order.
-PRIORITY_CLASSES: tuple[QueueName, ...] = (QueueName.INTERACTIVE, QueueName.STANDARD, QueueName.BULK)
+# Classes a client may name in ``priority``: PRIORITY_CLASSES; ranks follow QueueName order.
 # Friendly aliases accepted for ``priority``.
 PRIORITY_ALIASES: Mapping[str, QueueName] = {
     "high": QueueName.INTERACTIVE,

@@ -23,10 +23,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler.batches import Batch, batch_webhook
 from scheduler.models import FINAL_STATUSES, Job, JobStatus, utcnow
+from scheduler.queue_names import WEBHOOKS_QUEUE
 from scheduler.settings import Settings, get_settings
 from scheduler.webhooks import (
     DELIVER_WEBHOOK_TASK,
-    WEBHOOKS_QUEUE,
     WebhookDelivery,
     WebhookEvent,
     deliver_once,

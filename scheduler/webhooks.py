@@ -52,7 +52,6 @@ from scheduler.settings import Settings
 
 log = structlog.get_logger(__name__)
 
-WEBHOOKS_QUEUE = "webhooks"
 DELIVER_WEBHOOK_TASK = "cloverq.deliver_webhook"
 SIGNATURE_HEADER = "X-Cloverq-Signature"
 EVENT_HEADER = "X-Cloverq-Event"

@@ -38,16 +38,9 @@ def worker_argv(settings: Settings, *, queues: Sequence[str], concurrency: int, 
 def _connect_signals(runtime: WorkerRuntime) -> None:
     # weak=False: the receivers are closures and must outlive this function.
     def on_init(sender: Any = None, **_: Any) -> None:
-        from worker.queue_drain import DrainFollower
-
-        follower = DrainFollower(app=get_celery_app(), redis_client=runtime.redis,
-                                 node=runtime.worker_id, configured=runtime.queues, lane=runtime.lane_name)
-        if sender is not None:
-            follower.exclude_at_start(sender.app.amqp.queues)  # operator-drained queues (admin API)
-        runtime.drain_follower = follower
         runtime.start()
-        if sender is not None:
-            runtime.use_lane_at_start(sender.app.amqp.queues)  # a canary worker during a canary
+        if sender is not None:  # before the consumer exists: no drained queue, a canary's lanes
+            runtime.select_queues_at_start(sender.app.amqp.queues)
 
     def on_ready(**_: Any) -> None:
         runtime.mark_ready()
@@ -125,11 +118,23 @@ def run_worker(
 
     configure_logging(settings)  # JSON lines; Celery keeps its hands off (setup_logging receiver)
     signals.setup_logging.connect(_keep_our_logging, weak=False)
+    apply_switch_interval(settings)
     runtime = WorkerRuntime(settings, worker_id=node, queues=queue_list)
     set_runtime(runtime)
     _connect_signals(runtime)
     argv = worker_argv(settings, queues=queue_list, concurrency=threads, hostname=node)
     run_then_exit(lambda: app.worker_main([*argv, *passthrough]))
+
+
+def apply_switch_interval(settings: Settings) -> None:
+    """Shorten Python's thread switch interval in this process (``worker_switch_interval_ms``).
+
+    The engine thread runs Python between its torch calls and keeps the GIL until another thread
+    asks for it AND the interval has passed. Claiming a job takes many hand-overs (the Celery
+    consumer, the task thread, the database driver), each one a wait of up to the interval, so
+    Python's 5 ms made an interactive job wait hundreds of milliseconds for its claim under bulk
+    load although a reserved thread was free (docs/architecture.md §3.4)."""
+    sys.setswitchinterval(settings.worker_switch_interval_ms / 1000.0)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

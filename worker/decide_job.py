@@ -22,7 +22,6 @@ from worker.execution import EngineContext, JobSpec, Outcome, sampling_params
 
 log = get_logger(__name__)
 
-INVALID_MODEL_OUTPUT = "invalid_model_output"
 # params.fault values (honoured only when settings.fault_injection is on: tests).
 FAULTS = {
     "invalid_rationale_once": DecisionFaults(invalid_rationale_attempts=1),
@@ -47,7 +46,7 @@ def _outcome(decision: DecisionOutcome) -> Outcome:
     if decision.finish_reason is FinishReason.DEADLINE:
         return Outcome(JobStatus.FAILED, None, error_code=ErrorCode.DEADLINE_EXCEEDED.value,
                        error_message="the attempt ran past its deadline", **common)
-    code = decision.error_code or ErrorCode.INTERNAL.value
+    code = (decision.error_code or ErrorCode.INTERNAL).value
     return Outcome(JobStatus.FAILED, None, error_code=code, error_message=decision.error_message, **common)
 
 
@@ -87,7 +86,7 @@ def run_decide(job: JobSpec, ctx: EngineContext) -> Outcome:
         on_progress=ctx.on_progress,
         submit_many=ctx.submit_many,
     )
-    if decision.error_code == INVALID_MODEL_OUTPUT:
+    if decision.error_code == ErrorCode.INVALID_MODEL_OUTPUT:
         log.warning("decision.failed_invalid_model_output", alert=True, job_id=job.job_id,
                     attempts=decision.attempts)
     return _outcome(decision)

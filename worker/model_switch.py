@@ -2,11 +2,13 @@
 
 A worker started with ``served_model`` serves ``<model_root>/<served_model>/<active version>``
 and a ``ModelFollower`` thread polls the active version in SQL (``scheduler.model_versions``)
-every ``model_watch_interval_seconds``. When it changes the worker (``WorkerRuntime.switch_model``):
+every ``model_watch_interval_seconds``. When it changes the worker
+(``worker/model_switcher.py`` ``ModelSwitcher.switch_model``):
 
 1. waits for its turn: one worker per model switches at a time (a Redis lock), so a fleet of
    several workers never loses all its capacity at once (no downtime while it rolls);
-2. stops taking jobs: its Celery consumers are cancelled and ``JobAdmission`` closes, so a
+2. stops taking jobs: its Celery consumers are cancelled (the consumer controller,
+   ``worker/consumers.py``, consumes nothing while switching) and ``JobAdmission`` closes, so a
    message that was already delivered is handed back unclaimed (the reconciler republishes it);
 3. drains: every job it had claimed finishes on the old version (none is interrupted or retried);
 4. unloads the old model, loads and verifies the new folder, warms the engine up;
@@ -27,7 +29,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import redis
 import structlog
@@ -89,7 +90,7 @@ _TAKE_OVER = (
 
 
 def turn_key(model_name: str) -> str:
-    return f"cloverq:model:switch-turn:{model_name}"
+    return redis_keys.model_switch_turn(model_name)
 
 
 class SwitchTurn:
@@ -201,19 +202,3 @@ class ModelFollower:
         finally:
             self.turn.release()
 
-
-QueueSwitch = Callable[[list[str]], None]
-
-
-def consumer_control(app: Any, *, node: str) -> tuple[QueueSwitch, QueueSwitch]:
-    """``(cancel, add)``: change this worker's own Celery consumers through remote control."""
-
-    def cancel(queues: list[str]) -> None:
-        for queue in queues:
-            app.control.cancel_consumer(queue, destination=[node], reply=True, timeout=2.0)
-
-    def add(queues: list[str]) -> None:
-        for queue in queues:
-            app.control.add_consumer(queue, destination=[node], reply=True, timeout=2.0)
-
-    return cancel, add

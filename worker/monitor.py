@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler import job_stream, redis_keys
 from scheduler.lifecycle import Lease, renew_leases, write_progress
+from scheduler.models import JobStatus
 from scheduler.settings import Settings
 from worker.engine.types import Progress
 
@@ -78,7 +79,7 @@ class RunningJob:
     lease: Lease
     cancel_event: threading.Event
     step_budget: int | None
-    status: str = "running"
+    status: str = JobStatus.RUNNING.value
     latest: Progress | None = None
     dirty: bool = True  # latest not yet pushed to Redis
     sql_dirty: bool = False  # latest not yet written to SQL
@@ -123,7 +124,8 @@ class JobMonitor:
     # --- called from task threads / the engine thread ------------------------------------------
     def add(self, lease: Lease, *, cancel_event: threading.Event, step_budget: int | None) -> RunningJob:
         job = RunningJob(lease=lease, cancel_event=cancel_event, step_budget=step_budget)
-        job.events.append(job_stream.status_event("running", lease.attempt))  # published next tick
+        # published next tick
+        job.events.append(job_stream.status_event(JobStatus.RUNNING.value, lease.attempt))
         with self._lock:
             self._jobs[lease.job_id] = job
         return job

@@ -18,10 +18,10 @@ from collections import Counter
 from typing import Annotated, Any
 
 from celery import Celery
-from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi import APIRouter, Body, Query, Request
 
-from api.auth import Caller, require_scope, security_of
-from api.deps import SessionDep, SettingsDep
+from api.auth import Caller, security_of
+from api.deps import AdminCaller, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.json_input import LimitedJsonRoute
 from api.schemas.admin import (
@@ -51,9 +51,6 @@ from scheduler.redis_client import get_redis
 from scheduler.settings import Settings
 from scheduler.workers import WorkerInfo, list_workers
 
-require_admin = require_scope("admin")
-AdminDep = Annotated[Caller, Depends(require_admin)]
-
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 429, 503),
                    route_class=LimitedJsonRoute)
 
@@ -61,7 +58,7 @@ _celery_lock = threading.Lock()
 
 
 def _registry(settings: Settings) -> Any:
-    return get_redis(settings.resolved_redis_url)
+    return get_redis(settings.resolved_redis_url)  # the process' shared client (app.state.redis too)
 
 
 def _celery(request: Request, settings: Settings) -> Celery:
@@ -88,7 +85,7 @@ def _node_name(worker: WorkerInfo) -> str:
 
 
 @router.get("/workers", response_model=WorkerList)
-def get_workers(caller: AdminDep, settings: SettingsDep) -> WorkerList:
+def get_workers(caller: AdminCaller, settings: SettingsDep) -> WorkerList:
     """Live workers: state, queues and model version (from their heartbeats in Redis)."""
     client = _registry(settings)
     workers = list_workers(client)
@@ -106,7 +103,7 @@ def get_workers(caller: AdminDep, settings: SettingsDep) -> WorkerList:
 
 
 @router.get("/queues", response_model=QueueList)
-def get_queues(caller: AdminDep, settings: SettingsDep, request: Request) -> QueueList:
+def get_queues(caller: AdminCaller, settings: SettingsDep, request: Request) -> QueueList:
     """Every job queue: waiting messages, depth cap, drain state."""
     client = _registry(settings)
     names = [queue.value for queue in QueueName]
@@ -121,7 +118,7 @@ def get_queues(caller: AdminDep, settings: SettingsDep, request: Request) -> Que
 
 
 @router.post("/queues/{queue}/drain", response_model=QueueAction, responses=error_responses(422))
-def drain_queue(queue: QueueName, caller: AdminDep, session: SessionDep, settings: SettingsDep,
+def drain_queue(queue: QueueName, caller: AdminCaller, session: SessionDep, settings: SettingsDep,
                 request: Request) -> QueueAction:
     """Workers stop taking jobs from ``queue`` (running jobs finish; submits still queue)."""
     client = _registry(settings)
@@ -133,7 +130,7 @@ def drain_queue(queue: QueueName, caller: AdminDep, session: SessionDep, setting
 
 
 @router.post("/queues/{queue}/resume", response_model=QueueAction, responses=error_responses(422))
-def resume_queue(queue: QueueName, caller: AdminDep, session: SessionDep, settings: SettingsDep,
+def resume_queue(queue: QueueName, caller: AdminCaller, session: SessionDep, settings: SettingsDep,
                  request: Request) -> QueueAction:
     """Workers configured for ``queue`` consume it again."""
     client = _registry(settings)
@@ -145,7 +142,7 @@ def resume_queue(queue: QueueName, caller: AdminDep, session: SessionDep, settin
 
 
 @router.get("/limits", response_model=LimitsOut)
-def get_limits(caller: AdminDep, settings: SettingsDep) -> dict[str, Any]:
+def get_limits(caller: AdminCaller, settings: SettingsDep) -> dict[str, Any]:
     """Rate limits and caps: defaults, runtime overrides, and what is in force."""
     _audit(caller, "limits.get")
     return effective_limits(_registry(settings), settings)
@@ -153,7 +150,7 @@ def get_limits(caller: AdminDep, settings: SettingsDep) -> dict[str, Any]:
 
 @router.patch("/limits", response_model=LimitsOut, responses=error_responses(422))
 def patch_limits(
-    update: Annotated[LimitsUpdate, Body()], caller: AdminDep, session: SessionDep, settings: SettingsDep
+    update: Annotated[LimitsUpdate, Body()], caller: AdminCaller, session: SessionDep, settings: SettingsDep
 ) -> dict[str, Any]:
     """Change limits at runtime for every API process. Omitted fields stay; null clears."""
     changes = _limit_changes(update)
@@ -182,7 +179,7 @@ def _limit_changes(update: LimitsUpdate) -> dict[str, float | None]:
 
 @router.get("/keys", response_model=KeyList)
 def get_keys(
-    caller: AdminDep,
+    caller: AdminCaller,
     session: SessionDep,
     tenant: Annotated[TenantName | None, Query(description="Only this tenant's keys.")] = None,
 ) -> KeyList:
@@ -192,7 +189,7 @@ def get_keys(
 
 
 @router.post("/keys", response_model=KeyCreated, status_code=201, responses=error_responses(422))
-def post_key(body: Annotated[KeyCreate, Body()], caller: AdminDep, session: SessionDep) -> KeyCreated:
+def post_key(body: Annotated[KeyCreate, Body()], caller: AdminCaller, session: SessionDep) -> KeyCreated:
     """Create a key; the response is the only place its secret ever appears."""
     created = create_key(session, tenant=body.tenant, scopes=body.scopes, label=body.label)
     _audit(caller, "key.create", target=created.info.key_id, tenant=body.tenant,
@@ -201,7 +198,7 @@ def post_key(body: Annotated[KeyCreate, Body()], caller: AdminDep, session: Sess
 
 
 @router.post("/keys/{key_id}/revoke", response_model=KeyOut, responses=error_responses(404, 422))
-def post_revoke_key(key_id: KeyId, caller: AdminDep, session: SessionDep, settings: SettingsDep,
+def post_revoke_key(key_id: KeyId, caller: AdminCaller, session: SessionDep, settings: SettingsDep,
                     request: Request) -> KeyOut:
     """Revoke a key: every API process refuses it from now on."""
     info = revoke_key(session, key_id=key_id)

@@ -13,10 +13,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
 
-from api.deps import SessionDep, SettingsDep
+from api.deps import AdminCaller, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.json_input import LimitedJsonRoute
-from api.routes.admin import AdminDep
 from api.routes.admin_models import ModelName, _audit, _models, _ready_by_version
 from api.schemas.admin_models import CanaryRequest, ModelOut, PromoteRequest
 from api.schemas.errors import error_responses
@@ -34,7 +33,7 @@ def _conflict(exc: CanaryConflict, name: str) -> ApiError:
 
 @router.get("/{name}/canary", responses=error_responses(404))
 def get_canary(
-    name: ModelName, caller: AdminDep, session: SessionDep, settings: SettingsDep
+    name: ModelName, caller: AdminCaller, session: SessionDep, settings: SettingsDep
 ) -> dict[str, Any]:
     """The canary in effect and what the promotion gate says now (a dry run of ``promote``)."""
     current = active_version(session, name=name)
@@ -50,7 +49,7 @@ def get_canary(
 
 @router.post("/{name}/canary", response_model=ModelOut, responses=error_responses(404, 409, 422))
 def post_canary(
-    name: ModelName, body: Annotated[CanaryRequest, Body()], caller: AdminDep, session: SessionDep,
+    name: ModelName, body: Annotated[CanaryRequest, Body()], caller: AdminCaller, session: SessionDep,
     settings: SettingsDep,
 ) -> ModelOut:
     """Route ``percent`` % of new jobs of ``name`` to ``version``; canary workers switch to it."""
@@ -72,7 +71,7 @@ def post_canary(
 
 @router.post("/{name}/promote", response_model=ModelOut, responses=error_responses(409, 422))
 def post_promote(
-    name: ModelName, caller: AdminDep, session: SessionDep, settings: SettingsDep,
+    name: ModelName, caller: AdminCaller, session: SessionDep, settings: SettingsDep,
     body: Annotated[PromoteRequest | None, Body()] = None,
 ) -> ModelOut:
     """Make the canary the active version of ``name`` (the gate may refuse; ``force`` overrides)."""
@@ -94,7 +93,7 @@ def post_promote(
 
 
 @router.post("/{name}/abort", response_model=ModelOut, responses=error_responses(409))
-def post_abort(name: ModelName, caller: AdminDep, session: SessionDep, settings: SettingsDep) -> ModelOut:
+def post_abort(name: ModelName, caller: AdminCaller, session: SessionDep, settings: SettingsDep) -> ModelOut:
     """End the canary of ``name``: its queued jobs go to the stable version, canary workers return."""
     try:
         result = abort_canary(session, name=name, actor=f"api:{caller.key_id}")

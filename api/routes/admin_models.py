@@ -15,10 +15,9 @@ from fastapi import APIRouter, Body, Path
 from sqlalchemy.orm import Session
 
 from api.auth import Caller
-from api.deps import SessionDep, SettingsDep
+from api.deps import AdminCaller, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.json_input import LimitedJsonRoute
-from api.routes.admin import AdminDep
 from api.schemas.admin_models import (
     ActivateRequest,
     CanaryOut,
@@ -76,7 +75,7 @@ def _models(session: Session, ready: Counter[str], *, name: str | None = None) -
 
 
 @router.get("", response_model=ModelList)
-def get_models(caller: AdminDep, session: SessionDep, settings: SettingsDep) -> ModelList:
+def get_models(caller: AdminCaller, session: SessionDep, settings: SettingsDep) -> ModelList:
     """Every registered model version, the active one per model, and the ready workers on each."""
     _audit(caller, "models.list")
     return ModelList(items=_models(session, _ready_by_version(settings)))
@@ -84,7 +83,7 @@ def get_models(caller: AdminDep, session: SessionDep, settings: SettingsDep) -> 
 
 @router.post("/{name}/activate", response_model=ModelOut, responses=error_responses(404, 422))
 def post_activate(
-    name: ModelName, body: Annotated[ActivateRequest, Body()], caller: AdminDep, session: SessionDep,
+    name: ModelName, body: Annotated[ActivateRequest, Body()], caller: AdminCaller, session: SessionDep,
     settings: SettingsDep,
 ) -> ModelOut:
     """Make ``version`` the active version of ``name``: workers drain, load it, warm up, resume.

@@ -20,10 +20,12 @@ import anyio.to_thread
 from fastapi import APIRouter, BackgroundTasks, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import TypeAdapter, ValidationError
+from sqlalchemy.orm import Session
 
 from api import json_input
 from api.admission import admit_batch
-from api.deps import CallerDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
+from api.auth import Caller
+from api.deps import ReadCaller, SessionDep, SettingsDep, SubmitCaller, TokenCounterDep, visible_tenant
 from api.errors import ApiError
 from api.limits import check_job_limits, check_metadata, check_webhook_url
 from api.prompt_tokens import PromptTokenCounter
@@ -74,7 +76,7 @@ def _invalid(message: str, details: Any) -> ApiError:
 def _batch_out(summary: batch_service.BatchSummary) -> BatchOut:
     batch = summary.batch
     return BatchOut(
-        id=str(batch.id), status=summary.status, total=batch.total, finished=summary.finished,
+        id=str(batch.id), status=summary.status.value, total=batch.total, finished=summary.finished,
         counts=summary.counts, created_at=batch.created_at, cancel_requested=batch.cancel_requested,
         webhook_url=batch.webhook_url, metadata=batch.meta, results_url=f"/v1/batches/{batch.id}/results",
     )
@@ -186,12 +188,11 @@ async def create_batch(
     response: Response,
     background: BackgroundTasks,
     session: SessionDep,
-    caller: CallerDep,
+    caller: SubmitCaller,
     settings: SettingsDep,
     counter: TokenCounterDep,
 ) -> BatchOut:
     """Store up to ``batch_max_jobs`` job specs in one transaction (202 + ``Location``)."""
-    require(caller, "submit")
     try:
         raw, webhook_url, metadata = await _read_batch(request)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -217,7 +218,7 @@ async def create_batch(
     return _batch_out(summary)
 
 
-def _load(session: SessionDep, caller: CallerDep, batch_id: str) -> batch_service.Batch:
+def _load(session: Session, caller: Caller, batch_id: str) -> batch_service.Batch:
     batch = batch_service.get_batch(session, batch_id=batch_id, tenant=visible_tenant(caller))
     if batch is None:
         raise _batch_not_found(batch_id)
@@ -225,9 +226,8 @@ def _load(session: SessionDep, caller: CallerDep, batch_id: str) -> batch_servic
 
 
 @router.get("/{batch_id}", response_model=BatchOut, responses=error_responses(401, 403, 404, 503))
-def get_batch(batch_id: str, session: SessionDep, caller: CallerDep) -> BatchOut:
+def get_batch(batch_id: str, session: SessionDep, caller: ReadCaller) -> BatchOut:
     """The batch with its job counts by status."""
-    require(caller, "read")
     return _batch_out(batch_service.summarize(session, _load(session, caller, batch_id)))
 
 
@@ -239,14 +239,13 @@ def get_batch(batch_id: str, session: SessionDep, caller: CallerDep) -> BatchOut
                **error_responses(401, 403, 404, 503)},
 )
 def batch_results(
-    batch_id: str, request: Request, session: SessionDep, caller: CallerDep
+    batch_id: str, request: Request, session: SessionDep, caller: ReadCaller
 ) -> StreamingResponse:
     """JSONL, one line per job in submission order: index, job_id, status, result, error.
 
     Streamed in keyset pages (constant memory); jobs not yet final appear with their status
     and no result.
     """
-    require(caller, "read")
     batch = _load(session, caller, batch_id)
     sessions = request.app.state.session_factory
 
@@ -258,9 +257,8 @@ def batch_results(
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchOut, responses=error_responses(401, 403, 404, 503))
-def cancel_batch(batch_id: str, request: Request, session: SessionDep, caller: CallerDep) -> BatchOut:
+def cancel_batch(batch_id: str, request: Request, session: SessionDep, caller: SubmitCaller) -> BatchOut:
     """Cancel every queued job at once and signal the running ones (they stop within a pass)."""
-    require(caller, "submit")
     batch = _load(session, caller, batch_id)
     summary = batch_service.cancel_batch(session, batch=batch, settings=request.app.state.settings,
                                          redis_client=request.app.state.redis)

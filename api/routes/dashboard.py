@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, HTMLResponse
 from sqlalchemy import func, select
 
-from api.auth import Caller, require_scope
-from api.deps import RedisDep, SessionDep
+from api.deps import AdminCaller, RedisDep, SessionDep
+from api.errors import ApiError
 from api.schemas.errors import error_responses
 from api.version_compare import canaries, compare_versions
 from scheduler import redis_keys
@@ -39,7 +39,6 @@ TENANT_QUERY_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
 
 # Admin JSON routes answer 401/403 (auth), 429 (rate limit) and 503 (database down) too.
 router = APIRouter(tags=["dashboard"], responses=error_responses(401, 403, 429, 503))
-AdminDep = Annotated[Caller, Depends(require_scope("admin"))]
 
 
 @lru_cache(maxsize=1)
@@ -58,7 +57,7 @@ def dashboard_asset(asset: str) -> FileResponse:
     """The page's script and stylesheet (a fixed allow-list, never a path from the client)."""
     allowed = {"app.js": "text/javascript", "style.css": "text/css"}
     if asset not in allowed:
-        raise HTTPException(404, detail={"code": "not_found", "message": "No such asset.", "details": None})
+        raise ApiError(404, "not_found", "No such asset.")
     return FileResponse(
         DASHBOARD_DIR / asset, media_type=allowed[asset], headers={"Cache-Control": "no-store"}
     )
@@ -188,7 +187,7 @@ def _model_label(name: str | None, version: str | None) -> str:
 
 
 @router.get("/v1/admin/overview")
-def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminDep) -> dict[str, Any]:
+def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminCaller) -> dict[str, Any]:
     """Everything the dashboard's top half and ``cloverq top`` show, in one round trip."""
     rows = session.execute(select(Job.queue, Job.status, func.count()).group_by(Job.queue, Job.status)).all()
     by_queue: dict[str, dict[str, int]] = {q.value: {s.value: 0 for s in JobStatus} for q in QueueName}
@@ -242,7 +241,7 @@ def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminDep) -> 
 @router.get("/v1/admin/latency")
 def admin_latency(
     session: SessionDep,
-    _: AdminDep,
+    _: AdminCaller,
     limit: Annotated[int, Query(ge=1, le=LATENCY_WINDOW)] = 200,
 ) -> dict[str, Any]:
     """Wait and run time of the most recently finished jobs (the dashboard's charts)."""
@@ -253,7 +252,7 @@ def admin_latency(
 @router.get("/v1/admin/jobs")
 def admin_jobs(
     session: SessionDep,
-    _: AdminDep,
+    _: AdminCaller,
     status: Annotated[JobStatus | None, Query()] = None,
     queue: Annotated[QueueName | None, Query()] = None,
     kind: Annotated[JobKind | None, Query()] = None,
@@ -300,7 +299,9 @@ def _hot_progress(redis_client: Any, job_id: uuid.UUID) -> dict[str, Any] | None
 
 
 @router.get("/v1/admin/jobs/{job_id}", responses=error_responses(404))
-def admin_job_detail(job_id: str, session: SessionDep, redis_client: RedisDep, _: AdminDep) -> dict[str, Any]:
+def admin_job_detail(
+    job_id: str, session: SessionDep, redis_client: RedisDep, _: AdminCaller
+) -> dict[str, Any]:
     """One job for the detail pane: timeline, steps, progress, error (no prompt, no output)."""
     try:
         parsed = uuid.UUID(job_id)
@@ -308,9 +309,7 @@ def admin_job_detail(job_id: str, session: SessionDep, redis_client: RedisDep, _
         parsed = None
     job = session.get(Job, parsed) if parsed is not None else None
     if job is None:
-        raise HTTPException(
-            404, detail={"code": "job_not_found", "message": f"No job with id '{job_id}'.", "details": None}
-        )
+        raise ApiError(404, "job_not_found", f"No job with id '{job_id}'.")
     result = job.result or {}
     detail = _job_row(job)
     detail.update(

@@ -30,7 +30,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CallerDep, require, visible_tenant
+from api.deps import ReadCaller, visible_tenant
 from api.errors import ApiError
 from api.job_follow import Followed, follow_job, read_job
 from api.json_input import LimitedJsonRoute
@@ -88,12 +88,11 @@ def render(item: Followed) -> str:
 async def job_events(
     job_id: str,
     request: Request,
-    caller: CallerDep,
+    caller: ReadCaller,
     after: Annotated[str | None, Query(max_length=64, description="Resume after this event id.")] = None,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
 ) -> StreamingResponse:
     """Stream the job's status changes, progress and committed-text deltas, then its result."""
-    require(caller, "read")
     resume = after or last_event_id
     if resume is not None and not valid_entry_id(resume):
         message = "after / Last-Event-ID must be an event id this stream sent (e.g. 1700000000000-0)"

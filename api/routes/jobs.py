@@ -19,15 +19,15 @@ from redis import Redis, RedisError
 from starlette.concurrency import run_in_threadpool
 
 from api.admission import admit_submission
-from api.auth import Caller, meter_caller
+from api.auth import Caller, token_taken
 from api.deps import (
-    CallerDep,
+    AdmittedSubmitCaller,
+    ReadCaller,
     RedisDep,
     SessionDep,
     SettingsDep,
+    SubmitCaller,
     TokenCounterDep,
-    UnmeteredCallerDep,
-    require,
     visible_tenant,
 )
 from api.errors import ApiError
@@ -88,7 +88,7 @@ async def submit_job(
     body: Annotated[JobCreate, Body()],
     request: Request,
     response: Response,
-    caller: UnmeteredCallerDep,  # rate-limited in the admission round trip (_submit_blocking)
+    caller: AdmittedSubmitCaller,  # its rate-limit token rides in the admission round trip
     settings: SettingsDep,
     counter: TokenCounterDep,
     idempotency_key: Annotated[
@@ -118,13 +118,10 @@ def _submit_blocking(
     counter: PromptTokenCounter,
     idempotency_key: str | None,
 ) -> tuple[JobOut, bool]:
-    try:
-        require(caller, "submit")
-        params = check_job_limits(body, settings=settings, counter=counter,
-                                  faults_enabled=settings.fault_injection)
-    except ApiError:
-        meter_caller(request, caller)  # a refused request spends its token too (401/429 win)
-        raise
+    # A refusal from here on spends the caller's token too: AdmittedSubmitCaller takes it if
+    # the admission below did not run (and its 401 / 429 wins).
+    params = check_job_limits(body, settings=settings, counter=counter,
+                              faults_enabled=settings.fault_injection)
     job_input = body.input.model_dump(exclude_none=True)
     state = request.app.state
     job_id = uuid.uuid4()
@@ -134,7 +131,7 @@ def _submit_blocking(
         marker_set = admit_submission(request, session, caller, settings=settings, kind=body.kind,
                                       input=job_input, params=params, priority=body.priority,
                                       idempotency_key=idempotency_key, enqueued_marker=marker,
-                                      metered=False)
+                                      metered=token_taken(request))
         created = False
         try:
             job, created = job_service.submit_job(
@@ -183,7 +180,7 @@ def _drop_marker(redis: Redis, marker: str, tenant: str) -> None:
 async def get_job(
     job_id: str,
     request: Request,
-    caller: CallerDep,
+    caller: ReadCaller,
     redis: RedisDep,
     wait: Annotated[float, Query(
         ge=0, le=MAX_WAIT_SECONDS,
@@ -192,7 +189,6 @@ async def get_job(
     )] = 0,
 ) -> JobOut:
     """Status, live progress, result or error, timings, attempts and model version of a job."""
-    require(caller, "read")
     parsed = _parse_job_id(job_id)
     tenant = visible_tenant(caller)
     if wait <= 0:
@@ -236,7 +232,7 @@ def _read_job(request: Request, job_id: str, tenant: str | None, redis: Redis) -
 @router.get("", response_model=JobList, responses=error_responses(401, 403, 422, 503))
 def list_jobs(
     session: SessionDep,
-    caller: CallerDep,
+    caller: ReadCaller,
     settings: SettingsDep,
     status: Annotated[JobStatus | None, Query(description="Filter by status.")] = None,
     kind: Annotated[JobKind | None, Query(description="Filter by kind.")] = None,
@@ -251,7 +247,6 @@ def list_jobs(
     A page also ends before ``settings.list_max_response_bytes`` (then ``next_cursor`` goes on
     from the last job shown), so large jobs never make one answer unbounded.
     """
-    require(caller, "read")
     try:
         jobs, next_cursor = job_service.list_jobs(
             session,
@@ -281,12 +276,11 @@ def list_jobs(
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=error_responses(401, 403, 404, 503))
-def cancel_job(job_id: str, request: Request, session: SessionDep, caller: CallerDep) -> JobOut:
+def cancel_job(job_id: str, request: Request, session: SessionDep, caller: SubmitCaller) -> JobOut:
     """Cancel: a queued job at once, a running one within one denoising pass.
 
     Cancelling a finished job changes nothing and returns it as it is.
     """
-    require(caller, "submit")
     job = job_service.cancel_job(
         session, job_id=_parse_job_id(job_id), tenant=visible_tenant(caller),
         settings=request.app.state.settings, redis_client=request.app.state.redis,

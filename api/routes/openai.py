@@ -30,8 +30,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import openai_compat as oa
-from api.auth import Caller, meter_caller
-from api.deps import CallerDep, SettingsDep, TokenCounterDep, UnmeteredCallerDep, require, visible_tenant
+from api.auth import Caller
+from api.deps import AdmittedSubmitCaller, ReadCaller, SettingsDep, TokenCounterDep, visible_tenant
 from api.errors import ApiError, openai_error_body
 from api.job_follow import Followed, cancel, follow_job, wait_final
 from api.json_input import LimitedJsonRoute
@@ -40,6 +40,7 @@ from api.routes.jobs import MAX_IDEMPOTENCY_KEY_LENGTH
 from api.routes.jobs import _submit_blocking as submit_blocking  # THE submit path of POST /v1/jobs
 from api.schemas.jobs import GenerateJobCreate, JobOut
 from api.sse import SSE_HEADERS, EventStreamResponse, sse_comment, sse_event
+from scheduler.models import JobStatus
 from scheduler.settings import Settings
 
 DONE = "data: [DONE]\n\n"
@@ -65,17 +66,16 @@ async def _client_gone(request: Request) -> None:
 async def _submit(request: Request, caller: Caller, settings: Settings, counter: PromptTokenCounter,
                   idempotency_key: str | None, translate: Callable[[Any], tuple[Any, GenerateJobCreate]],
                   max_tokens_name: Callable[[Any], str]) -> tuple[Any, JobOut]:
-    """Parse and translate the OpenAI body, then submit the job exactly as ``POST /v1/jobs`` does."""
+    """Parse and translate the OpenAI body, then submit the job exactly as ``POST /v1/jobs`` does.
+
+    A refusal spends the caller's rate-limit token too (``AdmittedSubmitCaller`` takes it when
+    the admission did not run, and its 401 / 429 wins)."""
     try:
         raw = await request.json()
         req, body = translate(raw)
     except json.JSONDecodeError as exc:
-        await run_in_threadpool(meter_caller, request, caller)  # a refused request spends its token too
         raise ApiError(400, "invalid_request", f"The body is not valid JSON: {exc.msg}",
                        [{"loc": ["body"], "message": exc.msg}]) from None
-    except ApiError:
-        await run_in_threadpool(meter_caller, request, caller)
-        raise
     try:
         job, _created = await run_in_threadpool(submit_blocking, body, request, caller, settings, counter,
                                                 idempotency_key)
@@ -106,7 +106,7 @@ async def _answer(request: Request, caller: Caller, job: JobOut,
                     await task
     if final is None:
         raise ApiError(404, "job_not_found", f"Job {job.id} is gone.", {"job_id": job.id})
-    if final.status != "succeeded":
+    if final.status != JobStatus.SUCCEEDED:
         raise oa.job_failure(final)
     return JSONResponse(build(final), headers=_job_headers(final))
 
@@ -201,7 +201,7 @@ async def _stream(request: Request, caller: Caller, job: JobOut, *, chat: bool, 
                 if stopped:  # cancelled on our behalf: its usage counts what it committed meanwhile
                     yield finish_chunks("stop", oa.usage(final))
                     return
-                if final.status != "succeeded":
+                if final.status != JobStatus.SUCCEEDED:
                     yield _error_chunk(oa.job_failure(final))
                     yield DONE
                     return
@@ -238,7 +238,7 @@ def _translate_completion(raw: Any) -> tuple[oa.CompletionRequest, GenerateJobCr
     return req, oa.completion_job(req)
 
 
-async def chat_completions(request: Request, caller: UnmeteredCallerDep, settings: SettingsDep,
+async def chat_completions(request: Request, caller: AdmittedSubmitCaller, settings: SettingsDep,
                            counter: TokenCounterDep, idempotency_key: IdempotencyKey = None) -> Response:
     """OpenAI ``POST /chat/completions`` as a cloverq generate job (``messages`` input)."""
 
@@ -259,7 +259,7 @@ async def chat_completions(request: Request, caller: UnmeteredCallerDep, setting
                          lambda final: oa.chat_response(final, model=model, stops=stops))
 
 
-async def completions(request: Request, caller: UnmeteredCallerDep, settings: SettingsDep,
+async def completions(request: Request, caller: AdmittedSubmitCaller, settings: SettingsDep,
                       counter: TokenCounterDep, idempotency_key: IdempotencyKey = None) -> Response:
     """OpenAI ``POST /completions`` (legacy) as a cloverq generate job (``prompt`` input)."""
 
@@ -280,15 +280,13 @@ async def completions(request: Request, caller: UnmeteredCallerDep, settings: Se
                          lambda final: oa.completion_response(final, model=model, stops=stops, echo=echo))
 
 
-async def list_models(caller: CallerDep, settings: SettingsDep) -> dict[str, Any]:
+async def list_models(caller: ReadCaller, settings: SettingsDep) -> dict[str, Any]:
     """OpenAI ``GET /models``: the model this deployment serves."""
-    require(caller, "read")
     return {"object": "list", "data": [oa.model_card(settings)]}
 
 
-async def get_model(model_id: str, caller: CallerDep, settings: SettingsDep) -> dict[str, Any]:
+async def get_model(model_id: str, caller: ReadCaller, settings: SettingsDep) -> dict[str, Any]:
     """OpenAI ``GET /models/{model}``."""
-    require(caller, "read")
     oa.check_model(model_id, settings)
     return oa.model_card(settings)
 

@@ -28,18 +28,21 @@ import anyio.to_thread
 from fastapi import APIRouter, BackgroundTasks, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy.orm import Session
 
 from api import json_input
 from api import openai_compat as oa
 from api.admission import admit_batch
-from api.deps import CallerDep, SessionDep, SettingsDep, TokenCounterDep, require, visible_tenant
+from api.auth import Caller
+from api.deps import ReadCaller, SessionDep, SettingsDep, SubmitCaller, TokenCounterDep, visible_tenant
 from api.errors import ApiError, openai_error_body
 from api.presenters import job_out
 from api.prompt_tokens import PromptTokenCounter
 from api.routes.batches import _validate_specs as validate_specs  # the checks of POST /v1/batches
 from scheduler import batches as batch_service
 from scheduler import openai_batches as store
-from scheduler.models import Job, as_utc
+from scheduler.batches import BatchStatus
+from scheduler.models import FINAL_STATUSES, Job, JobStatus, as_utc
 from scheduler.settings import Settings
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -48,8 +51,9 @@ WINDOW = timedelta(hours=24)
 PURPOSES = ("batch",)
 MAX_REPORTED = 20
 MAX_CUSTOM_ID = 512
-STATUS = {"running": "in_progress", "cancelling": "cancelling", "completed": "completed",
-          "cancelled": "cancelled"}
+# Our batch status -> the OpenAI batch status.
+STATUS: dict[str, str] = {BatchStatus.RUNNING: "in_progress", BatchStatus.CANCELLING: "cancelling",
+                          BatchStatus.COMPLETED: "completed", BatchStatus.CANCELLED: "cancelled"}
 
 
 def _unix(value: datetime | None) -> int | None:
@@ -79,9 +83,8 @@ def _file_out(row: store.OpenAIFile) -> dict[str, Any]:
             "expires_at": None, "status_details": None}
 
 
-async def upload_file(request: Request, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+async def upload_file(request: Request, session: SessionDep, caller: SubmitCaller) -> dict[str, Any]:
     """OpenAI ``POST /files`` (multipart: ``file``, ``purpose``)."""
-    require(caller, "submit")
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "multipart/form-data":
         raise ApiError(415, "unsupported_media_type", "upload files as multipart/form-data",
@@ -107,12 +110,11 @@ async def upload_file(request: Request, session: SessionDep, caller: CallerDep) 
     return _file_out(await anyio.to_thread.run_sync(insert))
 
 
-def list_files(session: SessionDep, caller: CallerDep,
+def list_files(session: SessionDep, caller: ReadCaller,
                purpose: Annotated[str | None, Query(max_length=32)] = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
                after: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
     """OpenAI ``GET /files`` (the uploaded files, newest first)."""
-    require(caller, "read")
     rows, more = store.list_files(session, tenant=visible_tenant(caller), purpose=purpose, limit=limit,
                                   after=after)
     data = [_file_out(row) for row in rows]
@@ -120,7 +122,7 @@ def list_files(session: SessionDep, caller: CallerDep,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
-def _rendered(request: Request, session: SessionDep, caller: CallerDep, file_id: str
+def _rendered(request: Request, session: Session, caller: Caller, file_id: str
               ) -> tuple[store.OpenAIBatch, str] | None:
     rendered = store.rendered_file(file_id)
     if rendered is None:
@@ -132,9 +134,8 @@ def _rendered(request: Request, session: SessionDep, caller: CallerDep, file_id:
     return row, kind
 
 
-def get_file(file_id: str, request: Request, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+def get_file(file_id: str, request: Request, session: SessionDep, caller: ReadCaller) -> dict[str, Any]:
     """OpenAI ``GET /files/{id}``."""
-    require(caller, "read")
     rendered = _rendered(request, session, caller, file_id)
     if rendered is not None:
         row, kind = rendered
@@ -148,9 +149,8 @@ def get_file(file_id: str, request: Request, session: SessionDep, caller: Caller
     return _file_out(found)
 
 
-def file_content(file_id: str, request: Request, session: SessionDep, caller: CallerDep) -> Response:
+def file_content(file_id: str, request: Request, session: SessionDep, caller: ReadCaller) -> Response:
     """OpenAI ``GET /files/{id}/content``: the uploaded bytes, or a batch's output / errors JSONL."""
-    require(caller, "read")
     rendered = _rendered(request, session, caller, file_id)
     if rendered is not None:
         row, kind = rendered
@@ -161,9 +161,8 @@ def file_content(file_id: str, request: Request, session: SessionDep, caller: Ca
     return Response(found.content, media_type="application/jsonl")
 
 
-def delete_file(file_id: str, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+def delete_file(file_id: str, session: SessionDep, caller: SubmitCaller) -> dict[str, Any]:
     """OpenAI ``DELETE /files/{id}`` (an uploaded file; batches made from it keep running)."""
-    require(caller, "submit")
     if store.rendered_file(file_id) is not None or not store.delete_file(
         session, file_id=file_id, tenant=visible_tenant(caller)
     ):
@@ -268,8 +267,8 @@ def _validated_specs(raw: list[dict[str, Any]], numbers: list[int], *, settings:
 
 
 def _counts(summary: batch_service.BatchSummary) -> dict[str, int]:
-    completed = summary.counts.get("succeeded", 0)
-    failed = sum(summary.counts.get(s, 0) for s in ("failed", "cancelled", "expired"))
+    completed = summary.counts.get(JobStatus.SUCCEEDED.value, 0)
+    failed = sum(summary.counts.get(s.value, 0) for s in FINAL_STATUSES if s is not JobStatus.SUCCEEDED)
     return {"total": summary.batch.total, "completed": completed, "failed": failed}
 
 
@@ -296,10 +295,10 @@ def _batch_out(session: SessionDep, row: store.OpenAIBatch) -> dict[str, Any]:
     }
 
 
-async def create_batch(request: Request, background: BackgroundTasks, session: SessionDep, caller: CallerDep,
-                       settings: SettingsDep, counter: TokenCounterDep) -> dict[str, Any]:
+async def create_batch(request: Request, background: BackgroundTasks, session: SessionDep,
+                       caller: SubmitCaller, settings: SettingsDep,
+                       counter: TokenCounterDep) -> dict[str, Any]:
     """OpenAI ``POST /batches``: one cloverq batch with one job per line of the input file."""
-    require(caller, "submit")
     try:
         raw = await request.json()
     except json.JSONDecodeError as exc:
@@ -347,34 +346,33 @@ async def create_batch(request: Request, background: BackgroundTasks, session: S
     return await anyio.to_thread.run_sync(lambda: _batch_out(session, row))
 
 
-def _load(session: SessionDep, caller: CallerDep, batch_id: str) -> store.OpenAIBatch:
+def _load(session: Session, caller: Caller, batch_id: str) -> store.OpenAIBatch:
     row = store.get_openai_batch(session, batch_id=batch_id, tenant=visible_tenant(caller))
     if row is None:
         raise _batch_not_found(batch_id)
     return row
 
 
-def get_batch(batch_id: str, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+def get_batch(batch_id: str, session: SessionDep, caller: ReadCaller) -> dict[str, Any]:
     """OpenAI ``GET /batches/{id}``."""
-    require(caller, "read")
     return _batch_out(session, _load(session, caller, batch_id))
 
 
-def list_batches(session: SessionDep, caller: CallerDep,
+def list_batches(session: SessionDep, caller: ReadCaller,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20,
                  after: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
     """OpenAI ``GET /batches`` (newest first)."""
-    require(caller, "read")
     rows, more = store.list_openai_batches(session, tenant=visible_tenant(caller), limit=limit, after=after)
     data = [_batch_out(session, row) for row in rows]
     return {"object": "list", "data": data, "has_more": more,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
-def cancel_batch(batch_id: str, request: Request, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+def cancel_batch(
+    batch_id: str, request: Request, session: SessionDep, caller: SubmitCaller
+) -> dict[str, Any]:
     """OpenAI ``POST /batches/{id}/cancel``: queued jobs are cancelled at once, running ones stop
     within a pass (``scheduler.batches.cancel_batch``)."""
-    require(caller, "submit")
     row = _load(session, caller, batch_id)
     batch = batch_service.get_batch(session, batch_id=row.batch_id, tenant=None)
     assert batch is not None
@@ -393,7 +391,7 @@ def _line(row: store.OpenAIBatch, seq: int, job: Job) -> tuple[str, dict[str, An
     view = job_out(job)
     base = {"id": f"batch_req_{job.id.hex}", "custom_id": info.get("custom_id")}
     request_id = job.request_id or str(job.id)
-    if view.status == "succeeded":
+    if view.status == JobStatus.SUCCEEDED:
         stops = info.get("stop") or []
         if row.endpoint == "/v1/chat/completions":
             body = oa.chat_response(view, model=info.get("model") or "", stops=stops)
@@ -402,7 +400,7 @@ def _line(row: store.OpenAIBatch, seq: int, job: Job) -> tuple[str, dict[str, An
                                           echo=info.get("echo"))
         return "output", {**base, "response": {"status_code": 200, "request_id": request_id, "body": body},
                           "error": None}
-    if not view.status or view.status in ("queued", "running"):
+    if not view.status or view.status in (JobStatus.QUEUED, JobStatus.RUNNING):
         return "pending", {}
     failure = oa.job_failure(view)
     error = {"code": failure.code, "message": failure.message}

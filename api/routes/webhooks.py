@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from api.deps import CallerDep, SessionDep, require
+from api.deps import SessionDep, SubmitCaller
 from api.schemas.errors import error_responses
 from scheduler import webhooks
 from scheduler.audit import audit
@@ -30,17 +30,15 @@ class WebhookSecretOut(BaseModel):
 
 
 @router.get("/secret", response_model=WebhookSecretOut, responses=error_responses(401, 403, 503))
-def get_secret(session: SessionDep, caller: CallerDep) -> WebhookSecretOut:
+def get_secret(session: SessionDep, caller: SubmitCaller) -> WebhookSecretOut:
     """The signing secret of the caller's tenant (created on first use)."""
-    require(caller, "submit")
     secret = webhooks.tenant_secret(session, tenant=caller.tenant)
     return WebhookSecretOut(tenant=caller.tenant, secret=secret)
 
 
 @router.post("/secret/rotate", response_model=WebhookSecretOut, responses=error_responses(401, 403, 503))
-def rotate_secret(session: SessionDep, caller: CallerDep) -> WebhookSecretOut:
+def rotate_secret(session: SessionDep, caller: SubmitCaller) -> WebhookSecretOut:
     """Replace the tenant's secret; deliveries from now on are signed with the new one."""
-    require(caller, "submit")
     secret = webhooks.rotate_secret(session, tenant=caller.tenant)
     audit("webhook_secret.rotate", actor_tenant=caller.tenant, actor_key_id=caller.key_id, via="api",
           target=caller.tenant)

@@ -10,7 +10,7 @@ that depend on the deployment (``max_new_tokens`` etc.) are checked against ``Se
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
@@ -26,6 +26,8 @@ from api.schemas.common import (
     Text,
 )
 from api.schemas.decisions import DecideInput, DecideParams
+from scheduler.queue_names import PRIORITY_CLASSES
+from scheduler.routing import PRIORITY_ALIASES
 
 MAX_MESSAGES = 256
 
@@ -91,8 +93,13 @@ class GenerateParams(_Strict):
     fault: Text | None = Field(None, description="Test-only fault injection; rejected unless enabled.")
 
 
-# Classes, plus the aliases high/normal/low (see scheduler.routing.PRIORITY_ALIASES).
-Priority = Literal["interactive", "standard", "bulk", "high", "normal", "low"]
+# Classes a client may ask for, plus the aliases high/normal/low: derived from
+# scheduler.queue_names.PRIORITY_CLASSES and scheduler.routing.PRIORITY_ALIASES.
+PRIORITY_NAMES: tuple[str, ...] = (*(q.value for q in PRIORITY_CLASSES), *PRIORITY_ALIASES)
+if TYPE_CHECKING:
+    Priority = str
+else:
+    Priority = Literal[PRIORITY_NAMES]  # a Literal of every name (the OpenAPI enum)
 
 
 class _JobCreateBase(_Strict):

@@ -11,8 +11,8 @@ import pytest
 import redis as redis_lib
 
 from scheduler import redis_keys
-from scheduler.admission import LIMITS_KEY, Admission, AdmissionRefused, forget_admitted
-from scheduler.keys import REVOKED_SET
+from scheduler.admission import Admission, AdmissionRefused, forget_admitted
+from scheduler.redis_keys import LIMITS_KEY, REVOKED_SET
 from scheduler.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 def _names() -> tuple[str, str, str]:
     tag = uuid.uuid4().hex[:10]
-    return f"key{tag}", f"q{tag}", f"cloverq:enqueued:test-{tag}"
+    return f"key{tag}", f"q{tag}", redis_keys.enqueued(f"test-{tag}")
 
 
 @pytest.fixture

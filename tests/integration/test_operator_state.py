@@ -14,11 +14,12 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from scheduler import operator_state
-from scheduler.admission import LIMITS_KEY, Admission, AdmissionRefused
+from scheduler.admission import Admission, AdmissionRefused
 from scheduler.db import get_session_factory, make_engine, session_factory
-from scheduler.drain import DRAINED_SET, consumable_queues, drained_queues
+from scheduler.drain import consumable_queues, drained_queues
 from scheduler.keys import create_key
 from scheduler.operator_state import sql_operator_state
+from scheduler.redis_keys import DRAINED_SET, LIMITS_KEY
 from scheduler.settings import Settings
 
 pytestmark = pytest.mark.integration

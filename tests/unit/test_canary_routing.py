@@ -109,21 +109,26 @@ def test_canary_follower_switches_then_only_moves_lanes_on_promotion(monkeypatch
 
 
 def test_a_canary_worker_starting_during_a_canary_consumes_only_the_lanes() -> None:
-    from types import SimpleNamespace
-
     from scheduler.celery_app import create_celery_app
     from scheduler.settings import Settings
-    from worker.runtime import WorkerRuntime
+    from worker.consumers import ConsumerController
+
+    class NoCommands:
+        def add(self, queue: str, *, wait: bool) -> None:
+            raise AssertionError("nothing is sent before the consumer exists")
+
+        cancel = add
 
     queues = create_celery_app(Settings()).amqp.queues
     queues.select(["interactive", "standard", "bulk"])  # what `celery worker --queues` selected
     classes = ("interactive", "standard", "bulk")
-    runtime = SimpleNamespace(canary_lane=True, drain_follower=None, queues=classes)
-    WorkerRuntime.use_lane_at_start(runtime, queues)  # type: ignore[arg-type]
+    controller = ConsumerController(classes, NoCommands())
+    controller.update(canary_lane=True)  # the served target at start (ModelSwitcher.load_initial)
+    controller.select_at_start(queues)
     assert list(queues.consume_from) == ["canary.interactive", "canary.standard", "canary.bulk"]
     plain = create_celery_app(Settings()).amqp.queues
     plain.select(["interactive"])
-    WorkerRuntime.use_lane_at_start(SimpleNamespace(canary_lane=False), plain)  # type: ignore[arg-type]
+    ConsumerController(("interactive",), NoCommands()).select_at_start(plain)
     assert list(plain.consume_from) == ["interactive"]
 
 

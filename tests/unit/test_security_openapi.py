@@ -1,7 +1,7 @@
 """Every authenticated operation documents the answers auth and admission can give anywhere.
 
-``api.auth.get_caller`` runs on every ``/v1`` route, so 401 (no/bad key) and 429 (the per-key
-rate limit) are possible on each; the schemathesis run cannot see a missing 429 because its
+An ``api.auth.requires`` dependency runs on every ``/v1`` route, so 401 (no/bad key) and 429
+(the per-key rate limit) are possible on each; the schemathesis run cannot see a missing 429 because its
 key is never rate-limited, hence this structural check.
 """
 

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
+from scheduler.error_codes import ErrorCode
 from worker.decisions.assemble import IncompleteOutput, InvalidModelOutput, assemble_result
 from worker.decisions.planner import plan_decision
 from worker.decisions.spec import DecisionSpec, DecisionTokenizer
@@ -48,7 +49,7 @@ class DecisionOutcome:
 
     result: dict[str, Any] | None
     finish_reason: FinishReason
-    error_code: str | None = None
+    error_code: ErrorCode | None = None
     error_message: str | None = None
     steps_used: int = 0
     tokens: int = 0
@@ -119,7 +120,8 @@ def run_decision(
         stopped = next((r for r in results if r.finish_reason in _STOPPED), None)
         if stopped is not None:
             outcome.finish_reason = stopped.finish_reason
-            outcome.error_code = "invalid_input" if stopped.finish_reason is FinishReason.ERROR else None
+            error = stopped.finish_reason is FinishReason.ERROR
+            outcome.error_code = ErrorCode.INVALID_INPUT if error else None
             outcome.error_message = stopped.error
             return outcome
         try:
@@ -130,13 +132,13 @@ def run_decision(
         except InvalidModelOutput as exc:
             if on_invalid_output is not None:
                 on_invalid_output(attempt + 1, str(exc))
-            outcome.error_code, outcome.error_message = "invalid_model_output", str(exc)
+            outcome.error_code, outcome.error_message = ErrorCode.INVALID_MODEL_OUTPUT, str(exc)
             attempt_params = _retry_params(params, options)
             continue
         except IncompleteOutput as exc:
             budget = any(r.finish_reason is FinishReason.BUDGET for r in results)
             outcome.finish_reason = FinishReason.BUDGET if budget else FinishReason.ERROR
-            outcome.error_code = "budget_exhausted" if budget else "incomplete_output"
+            outcome.error_code = ErrorCode.BUDGET_EXHAUSTED if budget else ErrorCode.INCOMPLETE_OUTPUT
             outcome.error_message = str(exc)
             return outcome
         outcome.finish_reason = FinishReason.EOS

@@ -1,0 +1,264 @@
+"""One job, from the Celery message to the fenced outcome: hand back, claim, run, record.
+
+``JobRunner.run_job`` is what the Celery task calls from a pool thread:
+
+1. **Hand back** a message this worker must not run now (draining, a class gate full, a model
+   switch in progress): not claimed, its enqueued marker dropped, so the reconciler republishes
+   it for another worker (or this one, later). Consumers are only delivery
+   (``worker/consumers.py``); these checks are the guarantee.
+2. **Claim** it in SQL (fenced: ``scheduler.lifecycle.claim_job``) on this worker's model version.
+3. **Run** it on the engine through ``worker.execution.run_kind``, with the monitor tracking its
+   lease, progress and cancel flag.
+4. **Record** the outcome (fenced ``finish_job``), or a retry / dead letter (``retry_or_fail``),
+   then the final hot status, the long-poll notice, the webhook and the metrics.
+
+Test-only faults come from ``worker/fault_injection.py`` and only when a ``FaultInjector`` was
+handed in (``settings.fault_injection``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import redis
+import structlog
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from scheduler import redis_keys
+from scheduler.canary_routing import queue_of_lane
+from scheduler.job_events import publish_finished
+from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
+from scheduler.metrics import RedisMetricsRecorder
+from scheduler.models import ErrorCode, Job, JobStatus, utcnow
+from scheduler.retry import InputJobError
+from scheduler.routing import deadline_seconds
+from scheduler.settings import Settings
+from scheduler.webhook_tasks import notify_job_finished
+from worker.execution import EngineContext, JobSpec, Outcome, run_kind
+from worker.fault_injection import FaultInjector
+from worker.joint_gate import INTERACTIVE_QUEUE, JOINT_QUEUE, JointGate
+from worker.model_switch import JobAdmission
+from worker.monitor import JobMonitor, RunningJob
+from worker.resident_model import ResidentModel
+from worker.run_outcome import RunOutcome
+from worker.telemetry import JobFacts, observe_job_finished, retry_reason
+
+log = structlog.get_logger(__name__)
+
+
+class JobRunner:
+    """Runs the jobs of one worker process (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        sessions: sessionmaker[Session],
+        redis_client: redis.Redis,
+        worker_id: str,
+        model: ResidentModel,
+        monitor: JobMonitor,
+        metrics: RedisMetricsRecorder,
+        admission: JobAdmission,
+        joint_gate: JointGate | None,
+        capacity_gate: JointGate | None,
+        draining: threading.Event,
+        lane: Callable[[], str | None],
+        faults: FaultInjector | None = None,
+    ) -> None:
+        """``lane``: "canary" or "stable" for the job lines and metrics; ``faults``: tests only."""
+        self.settings = settings
+        self.sessions = sessions
+        self.redis = redis_client
+        self.worker_id = worker_id
+        self.model = model
+        self.monitor = monitor
+        self.metrics = metrics
+        self.admission = admission
+        self.joint_gate = joint_gate
+        self.capacity_gate = capacity_gate
+        self.faults = faults
+        self._draining = draining
+        self._lane = lane
+        self._facts: dict[uuid.UUID, JobFacts] = {}
+
+    def run_job(self, job_id: str, *, queue: str | None = None) -> RunOutcome:
+        """Claim, run and record one job; returns what happened (for logs/tests).
+
+        ``queue`` is the queue the message came from: joint messages pass the joint gate (a
+        canary lane counts as its class queue).
+        """
+        queue = queue_of_lane(queue) if queue is not None else None
+        try:
+            parsed = uuid.UUID(str(job_id))
+        except ValueError:
+            log.warning("job.bad_message", job_id=str(job_id))
+            return RunOutcome.INVALID
+        if self._draining.is_set():
+            # Not claimed: dropping the marker lets the reconciler publish it for another worker.
+            self.redis.delete(redis_keys.enqueued(parsed))
+            log.warning("job.handed_back_draining", job_id=str(parsed))
+            return RunOutcome.HANDED_BACK
+        gates = [g for g in (self.joint_gate if queue == JOINT_QUEUE else None,
+                             self.capacity_gate if queue != INTERACTIVE_QUEUE else None) if g is not None]
+        entered: list[JointGate] = []
+        for gate in gates:
+            if not gate.try_enter():
+                for held in entered:
+                    held.leave()
+                self.redis.delete(redis_keys.enqueued(parsed))  # unclaimed: the reconciler republishes it
+                log.info("job.handed_back_class_cap", job_id=str(parsed), queue=queue, cap=gate.cap)
+                return RunOutcome.HANDED_BACK
+            entered.append(gate)
+        if not self.admission.enter():  # switching model versions: not claimed, republished later
+            for held in entered:
+                held.leave()
+            self.redis.delete(redis_keys.enqueued(parsed))
+            log.info("job.handed_back_switching", job_id=str(parsed))
+            return RunOutcome.HANDED_BACK
+        try:
+            return self._claim_and_run(parsed)
+        finally:
+            self.admission.leave()
+            for held in entered:
+                held.leave()
+
+    def _claim_and_run(self, parsed: uuid.UUID) -> RunOutcome:
+        # From here on the claim in SQL says where the job is, so the enqueued marker goes first:
+        # a worker killed before its claim commits leaves a queued row WITHOUT a marker, which the
+        # reconciler republishes. Left in place, the marker would hide a message held in the dead
+        # worker's unacked set until the visibility timeout (hours): the job stuck in ``queued``.
+        # (A republish racing this claim is a fenced, harmless duplicate.)
+        try:
+            self.redis.delete(redis_keys.enqueued(parsed))
+        except redis.RedisError as exc:  # Redis down: the claim still decides; recovery is periodic
+            log.warning("job.marker_release_failed", job_id=str(parsed), error=type(exc).__name__)
+        model_version = self.model.model_version
+        with self.sessions() as session:
+            try:
+                job = claim_job(session, job_id=parsed, worker_id=self.worker_id,
+                                model_version=model_version, settings=self.settings,
+                                served_version=self.model.served_version)
+            except Exception:  # database hiccup: this message is spent; let the reconciler republish
+                self.redis.delete(redis_keys.enqueued(parsed))
+                raise
+            if job is None:
+                self._release_if_still_queued(session, parsed)
+                log.warning("job.not_claimed", job_id=str(parsed))  # duplicate, cancelled or not due
+                return RunOutcome.SKIPPED
+            spec = JobSpec(job_id=str(job.id), kind=job.kind, queue=job.queue, attempt=job.attempt,
+                           input=dict(job.input or {}), params=dict(job.params or {}))
+            step_budget = job.step_budget
+            facts = JobFacts(created_at=job.created_at, started_at=job.started_at, step_budget=step_budget,
+                             request_id=job.request_id)
+        structlog.contextvars.bind_contextvars(job_id=spec.job_id, kind=spec.kind, queue=spec.queue,
+                                               attempt=spec.attempt, model_version=model_version,
+                                               request_id=facts.request_id)
+        self._facts[parsed] = facts
+        lease = Lease(parsed, spec.attempt)
+        cancel_event = threading.Event()
+        running = self.monitor.add(lease, cancel_event=cancel_event, step_budget=step_budget)
+        try:
+            return self._execute(spec, lease, running)
+        finally:
+            self.monitor.remove(parsed)
+            self._facts.pop(parsed, None)
+            structlog.contextvars.unbind_contextvars("job_id", "kind", "queue", "attempt", "model_version",
+                                                     "request_id")
+
+    def _release_if_still_queued(self, session: Session, job_id: uuid.UUID) -> None:
+        """A skipped message whose job is still queued (not due yet on this clock) must not leave
+        the enqueued marker behind, or the reconciler would never publish the job again."""
+        status = session.scalar(select(Job.status).where(Job.id == job_id, Job.cancel_requested.is_(False)))
+        if status == JobStatus.QUEUED.value:
+            self.redis.delete(redis_keys.enqueued(job_id))
+
+    def _context(self, spec: JobSpec, lease: Lease, running: RunningJob) -> EngineContext:
+        """What the kind's handler may use: the engine claimed on, the tokenizer, the plumbing."""
+        engine, tokenizer = self.model.engine, self.model.tokenizer
+        assert engine is not None and tokenizer is not None  # no job is admitted without a model
+        return EngineContext(
+            submit=engine.submit, submit_many=engine.submit_many,
+            tokenizer=tokenizer, settings=self.settings,
+            deadline=time.monotonic() + deadline_seconds(spec.queue, self.settings, spec.params),
+            cancel_event=running.cancel_event, on_progress=self.monitor.on_progress(lease.job_id),
+            on_plan=self.monitor.on_plan(lease.job_id),
+            default_block_size=engine.default_block_size,
+        )
+
+    def _execute(self, spec: JobSpec, lease: Lease, running: RunningJob) -> RunOutcome:
+        monitor = self.monitor
+        ctx = self._context(spec, lease, running)
+        try:
+            if self.faults is not None:  # tests only (settings.fault_injection)
+                self.faults.before_run(spec, running.cancel_event)
+            outcome = run_kind(spec, ctx)
+        except InputJobError as exc:
+            outcome = Outcome(JobStatus.FAILED, error_code=ErrorCode.INVALID_INPUT.value,
+                              error_message=str(exc))
+        except Exception as exc:  # device fault (OOM), engine stopped, transient infra: retry with backoff
+            return self._retry(spec, lease, running, repr(exc))
+        if running.lost:
+            log.warning("job.handed_back")  # another attempt owns it; write nothing
+            return RunOutcome.LOST
+        if outcome.status is JobStatus.CANCELLED and not running.cancel_seen:
+            return self._retry(spec, lease, running, "interrupted (engine stopping)")
+        # Final counters from the outcome (the last block may finish after the last report), never
+        # below what the job showed while running: SQL's progress ends where the hot status did.
+        usage = (outcome.result or {}).get("usage") or {}
+        final = monitor.final_progress(running, steps_used=outcome.steps_used, tokens=outcome.tokens,
+                                       blocks=usage.get("blocks"),
+                                       complete=outcome.status is JobStatus.SUCCEEDED)
+        with self.sessions() as session:
+            written = finish_job(session, lease=lease, status=outcome.status, settings=self.settings,
+                                 result=outcome.result, steps_used=outcome.steps_used,
+                                 error_code=outcome.error_code, error_message=outcome.error_message,
+                                 progress=final)
+        running.status = outcome.status.value if written else running.status
+        if written and outcome.result is not None and "text" in outcome.result:
+            running.extra["partial_text"] = outcome.result["text"]
+        monitor.finish(running, outcome.status.value if written else RunOutcome.LOST)
+        if written:  # long-pollers (after the final hot status), webhooks, summary line, metrics
+            publish_finished(self.redis, lease.job_id)
+            notify_job_finished(lease.job_id, sessions=self.sessions)
+            self._observe_finished(spec, lease, status=outcome.status.value, steps_used=outcome.steps_used,
+                                   tokens=outcome.tokens, finish_reason=outcome.finish_reason,
+                                   error_code=outcome.error_code)
+        else:
+            log.info("job.outcome_not_written", status=outcome.status.value)
+        return RunOutcome.finished(outcome.status) if written else RunOutcome.LOST
+
+    def _retry(self, spec: JobSpec, lease: Lease, running: RunningJob, error: str) -> RunOutcome:
+        if running.lost:
+            return RunOutcome.LOST
+        with self.sessions() as session:
+            status = retry_or_fail(session, lease=lease, error=error, settings=self.settings)
+        if status is JobStatus.QUEUED:
+            self.redis.delete(redis_keys.enqueued(lease.job_id))  # the reconciler republishes when due
+            self.metrics.safe(self.metrics.job_retried, kind=spec.kind, queue=spec.queue,
+                              reason=retry_reason(error))
+        elif status is JobStatus.FAILED:  # retries exhausted: a dead letter, kept for inspection
+            publish_finished(self.redis, lease.job_id)
+            notify_job_finished(lease.job_id, sessions=self.sessions)
+            self.metrics.safe(self.metrics.dead_letter, kind=spec.kind, queue=spec.queue)
+            self._observe_finished(spec, lease, status=status.value, steps_used=None, tokens=None,
+                                   finish_reason=None, error_code=ErrorCode.RETRIES_EXHAUSTED.value)
+        running.status = status.value if status else running.status
+        self.monitor.finish(running, status.value if status else RunOutcome.LOST)
+        log.warning("job.attempt_failed", error=error, next_status=status.value if status else None)
+        return RunOutcome.retried(status) if status else RunOutcome.LOST
+
+    def _observe_finished(self, spec: JobSpec, lease: Lease, *, status: str, steps_used: int | None,
+                          tokens: int | None, finish_reason: str | None, error_code: str | None) -> None:
+        facts = self._facts.get(lease.job_id) or JobFacts(None, None, None, None)
+        observe_job_finished(
+            self.metrics, job_id=spec.job_id, kind=spec.kind, queue=spec.queue, status=status,
+            attempt=spec.attempt, created_at=facts.created_at, started_at=facts.started_at,
+            finished_at=utcnow(), steps_used=steps_used, step_budget=facts.step_budget, tokens=tokens,
+            model_version=self.model.model_version, finish_reason=finish_reason, error_code=error_code,
+            request_id=facts.request_id, logger=log, track=self._lane(),
+        )

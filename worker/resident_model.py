@@ -1,0 +1,134 @@
+"""The model this worker process holds: load a checkpoint, build, start and warm its engine.
+
+One per process. Start-up (``worker/runtime.py``) and the model switcher
+(``worker/model_switcher.py``) both go through ``load``; the job runner reads ``engine``,
+``tokenizer`` and the version labels at claim time. A load replaces the engine only once the
+new one warmed up, so a failed load leaves nothing half built behind.
+
+It also stands in for the runtime in ``worker.tensor_parallel.load_sharded`` (which reads
+``settings``, ``load_dtype``, ``info``, ``worker_id`` and ``redis``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import redis
+import structlog
+import torch
+
+from scheduler.heap import thaw_heap
+from scheduler.metrics import set_process_version, version_label
+from scheduler.settings import Settings
+from scheduler.workers import WorkerInfo
+from worker.engine_protocol import ServingEngine
+from worker.execution import ChatTokenizer
+from worker.joint_gate import INTERACTIVE_QUEUE, JOINT_QUEUE
+
+if TYPE_CHECKING:
+    from worker.model.checkpoint import LoadedModel
+
+log = structlog.get_logger(__name__)
+
+
+class ResidentModel:
+    """The loaded model's engine, tokenizer and labels; see the module docstring."""
+
+    def __init__(self, settings: Settings, *, info: WorkerInfo, worker_id: str, redis_client: redis.Redis,
+                 reserve: int) -> None:
+        """``reserve``: engine slots held back for interactive jobs (``interactive_reserve``)."""
+        self.settings = settings
+        self.info = info
+        self.worker_id = worker_id
+        self.redis = redis_client
+        self.reserve = reserve
+        self.engine: ServingEngine | None = None
+        self.tokenizer: ChatTokenizer | None = None
+        self.model_version: str | None = None  # "<folder>@<manifest digest[:12]>", on every job
+        self.model_name: str | None = None  # served_model, else the checkpoint folder's name
+        self.served_version: str | None = None  # the version of served_model loaded now
+
+    def load(self, path: Path) -> LoadedModel:
+        """Load (and verify) the checkpoint at ``path``, start and warm up its engine, and make it
+        the one jobs run on; returns the loaded checkpoint."""
+        from worker.engine.engine import Engine, EngineConfig
+        from worker.model.quantize import load_model
+
+        settings = self.settings
+        if settings.tensor_parallel > 1 and settings.weight_dtype:  # not quantized per rank yet
+            raise RuntimeError("CLOVERQ_WEIGHT_DTYPE is not supported with CLOVERQ_TENSOR_PARALLEL > 1 yet")
+        loaded: LoadedModel
+        if settings.tensor_parallel > 1:  # ranks 1..N-1 in processes of their own
+            from worker.tensor_parallel import load_sharded
+
+            loaded = load_sharded(self, path)
+        else:
+            verify = False if settings.skip_verify else settings.verify_on_load
+            loaded = load_model(path, device=settings.device, dtype=self.load_dtype(path),
+                                verify=verify, weight_dtype=settings.weight_dtype,
+                                group_size=settings.weight_group_size)  # int8/int4: quantize.py
+        loaded.model.eval()
+        self._record_load(loaded)
+        engine = Engine(
+            loaded.model,
+            EngineConfig(max_batch=settings.engine_max_batch,
+                         max_tokens_in_flight=settings.engine_max_tokens_in_flight,
+                         prefix_cache_bytes=settings.prefix_cache_bytes,
+                         max_len=settings.resolved_engine_max_len,
+                         slot_caps={JOINT_QUEUE: settings.engine_joint_slot_cap},
+                         reserved_slots=self.reserve, reserved_classes=frozenset({INTERACTIVE_QUEUE})),
+            mask_token_id=loaded.tokenizer.mask_token_id,
+            eos_token_ids=loaded.tokenizer.eos_token_ids,
+            default_block_size=loaded.config.block_size,
+        )
+        engine.start()
+        try:
+            engine.warm_up()
+        except BaseException:
+            engine.stop(drain=False, timeout=30)
+            raise
+        self.engine, self.tokenizer = engine, loaded.tokenizer
+        self.model_version = f"{loaded.path.name}@{loaded.manifest_digest[:12]}"
+        self.info.model_version = self.model_version
+        set_process_version(version_label(self.model_version), self.info.stats.get("lane"))
+        return loaded
+
+    def unload(self, *, timeout: float = 60) -> None:
+        """Finish what the engine holds, stop it and drop it, so its weights can be freed before
+        another version loads (the old model was frozen at start-up: thaw lets it be collected)."""
+        if self.engine is not None:
+            self.engine.stop(drain=True, timeout=timeout)
+        self.engine = None
+        thaw_heap()
+
+    def load_dtype(self, path: Path) -> torch.dtype:
+        """The dtype to load ``path`` in: CLOVERQ_DTYPE, else its config.json's, else float32."""
+        from worker.model.checkpoint import read_config
+        from worker.model.hf_defaults import resolve_dtype
+
+        if self.settings.dtype:
+            return resolve_dtype(None, self.settings.dtype)
+        return resolve_dtype(read_config(path))
+
+    def decode(self, ids: list[int]) -> str:
+        """Committed ids as text (the monitor's progress and event stream)."""
+        assert self.tokenizer is not None  # loaded before any job runs
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _record_load(self, loaded: LoadedModel) -> None:
+        """What the load cost and chose, in the log and the registry (``stats.model_verify``): the
+        manifest check's bytes read against the checkpoint's size shows a quick check's saving."""
+        from worker.model.hf_defaults import GenerationDefaults
+
+        report = loaded.verification
+        verify = None if report is None else {
+            "mode": report.mode, "files": report.files, "bytes_total": report.bytes_total,
+            "bytes_read": report.bytes_read, "seconds": round(report.seconds, 4),
+        }
+        self.info.stats["model_verify"] = verify
+        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        log.info("worker.model_checked", path=str(loaded.path), dtype=dtype, verify=verify,
+                 block_size=loaded.config.block_size, family=loaded.config.family,
+                 generation_defaults=GenerationDefaults.from_dict(loaded.generation_config).as_log())
+
