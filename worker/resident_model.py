@@ -1,6 +1,6 @@
 """The model this worker process holds: load a checkpoint, build, start and warm its engine.
 
-One per process. Start-up (``worker/runtime.py``) and the model switcher
+One per process. Start-up (``worker/process_lifecycle.py``) and the model switcher
 (``worker/model_switcher.py``) both go through ``load``; the job runner reads ``engine``,
 ``tokenizer`` and the version labels at claim time. A load replaces the engine only once the
 new one warmed up, so a failed load leaves nothing half built behind.
