@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from api.auth import install_security
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
-from api.job_follow import close_stream_redis, stream_redis
+from api.job_follow import close_stream_redis, waiter_redis
 from api.job_waiter import JobWaiter
 from api.prompt_tokens import PromptTokenCounter
 from api.routes import (
@@ -98,8 +98,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # a request fast): the routes, auth's rate limit and admission, the admin routes all use it.
     app.state.redis = get_redis(settings.resolved_redis_url)
     app.state.celery = create_celery_app(settings)
-    # GET /v1/jobs/{id}?wait=S; its subscription shares the event streams' asyncio pool.
-    app.state.job_waiter = JobWaiter(lambda: stream_redis(app))
+    # GET /v1/jobs/{id}?wait=S; its subscription has its own small asyncio pool (api/job_follow.py).
+    app.state.job_waiter = JobWaiter(lambda: waiter_redis(app))
     install_security(app, settings, session_factory=app.state.session_factory, redis_client=app.state.redis)
     # Replaced at start-up by the lifespan; the byte bound is the safe default meanwhile.
     app.state.token_counter = PromptTokenCounter(None)

@@ -43,7 +43,8 @@ log = structlog.get_logger(__name__)
 STREAM_BLOCK_MS = 1000  # one XREAD waits at most this long (then SQL may be re-read)
 STREAM_BATCH = 256  # entries per XREAD
 KEEPALIVE_SECONDS = 10.0  # an SSE comment this often while nothing happens (proxies, disconnects)
-STREAM_MAX_CONNECTIONS = 1024  # XREAD BLOCK holds a connection per following request (+1: the waiter)
+STREAM_MAX_CONNECTIONS = 1024  # XREAD BLOCK holds a connection per following request
+WAITER_MAX_CONNECTIONS = 2  # the job waiter's subscription (and a resubscribe while the old one closes)
 
 
 @dataclass
@@ -61,27 +62,39 @@ class Followed:
     entry_id: str | None = None
 
 
-def stream_redis(app: FastAPI) -> aioredis.Redis:
-    """The app's one asyncio Redis client (created in the running event loop): the event streams'
-    ``XREAD BLOCK`` and the job waiter's subscription (``api/job_waiter.py``). Separate from the
-    process' sync client (``scheduler.redis_client.get_redis``) because asyncio connections
-    belong to their event loop, and because these reads block on purpose: no socket timeout."""
-    client = getattr(app.state, "stream_redis", None)
+def _async_redis(app: FastAPI, attribute: str, max_connections: int) -> aioredis.Redis:
+    client = getattr(app.state, attribute, None)
     if client is None:
         client = aioredis.Redis.from_url(
             app.state.settings.resolved_redis_url, decode_responses=True, socket_connect_timeout=1.0,
-            max_connections=STREAM_MAX_CONNECTIONS, health_check_interval=HEALTH_CHECK_SECONDS,
+            max_connections=max_connections, health_check_interval=HEALTH_CHECK_SECONDS,
         )
-        app.state.stream_redis = client
+        setattr(app.state, attribute, client)
     return client
 
 
+def stream_redis(app: FastAPI) -> aioredis.Redis:
+    """The event streams' asyncio Redis client (created in the running event loop) for their
+    ``XREAD BLOCK``. Separate from the process' sync client (``scheduler.redis_client.get_redis``)
+    because asyncio connections belong to their event loop, and because these reads block on
+    purpose: no socket timeout."""
+    return _async_redis(app, "stream_redis", STREAM_MAX_CONNECTIONS)
+
+
+def waiter_redis(app: FastAPI) -> aioredis.Redis:
+    """The job waiter's own asyncio client (``api/job_waiter.py``): its one subscription must never
+    wait for (or be refused by) a pool that every following request may have filled."""
+    return _async_redis(app, "waiter_redis", WAITER_MAX_CONNECTIONS)
+
+
 async def close_stream_redis(app: FastAPI) -> None:
-    client = getattr(app.state, "stream_redis", None)
-    if client is not None:
-        app.state.stream_redis = None
-        with suppress(Exception):
-            await client.aclose()
+    """Close the asyncio clients (the streams' and the waiter's)."""
+    for attribute in ("stream_redis", "waiter_redis"):
+        client = getattr(app.state, attribute, None)
+        if client is not None:
+            setattr(app.state, attribute, None)
+            with suppress(Exception):
+                await client.aclose()
 
 
 def read_job(request: Request, job_id: str, tenant: str | None) -> JobOut | None:

@@ -19,9 +19,8 @@ Two mechanisms, so a drain holds even for workers that start later or miss a bro
    disagrees with that state (or a canary worker's lane that a drain broadcast missed) is
    corrected within one heartbeat.
 
-:func:`consumable_queues` and :func:`queues_to_change` are the drain flags' rule on their own;
-the worker no longer uses them (``worker/consumers.py`` ``consumed_queues`` decides, with every
-other input), and only tests call them.
+Which queues a worker consumes is decided in one place, ``worker/consumers.py``
+``consumed_queues``, with the drain flags as one of its inputs.
 
 The flag's record is SQL (``scheduler.operator_state``: the admin API commits the drain there
 before calling :func:`drain_queue`, and beat restores ``DRAINED_SET`` from it after a Redis
@@ -49,21 +48,6 @@ def _text(value: bytes | str) -> str:
 def drained_queues(client: redis.Redis) -> set[str]:
     """The queues an operator has drained."""
     return {_text(name) for name in client.smembers(DRAINED_SET)}
-
-
-def consumable_queues(configured: Iterable[str], drained: Iterable[str]) -> list[str]:
-    """The configured queues a worker should consume now (order kept: it is the priority)."""
-    skip = set(drained)
-    return [queue for queue in configured if queue not in skip]
-
-
-def queues_to_change(
-    *, configured: Iterable[str], consuming: Iterable[str], drained: Iterable[str]
-) -> tuple[list[str], list[str]]:
-    """``(to_cancel, to_add)`` that bring a worker's consumers in line with the drain flags."""
-    wanted = set(consumable_queues(configured, drained))
-    current = set(consuming)
-    return sorted(current - wanted), sorted(wanted - current)
 
 
 def _nodes(replies: list[dict[str, Any]] | None, destinations: Iterable[str]) -> list[str]:

@@ -118,10 +118,16 @@ class AmqpQueues(Protocol):
 class ConsumerController:
     """Holds the ``ConsumerState`` and keeps Celery consuming ``consumed_queues`` of it.
 
-    One lock orders every change: the set is recomputed and the difference sent under it, so
-    two changes racing (a gate filling on one thread while it empties on another) are applied in
-    the order they happened and the last one wins. A command that fails is logged and left out
-    of what is believed consumed, so the next change tries it again.
+    Two locks, and no I/O under the state lock. ``record`` changes the state (the state lock,
+    held for an assignment: a gate calls it under its own lock, so changes are recorded in the
+    order they happened). ``sync`` sends the difference between what is consumed and what the
+    NEWEST state wants, outside the state lock, one sender at a time (the send lock): a caller
+    that must not wait (a gate on a task thread, the heartbeat on the monitor thread, a SIGTERM
+    handler) leaves the sending to the thread already doing it, which looks at the state again
+    after it released the send lock, so no change is left unsent. A command that blocks (a broker
+    that went away: kombu retries) therefore holds up only the thread sending it, never the
+    gates, the heartbeat or the lease renewal. A command that fails is logged and left out of
+    what is believed consumed, so the next change tries it again.
 
     Before ``go_live`` (Celery's consumer does not exist yet) changes are only recorded: the
     start-up selection is made on the app's ``amqp.queues`` (``select_at_start``), and
@@ -135,7 +141,12 @@ class ConsumerController:
         # what `celery worker --queues` starts consuming; corrected by select_at_start
         self._applied: frozenset[str] = frozenset(self._state.configured)
         self._live = False
-        self._lock = threading.Lock()
+        self._dirty = False  # the state changed since the last send looked at it
+        self._flipped: frozenset[str] = frozenset()  # drain flags changed since then
+        # Re-entrant: Celery runs its SIGTERM handler (``mark_draining`` -> ``record``) on the
+        # main thread, which may be inside ``go_live`` or ``select_at_start`` at that moment.
+        self._lock = threading.RLock()
+        self._send_lock = threading.Lock()
 
     @property
     def state(self) -> ConsumerState:
@@ -145,6 +156,31 @@ class ConsumerController:
     def consuming(self) -> frozenset[str]:
         """The Celery queues this worker consumes as far as the controller knows."""
         return self._applied
+
+    def record(
+        self,
+        *,
+        drained: Iterable[str] | None = None,
+        switching: bool | None = None,
+        joint_full: bool | None = None,
+        capacity_full: bool | None = None,
+        canary_lane: bool | None = None,
+        stopping: bool | None = None,
+    ) -> None:
+        """Change the named parts of the state (None: unchanged); sends nothing (see ``sync``)."""
+        changes: dict[str, Any] = {
+            name: value for name, value in (
+                ("switching", switching), ("joint_full", joint_full), ("capacity_full", capacity_full),
+                ("canary_lane", canary_lane), ("stopping", stopping),
+            ) if value is not None
+        }
+        if drained is not None:
+            changes["drained"] = frozenset(drained)
+        with self._lock:
+            previous = self._state
+            self._state = replace(previous, **changes)
+            self._flipped |= previous.drained ^ self._state.drained
+            self._dirty = True
 
     def update(
         self,
@@ -157,30 +193,35 @@ class ConsumerController:
         stopping: bool | None = None,
         wait: bool = False,
     ) -> None:
-        """Change the named parts of the state (None: unchanged) and apply the new set.
+        """``record`` the changes, then ``sync``.
 
-        ``wait``: each command waits for the consumer's answer (a model switch wants its
-        consumers gone before it drains; a gate on a task thread does not wait)."""
-        changes: dict[str, Any] = {
-            name: value for name, value in (
-                ("switching", switching), ("joint_full", joint_full), ("capacity_full", capacity_full),
-                ("canary_lane", canary_lane), ("stopping", stopping),
-            ) if value is not None
-        }
-        if drained is not None:
-            changes["drained"] = frozenset(drained)
-        with self._lock:
-            previous = self._state
-            self._state = replace(previous, **changes)
-            if self._live and not self._state.stopping:
-                self._apply(flipped=previous.drained ^ self._state.drained, wait=wait)
+        ``wait``: wait for the send lock and for each command's answer (a model switch wants its
+        consumers gone before it drains); otherwise a sender already at work sends this change."""
+        self.record(drained=drained, switching=switching, joint_full=joint_full, capacity_full=capacity_full,
+                    canary_lane=canary_lane, stopping=stopping)
+        self.sync(wait=wait)
+
+    def sync(self, *, wait: bool = False) -> None:
+        """Send what the newest state needs (see the class docstring for who sends)."""
+        while True:
+            if not self._send_lock.acquire(blocking=wait):
+                return  # the thread holding it looks at the state again once it is done
+            try:
+                self._send_newest(wait=wait)
+            finally:
+                self._send_lock.release()
+            with self._lock:
+                if not (self._dirty and self._live and not self._state.stopping):
+                    return
+            wait = False  # changed meanwhile: send it, unless another thread already is
 
     def go_live(self) -> None:
         """Celery's consumer runs (``worker_ready``): from now on changes are sent to it."""
         with self._lock:
             self._live = True
-            if not self._state.stopping:
-                self._apply(flipped=frozenset(), wait=False)
+            self._dirty = True
+            self._flipped = frozenset()  # no consumer existed for a broadcast to change
+        self.sync()
 
     def select_at_start(self, queues: AmqpQueues) -> list[str]:
         """On ``worker_init``, before any consumer exists: select exactly the queues the state
@@ -197,41 +238,46 @@ class ConsumerController:
                 if name not in current:
                     queues.select_add(name)
             self._applied = frozenset(wanted)
+            self._flipped = frozenset()
         if stale or set(wanted) - current:
             log.info("worker.queues_selected_at_start", queues=wanted, deselected=stale)
         return wanted
 
-    def _apply(self, *, flipped: frozenset[str], wait: bool) -> None:
-        """Send the difference between what is consumed and what the state wants (lock held).
+    def _send_newest(self, *, wait: bool) -> None:
+        """Send the difference between what is consumed and what the state wants (send lock held).
 
-        ``flipped``: class queues whose drain flag just changed. The operator's broadcast
+        The drain flags that flipped since the last send: the operator's broadcast
         (``scheduler.drain``) changed those consumers behind this controller's back, by their
         plain names, so both of their lanes are set to what the state wants whatever the
         controller believed (both commands are idempotent in Celery)."""
-        wanted = consumed_queues(self._state)
-        touched = {name for queue in self._state.configured if queue in flipped
+        with self._lock:
+            if not self._live or self._state.stopping:
+                return
+            state, flipped, applied = self._state, self._flipped, set(self._applied)
+            self._dirty, self._flipped = False, frozenset()
+        wanted = consumed_queues(state)
+        touched = {name for queue in state.configured if queue in flipped
                    for name in (queue, *lane_names([queue], canary=True))}
-        order = [*self._state.configured, *lane_names(self._state.configured, canary=True)]
-        to_cancel = [name for name in order
-                     if name not in wanted and (name in self._applied or name in touched)]
-        to_add = [name for name in ordered_queues(self._state)
-                  if name not in self._applied or name in touched]
-        applied = set(self._applied)
+        order = [*state.configured, *lane_names(state.configured, canary=True)]
+        to_cancel = [name for name in order if name not in wanted and (name in applied or name in touched)]
+        to_add = [name for name in ordered_queues(state) if name not in applied or name in touched]
         for name in to_cancel:
-            if self._send(self._commands.cancel, name, wait=wait, event="worker.consumer_cancelled"):
+            if self._send(self._commands.cancel, name, state, wait=wait, event="worker.consumer_cancelled"):
                 applied.discard(name)
         for name in to_add:
-            if self._send(self._commands.add, name, wait=wait, event="worker.consumer_added"):
+            if self._send(self._commands.add, name, state, wait=wait, event="worker.consumer_added"):
                 applied.add(name)
-        self._applied = frozenset(applied)
+        with self._lock:
+            self._applied = frozenset(applied)
 
-    def _send(self, command: Any, queue: str, *, wait: bool, event: str) -> bool:
+    @staticmethod
+    def _send(command: Any, queue: str, state: ConsumerState, *, wait: bool, event: str) -> bool:
         try:
             command(queue, wait=wait)
         except Exception as exc:  # consumers are an optimisation: the runner's hand-back holds
             log.warning("worker.consumer_switch_failed", queue=queue, error=f"{type(exc).__name__}: {exc}")
             return False
-        log.info(event, queue=queue, state=_describe(self._state))
+        log.info(event, queue=queue, state=_describe(state))
         return True
 
 

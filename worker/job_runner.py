@@ -50,6 +50,11 @@ from worker.telemetry import JobFacts, observe_job_finished, retry_reason
 log = structlog.get_logger(__name__)
 
 
+class HandBackFailed(Exception):
+    """A job could not be handed back through the reconciler (its marker stayed): requeue its
+    message instead (``worker/tasks.py``)."""
+
+
 class JobRunner:
     """Runs the jobs of one worker process (see the module docstring)."""
 
@@ -99,10 +104,7 @@ class JobRunner:
             log.warning("job.bad_message", job_id=str(job_id))
             return RunOutcome.INVALID
         if self._draining.is_set():
-            # Not claimed: dropping the marker lets the reconciler publish it for another worker.
-            self.redis.delete(redis_keys.enqueued(parsed))
-            log.warning("job.handed_back_draining", job_id=str(parsed))
-            return RunOutcome.HANDED_BACK
+            return self._hand_back(parsed, "job.handed_back_draining")
         gates = [g for g in (self.joint_gate if queue == JOINT_QUEUE else None,
                              self.capacity_gate if queue != INTERACTIVE_QUEUE else None) if g is not None]
         entered: list[JointGate] = []
@@ -110,22 +112,31 @@ class JobRunner:
             if not gate.try_enter():
                 for held in entered:
                     held.leave()
-                self.redis.delete(redis_keys.enqueued(parsed))  # unclaimed: the reconciler republishes it
-                log.info("job.handed_back_class_cap", job_id=str(parsed), queue=queue, cap=gate.cap)
-                return RunOutcome.HANDED_BACK
+                return self._hand_back(parsed, "job.handed_back_class_cap", queue=queue, cap=gate.cap)
             entered.append(gate)
         if not self.admission.enter():  # switching model versions: not claimed, republished later
             for held in entered:
                 held.leave()
-            self.redis.delete(redis_keys.enqueued(parsed))
-            log.info("job.handed_back_switching", job_id=str(parsed))
-            return RunOutcome.HANDED_BACK
+            return self._hand_back(parsed, "job.handed_back_switching")
         try:
             return self._claim_and_run(parsed)
         finally:
             self.admission.leave()
             for held in entered:
                 held.leave()
+
+    def _hand_back(self, parsed: uuid.UUID, event: str, **fields: object) -> RunOutcome:
+        """Leave a job unclaimed: drop its enqueued marker so that the reconciler republishes it
+        (for another worker, or this one later). A marker that cannot be dropped would hide the
+        job from the reconciler until it expires (``redis_keys.ENQUEUED_TTL_SECONDS``), so then
+        the message itself must go back: ``HandBackFailed`` (the task requeues it)."""
+        try:
+            self.redis.delete(redis_keys.enqueued(parsed))
+        except redis.RedisError as exc:
+            log.warning("job.hand_back_failed", job_id=str(parsed), error=type(exc).__name__)
+            raise HandBackFailed(str(parsed)) from exc
+        log.info(event, job_id=str(parsed), **fields)
+        return RunOutcome.HANDED_BACK
 
     def _claim_and_run(self, parsed: uuid.UUID) -> RunOutcome:
         # From here on the claim in SQL says where the job is, so the enqueued marker goes first:

@@ -39,13 +39,17 @@ PAUSABLE_AT_CAPACITY = (QueueName.STANDARD.value, QueueName.BULK.value)
 class JointGate:
     """Counts the jobs of its classes this worker runs; says when it fills up and frees again."""
 
-    def __init__(self, cap: int, *, on_full: Callable[[bool], None], name: str = JOINT_QUEUE) -> None:
+    def __init__(self, cap: int, *, on_full: Callable[[bool], None], then: Callable[[], None] | None = None,
+                 name: str = JOINT_QUEUE) -> None:
         """``on_full(full)`` is called on every change of fullness, under the gate's lock, so the
         calls arrive in the order the changes happened (a fill racing a leave cannot leave the
-        consumer paused with the gate free)."""
+        consumer paused with the gate free): it must only record (no I/O: every task thread
+        entering or leaving waits for this lock). ``then()`` runs after the lock is released,
+        following a change: where the recorded change is acted on (consumer commands)."""
         self.cap = cap
         self.name = name
         self._on_full = on_full
+        self._then = then
         self._lock = threading.Lock()
         self._active = 0
         self._full = False
@@ -64,18 +68,32 @@ class JointGate:
             if self._active >= self.cap:
                 return False
             self._active += 1
-            if self._active >= self.cap and not self._full:
+            changed = self._active >= self.cap and not self._full
+            if changed:
                 self._full = True
                 self._report(True, "worker.gate_full")
+        if changed:
+            self._act()
         return True
 
     def leave(self) -> None:
         """A job finished (any outcome): free its place; say so if the gate was full."""
         with self._lock:
             self._active = max(0, self._active - 1)
-            if self._full and self._active < self.cap:
+            changed = self._full and self._active < self.cap
+            if changed:
                 self._full = False
                 self._report(False, "worker.gate_free")
+        if changed:
+            self._act()
+
+    def _act(self) -> None:
+        if self._then is None:
+            return
+        try:
+            self._then()
+        except Exception as exc:  # consumption control is an optimisation; the gate still holds
+            log.warning("worker.gate_action_failed", gate=self.name, error=f"{type(exc).__name__}: {exc}")
 
     def _report(self, full: bool, event: str) -> None:
         try:

@@ -118,7 +118,7 @@ class ProcessLifecycle:
         back unclaimed (``JobRunner.run_job``).
         """
         self.draining.set()
-        self.consumers.update(stopping=True)
+        self.consumers.record(stopping=True)  # nothing to send once stopping
         if self.info.state != WorkerState.FAILED:
             self.info.state = WorkerState.DRAINING
         self.heartbeat()
@@ -158,7 +158,7 @@ class ProcessLifecycle:
         log.error("worker.engine_dead", worker_id=self.worker_id)
         self.info.state = WorkerState.FAILED
         self.draining.set()
-        self.consumers.update(stopping=True)
+        self.consumers.record(stopping=True)  # nothing to send once stopping
         os.kill(os.getpid(), signal.SIGTERM)
 
     def publish_metrics_now(self) -> None:

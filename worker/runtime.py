@@ -96,10 +96,13 @@ class WorkerRuntime:
             )
         # At most engine_joint_slot_cap joint jobs hold task threads (worker/joint_gate.py); at most
         # engine_max_batch of every class but interactive. A full gate pauses its queues (consumers).
+        # A gate records its change under its lock and sends the consumer commands after it.
         joint_gate = JointGate(settings.engine_joint_slot_cap, name=JOINT_QUEUE,
-                               on_full=lambda full: self.consumers.update(joint_full=full))
+                               on_full=lambda full: self.consumers.record(joint_full=full),
+                               then=self.consumers.sync)
         capacity_gate = JointGate(settings.engine_max_batch, name="capacity",
-                                  on_full=lambda full: self.consumers.update(capacity_full=full))
+                                  on_full=lambda full: self.consumers.record(capacity_full=full),
+                                  then=self.consumers.sync)
         self.runner = JobRunner(
             settings=settings, sessions=self.sessions, redis_client=self.redis, worker_id=self.worker_id,
             model=self.model, monitor=monitor, metrics=self.metrics, admission=self.admission,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from celery import Task, shared_task
+from celery.exceptions import Reject
 
 from scheduler.celery_app import RUN_JOB_TASK
+from worker.job_runner import HandBackFailed
 from worker.runtime import get_runtime
 
 
@@ -12,4 +14,7 @@ from worker.runtime import get_runtime
 def run_job(self: Task, job_id: str) -> str:
     """Run job ``job_id`` on this process's resident model (fenced: duplicates are no-ops)."""
     queue = (self.request.delivery_info or {}).get("routing_key")
-    return get_runtime().run_job(job_id, queue=queue)
+    try:
+        return get_runtime().run_job(job_id, queue=queue)
+    except HandBackFailed as exc:  # unclaimed, and the reconciler cannot see it: back to the broker
+        raise Reject(str(exc), requeue=True) from exc

@@ -16,11 +16,12 @@ from api.app import create_app
 from scheduler import operator_state
 from scheduler.admission import Admission, AdmissionRefused
 from scheduler.db import get_session_factory, make_engine, session_factory
-from scheduler.drain import consumable_queues, drained_queues
+from scheduler.drain import drained_queues
 from scheduler.keys import create_key
 from scheduler.operator_state import sql_operator_state
 from scheduler.redis_keys import DRAINED_SET, LIMITS_KEY
 from scheduler.settings import Settings
+from worker.consumers import ConsumerState, ordered_queues
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,9 @@ def test_drain_and_cap_come_back_after_flush(
         assert drained_queues(client) == set() and admission.tenant_cap(tenant) == 100
 
         assert operator_state.restore_operator_state(session, client) is True
-        assert consumable_queues(CONFIGURED, drained_queues(client)) == ["standard", "bulk"]
+        drained = frozenset(drained_queues(client))
+        state = ConsumerState(configured=tuple(CONFIGURED), drained=drained)
+        assert ordered_queues(state) == ["standard", "bulk"]
         assert admission.tenant_cap(tenant) == 2
         assert refuses_over_cap(admission, tenant, active=2)
         assert not refuses_over_cap(admission, tenant, active=1)

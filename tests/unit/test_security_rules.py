@@ -1,4 +1,4 @@
-"""Pure rules of the security layer: caller scopes, drain reconciliation, limit updates."""
+"""Pure rules of the security layer: caller scopes, limit updates."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from api.auth import DEV_CALLER, Caller
 from api.routes.admin import _limit_changes
 from api.schemas.admin import LimitsUpdate
 from scheduler.admission import validate_limit_field
-from scheduler.drain import consumable_queues, queues_to_change
 
 
 def test_admin_scope_implies_every_scope_and_sees_all_tenants() -> None:
@@ -18,20 +17,6 @@ def test_admin_scope_implies_every_scope_and_sees_all_tenants() -> None:
     assert reader.has_scope("read") and not reader.has_scope("submit") and not reader.has_scope("admin")
     assert reader.tenant_filter == "acme"
     assert DEV_CALLER.tenant == "default" and DEV_CALLER.key_id is None and DEV_CALLER.is_admin
-
-
-def test_consumable_queues_keep_priority_order() -> None:
-    configured = ["interactive", "standard", "bulk"]
-    assert consumable_queues(configured, {"standard"}) == ["interactive", "bulk"]
-    assert consumable_queues(configured, set()) == configured
-
-
-def test_queues_to_change_reconciles_a_worker_with_the_drain_flags() -> None:
-    configured = ["interactive", "standard", "bulk"]
-    cancel, add = queues_to_change(configured=configured, consuming=configured, drained={"bulk", "joint"})
-    assert (cancel, add) == (["bulk"], [])
-    cancel, add = queues_to_change(configured=configured, consuming=["interactive"], drained=set())
-    assert (cancel, add) == ([], ["bulk", "standard"])
 
 
 def test_limit_update_sets_and_clears_only_what_was_sent() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -296,3 +298,53 @@ def test_the_runtime_wires_its_gates_to_the_one_controller() -> None:
     plain = WorkerRuntime(settings, worker_id="w2", queues=("standard", "bulk"))
     assert plain.runner.joint_gate is None and plain.runner.capacity_gate is None
     assert plain.runner.faults is None  # fault injection is off unless the setting is on
+
+
+class BlockingCommands(Commands):
+    """A broker that hangs: commands for ``queue`` wait until ``release`` is set."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__()
+        self.queue = queue
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def cancel(self, queue: str, *, wait: bool) -> None:
+        if queue == self.queue:
+            self.entered.set()
+            assert self.release.wait(10)
+        super().cancel(queue, wait=wait)
+
+
+def test_a_hanging_command_blocks_only_its_sender_and_no_change_is_left_unsent() -> None:
+    """A gate on another task thread (or the heartbeat) must not wait for a command stuck on a dead
+    broker; what it changed meanwhile is sent by the stuck sender once it gets through."""
+    commands = BlockingCommands("joint")
+    controller = ConsumerController(ALL, commands)
+    controller.go_live()
+    sender = threading.Thread(target=lambda: controller.update(joint_full=True))
+    sender.start()
+    assert commands.entered.wait(10)
+    started = time.monotonic()
+    controller.update(capacity_full=True)  # another thread's change while the send hangs
+    controller.record(drained={"interactive"})
+    assert time.monotonic() - started < 1.0
+    commands.release.set()
+    sender.join(10)
+    assert not sender.is_alive()
+    assert controller.consuming == frozenset() == consumed_queues(controller.state)
+
+
+def test_a_sigterm_during_the_start_up_selection_does_not_deadlock() -> None:
+    """Celery runs its SIGTERM handler (mark_draining -> record) on the main thread, which may be
+    inside select_at_start at that moment: the state lock is re-entrant."""
+    controller = ConsumerController(ALL, Commands())
+
+    class Interrupted(FakeAmqpQueues):
+        def select_add(self, queue: str) -> Any:
+            controller.record(stopping=True)  # the handler, on the same thread
+            return super().select_add(queue)
+
+    controller.update(canary_lane=True)
+    controller.select_at_start(Interrupted(list(ALL)))
+    assert controller.state.stopping
