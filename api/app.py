@@ -106,8 +106,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     install_error_handlers(app)
     uploads = ("/v1/batches", *openai_batches.FILE_PATHS)  # batch bodies and OpenAI batch files
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
-                       path_limits=dict.fromkeys(uploads, settings.batch_max_body_bytes))
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.limits.max_body_bytes,
+                       path_limits=dict.fromkeys(uploads, settings.batches.max_body_bytes))
     install_observability(app)  # outermost middleware: request id + HTTP metrics for every answer
     app.include_router(health.router)
     app.include_router(jobs.router)

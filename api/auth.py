@@ -111,7 +111,8 @@ class Security:
         self.settings = settings
         self.session_factory = session_factory
         self.redis = redis_client
-        self.authenticator = KeyAuthenticator(session_factory, cache_seconds=settings.auth_cache_seconds)
+        self.authenticator = KeyAuthenticator(session_factory,
+                                              cache_seconds=settings.security.auth_cache_seconds)
         self.admission = Admission(redis_client, settings)
 
 
@@ -260,7 +261,7 @@ async def _authenticate(request: Request, credentials: HTTPAuthorizationCredenti
     """The request's caller, or 401. The key cache answers without I/O on the common path, so
     only a cache miss costs a thread-pool hop (for the database lookup)."""
     settings = _settings_of(request)
-    if settings.auth == "disabled":
+    if settings.security.auth == "disabled":
         request.state.caller = DEV_CALLER
         return DEV_CALLER
     if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:

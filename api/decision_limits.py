@@ -15,7 +15,7 @@ from api.prompt_tokens import PromptTokenCounter
 from api.schemas.decisions import DecideInput, DecideParams
 from scheduler.settings import Settings
 
-# Test-only fault names of decisions (honoured only with settings.fault_injection).
+# Test-only fault names of decisions (honoured only with settings.worker.fault_injection).
 DECIDE_FAULTS = ("invalid_rationale_once", "invalid_rationale_always")
 
 
@@ -29,21 +29,23 @@ def check_decide_limits(
     faults_enabled: bool,
 ) -> dict[str, Any]:
     """Validate a decision against the limits; return the params to store."""
-    if len(input.questions) > settings.decide_max_questions:
-        raise _invalid(["input", "questions"], f"at most {settings.decide_max_questions} questions",
+    if len(input.questions) > settings.decisions.max_questions:
+        raise _invalid(["input", "questions"], f"at most {settings.decisions.max_questions} questions",
                        len(input.questions))
     for i, question in enumerate(input.questions):
-        if len(question.choices) > settings.decide_max_choices:
+        if len(question.choices) > settings.decisions.max_choices:
             raise _invalid(["input", "questions", i, "choices"],
-                           f"at most {settings.decide_max_choices} choices", len(question.choices))
-    if len(input.context) > settings.decide_max_context_chars:
-        raise _invalid(["input", "context"], f"at most {settings.decide_max_context_chars} characters",
+                           f"at most {settings.decisions.max_choices} choices", len(question.choices))
+    if len(input.context) > settings.decisions.max_context_chars:
+        raise _invalid(["input", "context"], f"at most {settings.decisions.max_context_chars} characters",
                        len(input.context))
-    steps = check_steps_fit_block(params.steps_per_block, params.block_size, settings.default_steps_per_block)
-    if steps is not None and steps > settings.max_steps_per_block:
-        raise _invalid(["params", "steps_per_block"], f"at most {settings.max_steps_per_block}", steps)
-    if params.step_budget is not None and params.step_budget > settings.max_step_budget:
-        raise _invalid(["params", "step_budget"], f"at most {settings.max_step_budget}", params.step_budget)
+    steps = check_steps_fit_block(params.steps_per_block, params.block_size,
+                                  settings.limits.default_steps_per_block)
+    if steps is not None and steps > settings.limits.max_steps_per_block:
+        raise _invalid(["params", "steps_per_block"], f"at most {settings.limits.max_steps_per_block}", steps)
+    if params.step_budget is not None and params.step_budget > settings.limits.max_step_budget:
+        raise _invalid(["params", "step_budget"], f"at most {settings.limits.max_step_budget}",
+                       params.step_budget)
     if params.fault is not None and (not faults_enabled or params.fault not in DECIDE_FAULTS):
         raise _invalid(["params", "fault"], "params.fault is only accepted when fault injection is enabled "
                        f"(tests), one of {list(DECIDE_FAULTS)}", params.fault)
@@ -54,15 +56,15 @@ def check_decide_limits(
     else:
         texts = [input.context, max((q.text for q in input.questions), key=len)]
     prompt_tokens = counter.count(texts)
-    if prompt_tokens > settings.max_prompt_tokens:
+    if prompt_tokens > settings.limits.max_prompt_tokens:
         raise ApiError(422, "prompt_too_long",
                        f"A decision prompt has {prompt_tokens} tokens (bound); the limit is "
-                       f"{settings.max_prompt_tokens}.",
-                       {"prompt_tokens": prompt_tokens, "max_prompt_tokens": settings.max_prompt_tokens,
-                        "exact": counter.exact})
+                       f"{settings.limits.max_prompt_tokens}.",
+                       {"prompt_tokens": prompt_tokens,
+                        "max_prompt_tokens": settings.limits.max_prompt_tokens, "exact": counter.exact})
     stored = params.model_dump(exclude_none=True)
     if steps is not None:  # else the worker's model family default
         stored["steps_per_block"] = steps
     if input.mode == "joint" and params.step_budget is None:
-        stored["step_budget"] = settings.joint_default_step_budget
+        stored["step_budget"] = settings.decisions.joint_default_step_budget
     return stored

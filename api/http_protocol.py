@@ -42,8 +42,8 @@ class HeadTooLarge(Exception):
 def head_limits(max_bytes: int | None, max_count: int | None) -> tuple[int, int]:
     """The limits in force: the pinned values, else the process settings."""
     settings = get_settings()
-    return (max_bytes if max_bytes is not None else settings.max_header_bytes,
-            max_count if max_count is not None else settings.max_header_count)
+    return (max_bytes if max_bytes is not None else settings.limits.max_header_bytes,
+            max_count if max_count is not None else settings.limits.max_header_count)
 
 
 def json_error_bytes(status: int, reason: str, code: str, message: str, details: Any,

@@ -37,12 +37,13 @@ def metadata_bytes(metadata: Mapping[str, Any]) -> int:
 def check_metadata(
     metadata: Mapping[str, Any] | None, *, settings: Settings, loc: Sequence[str | int] = ("body", "metadata")
 ) -> None:
-    """422 ``metadata_too_large`` when ``metadata`` exceeds ``settings.max_metadata_bytes``."""
+    """422 ``metadata_too_large`` when ``metadata`` exceeds ``settings.limits.max_metadata_bytes``."""
     if not metadata:
         return
     size = metadata_bytes(metadata)
-    if size > settings.max_metadata_bytes:
-        message = f"metadata is {size} bytes as JSON; at most {settings.max_metadata_bytes} are accepted."
+    if size > settings.limits.max_metadata_bytes:
+        cap = settings.limits.max_metadata_bytes
+        message = f"metadata is {size} bytes as JSON; at most {cap} are accepted."
         raise ApiError(422, "metadata_too_large", message,
                        [{"loc": list(loc), "message": message, "type": "limit", "value": size}])
 
@@ -97,17 +98,18 @@ def check_generate_limits(
     """
     params = body.params
     # Thinking jobs get larger defaults (they write the reasoning before the answer).
-    thinking = settings.default_thinking if params.thinking is None else params.thinking
-    default_new = settings.thinking_default_max_new_tokens if thinking else settings.default_max_new_tokens
+    thinking = settings.thinking.default if params.thinking is None else params.thinking
+    default_new = (settings.thinking.default_max_new_tokens if thinking
+                   else settings.limits.default_max_new_tokens)
     max_new_tokens = params.max_new_tokens or default_new
     steps_per_block = check_steps_fit_block(params.steps_per_block, params.block_size,
-                                            settings.default_steps_per_block)
-    if max_new_tokens > settings.max_new_tokens_limit:
-        raise _limit_error("max_new_tokens", max_new_tokens, settings.max_new_tokens_limit)
-    if steps_per_block is not None and steps_per_block > settings.max_steps_per_block:
-        raise _limit_error("steps_per_block", steps_per_block, settings.max_steps_per_block)
-    if params.step_budget is not None and params.step_budget > settings.max_step_budget:
-        raise _limit_error("step_budget", params.step_budget, settings.max_step_budget)
+                                            settings.limits.default_steps_per_block)
+    if max_new_tokens > settings.limits.max_new_tokens_limit:
+        raise _limit_error("max_new_tokens", max_new_tokens, settings.limits.max_new_tokens_limit)
+    if steps_per_block is not None and steps_per_block > settings.limits.max_steps_per_block:
+        raise _limit_error("steps_per_block", steps_per_block, settings.limits.max_steps_per_block)
+    if params.step_budget is not None and params.step_budget > settings.limits.max_step_budget:
+        raise _limit_error("step_budget", params.step_budget, settings.limits.max_step_budget)
     if params.fault is not None and not faults_enabled:
         raise ApiError(
             422,
@@ -117,13 +119,14 @@ def check_generate_limits(
         )
 
     prompt_tokens = counter.count(body.input.text_parts())
-    if prompt_tokens > settings.max_prompt_tokens:
+    if prompt_tokens > settings.limits.max_prompt_tokens:
         unit = "tokens" if counter.exact else "bytes (upper bound of tokens)"
         raise ApiError(
             422,
             "prompt_too_long",
-            f"The prompt has {prompt_tokens} {unit}; the limit is {settings.max_prompt_tokens} tokens.",
-            {"prompt_tokens": prompt_tokens, "max_prompt_tokens": settings.max_prompt_tokens,
+            f"The prompt has {prompt_tokens} {unit}; the limit is "
+            f"{settings.limits.max_prompt_tokens} tokens.",
+            {"prompt_tokens": prompt_tokens, "max_prompt_tokens": settings.limits.max_prompt_tokens,
              "exact": counter.exact},
         )
 
@@ -147,5 +150,5 @@ def check_generate_limits(
         stored["steps_per_block"] = steps_per_block
     stored["thinking"] = thinking
     if thinking and params.step_budget is None:
-        stored["step_budget"] = min(settings.thinking_default_step_budget, settings.max_step_budget)
+        stored["step_budget"] = min(settings.thinking.default_step_budget, settings.limits.max_step_budget)
     return stored

@@ -319,7 +319,7 @@ def completion_job(req: CompletionRequest) -> GenerateJobCreate:
 def served_model_id(settings: Settings) -> str:
     """The model name clients pass as ``model``: the served store model, else the checkpoint
     folder's name (the deployment serves one model)."""
-    return settings.served_model or settings.resolved_model_dir.name
+    return settings.model.served or settings.resolved_model_dir.name
 
 
 def model_card(settings: Settings) -> dict[str, Any]:

@@ -66,18 +66,6 @@ TENANT = "bench-mix"
 # --- backends and processes -----------------------------------------------------------------------
 
 
-def _settings_env(settings: Settings) -> dict[str, str]:
-    env = {}
-    for name, value in settings.model_dump().items():
-        if value is None:
-            continue
-        text = json.dumps(value) if isinstance(value, (dict, list)) else (
-            ("true" if value else "false") if isinstance(value, bool) else str(value)
-        )
-        env[f"CLOVERQ_{name.upper()}"] = text
-    return env
-
-
 @dataclass
 class Worker:
     """A real Celery worker subprocess (``python -m worker.celery_worker``)."""
@@ -98,7 +86,7 @@ class Worker:
 
 def _start_worker(name: str, settings: Settings, workdir: Path, *, queues: str, threads: int,
                   nice: int = 0, extra_env: dict[str, str] | None = None) -> Worker:
-    env = {**os.environ, **_settings_env(settings), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    env = {**os.environ, **settings.to_env(), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     log_path = workdir / f"{name}.log"
     argv = [sys.executable, "-m", "worker.celery_worker", "--queues", queues, "--concurrency", str(threads)]
     if nice:  # `nice` execs the worker: same pid, lower CPU priority
@@ -110,7 +98,7 @@ def _start_worker(name: str, settings: Settings, workdir: Path, *, queues: str, 
 
 def _start_beat(settings: Settings, workdir: Path) -> Worker:
     """The light beat process (reconciler): it republishes messages a worker handed back."""
-    env = {**os.environ, **_settings_env(settings), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **settings.to_env(), "PYTHONUNBUFFERED": "1"}
     log_path = workdir / "beat.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "scheduler.beat"], env=env, stdout=log,
@@ -361,9 +349,9 @@ def main() -> None:
     parser.add_argument("--worker-log-level", default="WARNING")
     parser.add_argument("--bulk-backlog", type=int, default=24, help="bulk jobs kept queued (bulk phases)")
     parser.add_argument("--bulk-tokens", type=int, default=256, help="tokens per bulk job")
-    parser.add_argument("--reserve", type=int, default=Settings().engine_interactive_reserve,
+    parser.add_argument("--reserve", type=int, default=Settings().engine.interactive_reserve,
                         help="engine_interactive_reserve of the shared worker (default: the product's)")
-    parser.add_argument("--switch-interval-ms", type=float, default=Settings().worker_switch_interval_ms,
+    parser.add_argument("--switch-interval-ms", type=float, default=Settings().worker.switch_interval_ms,
                         help="worker_switch_interval_ms of every worker (default: the product's; "
                              "Python's own is 5)")
     parser.add_argument("--no-bulk", dest="bulk", action="store_false", help="skip the two bulk phases")
@@ -388,7 +376,7 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
     base = Settings(database_url=db_url, redis_url=redis_url, data_dir=workdir, model_dir=checkpoint,
                     auth="disabled", log_level=args.worker_log_level, engine_max_batch=args.threads,
                     engine_joint_slot_cap=args.joint_cap, worker_switch_interval_ms=args.switch_interval_ms)
-    joint_settings = base.model_copy(update={"engine_max_batch": args.joint_cap})
+    joint_settings = base.replaced(engine_max_batch=args.joint_cap)
     load = Load(base, args)
     phases = [Phase("idle (priority queues)"), Phase("joint load (priority queues)"),
               Phase("single FIFO queue"), Phase("joint load, one shared worker"),
@@ -413,7 +401,7 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
         redis.Redis.from_url(redis_url).delete(*JOB_QUEUES)
         if args.shared:
             print("phase 2b: joint load, ONE worker consuming all queues (joint gate)", flush=True)
-            shared_settings = base.model_copy(update={"engine_max_batch": args.threads + args.joint_cap})
+            shared_settings = base.replaced(engine_max_batch=args.threads + args.joint_cap)
             workers = [_start_worker("worker-shared", shared_settings, workdir,
                                      queues=",".join(JOB_QUEUES),
                                      threads=args.threads + args.joint_cap),
@@ -425,7 +413,7 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
             redis.Redis.from_url(redis_url).delete(*JOB_QUEUES)
         if args.bulk:
             print("phase 4: bulk load, ONE worker consuming all queues (interactive reserve)", flush=True)
-            bulk_settings = base.model_copy(update={"engine_interactive_reserve": args.reserve})
+            bulk_settings = base.replaced(engine_interactive_reserve=args.reserve)
             workers = [_start_worker("worker-bulk", bulk_settings, workdir,
                                      queues=",".join(JOB_QUEUES),
                                      threads=args.threads + args.reserve),
@@ -444,7 +432,7 @@ def _run(args: argparse.Namespace, workdir: Path, db_url: str, redis_url: str) -
                 worker.stop()
             redis.Redis.from_url(redis_url).delete(FIFO_QUEUE)
         print("phase 3: one FIFO queue, one worker", flush=True)
-        fifo_settings = base.model_copy(update={"engine_max_batch": args.threads + args.joint_cap})
+        fifo_settings = base.replaced(engine_max_batch=args.threads + args.joint_cap)
         workers = [_start_worker("worker-fifo", fifo_settings, workdir, queues=FIFO_QUEUE,
                                  threads=args.threads + args.joint_cap)]
         _wait_ready(workers, redis_url)

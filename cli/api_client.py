@@ -23,8 +23,8 @@ from scheduler.settings import Settings, get_settings
 
 def api_key(settings: Settings) -> str | None:
     """``CLOVERQ_API_KEY``, else the dev key ``cloverq up`` wrote, else none."""
-    if settings.api_key:
-        return settings.api_key
+    if settings.client.api_key:
+        return settings.client.api_key
     path = settings.data_dir / DEV_KEY_FILE
     return path.read_text().strip() if path.is_file() else None
 
@@ -40,7 +40,7 @@ def api_client(url: str | None = None, key: str | None = None, *, timeout: float
     """A :class:`client.Client` for the configured API; API and connection errors become
     ``click.ClickException`` s that say what went wrong and where."""
     settings = get_settings()
-    base = url or settings.api_url
+    base = url or settings.client.api_url
     with Client(base, key or api_key(settings), timeout=timeout) as cq:
         try:
             yield cq

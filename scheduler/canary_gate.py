@@ -80,10 +80,10 @@ def check_promotion(session: Session, *, activation: Activation, settings: Setti
                     since=activation.canary_started_at)
     canary, stable = tallies[activation.canary_version], tallies[activation.version]
     reasons: list[str] = []
-    if canary.finished < settings.canary_min_jobs:
-        reasons.append(f"the canary finished {canary.finished} jobs, fewer than {settings.canary_min_jobs}")
-    if canary.error_rate > stable.error_rate + settings.canary_error_margin:
+    if canary.finished < settings.canary.min_jobs:
+        reasons.append(f"the canary finished {canary.finished} jobs, fewer than {settings.canary.min_jobs}")
+    if canary.error_rate > stable.error_rate + settings.canary.error_margin:
         reasons.append(f"the canary's error rate {canary.error_rate:.2%} exceeds the stable one's "
-                       f"{stable.error_rate:.2%} by more than {settings.canary_error_margin:.2%}")
-    return GateReport(canary=canary, stable=stable, min_jobs=settings.canary_min_jobs,
-                      error_margin=settings.canary_error_margin, reasons=reasons)
+                       f"{stable.error_rate:.2%} by more than {settings.canary.error_margin:.2%}")
+    return GateReport(canary=canary, stable=stable, min_jobs=settings.canary.min_jobs,
+                      error_margin=settings.canary.error_margin, reasons=reasons)

@@ -58,10 +58,10 @@ def canary_queues(workers: list[WorkerInfo], model: str, version: str) -> list[s
 
 def heal_pins(session: Session, *, redis_client: redis.Redis, settings: Settings,
               now: datetime | None = None) -> int:
-    """Apply rules 1 and 2 of the module doc for ``settings.served_model``; returns jobs moved."""
-    if not settings.served_model:
+    """Apply rules 1 and 2 of the module doc for ``settings.model.served``; returns jobs moved."""
+    if not settings.model.served:
         return 0
-    row = session.get(ActiveModel, settings.served_model, populate_existing=True)
+    row = session.get(ActiveModel, settings.model.served, populate_existing=True)
     if row is None:
         session.commit()
         return 0
@@ -75,7 +75,7 @@ def heal_pins(session: Session, *, redis_client: redis.Redis, settings: Settings
     rerouted = 0
     if row.canary_version is not None:
         covered = canary_queues(list_workers(redis_client), row.name, row.canary_version)
-        waited = now - timedelta(seconds=settings.canary_reroute_seconds)
+        waited = now - timedelta(seconds=settings.canary.reroute_seconds)
         rerouted = rowcount(session.execute(
             update(Job).where(queued, Job.routed_version == row.canary_version, Job.created_at <= waited,
                               Job.queue.not_in(covered))

@@ -56,10 +56,10 @@ class DatabaseTimeouts:
     def from_settings(cls, settings: Settings) -> DatabaseTimeouts:
         """The bounds ``settings`` configure (``CLOVERQ_DATABASE_*_TIMEOUT_SECONDS``)."""
         return cls(
-            connect=settings.database_connect_timeout_seconds,
-            statement=settings.database_statement_timeout_seconds,
-            lock=settings.database_lock_timeout_seconds,
-            pool=settings.database_pool_timeout_seconds,
+            connect=settings.database.connect_timeout_seconds,
+            statement=settings.database.statement_timeout_seconds,
+            lock=settings.database.lock_timeout_seconds,
+            pool=settings.database.pool_timeout_seconds,
         )
 
     def for_migrations(self) -> DatabaseTimeouts:

@@ -131,7 +131,7 @@ def submit_job(
 
     route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
     job_id = job_id or uuid.uuid4()
-    canary = current_route(session, settings.served_model)  # None without a canary: no pin
+    canary = current_route(session, settings.model.served)  # None without a canary: no pin
     routed_version = route_version(job_id, canary)
     now = utcnow()
     row: dict[str, Any] = dict.fromkeys(_ATTR_COLUMNS)  # every attribute loaded: no lazy refresh later
@@ -149,7 +149,7 @@ def submit_job(
         step_budget=params.get("step_budget"),
         steps_used=0,
         attempt=0,
-        max_attempts=settings.max_attempts,
+        max_attempts=settings.jobs.max_attempts,
         cancel_requested=False,
         idempotency_key=idempotency_key,
         request_fingerprint=fingerprint,
@@ -314,7 +314,7 @@ def cancel_job(
 
 
 def _expiry(now: datetime, settings: Settings) -> datetime:
-    return now + timedelta(seconds=settings.result_ttl_seconds)
+    return now + timedelta(seconds=settings.jobs.result_ttl_seconds)
 
 
 def read_progress(

@@ -85,7 +85,7 @@ def claim_job(
         .values(
             status=JobStatus.RUNNING.value,
             attempt=Job.attempt + 1,
-            lease_deadline=now + timedelta(seconds=settings.lease_seconds),
+            lease_deadline=now + timedelta(seconds=settings.jobs.lease_seconds),
             worker_id=worker_id,
             model_version=model_version,
             started_at=now,
@@ -120,7 +120,7 @@ def finish_job(
         "error_code": error_code,
         "error_message": _sql_safe(error_message),
         "finished_at": now,
-        "expires_at": now + timedelta(seconds=settings.result_ttl_seconds),
+        "expires_at": now + timedelta(seconds=settings.jobs.result_ttl_seconds),
         "lease_deadline": None,
         "updated_at": now,
     }
@@ -203,7 +203,7 @@ def renew_leases(
     session.execute(
         update(Job)
         .where(Job.id.in_(ids), Job.worker_id == worker_id, Job.status == JobStatus.RUNNING.value)
-        .values(lease_deadline=now + timedelta(seconds=settings.lease_seconds), updated_at=now)
+        .values(lease_deadline=now + timedelta(seconds=settings.jobs.lease_seconds), updated_at=now)
     )
     rows = session.execute(
         select(Job.id, Job.attempt, Job.status, Job.worker_id, Job.cancel_requested).where(Job.id.in_(ids))

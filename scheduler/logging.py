@@ -7,7 +7,7 @@
   contextvar while the request is served (:func:`bind_request_id`), is stored on the job row,
   and the worker binds it again (:func:`bound_job_context`) so its job log lines carry it.
 * Prompts, contexts and outputs are dropped from every event unless
-  ``settings.log_payloads`` (``CLOVERQ_LOG_PAYLOADS=true``); secrets are dropped always.
+  ``settings.observability.log_payloads`` (``CLOVERQ_LOG_PAYLOADS=true``); secrets are dropped always.
 * :func:`log_job_finished` writes the one summary line per finished job.
 """
 
@@ -132,7 +132,7 @@ def shared_processors(settings: Settings) -> list[Processor]:
         drop_secrets,
     ]
     processors.extend(_extra_redaction_processors())
-    if not settings.log_payloads:
+    if not settings.observability.log_payloads:
         processors.append(drop_payloads)
     return processors
 
@@ -149,7 +149,7 @@ def _extra_redaction_processors() -> list[Processor]:
 
 def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> None:
     """Route structlog and stdlib logging to one JSON-lines stream (stderr by default)."""
-    level = logging.getLevelName(settings.log_level.upper())
+    level = logging.getLevelName(settings.observability.log_level.upper())
     if not isinstance(level, int):
         level = logging.INFO
     shared = shared_processors(settings)

@@ -74,7 +74,7 @@ def release_orphaned_deliveries(
     ``enqueue_due_jobs`` publishes the job again (a late duplicate is fenced off by the claim).
     Returns how many jobs were released.
     """
-    cutoff = (now or utcnow()).timestamp() - settings.lease_seconds
+    cutoff = (now or utcnow()).timestamp() - settings.jobs.lease_seconds
     tags = cast("list[bytes]",
                 redis_client.zrangebyscore(KOMBU_UNACKED_INDEX, "-inf", cutoff, start=0, num=BATCH))
     if not tags:
@@ -120,11 +120,11 @@ def release_lost_messages(
     rows = session.execute(
         select(Job.id, Job.queue, Job.routed_version)
         .where(Job.status == JobStatus.QUEUED.value, Job.cancel_requested.is_(False),
-               Job.available_at <= now - timedelta(seconds=settings.lease_seconds))
+               Job.available_at <= now - timedelta(seconds=settings.jobs.lease_seconds))
         .order_by(Job.available_at)
         .limit(BATCH)
     ).all()
-    canary = current_route(session, settings.served_model) if rows else None
+    canary = current_route(session, settings.model.served) if rows else None
     session.commit()
     if not rows:
         return 0
@@ -137,7 +137,7 @@ def release_lost_messages(
         pipe.ttl(redis_keys.enqueued(row.id))
     answers = pipe.execute()
     empty = {queue for queue, length in zip(queues, answers[:len(queues)], strict=True) if length == 0}
-    oldest_fresh_ttl = redis_keys.ENQUEUED_TTL_SECONDS - settings.lease_seconds
+    oldest_fresh_ttl = redis_keys.ENQUEUED_TTL_SECONDS - settings.jobs.lease_seconds
     suspects = [row.id for row, row_lane, ttl in zip(rows, lanes, answers[len(queues):], strict=True)
                 if row_lane in empty and 0 < ttl < oldest_fresh_ttl]
     if not suspects:
@@ -160,7 +160,7 @@ def enqueue_due_jobs(
     from scheduler.enqueue import try_publish_job
 
     now = now or utcnow()
-    due_before = now - timedelta(seconds=settings.reconcile_grace_seconds)
+    due_before = now - timedelta(seconds=settings.beat.reconcile_grace_seconds)
     rows = session.execute(
         select(Job.id, Job.queue, Job.request_id, Job.routed_version)
         .where(Job.status == JobStatus.QUEUED.value, Job.available_at <= due_before,
@@ -168,7 +168,7 @@ def enqueue_due_jobs(
         .order_by(Job.available_at)
         .limit(BATCH)
     ).all()
-    canary = current_route(session, settings.served_model) if rows else None
+    canary = current_route(session, settings.model.served) if rows else None
     session.commit()
     if not rows:
         return 0
@@ -215,7 +215,7 @@ def reap_expired_leases(
     lost_together: dict[str | None, int] = {}
     requeued = failed = cancelled = 0
     reaped: list[tuple[Any, str]] = []  # (row, new status) for the metrics below
-    expires = now + timedelta(seconds=settings.result_ttl_seconds)
+    expires = now + timedelta(seconds=settings.jobs.result_ttl_seconds)
     for row in rows:
         fence = (Job.id == row.id, Job.attempt == row.attempt, Job.status == JobStatus.RUNNING.value,
                  Job.lease_deadline < now)
@@ -227,7 +227,7 @@ def reap_expired_leases(
                       "error_message": f"lease expired on attempt {row.attempt} (worker lost)"}
         else:
             rank = lost_together[row.worker_id] = lost_together.get(row.worker_id, -1) + 1
-            delay = backoff_seconds(row.attempt, settings) + rank * settings.reconcile_interval_seconds
+            delay = backoff_seconds(row.attempt, settings) + rank * settings.beat.reconcile_interval_seconds
             values = {"status": JobStatus.QUEUED.value, "available_at": now + timedelta(seconds=delay),
                       "worker_id": None,
                       "error_message": f"attempt {row.attempt}: lease expired (worker lost)"}
@@ -290,11 +290,11 @@ def promote_aged_jobs(
             Job.status == JobStatus.QUEUED.value, Job.queue == QueueName.INTERACTIVE.value,
             Job.priority.in_(AGING_SOURCES))
     ) or 0
-    room = min(BATCH, settings.aging_max_promoted - waiting_promoted)
+    room = min(BATCH, settings.scheduling.aging_max_promoted - waiting_promoted)
     if room <= 0:
         session.commit()
         return 0
-    cutoff = now - timedelta(seconds=settings.aging_seconds)
+    cutoff = now - timedelta(seconds=settings.scheduling.aging_seconds)
     oldest = [row.id for row in session.execute(
         select(Job.id)
         .where(Job.status == JobStatus.QUEUED.value, Job.queue.in_(AGING_SOURCES),
@@ -311,7 +311,7 @@ def promote_aged_jobs(
         .values(queue=QueueName.INTERACTIVE.value, updated_at=now)
         .returning(Job.id, Job.request_id, Job.routed_version)
     ).all()
-    canary = current_route(session, settings.served_model)
+    canary = current_route(session, settings.model.served)
     session.commit()
     promoted = sum(
         try_publish_job(job_id=row.id, queue=QueueName.INTERACTIVE.value, app=app,

@@ -280,7 +280,7 @@ def enable_multiprocess(settings: Settings) -> Path:
     """Prepare multiprocess mode for a launcher about to start several API processes on this
     host: empties the directory and exports ``PROMETHEUS_MULTIPROC_DIR`` so the children (which
     import prometheus-client afresh) write their values there and ``/metrics`` merges them."""
-    path = settings.prometheus_multiproc_dir or (settings.data_dir / "prometheus-multiproc")
+    path = settings.observability.prometheus_multiproc_dir or (settings.data_dir / "prometheus-multiproc")
     reset_multiprocess_dir(path)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)  # read by prometheus-client in the children
     return path

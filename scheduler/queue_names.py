@@ -29,7 +29,7 @@ class QueueName(enum.StrEnum):
 JOB_QUEUES: tuple[str, ...] = tuple(q.value for q in QueueName)
 # Classes a client may name in ``priority`` (scheduler/routing.py); ``joint`` is chosen by mode.
 PRIORITY_CLASSES: tuple[QueueName, ...] = (QueueName.INTERACTIVE, QueueName.STANDARD, QueueName.BULK)
-# A worker's queues when none are configured (``Settings.worker_queues``): the non-joint classes.
+# A worker's queues when none are configured (``Settings.worker.queues``): the non-joint classes.
 DEFAULT_WORKER_QUEUES: tuple[str, ...] = tuple(q.value for q in PRIORITY_CLASSES)
 
 MAINTENANCE_QUEUE = "maintenance"  # beat's maintenance ticks (scheduler/maintenance.py)

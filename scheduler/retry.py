@@ -21,6 +21,6 @@ def backoff_seconds(attempt: int, settings: Settings, *, rng: random.Random | No
     Exponential (base * 2^(attempt-1)) capped at ``retry_backoff_max_seconds``, with "equal
     jitter": half fixed, half random, so retries of jobs that failed together spread out.
     """
-    base = min(settings.retry_backoff_max_seconds,
-               settings.retry_backoff_base_seconds * 2 ** max(0, attempt - 1))
+    base = min(settings.jobs.retry_backoff_max_seconds,
+               settings.jobs.retry_backoff_base_seconds * 2 ** max(0, attempt - 1))
     return base / 2 + (rng or random).uniform(0, base / 2)

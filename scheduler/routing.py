@@ -78,11 +78,11 @@ def estimate_cost(
     """
     block = int(params.get("block_size") or 0)  # 0: the checkpoint's, unknown here
     # unset everywhere: the model family's default, unknown here; assume 4 passes per block
-    steps = int(params.get("steps_per_block") or settings.default_steps_per_block or STEPS_ASSUMED)
+    steps = int(params.get("steps_per_block") or settings.limits.default_steps_per_block or STEPS_ASSUMED)
     if block:
         steps = min(steps, block)
     width = block or 1  # positions per pass, per generated token when the block is unknown
-    sequences, tokens = 1, int(params.get("max_new_tokens") or settings.default_max_new_tokens)
+    sequences, tokens = 1, int(params.get("max_new_tokens") or settings.limits.default_max_new_tokens)
     if kind == JobKind.DECIDE:
         questions = max(1, len((input or {}).get("questions") or ()))
         tokens = decide_tokens_per_question(input or {}, settings)
@@ -100,14 +100,14 @@ def estimate_cost(
 def decide_tokens_per_question(input: Mapping[str, Any], settings: Settings) -> int:
     """Generated tokens per question of a decision: the JSON answer object (~16 tokens with
     its choice) plus the rationale slot when asked for."""
-    rationale = settings.decide_rationale_tokens + 8 if input.get("rationale") else 0
+    rationale = settings.decisions.rationale_tokens + 8 if input.get("rationale") else 0
     return 16 + rationale
 
 
 def class_for_cost(cost: int, settings: Settings) -> QueueName:
-    if cost <= settings.interactive_max_cost:
+    if cost <= settings.scheduling.interactive_max_cost:
         return QueueName.INTERACTIVE
-    if cost <= settings.standard_max_cost:
+    if cost <= settings.scheduling.standard_max_cost:
         return QueueName.STANDARD
     return QueueName.BULK
 
@@ -132,7 +132,8 @@ def route_job(
 
 def deadline_seconds(queue: str, settings: Settings, params: Mapping[str, Any] | None = None) -> float:
     """Max run time of one attempt for jobs of ``queue`` (thinking jobs get their own, longer one)."""
-    base = settings.joint_deadline_seconds if queue == QueueName.JOINT else settings.job_deadline_seconds
+    jobs = settings.jobs
+    base = jobs.joint_deadline_seconds if queue == QueueName.JOINT else jobs.deadline_seconds
     if params and params.get("thinking"):
-        return max(base, settings.thinking_deadline_seconds)
+        return max(base, settings.thinking.deadline_seconds)
     return base

@@ -3,6 +3,33 @@
 Every process (api, worker, beat, CLI) reads its configuration here and nowhere else, so a
 value means the same thing in every component. Nothing in the code base reads ``os.environ``
 for configuration.
+
+Settings are grouped by concern into nested models, and code reads them nested
+(``settings.engine.max_batch``, ``settings.database.url``)::
+
+    data_dir        the root folder every embedded default lives under (the one top-level field)
+    database        SQL: URL and timeouts            redis           URL, embedded server port
+    model           checkpoint, dtype, store         canary          canary releases
+    engine          the batched inference engine     limits          request limits and defaults
+    jobs            retries, leases, deadlines       scheduling      cost classes and aging
+    worker          worker process                   beat            maintenance process
+    security        API-key authentication           admission       rate limits and caps
+    decisions       decision jobs                    thinking        thinking generate jobs
+    batches         batch jobs                       webhooks        webhook deliveries
+    client          the CLI client                   observability   logs, metrics, readiness
+
+Every field keeps its **flat name**, the name it had before the grouping: the field's pydantic
+``alias`` where the nested name differs (``engine.max_batch`` has alias ``engine_max_batch``),
+else the nested name itself (``limits.max_prompt_tokens``). The flat name is
+
+* its environment variable: ``CLOVERQ_`` + flat name in capitals (``CLOVERQ_ENGINE_MAX_BATCH``),
+  unless the field names another one (``json_schema_extra={"env": ...}``: only
+  ``PROMETHEUS_MULTIPROC_DIR``, which prometheus-client itself reads);
+* its keyword: ``Settings(engine_max_batch=4)`` is the alias of ``Settings(engine={"max_batch": 4})``,
+  and ``settings.replaced(engine_max_batch=4)`` a validated copy with that change;
+* what ``settings.to_env()`` writes for a subprocess.
+
+``flat_fields()`` derives that one table from the declarations below; there is no second list.
 """
 
 from __future__ import annotations
@@ -10,52 +37,87 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-from functools import lru_cache
+from collections.abc import Mapping
+from functools import cache, lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from scheduler.queue_names import DEFAULT_WORKER_QUEUES, QueueName
 
 # Positions the chat template adds around a prompt (max_prompt_tokens counts the prompt's text only).
 CHAT_TEMPLATE_SLACK_TOKENS = 64
 
+ENV_PREFIX = "CLOVERQ_"
 
-class Settings(BaseSettings):
-    """Configuration of one cloverq deployment."""
 
-    model_config = SettingsConfigDict(env_prefix="CLOVERQ_", extra="ignore")
+class SettingsGroup(BaseModel):
+    """One concern's settings; its fields validate by nested name and by flat name (alias)."""
 
-    # --- where state lives -------------------------------------------------------------------
-    data_dir: Path = Field(Path(".cloverq"), description="State of the embedded default.")
-    database_url: str | None = Field(None, description="SQLAlchemy URL; default SQLite under data_dir.")
-    redis_url: str | None = Field(None, description="Redis URL; default the embedded redis-server.")
-    embedded_redis_port: int = Field(6390, description="Port of the embedded redis-server.")
-    database_connect_timeout_seconds: float = Field(
-        5.0, gt=0, description="Seconds to open one database connection (PostgreSQL connect_timeout, "
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+
+
+# --- where state lives -----------------------------------------------------------------------
+
+
+class DatabaseSettings(SettingsGroup):
+    """SQL database: where it is and how long its operations may take."""
+
+    url: str | None = Field(
+        None, alias="database_url", description="SQLAlchemy URL; default SQLite under data_dir."
+    )
+    connect_timeout_seconds: float = Field(
+        5.0, gt=0, alias="database_connect_timeout_seconds",
+        description="Seconds to open one database connection (PostgreSQL connect_timeout, "
         "whole seconds, at least 2): a server that accepts and never answers fails fast (503).",
     )
-    database_statement_timeout_seconds: float = Field(
-        30.0, ge=0, description="PostgreSQL statement_timeout of every session (0: none); migrations run "
+    statement_timeout_seconds: float = Field(
+        30.0, ge=0, alias="database_statement_timeout_seconds",
+        description="PostgreSQL statement_timeout of every session (0: none); migrations run "
         "without it.",
     )
-    database_lock_timeout_seconds: float = Field(
-        30.0, ge=0, description="How long a statement waits for a lock: PostgreSQL lock_timeout (0: no "
+    lock_timeout_seconds: float = Field(
+        30.0, ge=0, alias="database_lock_timeout_seconds",
+        description="How long a statement waits for a lock: PostgreSQL lock_timeout (0: no "
         "bound), SQLite busy timeout (the embedded default's writers queue on one file lock).",
     )
-    database_pool_timeout_seconds: float = Field(
-        10.0, gt=0, description="PostgreSQL: how long a request waits for a free pooled connection "
+    pool_timeout_seconds: float = Field(
+        10.0, gt=0, alias="database_pool_timeout_seconds",
+        description="PostgreSQL: how long a request waits for a free pooled connection "
         "before it fails (503).",
     )
-    readiness_timeout_seconds: float = Field(
-        2.0, gt=0, description="/readyz answers within this: a database or Redis check that has not "
-        "answered by then counts as failed (503).",
+
+
+class RedisSettings(SettingsGroup):
+    """Redis (broker, caches, streams): where it is."""
+
+    url: str | None = Field(
+        None, alias="redis_url", description="Redis URL; default the embedded redis-server."
+    )
+    embedded_port: int = Field(
+        6390, alias="embedded_redis_port", description="Port of the embedded redis-server."
     )
 
-    # --- model -------------------------------------------------------------------------------
-    model_dir: Path | None = Field(None, description="Checkpoint folder; default the demo checkpoint.")
+
+# --- model -------------------------------------------------------------------------------------
+
+
+class ModelSettings(SettingsGroup):
+    """The checkpoint a worker serves: where it is, how it is loaded, which store model it follows."""
+
+    dir: Path | None = Field(
+        None, alias="model_dir", description="Checkpoint folder; default the demo checkpoint."
+    )
     device: str = Field("cpu", description="torch device for the model: cpu, cuda, cuda:N.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Weights and compute dtype; default the checkpoint's (config.json dtype or "
@@ -74,48 +136,77 @@ class Settings(BaseSettings):
         "quick", description="Manifest check when a worker loads a checkpoint: quick (sizes and sampled "
         "chunks of every file, the hashes recorded at pull trusted) or full (every byte re-hashed).",
     )
-    model_root: Path | None = Field(
-        None, description="Model store: <model_root>/<name>/<version>/; default data_dir/model-store."
+    root: Path | None = Field(
+        None, alias="model_root",
+        description="Model store: <model_root>/<name>/<version>/; default data_dir/model-store.",
     )
-    served_model: str | None = Field(
-        None, description="Worker: serve this store model and follow its active version (cloverq model "
+    served: str | None = Field(
+        None, alias="served_model",
+        description="Worker: serve this store model and follow its active version (cloverq model "
         "activate); unset: serve model_dir as is. API and beat: route jobs by this model's canary.",
     )
-    served_model_initial_version: str | None = Field(
-        None, description="Worker: version of served_model to activate when none is active yet.",
+    served_initial_version: str | None = Field(
+        None, alias="served_model_initial_version",
+        description="Worker: version of served_model to activate when none is active yet.",
     )
-    model_watch_interval_seconds: float = Field(
-        2.0, gt=0, description="Worker: how often it checks the active version of served_model.",
+    watch_interval_seconds: float = Field(
+        2.0, gt=0, alias="model_watch_interval_seconds",
+        description="Worker: how often it checks the active version of served_model.",
     )
-    # Canary releases (scheduler/canary.py, docs/architecture.md "Canary releases").
-    model_track: Literal["stable", "canary"] = Field(
-        "stable", description="Worker: canary workers serve the canary version of served_model while "
+
+    @field_validator("weight_group_size")
+    @classmethod
+    def _group_size(cls, value: int) -> int:
+        if value not in (32, 64, 128):
+            raise ValueError("weight_group_size must be 32, 64 or 128")
+        return value
+
+
+class CanarySettings(SettingsGroup):
+    """Canary releases (scheduler/canary.py, docs/architecture.md "Canary releases")."""
+
+    track: Literal["stable", "canary"] = Field(
+        "stable", alias="model_track",
+        description="Worker: canary workers serve the canary version of served_model while "
         "one is in effect (cloverq model canary), stable ones the active version.",
     )
-    canary_min_jobs: int = Field(
-        50, ge=0, description="Promotion is refused until the canary finished this many jobs "
-        "(--force overrides).",
+    min_jobs: int = Field(
+        50, ge=0, alias="canary_min_jobs",
+        description="Promotion is refused until the canary finished this many jobs (--force overrides).",
     )
-    canary_error_margin: float = Field(
-        0.01, ge=0, le=1, description="Promotion is refused when the canary's error rate exceeds the "
+    error_margin: float = Field(
+        0.01, ge=0, le=1, alias="canary_error_margin",
+        description="Promotion is refused when the canary's error rate exceeds the "
         "stable one's by more than this (--force overrides).",
     )
-    canary_reroute_seconds: float = Field(
-        60.0, gt=0, description="A canary job queued this long while no canary worker is registered "
+    reroute_seconds: float = Field(
+        60.0, gt=0, alias="canary_reroute_seconds",
+        description="A canary job queued this long while no canary worker is registered "
         "is re-routed to the stable version (reconciler).",
     )
 
-    # --- engine ------------------------------------------------------------------------------
-    engine_max_batch: int = Field(16, ge=1, description="Sequences in one batched forward.")
-    engine_max_tokens_in_flight: int = Field(65536, ge=1, description="KV positions held at once.")
+
+# --- engine ------------------------------------------------------------------------------------
+
+
+class EngineSettings(SettingsGroup):
+    """The worker's batched inference engine: batch, KV room, prefix cache, threads, devices."""
+
+    max_batch: int = Field(
+        16, ge=1, alias="engine_max_batch", description="Sequences in one batched forward."
+    )
+    max_tokens_in_flight: int = Field(
+        65536, ge=1, alias="engine_max_tokens_in_flight", description="KV positions held at once."
+    )
     prefix_cache_bytes: int = Field(
         512 * 1024 * 1024, ge=0, description="Worker: bytes of shared prompt prefixes (K/V, and GDN "
         "states at the cached block boundary) the engine keeps, evicted least recently used; prompts "
         "that share whole blocks (a decision's questions, jobs over one document) prefill them once. "
         "0 turns prefix sharing off.",
     )
-    engine_max_len: int | None = Field(
-        None, ge=1, description="KV positions per sequence (prompt + generated region). Default: "
+    max_len: int | None = Field(
+        None, ge=1, alias="engine_max_len",
+        description="KV positions per sequence (prompt + generated region). Default: "
         "max_prompt_tokens + max_new_tokens_limit + 64 (chat template) rounded up to 64-token blocks.",
     )
     torch_threads: int | None = Field(
@@ -127,8 +218,23 @@ class Settings(BaseSettings):
         "among them); heads and MLP widths must divide by N. A rank that dies takes the worker down "
         "(exit status 75), its jobs come back through lease expiry.",
     )
+    joint_slot_cap: int = Field(
+        4, ge=1, alias="engine_joint_slot_cap", description="Engine slots joint requests may hold."
+    )
+    interactive_reserve: int = Field(
+        4,  # bench.mix, 4 short jobs/s under a saturating bulk batch: p95 wait 1962 ms with 2, 76 ms with 4
+        ge=0, alias="engine_interactive_reserve",
+        description="Task threads and engine slots beyond engine_max_batch that only interactive jobs may "
+        "take (on a worker consuming interactive and other queues), so short jobs never wait for bulk work.",
+    )
 
-    # --- request limits and defaults -----------------------------------------------------------
+
+# --- request limits and defaults ---------------------------------------------------------------
+
+
+class LimitSettings(SettingsGroup):
+    """What one request may ask for, the defaults it gets, and the HTTP size limits of the API."""
+
     max_prompt_tokens: int = Field(4096, ge=1)
     max_new_tokens_limit: int = Field(2048, ge=1)
     default_max_new_tokens: int = Field(128, ge=1)
@@ -158,54 +264,88 @@ class Settings(BaseSettings):
         "a page always holds at least one job.",
     )
 
-    # --- job system (scheduler + worker) -----------------------------------------------------
+
+# --- job system (scheduler + worker + beat) ----------------------------------------------------
+
+
+class JobSettings(SettingsGroup):
+    """A job's life: attempts, leases, retries, deadlines, redelivery, progress, expiry."""
+
     max_attempts: int = Field(3, ge=1, description="Claims a job may take before retries_exhausted.")
     result_ttl_seconds: float = Field(7 * 24 * 3600, gt=0, description="Finished jobs expire after this.")
     lease_seconds: float = Field(60.0, gt=0, description="A running job's lease; renewed while it runs.")
     retry_backoff_base_seconds: float = Field(2.0, ge=0, description="Backoff before retry n: base*2^(n-1).")
     retry_backoff_max_seconds: float = Field(300.0, ge=0, description="Cap of the retry backoff.")
-    job_deadline_seconds: float = Field(900.0, gt=0, description="Max run time of one attempt.")
+    deadline_seconds: float = Field(
+        900.0, gt=0, alias="job_deadline_seconds", description="Max run time of one attempt."
+    )
     joint_deadline_seconds: float = Field(1800.0, gt=0, description="Max run time of a joint attempt.")
+    visibility_timeout_seconds: float | None = Field(
+        None, gt=0, description="Redis redelivery timeout; default 2 x the longest deadline + lease."
+    )
+    progress_sql_interval_seconds: float = Field(5.0, gt=0, description="Progress to SQL every this long.")
+
+
+class SchedulingSettings(SettingsGroup):
+    """Which class (queue) a job goes to by cost, and how waiting jobs are promoted."""
+
     interactive_max_cost: int = Field(8192, ge=1, description="Cost (tokens x steps) of the short class.")
     standard_max_cost: int = Field(131072, ge=1, description="Cost bound of the standard class.")
     aging_seconds: float = Field(120.0, gt=0, description="Queued longer than this: promoted to interactive.")
     aging_max_promoted: int = Field(4, ge=1, description="Aged jobs waiting in interactive at once.")
-    visibility_timeout_seconds: float | None = Field(
-        None, gt=0, description="Redis redelivery timeout; default 2 x the longest deadline + lease."
+
+
+class WorkerSettings(SettingsGroup):
+    """The worker process: the queues it consumes, its heartbeat, its threads; test-only faults."""
+
+    heartbeat_seconds: float = Field(
+        2.0, gt=0, alias="worker_heartbeat_seconds", description="Worker registry heartbeat."
     )
-    reconcile_interval_seconds: float = Field(5.0, gt=0, description="Beat: re-enqueue lost messages.")
-    reconcile_grace_seconds: float = Field(2.0, ge=0, description="Age before a queued row counts as lost.")
-    reaper_interval_seconds: float = Field(10.0, gt=0, description="Beat: requeue expired leases.")
-    expiry_interval_seconds: float = Field(300.0, gt=0, description="Beat: expire old results.")
-    progress_sql_interval_seconds: float = Field(5.0, gt=0, description="Progress to SQL every this long.")
-    worker_heartbeat_seconds: float = Field(2.0, gt=0, description="Worker registry heartbeat.")
-    worker_switch_interval_ms: float = Field(
-        0.5, gt=0, le=100,
+    switch_interval_ms: float = Field(
+        0.5, gt=0, le=100, alias="worker_switch_interval_ms",
         description="Worker: Python's thread switch interval (sys.setswitchinterval). The engine thread "
         "holds the GIL between torch calls; at Python's 5 ms a task thread claiming an interactive job "
         "waits up to that long at every hand-over (bench.mix under bulk load: p95 wait 508 ms at 5, "
         "15 ms at 0.5).",
     )
-    worker_queues: str = Field(
-        ",".join(DEFAULT_WORKER_QUEUES), description="Queues a worker consumes, in order."
-    )
-    engine_joint_slot_cap: int = Field(4, ge=1, description="Engine slots joint requests may hold.")
-    engine_interactive_reserve: int = Field(
-        4,  # bench.mix, 4 short jobs/s under a saturating bulk batch: p95 wait 1962 ms with 2, 76 ms with 4
-        ge=0,
-        description="Task threads and engine slots beyond engine_max_batch that only interactive jobs may "
-        "take (on a worker consuming interactive and other queues), so short jobs never wait for bulk work.",
+    queues: str = Field(
+        ",".join(DEFAULT_WORKER_QUEUES), alias="worker_queues",
+        description="Queues a worker consumes, in order.",
     )
     fault_injection: bool = Field(False, description="TESTS ONLY: honour params.fault in the worker.")
     fault_stall_seconds: float = Field(30.0, ge=0, description="TESTS ONLY: how long a 'stall' fault waits.")
 
-    # --- security and admission control (see scheduler/keys.py, scheduler/admission.py) ------
+
+class BeatSettings(SettingsGroup):
+    """The beat process: its maintenance tasks and their intervals (webhooks has its own sweep)."""
+
+    reconcile_interval_seconds: float = Field(5.0, gt=0, description="Beat: re-enqueue lost messages.")
+    reconcile_grace_seconds: float = Field(2.0, ge=0, description="Age before a queued row counts as lost.")
+    reaper_interval_seconds: float = Field(10.0, gt=0, description="Beat: requeue expired leases.")
+    expiry_interval_seconds: float = Field(300.0, gt=0, description="Beat: expire old results.")
+    threads: int = Field(
+        4, ge=1, alias="light_worker_threads",
+        description="Threads of the beat process (maintenance tasks + webhook deliveries).",
+    )
+
+
+# --- security and admission control (see scheduler/keys.py, scheduler/admission.py) ------------
+
+
+class SecuritySettings(SettingsGroup):
+    """API-key authentication (scheduler/keys.py)."""
+
     auth: Literal["enabled", "disabled"] = Field(
         "enabled", description="API-key authentication; 'disabled' only for local development."
     )
     auth_cache_seconds: float = Field(
         5.0, ge=0, description="How long an API process caches a looked-up key (revocation bound)."
     )
+
+
+class AdmissionSettings(SettingsGroup):
+    """Admission control (scheduler/admission.py): per-key rate, per-tenant and per-queue caps."""
+
     rate_limit_per_second: float = Field(
         50.0, ge=0, description="Per-key token-bucket refill rate (requests/s); 0 disables the limit."
     )
@@ -223,63 +363,92 @@ class Settings(BaseSettings):
         description="Per-queue cap on waiting messages; a submit routed to a full queue gets 429.",
     )
 
-    # --- decisions, thinking, batches, webhooks (issue 5) -----------------------------------
-    decide_max_questions: int = Field(64, ge=1, description="Questions in one decision job.")
-    decide_max_choices: int = Field(16, ge=2, description="Choices of one question.")
-    decide_max_context_chars: int = Field(200_000, ge=1, description="Characters of a decision context.")
-    decide_rationale_tokens: int = Field(24, ge=1, description="Length of a rationale's free-text slot.")
-    decide_rationale_max_chars: int = Field(400, ge=1, description="A longer rationale is invalid.")
-    decide_retry_temperature: float = Field(
-        0.7, ge=0, description="The one retry after an invalid rationale samples at least this hot."
+
+# --- decisions, thinking, batches, webhooks (issue 5) ------------------------------------------
+
+
+class DecisionSettings(SettingsGroup):
+    """Decision jobs (one or more questions over a context) and joint jobs."""
+
+    max_questions: int = Field(
+        64, ge=1, alias="decide_max_questions", description="Questions in one decision job."
+    )
+    max_choices: int = Field(16, ge=2, alias="decide_max_choices", description="Choices of one question.")
+    max_context_chars: int = Field(
+        200_000, ge=1, alias="decide_max_context_chars", description="Characters of a decision context."
+    )
+    rationale_tokens: int = Field(
+        24, ge=1, alias="decide_rationale_tokens", description="Length of a rationale's free-text slot."
+    )
+    rationale_max_chars: int = Field(
+        400, ge=1, alias="decide_rationale_max_chars", description="A longer rationale is invalid."
+    )
+    retry_temperature: float = Field(
+        0.7, ge=0, alias="decide_retry_temperature",
+        description="The one retry after an invalid rationale samples at least this hot.",
     )
     joint_default_step_budget: int = Field(4096, ge=1, description="Default step budget of a joint job.")
-    default_thinking: bool = Field(False, description="params.thinking when a generate job omits it.")
-    thinking_default_max_new_tokens: int = Field(512, ge=1, description="max_new_tokens default, thinking.")
-    thinking_default_step_budget: int = Field(4096, ge=1, description="Step budget default, thinking.")
-    thinking_deadline_seconds: float = Field(1800.0, gt=0, description="Max run time of a thinking attempt.")
-    batch_max_jobs: int = Field(10_000, ge=1, description="Job specs in one batch.")
-    batch_max_body_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024, description="Body limit of POST /v1/batches (JSON or JSONL upload)."
+
+
+class ThinkingSettings(SettingsGroup):
+    """Generate jobs with thinking on: whether it is the default, and their defaults and deadline."""
+
+    default: bool = Field(
+        False, alias="default_thinking", description="params.thinking when a generate job omits it."
     )
-    webhook_max_attempts: int = Field(5, ge=1, description="Deliveries tried before a webhook is given up.")
-    webhook_backoff_base_seconds: float = Field(1.0, ge=0, description="Webhook retry n waits base*2^(n-1).")
-    webhook_backoff_max_seconds: float = Field(300.0, ge=0, description="Cap of the webhook backoff.")
-    webhook_timeout_seconds: float = Field(5.0, gt=0, description="Timeout of one webhook POST.")
-    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Webhook URL hosts (names or addresses, comma-separated or a JSON "
+    default_max_new_tokens: int = Field(
+        512, ge=1, alias="thinking_default_max_new_tokens", description="max_new_tokens default, thinking."
+    )
+    default_step_budget: int = Field(
+        4096, ge=1, alias="thinking_default_step_budget", description="Step budget default, thinking."
+    )
+    deadline_seconds: float = Field(
+        1800.0, gt=0, alias="thinking_deadline_seconds", description="Max run time of a thinking attempt."
+    )
+
+
+class BatchSettings(SettingsGroup):
+    """Batches (POST /v1/batches, OpenAI batch files)."""
+
+    max_jobs: int = Field(10_000, ge=1, alias="batch_max_jobs", description="Job specs in one batch.")
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, alias="batch_max_body_bytes",
+        description="Body limit of POST /v1/batches (JSON or JSONL upload).",
+    )
+
+
+class WebhookSettings(SettingsGroup):
+    """Webhook deliveries: retries, timeout, which non-public targets are allowed, the beat's sweep."""
+
+    max_attempts: int = Field(
+        5, ge=1, alias="webhook_max_attempts", description="Deliveries tried before a webhook is given up."
+    )
+    backoff_base_seconds: float = Field(
+        1.0, ge=0, alias="webhook_backoff_base_seconds", description="Webhook retry n waits base*2^(n-1)."
+    )
+    backoff_max_seconds: float = Field(
+        300.0, ge=0, alias="webhook_backoff_max_seconds", description="Cap of the webhook backoff."
+    )
+    timeout_seconds: float = Field(
+        5.0, gt=0, alias="webhook_timeout_seconds", description="Timeout of one webhook POST."
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, alias="webhook_allowed_hosts",
+        description="Webhook URL hosts (names or addresses, comma-separated or a JSON "
         "list) delivered to although they resolve to loopback, private, link-local or other non-public "
         "addresses, which are refused otherwise.",
     )
-    webhook_allowed_networks: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="CIDR networks (comma-separated or a JSON list, e.g. 10.8.0.0/16) "
+    allowed_networks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, alias="webhook_allowed_networks",
+        description="CIDR networks (comma-separated or a JSON list, e.g. 10.8.0.0/16) "
         "webhook targets may resolve into although they are not public.",
     )
-    webhook_sweep_interval_seconds: float = Field(
-        10.0, gt=0, description="Beat: record missed webhook deliveries and re-publish lost ones."
-    )
-    light_worker_threads: int = Field(
-        4, ge=1, description="Threads of the beat process (maintenance tasks + webhook deliveries)."
+    sweep_interval_seconds: float = Field(
+        10.0, gt=0, alias="webhook_sweep_interval_seconds",
+        description="Beat: record missed webhook deliveries and re-publish lost ones.",
     )
 
-    # --- CLI client (cloverq submit / jobs / cancel) -------------------------------------------
-    api_url: str = Field("http://127.0.0.1:8000", description="Where the CLI client finds the API.")
-    api_key: str | None = Field(None, description="CLI client key; default data_dir/dev_api_key if present.")
-
-    # --- logging -----------------------------------------------------------------------------
-    log_level: str = "INFO"
-    log_payloads: bool = Field(False, description="Log prompts, contexts and outputs (off by default).")
-
-    # --- metrics (see scheduler/metrics.py) -----------------------------------------------------
-    prometheus_multiproc_dir: Path | None = Field(
-        None,
-        validation_alias="PROMETHEUS_MULTIPROC_DIR",
-        description="prometheus-client multiprocess dir; set when one host runs several API processes.",
-    )
-    worker_metrics_interval: float = Field(
-        5.0, gt=0, description="Seconds between a worker's metric snapshots (tokens/s, memory, experts)."
-    )
-
-    @field_validator("webhook_allowed_hosts", "webhook_allowed_networks", mode="before")
+    @field_validator("allowed_hosts", "allowed_networks", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         """A JSON list or comma-separated text (environment) -> a list of stripped items."""
@@ -290,73 +459,265 @@ class Settings(BaseSettings):
             return [str(item).strip() for item in value if str(item).strip()]
         return value
 
-    @field_validator("weight_group_size")
-    @classmethod
-    def _group_size(cls, value: int) -> int:
-        if value not in (32, 64, 128):
-            raise ValueError("weight_group_size must be 32, 64 or 128")
-        return value
-
-    @field_validator("webhook_allowed_hosts")
+    @field_validator("allowed_hosts")
     @classmethod
     def _hosts(cls, value: list[str]) -> list[str]:
         return [host.lower().rstrip(".").strip("[]") for host in value]
 
-    @field_validator("webhook_allowed_networks")
+    @field_validator("allowed_networks")
     @classmethod
     def _networks(cls, value: list[str]) -> list[str]:
         return [str(ipaddress.ip_network(item, strict=False)) for item in value]  # ValueError: refused
 
+
+# --- CLI client, logging, metrics --------------------------------------------------------------
+
+
+class ClientSettings(SettingsGroup):
+    """The CLI client (cloverq submit / jobs / cancel)."""
+
+    api_url: str = Field("http://127.0.0.1:8000", description="Where the CLI client finds the API.")
+    api_key: str | None = Field(None, description="CLI client key; default data_dir/dev_api_key if present.")
+
+
+class ObservabilitySettings(SettingsGroup):
+    """Logs, metrics (scheduler/metrics.py) and the readiness probe."""
+
+    log_level: str = "INFO"
+    log_payloads: bool = Field(False, description="Log prompts, contexts and outputs (off by default).")
+    prometheus_multiproc_dir: Path | None = Field(
+        None,
+        json_schema_extra={"env": "PROMETHEUS_MULTIPROC_DIR"},
+        description="prometheus-client multiprocess dir; set when one host runs several API processes.",
+    )
+    worker_metrics_interval: float = Field(
+        5.0, gt=0, description="Seconds between a worker's metric snapshots (tokens/s, memory, experts)."
+    )
+    readiness_timeout_seconds: float = Field(
+        2.0, gt=0, description="/readyz answers within this: a database or Redis check that has not "
+        "answered by then counts as failed (503).",
+    )
+
+
+# --- the settings ------------------------------------------------------------------------------
+
+
+class Settings(BaseSettings):
+    """Configuration of one cloverq deployment."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    data_dir: Path = Field(Path(".cloverq"), description="State of the embedded default.")
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    canary: CanarySettings = Field(default_factory=CanarySettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    jobs: JobSettings = Field(default_factory=JobSettings)
+    scheduling: SchedulingSettings = Field(default_factory=SchedulingSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    beat: BeatSettings = Field(default_factory=BeatSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    decisions: DecisionSettings = Field(default_factory=DecisionSettings)
+    thinking: ThinkingSettings = Field(default_factory=ThinkingSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
+    webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
+    client: ClientSettings = Field(default_factory=ClientSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Keywords first, then the environment under the flat names (no .env file, no secrets dir)."""
+        return init_settings, FlatEnvSource(settings_cls)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_names(cls, data: Any) -> Any:
+        """Flat names (keywords, ``model_validate``) -> their groups; a flat value wins over a nested one."""
+        return nest(data) if isinstance(data, Mapping) else data
+
+    def replaced(self, **changes: Any) -> Settings:
+        """A validated copy with ``changes`` (flat names, or whole groups by group name)."""
+        unknown = set(changes) - set(flat_fields()) - set(type(self).model_fields)
+        if unknown:
+            raise TypeError(f"not a setting: {', '.join(sorted(unknown))}")
+        return type(self).model_validate({**self.model_dump(), **changes})
+
+    def flat_value(self, flat_name: str) -> Any:
+        """The value of the setting with this flat name (``engine_max_batch`` -> ``engine.max_batch``)."""
+        entry = flat_fields()[flat_name]
+        owner = self if entry.group is None else getattr(self, entry.group)
+        return getattr(owner, entry.name)
+
+    def to_env(self) -> dict[str, str]:
+        """Environment variables that reproduce these settings in a subprocess (unset values left out)."""
+        env: dict[str, str] = {}
+        for entry in flat_fields().values():
+            value = self.flat_value(entry.flat)
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, (dict, list, tuple)):
+                text = json.dumps(value)
+            else:
+                text = str(value)
+            env[entry.env] = text
+        return env
+
     @property
     def resolved_database_url(self) -> str:
-        """The database to use: ``database_url`` or SQLite under ``data_dir``."""
-        if self.database_url:
-            return self.database_url
+        """The database to use: ``database.url`` or SQLite under ``data_dir``."""
+        if self.database.url:
+            return self.database.url
         return f"sqlite:///{(self.data_dir / 'cloverq.db').resolve()}"
 
     @property
     def resolved_redis_url(self) -> str:
-        """The Redis to use: ``redis_url`` or the embedded server started by ``cloverq up``."""
-        if self.redis_url:
-            return self.redis_url
-        return f"redis://127.0.0.1:{self.embedded_redis_port}/0"
+        """The Redis to use: ``redis.url`` or the embedded server started by ``cloverq up``."""
+        if self.redis.url:
+            return self.redis.url
+        return f"redis://127.0.0.1:{self.redis.embedded_port}/0"
 
     @property
     def broker_visibility_timeout_seconds(self) -> float:
         """Redis redelivery timeout: above the longest deadline, so no running job is redelivered.
 
-        ``visibility_timeout_seconds`` overrides it (the chaos tests set it below a job's run time
-        to show that a redelivered running job is fenced off and runs once).
+        ``jobs.visibility_timeout_seconds`` overrides it (the chaos tests set it below a job's run
+        time to show that a redelivered running job is fenced off and runs once).
         """
-        if self.visibility_timeout_seconds is not None:
-            return self.visibility_timeout_seconds
-        longest = max(self.job_deadline_seconds, self.joint_deadline_seconds, self.thinking_deadline_seconds)
-        return 2 * longest + self.lease_seconds
+        if self.jobs.visibility_timeout_seconds is not None:
+            return self.jobs.visibility_timeout_seconds
+        longest = max(self.jobs.deadline_seconds, self.jobs.joint_deadline_seconds,
+                      self.thinking.deadline_seconds)
+        return 2 * longest + self.jobs.lease_seconds
 
     @property
     def resolved_engine_max_len(self) -> int:
-        """Per-sequence KV length of the engine: ``engine_max_len``, or room for the largest request
+        """Per-sequence KV length of the engine: ``engine.max_len``, or room for the largest request
         the API accepts (the chat template's tokens included; whole blocks of any size dividing 64)."""
-        if self.engine_max_len is not None:
-            return self.engine_max_len
-        needed = self.max_prompt_tokens + CHAT_TEMPLATE_SLACK_TOKENS + self.max_new_tokens_limit
+        if self.engine.max_len is not None:
+            return self.engine.max_len
+        needed = self.limits.max_prompt_tokens + CHAT_TEMPLATE_SLACK_TOKENS + self.limits.max_new_tokens_limit
         return -(-needed // 64) * 64
 
     @property
     def resolved_torch_threads(self) -> int:
-        """Threads torch uses for one worker's ops: ``torch_threads`` or the CPU cores."""
-        return self.torch_threads or os.cpu_count() or 1
+        """Threads torch uses for one worker's ops: ``engine.torch_threads`` or the CPU cores."""
+        return self.engine.torch_threads or os.cpu_count() or 1
 
     @property
     def resolved_model_dir(self) -> Path:
-        """The checkpoint to serve: ``model_dir`` or the demo checkpoint under ``data_dir`` (an
+        """The checkpoint to serve: ``model.dir`` or the demo checkpoint under ``data_dir`` (an
         absolute path, so a process started elsewhere finds the same folder)."""
-        return (self.model_dir or (self.data_dir / "models" / "demo")).expanduser().absolute()
+        return (self.model.dir or (self.data_dir / "models" / "demo")).expanduser().absolute()
 
     @property
     def resolved_model_root(self) -> Path:
-        """The model store root: ``model_root`` or ``data_dir/model-store``."""
-        return (self.model_root or (self.data_dir / "model-store")).expanduser().absolute()
+        """The model store root: ``model.root`` or ``data_dir/model-store``."""
+        return (self.model.root or (self.data_dir / "model-store")).expanduser().absolute()
+
+
+# --- flat names --------------------------------------------------------------------------------
+
+
+class FlatField(NamedTuple):
+    """One setting under its flat name: where it lives in ``Settings`` and its environment variable."""
+
+    flat: str  # keyword and environment suffix: engine_max_batch
+    group: str | None  # engine (None: a top-level field such as data_dir)
+    name: str  # max_batch
+    field: FieldInfo
+    env: str  # CLOVERQ_ENGINE_MAX_BATCH
+
+    @property
+    def path(self) -> str:
+        """The nested attribute path: ``engine.max_batch``."""
+        return self.name if self.group is None else f"{self.group}.{self.name}"
+
+
+def _entry(flat: str, group: str | None, name: str, field: FieldInfo) -> FlatField:
+    extra = field.json_schema_extra
+    own_env = extra.get("env") if isinstance(extra, dict) else None
+    env = own_env if isinstance(own_env, str) else f"{ENV_PREFIX}{flat.upper()}"
+    return FlatField(flat, group, name, field, env)
+
+
+@cache
+def flat_fields() -> dict[str, FlatField]:
+    """Every setting by flat name, in declaration order (derived from the field declarations)."""
+    table: dict[str, FlatField] = {}
+    for group, group_field in Settings.model_fields.items():
+        model = group_field.annotation
+        if isinstance(model, type) and issubclass(model, SettingsGroup):
+            entries = [_entry(field.alias or name, group, name, field)
+                       for name, field in model.model_fields.items()]
+        else:
+            entries = [_entry(group, None, group, group_field)]
+        for entry in entries:
+            if entry.flat in table or (entry.group is not None and entry.flat in Settings.model_fields):
+                raise TypeError(f"flat setting name {entry.flat!r} is not unique")
+            table[entry.flat] = entry
+    return table
+
+
+def settings_groups() -> dict[str, type[SettingsGroup]]:
+    """The nested groups of ``Settings`` by attribute name, in declaration order."""
+    return {name: field.annotation for name, field in Settings.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, SettingsGroup)}
+
+
+def nest(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with every flat group member moved into its group (``engine_max_batch`` ->
+    ``engine: {max_batch: ...}``); a flat value wins over the same setting given nested."""
+    table = flat_fields()
+    nested: dict[str, Any] = {}
+    flat: list[tuple[FlatField, Any]] = []
+    for key, value in values.items():
+        entry = table.get(key)
+        if entry is None or entry.group is None:
+            nested[key] = value
+        else:
+            flat.append((entry, value))
+    for entry, value in flat:
+        assert entry.group is not None
+        group = nested.get(entry.group)
+        if isinstance(group, BaseModel):
+            group = group.model_dump()
+        group = dict(group) if isinstance(group, Mapping) else {}
+        group[entry.name] = value
+        nested[entry.group] = group
+    return nested
+
+
+class FlatEnvSource(EnvSettingsSource):
+    """The environment, read under each setting's flat name (``CLOVERQ_ENGINE_MAX_BATCH``)."""
+
+    def __call__(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        for entry in flat_fields().values():
+            raw = self.env_vars.get(entry.env if self.case_sensitive else entry.env.lower())
+            if raw is None:
+                continue
+            value: Any = raw
+            if self.field_is_complex(entry.field):
+                try:
+                    value = self.decode_complex_value(entry.flat, entry.field, raw)
+                except ValueError as exc:
+                    raise SettingsError(f'error parsing value for field "{entry.flat}" from source '
+                                        f'"{type(self).__name__}"') from exc
+            target = data if entry.group is None else data.setdefault(entry.group, {})
+            target[entry.name] = value
+        return data
 
 
 @lru_cache(maxsize=1)

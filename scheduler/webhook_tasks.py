@@ -113,7 +113,7 @@ def sweep(session: Session, *, app: Celery, settings: Settings) -> int:
         if member is not None and member not in jobs:
             jobs.append(member)
     recorded = record_and_publish(session, jobs, app=app) if jobs else 0
-    lost = due_deliveries(session, older_than_seconds=max(60.0, 2 * settings.webhook_timeout_seconds))
+    lost = due_deliveries(session, older_than_seconds=max(60.0, 2 * settings.webhooks.timeout_seconds))
     for delivery_id in lost:
         publish_delivery(delivery_id, app=app)
     if recorded or lost:

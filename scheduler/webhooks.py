@@ -18,7 +18,7 @@ credentials in the URL, ``localhost`` names and literal non-public addresses;
 its addresses is loopback, private, link-local (cloud metadata), multicast, unspecified,
 reserved or otherwise not globally routable, and the POST then connects to exactly the address
 that was checked (no second lookup an attacker's DNS could answer differently). Redirects are
-never followed and proxies from the environment are not used. ``settings.webhook_allowed_hosts``
+never followed and proxies from the environment are not used. ``settings.webhooks.allowed_hosts``
 / ``webhook_allowed_networks`` name the exceptions (an internal receiver, tests on 127.0.0.1).
 """
 
@@ -277,14 +277,14 @@ def refused_reason(address: str | IPAddress, settings: Settings) -> str | None:
     """Why webhook traffic may not go to ``address``; None when it may (public, or allow-listed).
 
     An IPv4 address embedded in IPv6 (``::ffff:127.0.0.1``, 6to4) is judged as that IPv4
-    address. ``settings.webhook_allowed_networks`` overrides every refusal.
+    address. ``settings.webhooks.allowed_networks`` overrides every refusal.
     """
     ip = ipaddress.ip_address(address) if isinstance(address, str) else address
     if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id:
         ip = ipaddress.IPv6Address(str(ip).split("%", 1)[0])
     embedded = (ip.ipv4_mapped or ip.sixtofour) if isinstance(ip, ipaddress.IPv6Address) else None
     judged = embedded or ip
-    allowed = _networks(tuple(settings.webhook_allowed_networks))
+    allowed = _networks(tuple(settings.webhooks.allowed_networks))
     if any(ip in network or judged in network for network in allowed):
         return None
     if judged in METADATA_ADDRESSES or ip in METADATA_ADDRESSES:
@@ -307,7 +307,7 @@ def check_url(url: str, settings: Settings) -> httpx.URL:
     Raises :class:`WebhookTargetError` for a scheme other than http/https, a missing host,
     credentials in the URL (they would be sent to the target as Basic auth, and logged), and a
     host that is a ``localhost`` name or a literal address :func:`refused_reason` refuses —
-    unless ``settings.webhook_allowed_hosts`` names the host.
+    unless ``settings.webhooks.allowed_hosts`` names the host.
     """
     try:
         parsed = httpx.URL(url)
@@ -320,7 +320,7 @@ def check_url(url: str, settings: Settings) -> httpx.URL:
     if parsed.userinfo:
         raise WebhookTargetError("the URL must not carry credentials (user:password@)")
     host = _normal_host(parsed.host)
-    if host in settings.webhook_allowed_hosts:
+    if host in settings.webhooks.allowed_hosts:
         return parsed
     literal = _address(host)
     if literal is not None:
@@ -386,7 +386,7 @@ def resolve_target(url: str, settings: Settings, *, resolver: Resolver | None = 
         addresses = list((resolver or _resolve)(host, port))
         if not addresses:
             raise WebhookResolveError(f"{host} resolves to no address")
-    if host not in settings.webhook_allowed_hosts:
+    if host not in settings.webhooks.allowed_hosts:
         for address in addresses:
             reason = refused_reason(address, settings)
             if reason is not None:
@@ -410,8 +410,8 @@ class DeliveryStep:
 
 def backoff_seconds(attempts: int, settings: Settings) -> float:
     """Delay before attempt ``attempts + 1``: base * 2^(attempts-1), capped, +0-25% jitter."""
-    base = settings.webhook_backoff_base_seconds * (2 ** max(0, attempts - 1))
-    return min(settings.webhook_backoff_max_seconds, base) * random.uniform(1.0, 1.25)
+    base = settings.webhooks.backoff_base_seconds * (2 ** max(0, attempts - 1))
+    return min(settings.webhooks.backoff_max_seconds, base) * random.uniform(1.0, 1.25)
 
 
 def _post(
@@ -448,7 +448,7 @@ def _attempt(url: str, body: bytes, headers: Mapping[str, str], settings: Settin
         return None, f"refused target: {exc}", True
     except WebhookResolveError as exc:
         return None, str(exc), False
-    code, error = _post(target, body, headers, settings.webhook_timeout_seconds)
+    code, error = _post(target, body, headers, settings.webhooks.timeout_seconds)
     return code, error, False
 
 
@@ -477,7 +477,7 @@ def deliver_once(
     now = utcnow()
     if error is None:
         step = DeliveryStep(DeliveryStatus.DELIVERED, None, code)
-    elif refused or attempts >= settings.webhook_max_attempts:  # a refused target is never retried
+    elif refused or attempts >= settings.webhooks.max_attempts:  # a refused target is never retried
         step = DeliveryStep(DeliveryStatus.GIVEN_UP, None, code, error)
     else:
         step = DeliveryStep(DeliveryStatus.PENDING, backoff_seconds(attempts, settings), code, error)

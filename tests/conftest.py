@@ -118,24 +118,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def settings_env(settings: Settings) -> dict[str, str]:
-    """``CLOVERQ_*`` environment variables that reproduce ``settings`` in a subprocess."""
-    env: dict[str, str] = {}
-    for name, value in settings.model_dump().items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, (dict, list, tuple)):
-            import json
-
-            text = json.dumps(value)
-        else:
-            text = str(value)
-        env[f"CLOVERQ_{name.upper()}"] = text
-    return env
-
-
 def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.05,
              message: str = "condition") -> Any:
     """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
@@ -414,7 +396,7 @@ class ProcessLauncher:
         self.processes: list[ServiceProcess] = []
 
     def _spawn(self, argv: list[str], settings: Settings, name: str) -> ServiceProcess:
-        env = {**os.environ, **settings_env(settings), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **settings.to_env(), "PYTHONUNBUFFERED": "1"}
         log_path = self.log_dir / f"{name}-{uuid.uuid4().hex[:8]}.log"
         with log_path.open("wb") as log_file:
             proc = subprocess.Popen(

@@ -31,7 +31,7 @@ def worker_argv(settings: Settings, *, queues: Sequence[str], concurrency: int, 
     return [
         "worker", "--pool=threads", f"--concurrency={concurrency}", f"--queues={','.join(queues)}",
         f"--hostname={hostname}", "--without-gossip", "--without-mingle", "--without-heartbeat",
-        f"--loglevel={settings.log_level}",
+        f"--loglevel={settings.observability.log_level}",
     ]
 
 
@@ -106,9 +106,9 @@ def run_worker(
     hostname = hostname or _option(extra_args, "-n", "--hostname")
     if queues is None and queues_opt:
         queues = queues_opt.split(",")
-    queue_list = tuple(q.strip() for q in (queues or settings.worker_queues.split(",")) if q.strip())
+    queue_list = tuple(q.strip() for q in (queues or settings.worker.queues.split(",")) if q.strip())
     node = hostname or f"cloverq-{os.getpid()}@{socket.gethostname()}"
-    batch = settings.engine_max_batch + interactive_reserve(queue_list, settings.engine_interactive_reserve)
+    batch = settings.engine.max_batch + interactive_reserve(queue_list, settings.engine.interactive_reserve)
     threads = concurrency or (int(concurrency_opt) if concurrency_opt else batch)
     passthrough = _without_options(extra_args, "-Q", "--queues", "-c", "--concurrency", "-n", "--hostname")
     app = get_celery_app()
@@ -134,7 +134,7 @@ def apply_switch_interval(settings: Settings) -> None:
     consumer, the task thread, the database driver), each one a wait of up to the interval, so
     Python's 5 ms made an interactive job wait hundreds of milliseconds for its claim under bulk
     load although a reserved thread was free (docs/architecture.md §3.4)."""
-    sys.setswitchinterval(settings.worker_switch_interval_ms / 1000.0)
+    sys.setswitchinterval(settings.worker.switch_interval_ms / 1000.0)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

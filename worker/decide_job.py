@@ -22,7 +22,7 @@ from worker.execution import EngineContext, JobSpec, Outcome, sampling_params
 
 log = get_logger(__name__)
 
-# params.fault values (honoured only when settings.fault_injection is on: tests).
+# params.fault values (honoured only when settings.worker.fault_injection is on: tests).
 FAULTS = {
     "invalid_rationale_once": DecisionFaults(invalid_rationale_attempts=1),
     "invalid_rationale_always": DecisionFaults(invalid_rationale_attempts=10**6),
@@ -57,11 +57,11 @@ def run_decide(job: JobSpec, ctx: EngineContext) -> Outcome:
     except (KeyError, TypeError, ValueError) as exc:
         raise InputJobError(f"invalid decision input: {exc}") from exc
     settings = ctx.settings
-    fault = job.params.get("fault") if settings.fault_injection else None
+    fault = job.params.get("fault") if settings.worker.fault_injection else None
     options = DecisionOptions(
-        rationale_tokens=settings.decide_rationale_tokens,
-        rationale_max_chars=settings.decide_rationale_max_chars,
-        retry_temperature=settings.decide_retry_temperature,
+        rationale_tokens=settings.decisions.rationale_tokens,
+        rationale_max_chars=settings.decisions.rationale_max_chars,
+        retry_temperature=settings.decisions.retry_temperature,
     )
 
     def on_invalid_output(attempt: int, reason: str) -> None:

@@ -78,9 +78,9 @@ class Outcome:
 def sampling_params(params: Mapping[str, Any], settings: Settings) -> SamplingParams:
     """Job params -> engine params, with the deployment's defaults filled in."""
     values = {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
-    values.setdefault("max_new_tokens", settings.default_max_new_tokens)
-    if settings.default_steps_per_block is not None:  # else the engine's family default
-        values.setdefault("steps_per_block", settings.default_steps_per_block)
+    values.setdefault("max_new_tokens", settings.limits.default_max_new_tokens)
+    if settings.limits.default_steps_per_block is not None:  # else the engine's family default
+        values.setdefault("steps_per_block", settings.limits.default_steps_per_block)
     try:
         return SamplingParams(**values)
     except TypeError as exc:

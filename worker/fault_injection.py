@@ -1,4 +1,5 @@
-"""TESTS ONLY: faults a job asks for in ``params.fault``, honoured only with ``settings.fault_injection``.
+"""TESTS ONLY: faults a job asks for in ``params.fault``, honoured only with
+``settings.worker.fault_injection``.
 
 The chaos and integration tests need jobs that fail in known ways (a transient error, a bad
 input, a stall, a process that dies mid-job). Keeping them here, behind one switch that is off
@@ -59,7 +60,7 @@ class FaultInjector:
 
 
 def fault_injector_for(settings: Settings) -> FaultInjector | None:
-    """The injector when ``settings.fault_injection`` is on (tests), else None: no faults at all."""
-    if not settings.fault_injection:
+    """The injector when ``settings.worker.fault_injection`` is on (tests), else None: no faults at all."""
+    if not settings.worker.fault_injection:
         return None
-    return FaultInjector(stall_seconds=settings.fault_stall_seconds)
+    return FaultInjector(stall_seconds=settings.worker.fault_stall_seconds)

@@ -13,7 +13,7 @@
    then the final hot status, the long-poll notice, the webhook and the metrics.
 
 Test-only faults come from ``worker/fault_injection.py`` and only when a ``FaultInjector`` was
-handed in (``settings.fault_injection``).
+handed in (``settings.worker.fault_injection``).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class JobRunner:
         monitor = self.monitor
         ctx = self._context(spec, lease, running)
         try:
-            if self.faults is not None:  # tests only (settings.fault_injection)
+            if self.faults is not None:  # tests only (settings.worker.fault_injection)
                 self.faults.before_run(spec, running.cancel_event)
             outcome = run_kind(spec, ctx)
         except InputJobError as exc:

@@ -87,7 +87,7 @@ class ModelSwitcher:
         """At start: load the version this worker's track serves and record it in SQL."""
         activation = self._initial_activation()
         version, on_lane = served_target(stable=activation.version, canary=activation.canary_version,
-                                         track=self.settings.model_track)
+                                         track=self.settings.canary.track)
         self.model.load(self.store_path(version))
         self.model.model_name = self.model_name
         self.model.served_version = version
@@ -99,9 +99,9 @@ class ModelSwitcher:
         return ModelFollower(
             model_name=self.model_name, sessions=self.sessions,
             turn=SwitchTurn(self.redis, model_name=self.model_name, worker_id=self.worker_id),
-            interval=self.settings.model_watch_interval_seconds,
+            interval=self.settings.model.watch_interval_seconds,
             current=lambda: self.model.served_version, switch=self.switch_model,
-            track=self.settings.model_track, current_lane=lambda: self.canary_lane, move_lane=self.move_lane,
+            track=self.settings.canary.track, current_lane=lambda: self.canary_lane, move_lane=self.move_lane,
         )
 
     def store_path(self, version: str) -> Path:
@@ -115,7 +115,7 @@ class ModelSwitcher:
             current = active_version(session, name=name)
             if current is not None:
                 return current
-            initial = self.settings.served_model_initial_version
+            initial = self.settings.model.served_initial_version
             if not initial:
                 raise RuntimeError(f"model {name!r} has no active version: run `cloverq model activate "
                                    f"{name} VERSION` or set CLOVERQ_SERVED_MODEL_INITIAL_VERSION")

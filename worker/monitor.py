@@ -221,7 +221,7 @@ class JobMonitor:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        lease_every = max(TICK_SECONDS, self.settings.lease_seconds / 3)
+        lease_every = max(TICK_SECONDS, self.settings.jobs.lease_seconds / 3)
         next_lease = next_sql = next_beat = 0.0
         while not self._stop.wait(TICK_SECONDS):
             now = time.monotonic()
@@ -234,10 +234,10 @@ class JobMonitor:
                     next_lease = now + lease_every
                     self._renew(jobs)
                 if now >= next_sql:
-                    next_sql = now + self.settings.progress_sql_interval_seconds
+                    next_sql = now + self.settings.jobs.progress_sql_interval_seconds
                     self._progress_to_sql(jobs)
                 if now >= next_beat:
-                    next_beat = now + self.settings.worker_heartbeat_seconds
+                    next_beat = now + self.settings.worker.heartbeat_seconds
                     self.heartbeat()
             except Exception:  # Redis/SQL hiccup: log and keep ticking; leases have slack
                 log.exception("monitor.tick_failed")

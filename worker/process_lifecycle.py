@@ -84,7 +84,7 @@ class ProcessLifecycle:
             self.model.model_name = loaded.path.name
         self.info.stats["model_load_seconds"] = round(time.monotonic() - began, 3)
         self.telemetry = TelemetryThread(self.metrics, self.metrics_snapshot,
-                                         interval=self.settings.worker_metrics_interval)
+                                         interval=self.settings.observability.worker_metrics_interval)
         self.telemetry.start()
         self.monitor.start()
         if self.switcher is not None:  # started by mark_ready, once Celery consumes
@@ -148,7 +148,7 @@ class ProcessLifecycle:
                                    tokens_per_second=round(stats.tokens_per_second, 2),
                                    engine_passes=stats.passes,
                                    engine_busy_seconds=round(stats.busy_seconds, 3))
-        ttl = heartbeat_ttl(self.settings.worker_heartbeat_seconds)
+        ttl = heartbeat_ttl(self.settings.worker.heartbeat_seconds)
         publish_worker(self.redis, self.info, ttl_seconds=ttl)
         self.drain.sync()
 
@@ -170,7 +170,7 @@ class ProcessLifecycle:
         engine = self.model.engine
         return snapshot_from_stats(
             engine.stats() if engine is not None else None, worker_id=self.worker_id,
-            device=self.settings.device, queues=self.queues, state=self.info.state,
+            device=self.settings.model.device, queues=self.queues, state=self.info.state,
             model_name=self.model.model_name, model_version=self.model.model_version,
             model_load_seconds=self.info.stats.get("model_load_seconds"),
             track=self.info.stats.get("lane"),

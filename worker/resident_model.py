@@ -56,27 +56,27 @@ class ResidentModel:
         from worker.model.quantize import load_model
 
         settings = self.settings
-        if settings.tensor_parallel > 1 and settings.weight_dtype:  # not quantized per rank yet
+        if settings.engine.tensor_parallel > 1 and settings.model.weight_dtype:  # not quantized per rank yet
             raise RuntimeError("CLOVERQ_WEIGHT_DTYPE is not supported with CLOVERQ_TENSOR_PARALLEL > 1 yet")
         loaded: LoadedModel
-        if settings.tensor_parallel > 1:  # ranks 1..N-1 in processes of their own
+        if settings.engine.tensor_parallel > 1:  # ranks 1..N-1 in processes of their own
             from worker.tensor_parallel import load_sharded
 
             loaded = load_sharded(self, path)
         else:
-            verify = False if settings.skip_verify else settings.verify_on_load
-            loaded = load_model(path, device=settings.device, dtype=self.load_dtype(path),
-                                verify=verify, weight_dtype=settings.weight_dtype,
-                                group_size=settings.weight_group_size)  # int8/int4: quantize.py
+            verify = False if settings.model.skip_verify else settings.model.verify_on_load
+            loaded = load_model(path, device=settings.model.device, dtype=self.load_dtype(path),
+                                verify=verify, weight_dtype=settings.model.weight_dtype,
+                                group_size=settings.model.weight_group_size)  # int8/int4: quantize.py
         loaded.model.eval()
         self._record_load(loaded)
         engine = Engine(
             loaded.model,
-            EngineConfig(max_batch=settings.engine_max_batch,
-                         max_tokens_in_flight=settings.engine_max_tokens_in_flight,
-                         prefix_cache_bytes=settings.prefix_cache_bytes,
+            EngineConfig(max_batch=settings.engine.max_batch,
+                         max_tokens_in_flight=settings.engine.max_tokens_in_flight,
+                         prefix_cache_bytes=settings.engine.prefix_cache_bytes,
                          max_len=settings.resolved_engine_max_len,
-                         slot_caps={JOINT_QUEUE: settings.engine_joint_slot_cap},
+                         slot_caps={JOINT_QUEUE: settings.engine.joint_slot_cap},
                          reserved_slots=self.reserve, reserved_classes=frozenset({INTERACTIVE_QUEUE})),
             mask_token_id=loaded.tokenizer.mask_token_id,
             eos_token_ids=loaded.tokenizer.eos_token_ids,
@@ -107,8 +107,8 @@ class ResidentModel:
         from worker.model.checkpoint import read_config
         from worker.model.hf_defaults import resolve_dtype
 
-        if self.settings.dtype:
-            return resolve_dtype(None, self.settings.dtype)
+        if self.settings.model.dtype:
+            return resolve_dtype(None, self.settings.model.dtype)
         return resolve_dtype(read_config(path))
 
     def decode(self, ids: list[int]) -> str:

@@ -14,7 +14,7 @@ Each part holds one concept and is typed against the others' small surfaces:
   the drain follower (``worker/queue_drain.py``), the switcher and the lifecycle only tell it
   what changed;
 - ``worker/fault_injection.py``: test-only faults, handed to the runner only when
-  ``settings.fault_injection`` is on.
+  ``settings.worker.fault_injection`` is on.
 
 ``WorkerRuntime`` builds them and exposes what ``worker/celery_worker.py`` and ``worker/tasks.py``
 call; it has no logic of its own.
@@ -65,15 +65,15 @@ class WorkerRuntime:
         self.redis = get_redis(settings.resolved_redis_url)
         self.info = WorkerInfo(id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
                                queues=list(queues), state=WorkerState.STARTING, started_at=time.time(),
-                               heartbeat_seconds=settings.worker_heartbeat_seconds)
-        self.info.stats["model_track"] = settings.model_track
-        self.info.stats["served_model"] = settings.served_model
+                               heartbeat_seconds=settings.worker.heartbeat_seconds)
+        self.info.stats["model_track"] = settings.canary.track
+        self.info.stats["served_model"] = settings.model.served
         self.consumers = ConsumerController(queues, CeleryConsumers(_celery_app, node=self.worker_id))
         self.drain_follower = DrainFollower(redis_client=self.redis, controller=self.consumers,
                                             node=self.worker_id)
         # Every class but interactive holds at most engine_max_batch task threads (and engine slots);
         # the engine_interactive_reserve beyond are interactive's alone (issue 15: short first).
-        reserve = interactive_reserve(queues, settings.engine_interactive_reserve)
+        reserve = interactive_reserve(queues, settings.engine.interactive_reserve)
         self.model = ResidentModel(settings, info=self.info, worker_id=self.worker_id,
                                    redis_client=self.redis, reserve=reserve)
         self.metrics = RedisMetricsRecorder(self.redis)  # job outcomes and snapshots (worker/telemetry.py)
@@ -86,9 +86,9 @@ class WorkerRuntime:
             redis_client=self.redis, model=self.model, monitor=monitor, metrics=self.metrics,
             consumers=self.consumers, drain=self.drain_follower, draining=draining,
         )
-        if settings.served_model:
+        if settings.model.served:
             self.lifecycle.switcher = ModelSwitcher(
-                settings=settings, model_name=settings.served_model, sessions=self.sessions,
+                settings=settings, model_name=settings.model.served, sessions=self.sessions,
                 redis_client=self.redis, worker_id=self.worker_id, info=self.info, model=self.model,
                 consumers=self.consumers, admission=self.admission, read_drained=self.drain_follower.read,
                 stopping=draining.is_set, heartbeat=self._heartbeat,
@@ -97,10 +97,10 @@ class WorkerRuntime:
         # At most engine_joint_slot_cap joint jobs hold task threads (worker/joint_gate.py); at most
         # engine_max_batch of every class but interactive. A full gate pauses its queues (consumers).
         # A gate records its change under its lock and sends the consumer commands after it.
-        joint_gate = JointGate(settings.engine_joint_slot_cap, name=JOINT_QUEUE,
+        joint_gate = JointGate(settings.engine.joint_slot_cap, name=JOINT_QUEUE,
                                on_full=lambda full: self.consumers.record(joint_full=full),
                                then=self.consumers.sync)
-        capacity_gate = JointGate(settings.engine_max_batch, name="capacity",
+        capacity_gate = JointGate(settings.engine.max_batch, name="capacity",
                                   on_full=lambda full: self.consumers.record(capacity_full=full),
                                   then=self.consumers.sync)
         self.runner = JobRunner(

@@ -3,7 +3,7 @@
 A worker serves no HTTP, so it records into Redis (``scheduler.metrics.RedisMetricsRecorder``)
 and any API process exports the values on ``/metrics``; this works with workers on many hosts.
 
-* :class:`TelemetryThread` publishes, every ``settings.worker_metrics_interval`` seconds, the
+* :class:`TelemetryThread` publishes, every ``settings.observability.worker_metrics_interval`` seconds, the
   engine's tokens/s, batch occupancy and router counts (``Engine.stats()``), device memory,
   model load time and model version.
 * :func:`observe_job_finished` is called once when a job reaches a final status: it writes the

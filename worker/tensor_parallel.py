@@ -1,4 +1,5 @@
-"""A worker whose model spans ``settings.tensor_parallel`` devices (the model side: worker/model/parallel/).
+"""A worker whose model spans ``settings.engine.tensor_parallel`` devices (the model side:
+worker/model/parallel/).
 
 ``load_sharded(runtime, path)`` is ``load_checkpoint`` for the worker runtime: this process is rank
 0 and keeps the whole job flow (Celery consumer, engine thread, monitor); ranks 1..N-1 are started
@@ -37,17 +38,17 @@ EXIT_RANK_LOST = 75  # EX_TEMPFAIL: restart me
 
 
 def load_sharded(runtime: Any, path: Path) -> LoadedModel:
-    """Load ``path`` over ``settings.tensor_parallel`` ranks for ``runtime`` (a ``WorkerRuntime``)."""
+    """Load ``path`` over ``settings.engine.tensor_parallel`` ranks for ``runtime`` (a ``WorkerRuntime``)."""
     from worker.model.parallel.group import load_tensor_parallel
 
     settings = runtime.settings
-    world = settings.tensor_parallel
-    if getattr(settings, "weight_dtype", None):
+    world = settings.engine.tensor_parallel
+    if settings.model.weight_dtype:
         raise RuntimeError("weight quantization (CLOVERQ_WEIGHT_DTYPE) is not wired into tensor-parallel "
                            "loading yet: unset it or run with CLOVERQ_TENSOR_PARALLEL=1")
-    verify = False if settings.skip_verify else getattr(settings, "verify_on_load", True)
+    verify = False if settings.model.skip_verify else settings.model.verify_on_load
     loaded = load_tensor_parallel(
-        path, world=world, device=settings.device, dtype=runtime.load_dtype(path), verify=verify,
+        path, world=world, device=settings.model.device, dtype=runtime.load_dtype(path), verify=verify,
         threads=max(1, settings.resolved_torch_threads // world),
         on_fatal=lambda reason: rank_lost(runtime, reason),
     )
@@ -70,7 +71,7 @@ def rank_lost(runtime: Any, reason: str) -> None:
         stats["ranks_ready"] = max(0, int(stats.get("size", 1)) - 1)
 
     def publish() -> None:
-        ttl = heartbeat_ttl(runtime.settings.worker_heartbeat_seconds)
+        ttl = heartbeat_ttl(runtime.settings.worker.heartbeat_seconds)
         publish_worker(runtime.redis, runtime.info, ttl_seconds=ttl)
 
     writer = threading.Thread(target=publish, name="cloverq-tp-lost", daemon=True)

@@ -100,15 +100,15 @@ def _validate_specs(raw: list[Any], *, settings: Settings, counter: PromptTokenC
     """Every spec through the job models and limits; errors name the spec's index."""
     if not raw:
         raise _invalid("a batch needs at least one job", {"loc": ["body", "jobs"]})
-    if len(raw) > settings.batch_max_jobs:
-        raise ApiError(422, "batch_too_large", f"a batch holds at most {settings.batch_max_jobs} jobs",
-                       {"jobs": len(raw), "max_jobs": settings.batch_max_jobs})
+    if len(raw) > settings.batches.max_jobs:
+        raise ApiError(422, "batch_too_large", f"a batch holds at most {settings.batches.max_jobs} jobs",
+                       {"jobs": len(raw), "max_jobs": settings.batches.max_jobs})
     specs, errors = [], []
     for index, item in enumerate(raw):
         try:
             body = _SPEC.validate_python(item)
             params = check_job_limits(body, settings=settings, counter=counter,
-                                      faults_enabled=settings.fault_injection)
+                                      faults_enabled=settings.worker.fault_injection)
         except ValidationError as exc:
             errors.append({"index": index, "errors": exc.errors(include_url=False, include_context=False)})
         except ApiError as exc:

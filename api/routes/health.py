@@ -38,7 +38,7 @@ async def readyz(request: Request, response: Response) -> Readiness:
     """Ready when the database and Redis answer and at least one worker is ready, decided within
     the readiness deadline (a check still running then has failed)."""
     state = request.app.state
-    deadline: float = state.settings.readiness_timeout_seconds
+    deadline: float = state.settings.observability.readiness_timeout_seconds
     checks: dict[str, ReadinessCheck] = {}
     per_queue: dict[str, int] = {}
 

@@ -121,7 +121,7 @@ def _submit_blocking(
     # A refusal from here on spends the caller's token too: AdmittedSubmitCaller takes it if
     # the admission below did not run (and its 401 / 429 wins).
     params = check_job_limits(body, settings=settings, counter=counter,
-                              faults_enabled=settings.fault_injection)
+                              faults_enabled=settings.worker.fault_injection)
     job_input = body.input.model_dump(exclude_none=True)
     state = request.app.state
     job_id = uuid.uuid4()
@@ -244,7 +244,7 @@ def list_jobs(
 ) -> Response:
     """Newest first; ``next_cursor`` is null on the last page.
 
-    A page also ends before ``settings.list_max_response_bytes`` (then ``next_cursor`` goes on
+    A page also ends before ``settings.limits.list_max_response_bytes`` (then ``next_cursor`` goes on
     from the last job shown), so large jobs never make one answer unbounded.
     """
     try:
@@ -266,7 +266,7 @@ def list_jobs(
     size = 0
     for index, job in enumerate(jobs):
         part = job_out(job).model_dump_json().encode()
-        if parts and size + len(part) > settings.list_max_response_bytes:
+        if parts and size + len(part) > settings.limits.list_max_response_bytes:
             next_cursor = job_service.encode_cursor(jobs[index - 1])
             break
         parts.append(part)

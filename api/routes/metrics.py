@@ -116,7 +116,7 @@ async def metrics(request: Request) -> Response:
             redis_client,
             queue_depths=lambda: queue_depths(session_factory),
             workers_ready=lambda: workers_ready(redis_client),
-            multiproc_dir=settings.prometheus_multiproc_dir,
+            multiproc_dir=settings.observability.prometheus_multiproc_dir,
         )
     )
     return Response(content=body, media_type=content_type)

@@ -66,12 +66,12 @@ class GenerateParams(_Strict):
     """Decoding parameters (see the decoding contract, docs/architecture.md §3.7); ``None`` = default."""
 
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_BOUND,
-                                       description="Default: settings.default_max_new_tokens.")
+                                       description="Default: settings.limits.default_max_new_tokens.")
     block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE,
                                    description="Default: the checkpoint's block size.")
     steps_per_block: int | None = Field(
         None, ge=1, le=MAX_STEPS_PER_BLOCK_BOUND,
-        description="Default: settings.default_steps_per_block, else the model family's "
+        description="Default: settings.limits.default_steps_per_block, else the model family's "
         "(Clover, LLaDA2: the block size; SDAR: 4).",
     )
     strategy: Literal["static", "dynamic"] | None = Field(
@@ -88,7 +88,7 @@ class GenerateParams(_Strict):
     step_budget: int | None = Field(None, ge=1, le=MAX_STEP_BUDGET_BOUND,
                                     description="Max denoising passes for the whole job.")
     thinking: bool | None = Field(
-        None, description="enable_thinking for the chat template; default settings.default_thinking."
+        None, description="enable_thinking for the chat template; default settings.thinking.default."
     )
     fault: Text | None = Field(None, description="Test-only fault injection; rejected unless enabled.")
 
@@ -107,12 +107,12 @@ class _JobCreateBase(_Strict):
         None, description="Requested class; may only lower the class the cost estimate gives."
     )
     metadata: Metadata | None = Field(
-        None, description="Your labels (echoed in reads and webhooks); at most settings.max_metadata_bytes "
-        "as compact JSON.",
+        None, description="Your labels (echoed in reads and webhooks); at most "
+        "settings.limits.max_metadata_bytes as compact JSON.",
     )
     webhook_url: HttpUrl | None = Field(
         None, description="POSTed (signed) when the job is final; no credentials, and only public "
-        "addresses unless settings.webhook_allowed_hosts / webhook_allowed_networks name it.",
+        "addresses unless settings.webhooks.allowed_hosts / webhook_allowed_networks name it.",
     )
 
 

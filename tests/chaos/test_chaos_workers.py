@@ -79,8 +79,8 @@ def test_poison_job_that_kills_its_worker_fails_after_max_attempts_and_others_fi
     rows = stack.wait_final([poison, *others], timeout=60)
     assert rows[poison]["status"] == "failed"
     assert rows[poison]["error_code"] == "retries_exhausted"
-    assert rows[poison]["attempt"] == rows[poison]["max_attempts"] == stack.settings.max_attempts
-    assert deaths >= stack.settings.max_attempts  # each attempt really killed a worker
+    assert rows[poison]["attempt"] == rows[poison]["max_attempts"] == stack.settings.jobs.max_attempts
+    assert deaths >= stack.settings.jobs.max_attempts  # each attempt really killed a worker
     stack.assert_exactly_once([poison], rows, status="failed")
     stack.assert_exactly_once(others, rows)
 
@@ -109,7 +109,7 @@ def test_job_longer_than_the_visibility_timeout_is_redelivered_but_runs_once(cha
     stack = chaos_stack
     stack.ensure_workers(2)
     visibility = 2.0
-    tiny_visibility = stack.settings.model_copy(update={"visibility_timeout_seconds": visibility})
+    tiny_visibility = stack.settings.replaced(visibility_timeout_seconds=visibility)
     # The test-only stall holds the attempt (running, lease renewed by the monitor) until the
     # job is cancelled: a long job whose length does not depend on when the model emits EOS.
     long_params = {**TINY_PARAMS, "fault": "stall_first_attempt"}
@@ -126,7 +126,7 @@ def test_job_longer_than_the_visibility_timeout_is_redelivered_but_runs_once(cha
         connection.default_channel.qos.restore_visible(num=1000, interval=1)
     wait_for(lambda: job_id in _not_claimed(stack), timeout=30,
              message="the redelivered message to be consumed and refused by the fence")
-    time.sleep(stack.settings.lease_seconds)  # outlive a lease too: it must be renewed, not reaped
+    time.sleep(stack.settings.jobs.lease_seconds)  # outlive a lease too: it must be renewed, not reaped
     assert stack.rows([job_id])[job_id]["status"] == "running"
     ran_for = time.monotonic() - started
     with stack.client() as client:
@@ -134,7 +134,7 @@ def test_job_longer_than_the_visibility_timeout_is_redelivered_but_runs_once(cha
     rows = stack.wait_final([job_id], timeout=30)
     stack.assert_exactly_once([job_id], rows, status="cancelled")
     assert rows[job_id]["attempt"] == 1  # the lease was renewed; nobody re-ran it
-    assert ran_for > visibility + stack.settings.lease_seconds
+    assert ran_for > visibility + stack.settings.jobs.lease_seconds
     print(f"visibility timeout {visibility:.0f}s: job ran {ran_for:.1f}s, redelivered once, executed once")
 
 
@@ -148,11 +148,11 @@ def test_worker_killed_between_delivery_and_claim_leaves_no_job_stuck(chaos_stac
     import subprocess
     import sys
 
-    from tests.conftest import REPO_ROOT, settings_env
+    from tests.conftest import REPO_ROOT
 
     stack = chaos_stack
     stack.ensure_workers(1)
-    env = {**os.environ, **settings_env(stack.settings)}
+    env = {**os.environ, **stack.settings.to_env()}
     done = subprocess.run([sys.executable, "-m", "tests.chaos.dying_consumer", "chaos-orphan"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     job_id = done.stdout.split("job ", 1)[1].split()[0]

@@ -236,7 +236,7 @@ def test_a_list_page_stays_within_the_response_byte_bound(client: TestClient, ap
             params["cursor"] = cursor
         response = client.get("/v1/jobs", params=params)
         assert response.status_code == 200
-        assert len(response.content) <= api_settings.list_max_response_bytes
+        assert len(response.content) <= api_settings.limits.list_max_response_bytes
         page = JobList.model_validate(response.json())  # the documented shape
         assert page.items and all(item.metadata == metadata for item in page.items)
         seen += [item.id for item in page.items]

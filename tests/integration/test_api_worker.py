@@ -41,7 +41,7 @@ def _noticed(pubsub: Any, job_id: str, timeout: float = 10.0) -> bool:
 def test_jobs_run_to_completion_and_cancel_through_the_api(
     test_settings: Settings, celery_worker_process: Callable[..., Any]
 ) -> None:
-    settings = test_settings.model_copy(update={"auth": "disabled"})
+    settings = test_settings.replaced(auth="disabled")
     with TestClient(create_app(settings)) as client:
         celery_worker_process(settings)
         ready = client.get("/readyz")

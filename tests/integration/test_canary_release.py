@@ -145,7 +145,7 @@ def test_canary_400_jobs_abort_and_promote_mid_traffic(
     client, headers = api
     began = time.monotonic()
     stable = launcher.start_worker(stack_settings, concurrency=8, wait_ready=False)
-    canary = launcher.start_worker(stack_settings.model_copy(update={"model_track": "canary"}),
+    canary = launcher.start_worker(stack_settings.replaced(model_track="canary"),
                                    concurrency=4, wait_ready=False)
     launcher.start_beat(stack_settings)
     for worker in (stable, canary):

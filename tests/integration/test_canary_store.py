@@ -155,11 +155,10 @@ def test_cli_canary_promote_refused_then_forced_and_abort(
 
     from cli.main import cli
     from scheduler.settings import get_settings
-    from tests.conftest import settings_env
 
     name = f"cc-{os.urandom(3).hex()}"
     settings = make_settings(served_model=name, canary_min_jobs=5)
-    for key, value in settings_env(settings).items():
+    for key, value in settings.to_env().items():
         monkeypatch.setenv(key, value)
     request.addfinalizer(get_settings.cache_clear)  # later tests must not see these settings
     with get_session_factory(settings.resolved_database_url)() as session:

@@ -169,11 +169,11 @@ def test_thinking_generate_returns_reasoning_and_text(stack) -> None:  # type: i
     assert response.status_code == 202, response.text
     submitted = response.json()
     assert submitted["params"]["thinking"] is True
-    assert submitted["params"]["step_budget"] == settings.thinking_default_step_budget  # larger default
+    assert submitted["params"]["step_budget"] == settings.thinking.default_step_budget  # larger default
     job = _final(client, submitted["id"])
     assert job["status"] == "succeeded", job
     result = job["result"]
-    tokenizer = Tokenizer.from_dir(settings.model_dir)
+    tokenizer = Tokenizer.from_dir(settings.model.dir)
     expected = split_thinking(result["token_ids"], think_start_id=tokenizer.think_start_id,
                               think_end_id=tokenizer.think_end_id,
                               decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))

@@ -148,13 +148,13 @@ def test_submit_publishes_a_message_with_the_id_only_and_sets_the_marker(
 def test_a_failed_publish_leaves_the_row_queued_for_the_reconciler(
     session: Session, settings: Settings, client: redis_lib.Redis, celery: Any, make_settings: Any
 ) -> None:
-    dead = make_settings(database_url=settings.database_url, redis_url="redis://127.0.0.1:1/0")
+    dead = make_settings(database_url=settings.database.url, redis_url="redis://127.0.0.1:1/0")
     job, created = submit_job(session, tenant="t", kind="generate", input={"prompt": "x"}, params=PARAMS,
                               settings=dead, celery=create_celery_app(dead), redis_client=client)
     CREATED.append(job.id)
     assert created and get_job(session, job_id=job.id, tenant=None).status == JobStatus.QUEUED
     assert client.llen(job.queue) == 0
-    later = utcnow() + timedelta(seconds=settings.reconcile_grace_seconds + 1)
+    later = utcnow() + timedelta(seconds=settings.beat.reconcile_grace_seconds + 1)
     assert enqueue_due_jobs(session, app=celery, redis_client=client, settings=settings, now=later) >= 1
     assert client.llen(job.queue) >= 1
     # a second tick publishes nothing new: the marker says the message exists
@@ -172,7 +172,7 @@ def test_claim_and_finish_are_fenced_by_attempt(
     assert claim_job(session, job_id=job.id, worker_id="w2", model_version="m", settings=settings) is None
     # the attempt fails transiently and is claimed again elsewhere: the old attempt can no longer write
     assert retry_or_fail(session, lease=Lease(job.id, 1), error="oom", settings=settings) == JobStatus.QUEUED
-    due = utcnow() + timedelta(seconds=settings.retry_backoff_max_seconds + 1)
+    due = utcnow() + timedelta(seconds=settings.jobs.retry_backoff_max_seconds + 1)
     second = claim_job(session, job_id=job.id, worker_id="w2", model_version="m", settings=settings, now=due)
     assert second is not None and second.attempt == 2
     assert not finish_job(session, lease=Lease(job.id, 1), status=JobStatus.SUCCEEDED, settings=settings,
@@ -191,15 +191,15 @@ def test_retries_stop_at_max_attempts(
 ) -> None:
     job = submit(session, settings, client, celery, publish=False)
     now = utcnow()
-    for attempt in range(1, settings.max_attempts + 1):
-        now += timedelta(seconds=settings.retry_backoff_max_seconds + 1)
+    for attempt in range(1, settings.jobs.max_attempts + 1):
+        now += timedelta(seconds=settings.jobs.retry_backoff_max_seconds + 1)
         assert claim_job(session, job_id=job.id, worker_id="w", model_version=None, settings=settings,
                          now=now)
         status = retry_or_fail(session, lease=Lease(job.id, attempt), error="boom", settings=settings,
                                now=now)
     assert status == JobStatus.FAILED
     final = get_job(session, job_id=job.id, tenant=None)
-    assert final.error_code == "retries_exhausted" and final.attempt == settings.max_attempts
+    assert final.error_code == "retries_exhausted" and final.attempt == settings.jobs.max_attempts
 
 
 def test_reaper_requeues_then_fails_jobs_whose_lease_expired(
@@ -208,13 +208,13 @@ def test_reaper_requeues_then_fails_jobs_whose_lease_expired(
     job = submit(session, settings, client, celery, publish=False)
     assert claim_job(session, job_id=job.id, worker_id="dead", model_version=None, settings=settings)
     assert reap_expired_leases(session, redis_client=client, settings=settings).requeued == 0  # still leased
-    after_lease = utcnow() + timedelta(seconds=settings.lease_seconds + 1)
+    after_lease = utcnow() + timedelta(seconds=settings.jobs.lease_seconds + 1)
     assert reap_expired_leases(session, redis_client=client, settings=settings, now=after_lease).requeued == 1
     assert get_job(session, job_id=job.id, tenant=None).status == JobStatus.QUEUED
-    later = after_lease + timedelta(seconds=settings.retry_backoff_max_seconds + 1)
+    later = after_lease + timedelta(seconds=settings.jobs.retry_backoff_max_seconds + 1)
     assert claim_job(session, job_id=job.id, worker_id="dead2", model_version=None, settings=settings,
                      now=later)
-    last = later + timedelta(seconds=settings.lease_seconds + 1)
+    last = later + timedelta(seconds=settings.jobs.lease_seconds + 1)
     assert reap_expired_leases(session, redis_client=client, settings=settings, now=last).failed == 1
     final = get_job(session, job_id=job.id, tenant=None)
     assert final.status == JobStatus.FAILED and final.error_code == "retries_exhausted"
@@ -229,7 +229,7 @@ def test_expiry_drops_payloads_of_old_finished_jobs(
                result={"text": "x"})
     assert expire_finished_jobs(session) == 0 or get_job(session, job_id=job.id, tenant=None).status \
         == JobStatus.SUCCEEDED
-    future = utcnow() + timedelta(seconds=settings.result_ttl_seconds + 1)
+    future = utcnow() + timedelta(seconds=settings.jobs.result_ttl_seconds + 1)
     assert expire_finished_jobs(session, now=future) >= 1
     final = get_job(session, job_id=job.id, tenant=None)
     assert final.status == JobStatus.EXPIRED and final.result is None and final.input is None
@@ -278,7 +278,7 @@ def _check_aging(session: Session, settings: Settings, client: redis_lib.Redis, 
                  params={"max_new_tokens": 4096, "steps_per_block": 64})
     assert job.queue == "bulk"
     assert promote_aged_jobs(session, app=celery, redis_client=client, settings=settings) == 0
-    later = utcnow() + timedelta(seconds=settings.aging_seconds + 1)
+    later = utcnow() + timedelta(seconds=settings.scheduling.aging_seconds + 1)
     assert promote_aged_jobs(session, app=celery, redis_client=client, settings=settings, now=later) >= 1
     promoted = get_job(session, job_id=job.id, tenant=None)
     assert promoted.queue == "interactive" and promoted.priority == "bulk"
@@ -309,7 +309,7 @@ def test_aging_promotes_oldest_first_and_caps_promoted_jobs_waiting(
     with get_session_factory(fresh_db_url)() as session:
         jobs = [submit(session, capped, client, celery, publish=False,
                        params={"max_new_tokens": 4096, "steps_per_block": 64}) for _ in range(3)]
-        later = utcnow() + timedelta(seconds=capped.aging_seconds + 1)
+        later = utcnow() + timedelta(seconds=capped.scheduling.aging_seconds + 1)
         assert promote_aged_jobs(session, app=celery, redis_client=client, settings=capped, now=later) == 2
         queues = [get_job(session, job_id=j.id, tenant=None).queue for j in jobs]
         assert queues == ["interactive", "interactive", "bulk"]  # the two oldest

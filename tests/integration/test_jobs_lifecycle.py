@@ -134,7 +134,8 @@ def test_cancel_a_queued_job_at_once(stack: Stack) -> None:
         cancelled = cancel_job(session, job_id=job.id, tenant="acme", settings=stack.settings,
                                redis_client=stack.redis)
     assert cancelled is not None and cancelled.status == JobStatus.CANCELLED
-    time.sleep(stack.settings.reconcile_grace_seconds + 3 * stack.settings.reconcile_interval_seconds)
+    beat = stack.settings.beat
+    time.sleep(beat.reconcile_grace_seconds + 3 * beat.reconcile_interval_seconds)
     after = stack.get(job.id)
     assert after.status == JobStatus.CANCELLED and after.attempt == 0 and after.started_at is None
 
@@ -180,7 +181,7 @@ def test_always_failing_job_is_retried_then_retries_exhausted(stack: Stack) -> N
     done = stack.wait_status(job.id, JobStatus.FAILED, JobStatus.SUCCEEDED, timeout=40)
     assert done.status == JobStatus.FAILED
     assert done.error_code == "retries_exhausted"
-    assert done.attempt == done.max_attempts == stack.settings.max_attempts
+    assert done.attempt == done.max_attempts == stack.settings.jobs.max_attempts
     assert "injected transient fault" in (done.error_message or "")
 
 
@@ -214,8 +215,8 @@ def test_reconciler_recovers_every_queued_job_after_redis_is_flushed(stack: Stac
     # with stalled jobs so the next jobs stay queued in Redis.
     from worker.joint_gate import interactive_reserve
 
-    threads = stack.settings.engine_max_batch + interactive_reserve(
-        STACK_QUEUES.split(","), stack.settings.engine_interactive_reserve
+    threads = stack.settings.engine.max_batch + interactive_reserve(
+        STACK_QUEUES.split(","), stack.settings.engine.interactive_reserve
     )
     blockers = [stack.submit(params={"max_new_tokens": 8, "fault": "stall_first_attempt"})
                 for _ in range(threads)]

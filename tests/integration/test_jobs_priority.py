@@ -120,7 +120,7 @@ def test_a_long_job_starts_within_its_aging_bound_under_a_stream_of_short_jobs(s
         long = scheduler.submit(LONG)
         assert long.queue == "bulk"
         s = scheduler.settings
-        bound = AGING_SECONDS + s.reconcile_interval_seconds + 5.0  # aging + beat tick + a few shorts
+        bound = AGING_SECONDS + s.beat.reconcile_interval_seconds + 5.0  # aging + beat tick + a few shorts
         started = scheduler.wait(long.id, JobStatus.RUNNING, JobStatus.SUCCEEDED, timeout=bound + 10)
     finally:
         stop.set()

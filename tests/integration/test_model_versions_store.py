@@ -33,7 +33,7 @@ from scheduler.model_versions import (
     register_version,
 )
 from scheduler.settings import Settings, get_settings
-from tests.conftest import REPO_ROOT, settings_env
+from tests.conftest import REPO_ROOT
 from worker import model_store
 from worker.model.demo import write_demo_checkpoint
 from worker.model_switch import SwitchTurn, turn_key
@@ -74,7 +74,7 @@ class Cli:
     """
 
     def __init__(self, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.env = settings_env(settings)
+        self.env = settings.to_env()
         for key, value in self.env.items():
             monkeypatch.setenv(key, value)
         get_settings.cache_clear()  # the CLI reads settings through the process-wide cache

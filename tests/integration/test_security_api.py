@@ -345,10 +345,10 @@ def test_idempotent_repeat_is_not_refused_by_the_tenant_cap(stack: Stack) -> Non
 def test_oversized_body_is_413_and_stores_nothing(stack: Stack) -> None:
     tenant = tenant_name()
     key = stack.key(tenant)
-    big = {**JOB, "input": {"prompt": "x" * (stack.settings.max_body_bytes + 10)}}
+    big = {**JOB, "input": {"prompt": "x" * (stack.settings.limits.max_body_bytes + 10)}}
     response = stack.submit(key, big)
     error = assert_error(response, 413, "body_too_large")
-    assert error["details"]["max_body_bytes"] == stack.settings.max_body_bytes
+    assert error["details"]["max_body_bytes"] == stack.settings.limits.max_body_bytes
     assert stack.jobs_of(tenant) == 0
 
 

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from scheduler.settings import Settings
-from tests.conftest import REPO_ROOT, settings_env
+from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 def cloverq(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     import os
 
-    env = {**os.environ, **settings_env(settings)}
+    env = {**os.environ, **settings.to_env()}
     return subprocess.run(
         [sys.executable, "-m", "cli", "keys", *args],
         cwd=REPO_ROOT,

@@ -301,7 +301,7 @@ def test_metadata_over_the_size_cap_is_refused(kind: str) -> None:
 
 
 def test_metadata_exactly_at_the_cap_is_accepted_and_one_byte_more_is_not() -> None:
-    cap = Settings().max_metadata_bytes
+    cap = Settings().limits.max_metadata_bytes
     assert cap == 16_384
     overhead = metadata_bytes({"k": ""})
     _limits(_generate(metadata={"k": "x" * (cap - overhead)}))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cli.settings_doc import BEGIN_MARKER, END_MARKER, env_var, settings_block
-from scheduler.settings import Settings
+from cli.settings_doc import BEGIN_MARKER, END_MARKER, settings_block
+from scheduler.settings import flat_fields, settings_groups
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -20,9 +20,13 @@ def test_readme_configuration_table_matches_settings() -> None:
 
 def test_every_setting_is_in_the_readme() -> None:
     text = README.read_text()
-    fields = Settings.model_fields.items()
-    missing = [name for name, field in fields if f"`{env_var(name, field)}`" not in text]
+    missing = [entry.flat for entry in flat_fields().values() if f"`{entry.env}`" not in text]
     assert missing == []
+
+
+def test_every_group_has_its_section() -> None:
+    block = settings_block()
+    assert [group for group in settings_groups() if f"**`settings.{group}`: " not in block] == []
 
 
 def test_readme_keeps_the_two_commands() -> None:

@@ -91,5 +91,5 @@ def test_thinking_defaults(thinking: bool | None, default: bool, expect: bool) -
     body = ADAPTER.validate_python({"kind": "generate", "input": {"prompt": "x"}, "params": params})
     stored = check_generate_limits(body, settings=settings, counter=COUNTER, faults_enabled=False)
     assert stored["thinking"] is expect
-    assert stored["max_new_tokens"] == (300 if expect else settings.default_max_new_tokens)
+    assert stored["max_new_tokens"] == (300 if expect else settings.limits.default_max_new_tokens)
     assert stored.get("step_budget") == (900 if expect else None)

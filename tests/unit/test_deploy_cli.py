@@ -19,7 +19,7 @@ import click
 import pytest
 import yaml
 
-from scheduler.settings import Settings
+from scheduler.settings import Settings, flat_fields
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
@@ -170,11 +170,7 @@ def _env_names_in_deploy() -> set[str]:
 
 
 def _settings_env_names() -> set[str]:
-    names = set()
-    for field_name, field in Settings.model_fields.items():
-        alias = field.validation_alias
-        names.add(alias if isinstance(alias, str) else f"CLOVERQ_{field_name.upper()}")
-    return names
+    return {entry.env for entry in flat_fields().values()}
 
 
 # Variables that compose reads for interpolation only (never reach a cloverq process).
@@ -200,9 +196,7 @@ def test_compose_only_variables_are_only_interpolated() -> None:
 
 def test_other_env_keys_are_real_settings() -> None:
     """Non-CLOVERQ_ keys given to cloverq containers (e.g. PROMETHEUS_MULTIPROC_DIR) are aliases."""
-    aliases = {
-        f.validation_alias for f in Settings.model_fields.values() if isinstance(f.validation_alias, str)
-    }
+    aliases = {entry.env for entry in flat_fields().values() if not entry.env.startswith("CLOVERQ_")}
     passthrough = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "CUDA_VISIBLE_DEVICES"}
     for file_name, doc in _k8s_docs():
         for container in _pod_containers(doc):

@@ -190,10 +190,10 @@ def _seconds(duration: str) -> int:
 def test_compose_stop_grace_covers_job_deadlines() -> None:
     services = _compose()["services"]
     settings = Settings()
-    thinking = settings.thinking_deadline_seconds  # thinking jobs may run on any queue
-    assert _seconds(services["worker"]["stop_grace_period"]) >= max(settings.job_deadline_seconds, thinking)
+    thinking = settings.thinking.deadline_seconds  # thinking jobs may run on any queue
+    assert _seconds(services["worker"]["stop_grace_period"]) >= max(settings.jobs.deadline_seconds, thinking)
     assert _seconds(services["worker-joint"]["stop_grace_period"]) >= max(
-        settings.joint_deadline_seconds, thinking
+        settings.jobs.joint_deadline_seconds, thinking
     )
 
 
@@ -242,7 +242,7 @@ def test_systemd_unit_runs_the_worker_safely() -> None:
     assert service["KillSignal"] == ["SIGTERM"]
     settings = Settings()
     assert int(service["TimeoutStopSec"][0]) >= max(
-        settings.job_deadline_seconds, settings.thinking_deadline_seconds
+        settings.jobs.deadline_seconds, settings.thinking.deadline_seconds
     )
     assert service["Restart"] == ["always"]
     env_names = {value.split("=", 1)[0] for value in service["Environment"]}

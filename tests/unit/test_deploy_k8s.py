@@ -192,9 +192,9 @@ def test_gpu_workers_have_a_gpu_probes_and_a_grace_period(name: str) -> None:
     # Running jobs finish on SIGTERM: the grace period covers the longest deadline of the queue.
     settings = Settings()
     queue_deadline = (
-        settings.joint_deadline_seconds if name.endswith("joint") else settings.job_deadline_seconds
+        settings.jobs.joint_deadline_seconds if name.endswith("joint") else settings.jobs.deadline_seconds
     )
-    deadline = max(queue_deadline, settings.thinking_deadline_seconds)  # thinking jobs run on any queue
+    deadline = max(queue_deadline, settings.thinking.deadline_seconds)  # thinking jobs run on any queue
     assert pod["terminationGracePeriodSeconds"] >= deadline
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts["/models"].get("readOnly") is True, "workers never write the model store"

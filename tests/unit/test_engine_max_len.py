@@ -28,8 +28,9 @@ def _check(settings: Settings, prompt: str, **params: object) -> dict[str, objec
 @pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16, 32, 64])
 def test_default_engine_max_len_fits_the_largest_accepted_request(block_size: int) -> None:
     settings = Settings(max_prompt_tokens=1000, max_new_tokens_limit=333)
-    prompt = [5] * (settings.max_prompt_tokens + CHAT_TEMPLATE_SLACK_TOKENS)  # prompt + chat template
-    request = GenerationRequest("big", prompt, SamplingParams(max_new_tokens=settings.max_new_tokens_limit))
+    prompt = [5] * (settings.limits.max_prompt_tokens + CHAT_TEMPLATE_SLACK_TOKENS)  # prompt + chat template
+    request = GenerationRequest("big", prompt,
+                                SamplingParams(max_new_tokens=settings.limits.max_new_tokens_limit))
     layout = build_layout(request, block_size, vocab_size=10, max_len=settings.resolved_engine_max_len)
     assert layout.total_len <= settings.resolved_engine_max_len
 
@@ -53,6 +54,7 @@ def test_api_refuses_a_request_the_engine_cannot_hold() -> None:
 def test_api_refuses_huge_blocks_over_the_default_engine_max_len() -> None:
     settings = Settings()
     with pytest.raises(ApiError) as caught:
-        _check(settings, "x" * settings.max_prompt_tokens, max_new_tokens=settings.max_new_tokens_limit,
+        _check(settings, "x" * settings.limits.max_prompt_tokens,
+               max_new_tokens=settings.limits.max_new_tokens_limit,
                block_size=1000)  # 6144 positions in blocks of 1000: 7000
     assert caught.value.code == "request_too_long"

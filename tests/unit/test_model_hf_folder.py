@@ -228,7 +228,7 @@ def test_dtype_from_the_config_unless_overridden(folder: Path) -> None:
         resolve_dtype(ModelConfig.from_hf_dict({**d, "dtype": "float8_e4m3fn"}))
     (folder / "config.json").write_text(json.dumps({**d, "dtype": "bfloat16"}))
     assert next(load_checkpoint(folder, verify=False, dtype=None).model.parameters()).dtype == torch.bfloat16
-    assert Settings().dtype is None  # CLOVERQ_DTYPE is optional: the checkpoint's by default
+    assert Settings().model.dtype is None  # CLOVERQ_DTYPE is optional: the checkpoint's by default
 
 
 def test_generation_defaults() -> None:

@@ -258,8 +258,8 @@ def test_worker_setting_quantizes_at_load(demo_checkpoint: Path, monkeypatch: py
     monkeypatch.setenv("CLOVERQ_WEIGHT_DTYPE", "int4")
     monkeypatch.setenv("CLOVERQ_WEIGHT_GROUP_SIZE", "32")
     settings = Settings()
-    loaded = load_model(demo_checkpoint, weight_dtype=settings.weight_dtype,
-                        group_size=settings.weight_group_size, dtype=torch.float32)  # fmt: skip
+    loaded = load_model(demo_checkpoint, weight_dtype=settings.model.weight_dtype,
+                        group_size=settings.model.weight_group_size, dtype=torch.float32)  # fmt: skip
     kinds = {type(m) for m in loaded.model.modules()}
     assert Int4Linear in kinds and QuantizedExperts in kinds
 

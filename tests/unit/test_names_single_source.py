@@ -76,8 +76,9 @@ def test_queue_names() -> None:
     assert queue_names.CANARY_LANE_PREFIX == "canary."
     assert queue_names.DEFAULT_WORKER_QUEUES == ("interactive", "standard", "bulk")
     settings = Settings()
-    assert settings.worker_queues == "interactive,standard,bulk"
-    assert settings.queue_max_depth == {"interactive": 1000, "standard": 5000, "bulk": 20000, "joint": 500}
+    assert settings.worker.queues == "interactive,standard,bulk"
+    assert settings.admission.queue_max_depth == {"interactive": 1000, "standard": 5000, "bulk": 20000,
+                                                  "joint": 500}
 
 
 def test_api_priority_names_are_the_classes_and_aliases() -> None:

@@ -34,6 +34,6 @@ def test_the_worker_shortens_pythons_thread_switch_interval() -> None:
     try:
         apply_switch_interval(Settings(worker_switch_interval_ms=0.5))
         assert sys.getswitchinterval() == 0.0005
-        assert Settings().worker_switch_interval_ms < 5.0  # below Python's default
+        assert Settings().worker.switch_interval_ms < 5.0  # below Python's default
     finally:
         sys.setswitchinterval(before)

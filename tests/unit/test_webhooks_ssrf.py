@@ -120,8 +120,8 @@ def test_allow_lists_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("CLOVERQ_WEBHOOK_ALLOWED_NETWORKS", '["127.0.0.0/8", "::1"]')
     monkeypatch.setenv("CLOVERQ_WEBHOOK_ALLOWED_HOSTS", "Hooks.Internal., receiver.test")
     settings = Settings()
-    assert settings.webhook_allowed_networks == ["127.0.0.0/8", "::1/128"]
-    assert settings.webhook_allowed_hosts == ["hooks.internal", "receiver.test"]
+    assert settings.webhooks.allowed_networks == ["127.0.0.0/8", "::1/128"]
+    assert settings.webhooks.allowed_hosts == ["hooks.internal", "receiver.test"]
     monkeypatch.setenv("CLOVERQ_WEBHOOK_ALLOWED_NETWORKS", "not-a-network")
     with pytest.raises(ValueError):
         Settings()
