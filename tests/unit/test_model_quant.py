@@ -12,6 +12,14 @@ request per block, all batched), so one early difference does not decide the res
 0.96 / 0.98; int4 (group 32) 0.10 / 0.40. The issue's 99 % for int8 needs a trained model's
 margins; ``pytest -s`` prints the figures, with the max logit error and the argmax agreement of
 one teacher-forced forward (int8: 0.98 / 0.97).
+
+With a trained model's margins: ``python -m bench.quant_trained`` trains each tiny demo briefly on
+CPU (600 steps of its block-diffusion objective on templated contracts, ~1.5 min / ~45 s), saves
+and reloads it through ``load_checkpoint`` and measures as here (prompts from held-out documents,
+4 x 64 tokens). The float32 median top-1 margin goes from 0.48 / 0.37 to 5.87 / 4.68 and int8
+per-block greedy agreement to 1.00 / 1.00 (free-running 1.00 / 1.00; 300 steps, margins 2.66 /
+1.42: 0.992 / 0.992), so the 99 % is met; int4 group 32: 1.00 / 0.93, group 128 (64 on the tiny
+widths): 0.99 / 0.92.
 """
 
 from __future__ import annotations
