@@ -118,6 +118,36 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def clear_leftover_jobs(settings: Settings) -> int:
+    """Cancel every job earlier test modules of this session left queued or running, and empty the
+    job queues in Redis; returns how many jobs it cancelled.
+
+    The session's database and Redis are shared by the modules one xdist session runs, one after
+    another. A module that starts workers and measures how fast its own jobs start or finish
+    would otherwise wait behind everything still queued there (hundreds of jobs submitted by API
+    tests that ran no worker): a worker runs what is queued, whoever queued it."""
+    from sqlalchemy import update
+
+    from scheduler.db import make_engine, session_factory
+    from scheduler.models import Job, JobStatus, utcnow
+    from scheduler.queue_names import CANARY_LANE_PREFIX, JOB_QUEUES
+
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        with session_factory(engine)() as session:
+            unfinished = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+            result = session.execute(update(Job).where(Job.status.in_(unfinished)).values(
+                status=JobStatus.CANCELLED.value, cancel_requested=True, finished_at=utcnow()))
+            session.commit()
+            cancelled = int(getattr(result, "rowcount", 0) or 0)
+    finally:
+        engine.dispose()
+    queues = [str(q) for q in JOB_QUEUES]
+    redis_lib.Redis.from_url(settings.resolved_redis_url).delete(
+        *queues, *(f"{CANARY_LANE_PREFIX}{q}" for q in queues))
+    return cancelled
+
+
 def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.05,
              message: str = "condition") -> Any:
     """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""

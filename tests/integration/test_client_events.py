@@ -20,7 +20,7 @@ from client import AsyncClient, Client, CloverqError, JobEvent
 from scheduler.db import make_engine, session_factory
 from scheduler.keys import create_key
 from scheduler.settings import Settings, get_settings
-from tests.conftest import ProcessLauncher
+from tests.conftest import ProcessLauncher, clear_leftover_jobs
 from tests.integration.api_server import ApiServer
 
 pytestmark = pytest.mark.integration
@@ -48,6 +48,7 @@ def stack(make_settings: Callable[..., Settings], demo_checkpoint: Path,
     with session_factory(engine)() as session:
         key = create_key(session, tenant=TENANT, scopes={"submit", "read"}, label="client").key
     engine.dispose()
+    clear_leftover_jobs(settings)  # the worker must see this module's jobs only
     launcher = ProcessLauncher(tmp_path_factory.mktemp("client-stack"))
     server = ApiServer(settings).start()
     try:

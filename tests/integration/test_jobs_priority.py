@@ -22,7 +22,7 @@ from scheduler.db import get_session_factory
 from scheduler.jobs import cancel_job, get_job, submit_job
 from scheduler.models import Job, JobStatus
 from scheduler.settings import Settings
-from tests.conftest import ProcessLauncher, wait_for
+from tests.conftest import ProcessLauncher, clear_leftover_jobs, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +72,7 @@ def scheduler(
     )
     client = redis_lib.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
     client.flushdb()
+    clear_leftover_jobs(settings)  # else beat republishes what earlier modules left queued in SQL
     launcher = ProcessLauncher(tmp_path_factory.mktemp("priority-logs"))
     worker = launcher.start_worker(settings, queues="interactive,standard,bulk", concurrency=1,
                                    wait_ready=False)

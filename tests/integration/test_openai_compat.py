@@ -23,7 +23,7 @@ import pytest
 from scheduler.db import make_engine, session_factory
 from scheduler.keys import create_key
 from scheduler.settings import Settings
-from tests.conftest import ProcessLauncher, wait_for
+from tests.conftest import ProcessLauncher, clear_leftover_jobs, wait_for
 from tests.integration.api_server import ApiServer
 
 pytestmark = pytest.mark.integration
@@ -70,6 +70,7 @@ def stack(make_settings: Callable[..., Settings], demo_checkpoint: Path,
         read_key = create_key(session, tenant=TENANT, scopes={"read"}, label="openai-read").key
         other_key = create_key(session, tenant="someone-else", scopes={"submit", "read"}, label="other").key
     engine.dispose()
+    clear_leftover_jobs(settings)  # the worker must see this module's jobs only
     launcher = ProcessLauncher(tmp_path_factory.mktemp("openai-stack"))
     server = ApiServer(settings).start()
     try:
