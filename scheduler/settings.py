@@ -215,8 +215,11 @@ class EngineSettings(SettingsGroup):
     tensor_parallel: int = Field(
         1, ge=1, description="Worker: devices one worker spans (tensor parallel). Ranks 1..N-1 are processes "
         "the worker starts, on cuda:K+1.. after device cuda:K (NCCL; gloo on CPU, torch_threads split "
-        "among them); heads and MLP widths must divide by N. A rank that dies takes the worker down "
-        "(exit status 75), its jobs come back through lease expiry.",
+        "among them); heads and MLP widths must divide by N. `CLOVERQ_WEIGHT_DTYPE` applies per rank (each "
+        "quantizes its shard on the host with the one-device rules: the same int8 codes and scales; an int4 "
+        "group that does not divide a row-parallel shard's input width falls back to a smaller group or "
+        "int8, logged) and FP8 block-scaled checkpoints are dequantized slice by slice. A rank that dies "
+        "takes the worker down (exit status 75), its jobs come back through lease expiry.",
     )
     joint_slot_cap: int = Field(
         4, ge=1, alias="engine_joint_slot_cap", description="Engine slots joint requests may hold."

@@ -56,8 +56,6 @@ class ResidentModel:
         from worker.model.quantize import load_model
 
         settings = self.settings
-        if settings.engine.tensor_parallel > 1 and settings.model.weight_dtype:  # not quantized per rank yet
-            raise RuntimeError("CLOVERQ_WEIGHT_DTYPE is not supported with CLOVERQ_TENSOR_PARALLEL > 1 yet")
         loaded: LoadedModel
         if settings.engine.tensor_parallel > 1:  # ranks 1..N-1 in processes of their own
             from worker.tensor_parallel import load_sharded

@@ -8,6 +8,10 @@ rank has loaded, joined the group and gone through the engine's warm-up pass, an
 entry carries ``stats.tensor_parallel`` (size, ranks ready, pids), which ``cloverq probe worker
 --ready`` requires complete.
 
+``CLOVERQ_WEIGHT_DTYPE`` (int8/int4) is applied per rank: each loads its shard on the host,
+quantizes it with the single-device rules and moves it to its device (``parallel/quant.py``); an
+FP8 block-scaled checkpoint is dequantized slice by slice as the ranks read it (``parallel/shard.py``).
+
 A dying rank takes the worker down: when the group breaks (a rank's process exits, a collective
 fails or times out) the worker publishes ``failed`` and leaves at once with ``EXIT_RANK_LOST``,
 writing nothing for its running jobs. Their leases expire and the reaper requeues them (fenced:
@@ -43,20 +47,18 @@ def load_sharded(runtime: Any, path: Path) -> LoadedModel:
 
     settings = runtime.settings
     world = settings.engine.tensor_parallel
-    if settings.model.weight_dtype:
-        raise RuntimeError("weight quantization (CLOVERQ_WEIGHT_DTYPE) is not wired into tensor-parallel "
-                           "loading yet: unset it or run with CLOVERQ_TENSOR_PARALLEL=1")
     verify = False if settings.model.skip_verify else settings.model.verify_on_load
     loaded = load_tensor_parallel(
         path, world=world, device=settings.model.device, dtype=runtime.load_dtype(path), verify=verify,
         threads=max(1, settings.resolved_torch_threads // world),
         on_fatal=lambda reason: rank_lost(runtime, reason),
+        weight_dtype=settings.model.weight_dtype, group_size=settings.model.weight_group_size,
     )
     model = cast("TensorParallelModel", loaded.model)  # LoadedModel types it as the model it stands in for
     group = model.group
     runtime.info.stats["tensor_parallel"] = {
         "size": world, "ranks_ready": world, "backend": group.backend, "moe": model.moe,
-        "pids": group.pids,
+        "pids": group.pids, "weight_dtype": settings.model.weight_dtype,
     }
     return loaded
 

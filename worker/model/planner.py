@@ -10,6 +10,7 @@ headroom factor (activations, fragmentation, CUDA context) of 1.3-1.5x.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -213,3 +214,29 @@ def plan_weight_bytes(
         d: float(weight_bytes(config, d, high_precision=hp, group_size=group_size).total)
         for d in dict.fromkeys((dtype, "int8", "int4"))
     }
+
+
+def rank_weight_bytes(
+    config: ModelConfig,
+    weight_dtype: str,
+    *,
+    world: int,
+    rank: int = 0,
+    high_precision: str = "bf16",
+    group_size: int = DEFAULT_INT4_GROUP,
+) -> WeightBytes:
+    """``weight_bytes`` of rank ``rank`` of a ``world``-way tensor-parallel worker (experts split by
+    columns, the default): its shard's matrices (``parallel.plan.rank_config``'s shapes) quantized as
+    each rank does (int4 groups of the shard's own input widths, int8 where none divides them), the
+    replicated rest (embedding, norms, routers) whole, the LM head on rank 0 only. Rank 0 holds the
+    most."""
+    from worker.model.parallel.plan import make_plan, rank_config
+
+    shard = weight_bytes(rank_config(config, make_plan(config, rank, world)), weight_dtype,
+                         high_precision=high_precision, group_size=group_size)  # fmt: skip
+    if rank == 0 or config.tie_word_embeddings:
+        return shard
+    head = config.vocab_size * config.hidden_size  # only rank 0 samples
+    return dataclasses.replace(shard, high_precision_params=shard.high_precision_params - head,
+                               high_precision_bytes=shard.high_precision_bytes
+                               - int(head * BYTES_PER_PARAM[shard.high_precision]))  # fmt: skip

@@ -96,15 +96,25 @@ _INT8_MM = torch.ops.aten._weight_int8pack_mm.default  # resolved once: per-call
 
 
 # --- quantizing and dequantizing tensors ---------------------------------------------------------
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` ``[..., N, K]`` -> int8 codes ``[..., N, K]`` and bfloat16 scales ``[..., N]`` (symmetric,
     one scale per output row: ``w ~ q * scale``). The codes are rounded against the bfloat16 scale
-    itself, so the kernels (which take bfloat16 scales) and the dequantized weights agree exactly."""
-    lo, hi = torch.aminmax(w, dim=-1)  # [..., N]
-    amax = torch.maximum(-lo, hi).float()
+    itself, so the kernels (which take bfloat16 scales) and the dequantized weights agree exactly.
+
+    ``amax`` ``[..., N]``: the rows' max magnitude when ``w`` holds only some of each row's inputs
+    (a row-parallel shard: the whole row's, so that every shard shares the row's scale)."""
+    if amax is None:
+        amax = row_amax(w)
+    amax = amax.to(w.device, torch.float32)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(torch.bfloat16)
     q = (w.float() / scale.float()[..., None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+def row_amax(w: torch.Tensor) -> torch.Tensor:
+    """Max magnitude of each row of ``w`` ``[..., N, K]`` -> ``[..., N]`` (the int8 scale's input)."""
+    lo, hi = torch.aminmax(w, dim=-1)
+    return torch.maximum(-lo, hi)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -266,8 +276,8 @@ class Int8Linear(nn.Module):
         self.bias = bias
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        q, scale = quantize_int8(linear.weight.detach())
+    def from_linear(cls, linear: nn.Linear, amax: torch.Tensor | None = None) -> Int8Linear:
+        q, scale = quantize_int8(linear.weight.detach(), amax)
         return cls(q, scale, linear.bias)
 
     def dequantized(self) -> torch.Tensor:
@@ -336,7 +346,8 @@ class QuantizedExperts(nn.Module):
     qweight: torch.Tensor  # buffers
     scales: torch.Tensor
 
-    def __init__(self, stack: torch.Tensor, mode: QuantMode) -> None:
+    def __init__(self, stack: torch.Tensor, mode: QuantMode, amax: torch.Tensor | None = None) -> None:
+        """``amax`` ``[E, N]``: as ``quantize_int8``'s (int8 only; a row-parallel shard's whole rows)."""
         super().__init__()
         self.num_experts, self.in_features, self.out_features = stack.shape
         group = int4_group(self.in_features, mode.group_size) if mode.kind == "int4" else None
@@ -350,7 +361,8 @@ class QuantizedExperts(nn.Module):
         chunk = max(1, (1 << 24) // (n * k))  # experts per step: float32 temporaries of ~64 MiB
         for lo in range(0, e, chunk):
             w = stack[lo : lo + chunk].transpose(1, 2)  # [c, N, K]
-            q, s = quantize_int4(w, group) if group else quantize_int8(w)
+            q, s = quantize_int4(w, group) if group else quantize_int8(
+                w, None if amax is None else amax[lo : lo + chunk])
             codes[lo : lo + chunk] = pack_nibbles(q) if group else q
             scales[lo : lo + chunk] = s
         self.register_buffer("qweight", codes)  # [E, N, K] int8 or [E, N, K/2] uint8 nibbles
@@ -411,9 +423,12 @@ class QuantizedExperts(nn.Module):
 QUANTIZED_MODULES = (Int8Linear, Int4Linear, QuantizedExperts)
 
 
-def quantized_linear(linear: nn.Linear, mode: QuantMode) -> Int8Linear | Int4Linear:
+def quantized_linear(
+    linear: nn.Linear, mode: QuantMode, amax: torch.Tensor | None = None
+) -> Int8Linear | Int4Linear:
+    """``amax``: as ``quantize_int8``'s, used where the matrix is held in int8."""
     group = int4_group(linear.in_features, mode.group_size) if mode.kind == "int4" else None
-    return Int4Linear.from_linear(linear, group) if group else Int8Linear.from_linear(linear)
+    return Int4Linear.from_linear(linear, group) if group else Int8Linear.from_linear(linear, amax)
 
 
 # --- the model --------------------------------------------------------------------------------------
@@ -445,27 +460,37 @@ def model_bytes(model: nn.Module) -> int:
 
 @torch.no_grad()
 def quantize_model(
-    model: nn.Module, mode: QuantMode | str, *, device: torch.device | str | None = None
+    model: nn.Module,
+    mode: QuantMode | str,
+    *,
+    device: torch.device | str | None = None,
+    row_amax: dict[str, torch.Tensor] | None = None,
 ) -> QuantReport:
     """Quantize ``model`` in place where its weights are, move it to ``device`` (if given) and pack
-    the int4 codes for that device's kernels."""
+    the int4 codes for that device's kernels.
+
+    ``row_amax``: qualified name of a matrix (``layers.0.attn.o_proj``, ``layers.1.mlp.w_down``) ->
+    the max magnitude of each of its output rows over the *whole* row, for a tensor-parallel shard
+    that holds only some of each row's inputs (``parallel/quant.py``); used where it is held in int8."""
+    amaxes = row_amax or {}
     parsed = parse_mode(mode)
     if parsed is None:
         raise ValueError(f"no quantization mode in {mode!r}")
     before = model_bytes(model)
     linears = stacks = 0
-    for module in list(model.modules()):
+    for prefix, module in list(model.named_modules()):
         if isinstance(module, QUANTIZED_MODULES):
             continue
+        at = f"{prefix}." if prefix else ""
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and name in QUANTIZED_LINEARS:
-                setattr(module, name, quantized_linear(child, parsed))
+                setattr(module, name, quantized_linear(child, parsed, amaxes.get(at + name)))
                 linears += 1
         for name in QUANTIZED_EXPERTS:
             param = module._parameters.get(name)
             if param is not None and param.ndim == 3:
                 del module._parameters[name]
-                setattr(module, name, QuantizedExperts(param.detach(), parsed))
+                setattr(module, name, QuantizedExperts(param.detach(), parsed, amaxes.get(at + name)))
                 stacks += 1
     if device is not None:
         model.to(device)

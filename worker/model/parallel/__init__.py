@@ -6,6 +6,8 @@
   its weights, read as slices of the memory-mapped checkpoint;
 - ``group``: ranks 1..N-1 as processes of their own in one ``torch.distributed`` group, and the
   proxies (model, cache) through which rank 0's engine drives them.
+- ``quant``: ``CLOVERQ_WEIGHT_DTYPE`` per rank: each quantizes its shard with the one-device rules
+  (row-parallel int8 scales from the whole rows, one all-reduce at load).
 
 What is split: attention query heads with their K/V heads (replicated when there are fewer K/V
 heads than ranks), GDN value heads with the key heads they read and everything per head or per

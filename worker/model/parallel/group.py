@@ -64,6 +64,7 @@ from worker.model.kv_cache import CacheFullError, KVCache
 from worker.model.manifest import manifest_digest, verify_manifest
 from worker.model.parallel.plan import MoeMode, ShardPlan, make_plan
 from worker.model.parallel.shard import Shard, build_shard, load_shard_weights
+from worker.model.quant_rules import QuantMode, parse_mode
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class _RankSpec:
     dtype: str
     threads: int
     timeout_s: float
+    quant: QuantMode | None = None  # CLOVERQ_WEIGHT_DTYPE: quantize the shard (parallel/quant.py)
 
 
 def rank_devices(device: torch.device | str, world: int) -> list[torch.device]:
@@ -384,6 +386,24 @@ def _all_reduce(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor)
 
 
+def _load_device(device: torch.device, quant: QuantMode | None) -> torch.device:
+    """Where a rank loads its shard: the host when it is quantized there before moving."""
+    return torch.device("cpu") if quant is not None else device
+
+
+def _quantize(shard: Shard, quant: QuantMode, device: torch.device) -> None:
+    """Quantize a loaded shard on every rank alike (one all-reduce: row-parallel int8 scales)."""
+    from worker.model.parallel.quant import quantize_shard
+
+    def reduce_max(vector: torch.Tensor) -> torch.Tensor:
+        moved = vector.to(device)  # NCCL reduces device tensors
+        dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+        return moved.cpu()
+
+    report = quantize_shard(shard, quant, device=device, reduce_max=reduce_max)
+    log.info("rank %d of %d: %s", shard.plan.rank, shard.plan.world, report)
+
+
 class _Spawner:
     """One thread that lives as long as the process and starts every rank.
 
@@ -478,12 +498,17 @@ def launch(
     moe: MoeMode = "columns",
     on_fatal: Callable[[str], None] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    weight_dtype: QuantMode | str | None = None,
+    group_size: int | None = None,
 ) -> TensorParallelModel:
     """Start ranks 1..``world``-1, build rank 0's shard here, join them; returns rank 0's proxy.
 
     ``threads``: torch threads of each rank (default: this process's count split ``world`` ways).
     ``on_fatal(reason)`` runs once when the group breaks (the worker exits there).
+    ``weight_dtype`` / ``group_size``: as ``quantize.load_model``'s; every rank loads its shard on
+    the host, quantizes it there (``parallel/quant.py``) and moves it to its device.
     """
+    quant = parse_mode(weight_dtype, group_size)
     global _active
     if world < 2:
         raise ValueError("launch needs world >= 2 (world 1 is the plain model)")
@@ -502,19 +527,21 @@ def launch(
     try:
         for r in range(1, world):
             spec = _RankSpec(source, config, r, world, moe, store.port, backend, str(devices[r]),
-                             str(dtype).removeprefix("torch."), threads, timeout_s)
+                             str(dtype).removeprefix("torch."), threads, timeout_s, quant)
             proc, conn = _spawn_rank(spec)
             procs.append(proc)
             conns.append(conn)
         torch.set_num_threads(threads)
         if devices[0].type == "cuda":
             torch.cuda.set_device(devices[0])
-        shard = source.build(config, make_plan(config, 0, world, moe), device=devices[0], dtype=dtype,
-                             reduce=_all_reduce)
+        shard = source.build(config, make_plan(config, 0, world, moe), device=_load_device(devices[0], quant),
+                             dtype=dtype, reduce=_all_reduce)
         deadline = time.monotonic() + timeout_s
         for r, (proc, conn) in enumerate(zip(procs, conns, strict=True), start=1):
             _await_loaded(proc, conn, r, deadline)
         dist.init_process_group(backend, store=store, rank=0, world_size=world, timeout=timeout)
+        if quant is not None:
+            _quantize(shard, quant, devices[0])
     except BaseException:
         for proc in procs:
             if proc.poll() is None:
@@ -541,10 +568,13 @@ def load_tensor_parallel(
     threads: int | None = None,
     moe: MoeMode = "columns",
     on_fatal: Callable[[str], None] | None = None,
+    weight_dtype: QuantMode | str | None = None,
+    group_size: int | None = None,
 ) -> LoadedModel:
     """``load_checkpoint`` for ``world`` ranks: rank 0 verifies the folder, every rank loads its slices.
 
-    ``verify`` as ``load_checkpoint``'s (``True``/``"full"``, ``"quick"``, or no check).
+    ``verify`` as ``load_checkpoint``'s (``True``/``"full"``, ``"quick"``, or no check);
+    ``weight_dtype`` / ``group_size`` as ``quantize.load_model``'s (each rank quantizes its shard).
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -555,7 +585,8 @@ def load_tensor_parallel(
     trunk_only = config.family == "clover" and config.model_type not in ("clover_moe", "clover_moe_text")
     close_active()  # a previous model's ranks (model switch) free their devices first
     model = launch(CheckpointSource(str(folder), with_preview=not trunk_only), config, world=world,
-                   device=device, dtype=dtype, threads=threads, moe=moe, on_fatal=on_fatal)
+                   device=device, dtype=dtype, threads=threads, moe=moe, on_fatal=on_fatal,
+                   weight_dtype=weight_dtype, group_size=group_size)
     gen = folder / "generation_config.json"
     return LoadedModel(
         model=model,  # type: ignore[arg-type]  # a stand-in with the model's interface
@@ -594,13 +625,15 @@ def rank_main(fd: int, parent_pid: int) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         plan = make_plan(spec.config, spec.rank, spec.world, spec.moe)  # type: ignore[arg-type]
-        shard = spec.source.build(spec.config, plan, device=device, dtype=getattr(torch, spec.dtype),
-                                  reduce=_all_reduce)
+        shard = spec.source.build(spec.config, plan, device=_load_device(device, spec.quant),
+                                  dtype=getattr(torch, spec.dtype), reduce=_all_reduce)
         conn.send_bytes(pickle.dumps(("loaded", None)))
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         store = dist.TCPStore("127.0.0.1", spec.port, spec.world, is_master=False, timeout=timeout)
         dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world,
                                 timeout=timeout)
+        if spec.quant is not None:  # after the group is up: one all-reduce, on every rank alike
+            _quantize(shard, spec.quant, device)
     except BaseException:
         with contextlib.suppress(Exception):
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))

@@ -11,10 +11,16 @@ Weights come from the memory-mapped safetensors through ``safe_open(...).get_sli
 a rank reads its rows/columns of every split tensor and nothing else (replicated tensors, i.e.
 embedding, norms, routers, q/k norms, the GDN norm, whole). ``load_shard_weights`` returns the
 number of elements it read, which the tests hold against the shard's parameter count.
+
+FP8 block-scaled checkpoints (``fp8.py``): a rank reads its slice of the codes and only the rows
+/ columns of ``weight_scale_inv`` that cover it (a shard boundary may fall inside a scale block:
+element ``(i, j)`` of the slice takes block ``(abs_row // bn, abs_col // bk)``), and dequantizes
+the slice, exactly as the single-device loader dequantizes the whole tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from worker.model import fp8
 from worker.model.checkpoint import (
     _IGNORED_SUFFIXES,
     _SKIPPED_PREFIXES,
@@ -263,6 +270,63 @@ def read_piece(f: Any, name: str, piece: Piece) -> torch.Tensor:
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=piece.dim)
 
 
+def read_fp8_piece(
+    f: Any,
+    file: Path,
+    name: str,
+    piece: Piece,
+    codes: torch.Tensor,
+    found: dict[str, Path],
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """float32 slice ``piece`` of the FP8 tensor ``name`` of ``f`` (open ``file``) from its codes
+    (``read_piece``'s) and the blocks of its ``weight_scale_inv`` that cover the slice (only those
+    read; from another file of a sharded checkpoint when ``found`` says so)."""
+    scale = fp8.scale_name(name)
+    if scale not in found:
+        raise CheckpointError(f"float8 tensor {name} has no {scale} (block scales)")
+    shape = tuple(f.get_slice(name).get_shape())
+    nd = len(shape)
+    if nd < 2:
+        raise CheckpointError(f"float8 tensor {name} has shape {list(shape)}: block scales need 2 dims")
+    bn, bk = block
+    expected = (*shape[:-2], -(-shape[-2] // bn), -(-shape[-1] // bk))
+    with contextlib.ExitStack() as stack:
+        other = f if found[scale] == file else stack.enter_context(
+            safe_open(str(found[scale]), framework="pt", device="cpu"))
+        view = other.get_slice(scale)
+        if tuple(view.get_shape()) != expected:
+            raise CheckpointError(f"tensor {name}: scale shape {list(view.get_shape())} does not match "
+                                  f"weight {list(shape)} in blocks of {bn}x{bk} (expected {list(expected)})")
+        if piece.dim is None:
+            return _dequantize_at(codes, other.get_tensor(scale), block, 0, 0)
+        d, bs = piece.dim, (bn if piece.dim == nd - 2 else bk)
+        lead = (slice(None),) * d
+        chunks, at = [], 0
+        for a, b in piece.ranges:
+            part = codes.narrow(d, at, b - a)
+            at += b - a
+            if d < nd - 2:  # a dim before the blocked two (the experts of a fused stack)
+                chunks.append(_dequantize_at(part, view[(*lead, slice(a, b))], block, 0, 0))
+                continue
+            blocks = view[(*lead, slice(a // bs, -(-b // bs)))]
+            row0, col0 = (a, 0) if d == nd - 2 else (0, a)
+            chunks.append(_dequantize_at(part, blocks, block, row0, col0))
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=d)
+
+
+def _dequantize_at(
+    codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], row0: int, col0: int
+) -> torch.Tensor:
+    """float32 ``codes`` ``[..., n, k]`` whose element ``(0, 0)`` is ``(row0, col0)`` of the whole
+    matrix, times ``scale``, the scale blocks from ``(row0 // bn, col0 // bk)`` on."""
+    n, k = codes.shape[-2:]
+    bn, bk = block
+    rows = torch.arange(row0, row0 + n) // bn - row0 // bn  # [n] block row of each row
+    cols = torch.arange(col0, col0 + k) // bk - col0 // bk  # [k]
+    return codes.float() * scale.float()[..., rows[:, None], cols[None, :]]
+
+
 def _copy_into(param: torch.Tensor, target: Any, tensor: torch.Tensor, plan: ShardPlan) -> None:
     if target.part is None:
         param.copy_(tensor.reshape(param.shape))
@@ -288,6 +352,7 @@ def load_shard_weights(
     """
     model, plan = shard.model, shard.plan
     found = tensor_names(files)
+    block = fp8.block_size(config.extra)
     fused = any(canonical_name(n).endswith("mlp.experts.gate_up_proj") for n in found)
     targets = hf_targets(config, fused_experts=fused, with_preview=with_preview)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -315,6 +380,8 @@ def load_shard_weights(
                 for name in names:
                     if name.startswith(_SKIPPED_PREFIXES):
                         continue
+                    if fp8.is_scale(name) and name.removesuffix(fp8.SCALE_SUFFIX) in found:
+                        continue  # an FP8 tensor's block scales, read (their slice) with it
                     key = canonical_name(name)
                     target = targets.get(key)
                     if target is None:
@@ -339,6 +406,8 @@ def load_shard_weights(
                         continue
                     tensor = read_piece(f, name, piece)
                     read += tensor.numel()
+                    if tensor.dtype in fp8.FP8_DTYPES:  # block-scaled FP8: dequantize the slice
+                        tensor = read_fp8_piece(f, file, name, piece, tensor, found, block)
                     _copy_into(param, target, tensor, plan)
     missing = sorted(set(targets) - seen)
     if unexpected or missing:
