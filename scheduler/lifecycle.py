@@ -29,6 +29,12 @@ jobs_table = cast(Table, Job.__table__)  # a Table (mapped classes type it as Fr
 CLOCK_SKEW_TOLERANCE = timedelta(seconds=1)
 
 
+def sql_safe_text(text: str) -> str:
+    """``text`` as the job's outcome stores it: NUL characters replaced (U+FFFD; see ``_sql_safe``).
+    The worker's streamed deltas use it too, so that a stream adds up to the stored text."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
 def _sql_safe(value: Any) -> Any:
     """``value`` with NUL characters replaced (U+FFFD) in every string, recursively.
 
@@ -37,7 +43,7 @@ def _sql_safe(value: Any) -> Any:
     in ``running`` until its lease expires.
     """
     if isinstance(value, str):
-        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+        return sql_safe_text(value)
     if isinstance(value, dict):
         return {key: _sql_safe(item) for key, item in value.items()}
     if isinstance(value, list | tuple):

@@ -32,7 +32,7 @@ import structlog
 from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler import job_stream, redis_keys
-from scheduler.lifecycle import Lease, renew_leases, write_progress
+from scheduler.lifecycle import Lease, renew_leases, sql_safe_text, write_progress
 from scheduler.models import JobStatus
 from scheduler.settings import Settings
 from worker.engine.types import Progress
@@ -277,8 +277,10 @@ class JobMonitor:
         while job.pending:
             progress = job.pending.popleft()
             ids = progress.committed_token_ids
-            raw = self.decode(ids)
+            raw = sql_safe_text(self.decode(ids))  # as the outcome will store it (no NUL)
             text, reasoning = job.render(ids) if job.render is not None else (raw, None)
+            text = sql_safe_text(text)
+            reasoning = sql_safe_text(reasoning) if reasoning is not None else None
             job.partial_text = raw
             offset, delta = job.text.advance(text)
             event: dict[str, Any] = {

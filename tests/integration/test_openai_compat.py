@@ -165,6 +165,9 @@ def test_chat_stream_sends_one_chunk_per_block_before_the_job_ends(stack: Stack)
     stream = client.chat.completions.create(
         model=stack.model, messages=[{"role": "user", "content": "Tell a long story"}], max_tokens=256,
         stream=True, stream_options={"include_usage": True},
+        # Sampled (seeded): the job must outlast a few of the monitor's 0.1 s publishing ticks; greedy,
+        # the random demo hit end-of-text after ~7 blocks, done in ~0.1 s, every chunk at the end.
+        temperature=1.0, seed=7,
         extra_body={"block_size": 4, "steps_per_block": 4},
     )
     chunks: list[tuple[float, Any]] = [(time.time(), chunk) for chunk in stream]
