@@ -102,6 +102,9 @@ def test_submit_poll_succeeds_with_generated_tokens(stack: Stack) -> None:
     assert done.worker_id == stack.worker.worker_id
     assert done.started_at and done.finished_at and done.expires_at
     assert done.created_at <= done.started_at <= done.finished_at < done.expires_at
+    # The hot status follows the SQL commit (SQL is the truth; the worker writes Redis after it).
+    wait_for(lambda: (read_progress(job.id, redis_client=stack.redis) or {}).get("status") == "succeeded",
+             timeout=5, message="the hot status of the finished job")
     hot = read_progress(job.id, redis_client=stack.redis)
     assert hot is not None and hot["status"] == "succeeded"
     assert hot["tokens_committed"] >= len(done.result["token_ids"])
