@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 
 import structlog
 
@@ -75,6 +75,17 @@ def consumed_queues(state: ConsumerState) -> frozenset[str]:
 def ordered_queues(state: ConsumerState) -> list[str]:
     """``consumed_queues(state)`` in the configured priority order."""
     return lane_names(consumed_classes(state), canary=state.canary_lane)
+
+
+class StateChange(TypedDict, total=False):
+    """The parts of a ``ConsumerState`` a caller may change (None: unchanged)."""
+
+    drained: Iterable[str] | None
+    switching: bool | None
+    joint_full: bool | None
+    capacity_full: bool | None
+    canary_lane: bool | None
+    stopping: bool | None
 
 
 class ConsumerCommands(Protocol):
@@ -157,48 +168,23 @@ class ConsumerController:
         """The Celery queues this worker consumes as far as the controller knows."""
         return self._applied
 
-    def record(
-        self,
-        *,
-        drained: Iterable[str] | None = None,
-        switching: bool | None = None,
-        joint_full: bool | None = None,
-        capacity_full: bool | None = None,
-        canary_lane: bool | None = None,
-        stopping: bool | None = None,
-    ) -> None:
+    def record(self, **changes: Unpack[StateChange]) -> None:
         """Change the named parts of the state (None: unchanged); sends nothing (see ``sync``)."""
-        changes: dict[str, Any] = {
-            name: value for name, value in (
-                ("switching", switching), ("joint_full", joint_full), ("capacity_full", capacity_full),
-                ("canary_lane", canary_lane), ("stopping", stopping),
-            ) if value is not None
-        }
-        if drained is not None:
-            changes["drained"] = frozenset(drained)
+        values: dict[str, Any] = {name: value for name, value in changes.items() if value is not None}
+        if "drained" in values:
+            values["drained"] = frozenset(values["drained"])
         with self._lock:
             previous = self._state
-            self._state = replace(previous, **changes)
+            self._state = replace(previous, **values)
             self._flipped |= previous.drained ^ self._state.drained
             self._dirty = True
 
-    def update(
-        self,
-        *,
-        drained: Iterable[str] | None = None,
-        switching: bool | None = None,
-        joint_full: bool | None = None,
-        capacity_full: bool | None = None,
-        canary_lane: bool | None = None,
-        stopping: bool | None = None,
-        wait: bool = False,
-    ) -> None:
+    def update(self, *, wait: bool = False, **changes: Unpack[StateChange]) -> None:
         """``record`` the changes, then ``sync``.
 
         ``wait``: wait for the send lock and for each command's answer (a model switch wants its
         consumers gone before it drains); otherwise a sender already at work sends this change."""
-        self.record(drained=drained, switching=switching, joint_full=joint_full, capacity_full=capacity_full,
-                    canary_lane=canary_lane, stopping=stopping)
+        self.record(**changes)
         self.sync(wait=wait)
 
     def sync(self, *, wait: bool = False) -> None:
