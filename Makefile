@@ -3,26 +3,44 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test lint bench
+.PHONY: install install-test up test test-sqlite lint
 
+# Serving installs the package and its runtime dependencies only; the test extras (pytest, mypy,
+# playwright, transformers, kubernetes-validate, ...) come with `make test` (install-test).
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+install-test: $(VENV)/.installed-test
+
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
+# `make up UP_ARGS="--port 9000"` passes options to `cloverq up`.
 up: install
-	$(BIN)/cloverq up
+	@echo "cloverq CLI: $(BIN)/cloverq (or: source $(BIN)/activate, then cloverq)"
+	$(BIN)/cloverq up $(UP_ARGS)
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check .
 
 # Two pytest-xdist sessions side by side (CI's two cores); stack tests stay serial in one group.
 PYTEST_WORKERS ?= 2
 
-test: install
+test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
+
+# CI's second run (.ci/run): the tests whose behaviour differs by backend (tests/conftest.py:
+# --backend-subset), on the embedded default's SQLite, whatever CLOVERQ_TEST_DATABASE_URL says.
+test-sqlite: install-test
+	env -u CLOVERQ_TEST_DATABASE_URL $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --backend-subset

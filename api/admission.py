@@ -1,10 +1,10 @@
 """Admission of a new job at the API: queue-depth and tenant caps -> 429 before anything is stored.
 
-The two rules that depend on the request itself (``scheduler.admission``): the queue the job
+The two rules that depend on the request itself (``scheduler.access.admission``): the queue the job
 would be routed to must not be full, and the tenant must be under its cap of queued + running
 jobs; both are checked and reserved in one atomic step, so concurrent submits never pass a cap.
-The route is computed with the same pure function ``scheduler.jobs.submit_job`` uses (a batch:
-``scheduler.batches.batch_route``, as ``create_batch`` stores it), so the checked queue is the
+The route is computed with the same pure function ``scheduler.jobs.service.submit_job`` uses (a batch:
+``scheduler.batches.service.batch_route``, as ``create_batch`` stores it), so the checked queue is the
 queue the job will go to. An idempotent repeat (same tenant +
 ``Idempotency-Key`` already stored) stores nothing new, so these rules never refuse it.
 
@@ -32,12 +32,13 @@ from sqlalchemy.orm import Session
 
 from api.auth import Caller, enforce_rate, meter_caller, security_of
 from api.errors import ApiError
-from scheduler import redis_keys
-from scheduler.admission import AdmissionRefused, count_active_jobs
-from scheduler.batches import batch_route
-from scheduler.models import Job
-from scheduler.routing import InvalidPriorityError, route_job
-from scheduler.settings import Settings
+from api.limit_messages import admission_refused
+from scheduler.access.admission import AdmissionRefused, count_active_jobs
+from scheduler.batches.service import batch_route
+from scheduler.infra import redis_keys
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job
+from scheduler.jobs.routing import InvalidPriorityError, route_job
 
 log = structlog.get_logger(__name__)
 
@@ -102,8 +103,8 @@ def admit_batch(
 ) -> list[uuid.UUID]:
     """Like :func:`admit_submission` for a whole batch (all or nothing): every job counts
     against the cap of the queue it will be stored in (``bulk``, or ``joint`` for joint-mode
-    decisions: ``scheduler.batches.batch_route``) and the tenant's cap. ``specs`` are
-    ``scheduler.batches.JobSpec``. Returns the jobs' ids, one per spec, for ``create_batch``:
+    decisions: ``scheduler.batches.service.batch_route``) and the tenant's cap. ``specs`` are
+    ``scheduler.batches.service.JobSpec``. Returns the jobs' ids, one per spec, for ``create_batch``:
     the jobs are reserved under them until ``publish_batch(..., tenant=)`` sends their messages."""
     job_ids = [uuid.uuid4() for _ in specs]
     jobs: dict[str, list[str]] = defaultdict(list)
@@ -140,8 +141,7 @@ def _admit(request: Request, session: Session, caller: Caller, *, jobs: dict[str
 def _refusal(caller: Caller, refused: AdmissionRefused, queues: list[str]) -> ApiError:
     log.info("admission.refused", code=refused.code, tenant=caller.tenant, key_id=caller.key_id,
              queues=queues)
-    return ApiError(429, refused.code, refused.message, refused.details,
-                    {"Retry-After": str(refused.retry_after_seconds)})
+    return admission_refused(refused)  # the cap's setting and what to do, with Retry-After
 
 
 def _exists(session: Session, *, tenant: str, key: str) -> bool:

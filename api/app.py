@@ -8,15 +8,17 @@ limit, and mounts one router per resource. ``cloverq api`` serves it with uvicor
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import anyio.to_thread
 import structlog
 from fastapi import FastAPI
 
-from api.auth import install_security
+from api.auth import install_security, meter_refused_request
 from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
 from api.job_follow import close_stream_redis, waiter_redis
@@ -27,6 +29,7 @@ from api.routes import (
     admin_canary,
     admin_models,
     batches,
+    dashboard,
     health,
     job_events,
     jobs,
@@ -35,12 +38,13 @@ from api.routes import (
     webhooks,
 )
 from api.routes.metrics import install_observability
-from scheduler.celery_app import create_celery_app
-from scheduler.db import DatabaseTimeouts, make_engine, session_factory
-from scheduler.heap import freeze_startup_heap, thaw_heap
-from scheduler.operator_state import restore_quietly
-from scheduler.redis_client import get_redis
-from scheduler.settings import Settings, get_settings
+from scheduler.fleet.operator_state import restore_quietly
+from scheduler.infra.celery_app import create_celery_app
+from scheduler.infra.db import DatabaseTimeouts, make_engine, session_factory
+from scheduler.infra.gc_freeze import freeze_startup_heap, thaw_heap
+from scheduler.infra.redis_client import get_redis
+from scheduler.infra.settings import Settings, get_settings
+from scheduler.observability.tracing import setup_tracing
 
 # Sync routes and dependencies run in anyio's thread pool; its default of 40 threads would
 # queue requests behind each other at high concurrency while they wait on the database.
@@ -54,6 +58,7 @@ log = structlog.get_logger(__name__)
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the API for ``settings`` (default: the process settings from the environment)."""
     settings = settings or get_settings()
+    setup_tracing(settings, process="api")  # off by default: creates nothing
     engine = make_engine(settings.resolved_database_url, timeouts=DatabaseTimeouts.from_settings(settings))
 
     @asynccontextmanager
@@ -63,12 +68,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             PromptTokenCounter.from_model_dir, settings.resolved_model_dir
         )
         # Redis may have restarted empty since the last API start: put the drains and limits
-        # recorded in SQL back before the first request is admitted (scheduler/operator_state.py).
+        # recorded in SQL back before the first request is admitted (scheduler/fleet/operator_state.py).
         # Bounded: a silent database must not keep the API (and its fast /readyz 503) from
         # starting; an abandoned restore finishes in the background and beat's tick retries.
         with anyio.move_on_after(OPERATOR_STATE_RESTORE_SECONDS):
             await anyio.to_thread.run_sync(_restore_operator_state, app, abandon_on_cancel=True)
-        freeze_startup_heap()  # short full GCs from here on (scheduler/heap.py)
+        freeze_startup_heap()  # short full GCs from here on (scheduler/infra/gc_freeze.py)
         app.state.job_waiter.start()  # subscribed before the first long poll arrives
         try:
             yield
@@ -82,7 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await close_stream_redis(app)
             if waiter_scope.cancelled_caught or stream_scope.cancelled_caught:
                 log.warning("api.shutdown_step_abandoned", seconds=SHUTDOWN_STEP_SECONDS)
-            # app.state.redis stays open: it is the process' shared client (scheduler/redis_client.py).
+            # app.state.redis stays open: it is the process' shared client (scheduler/infra/redis_client.py).
             engine.dispose()
 
     app = FastAPI(
@@ -90,6 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Asynchronous jobs on MoE block-diffusion language models.",
         version="0.1.0",
         lifespan=lifespan,
+        **_fastapi_telemetry_off(),
     )
     app.state.settings = settings
     app.state.engine = engine
@@ -101,14 +107,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # GET /v1/jobs/{id}?wait=S; its subscription has its own small asyncio pool (api/job_follow.py).
     app.state.job_waiter = JobWaiter(lambda: waiter_redis(app))
     install_security(app, settings, session_factory=app.state.session_factory, redis_client=app.state.redis)
+    # Batch bodies parsed at once (each costs a few times its size while it is parsed).
+    app.state.batch_uploads = anyio.Semaphore(settings.batches.max_concurrent_uploads)
     # Replaced at start-up by the lifespan; the byte bound is the safe default meanwhile.
     app.state.token_counter = PromptTokenCounter(None)
 
-    install_error_handlers(app)
+    install_error_handlers(app, meter_refused=meter_refused_request)
     uploads = ("/v1/batches", *openai_batches.FILE_PATHS)  # batch bodies and OpenAI batch files
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.limits.max_body_bytes,
                        path_limits=dict.fromkeys(uploads, settings.batches.max_body_bytes))
     install_observability(app)  # outermost middleware: request id + HTTP metrics for every answer
+    app.include_router(dashboard.router)  # the operator dashboard (it reads /metrics' gauges)
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(job_events.router)  # GET /v1/jobs/{id}/events (SSE)
@@ -132,3 +141,18 @@ def _restore_operator_state(app: FastAPI) -> None:
     reconcile tick retries it)."""
     with app.state.session_factory() as session:
         restore_quietly(session, app.state.redis, where="api_start")
+
+
+def _fastapi_telemetry_off() -> dict[str, Any]:
+    """FastAPI's own OpenTelemetry (newer releases: ``FastAPI(telemetry=...)``) switched off.
+
+    It traces every request, dependency and serialization as soon as any global tracer provider
+    exists (ours, when tracing is on), records paths, queries and validation errors (which quote
+    the input), and with ``FASTAPI_OTEL_AUTO_CONFIGURE`` builds exporters of its own even with
+    cloverq's tracing off. The API's spans are cloverq's (``api/routes/metrics.py``): one server
+    span per request, ids and counts only. Older FastAPI releases have no such parameter.
+    """
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False,
+                          "auto_configure": False}}

@@ -8,8 +8,8 @@ dependency made by :func:`requires` (aliases in ``api.deps``: ``ReadCaller``, ``
     def get_job(job_id: str, caller: ReadCaller) -> JobOut: ...
 
 The dependency reads ``Authorization: Bearer <key>``, authenticates the key
-(``scheduler.keys``: lookup by id, constant-time compare of a sha256 digest; cached per
-process), takes one token from the key's rate-limit bucket (``scheduler.admission``; the same
+(``scheduler.access.api_keys``: lookup by id, constant-time compare of a sha256 digest; cached per
+process), takes one token from the key's rate-limit bucket (``scheduler.access.admission``; the same
 Redis round trip also reports a revocation) and checks the scope (``admin`` holds every scope).
 No route body checks a scope or meters itself.
 
@@ -45,12 +45,12 @@ from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
-from scheduler import keys
-from scheduler.admission import Admission, RateDecision
-from scheduler.db import DatabaseTimeouts, make_engine
-from scheduler.keys import ALL_SCOPES, SCOPE_ADMIN, KeyAuthenticator, NotCached, parse_key
-from scheduler.redis_client import get_redis
-from scheduler.settings import Settings, get_settings
+from scheduler.access import api_keys
+from scheduler.access.admission import Admission, RateDecision
+from scheduler.access.api_keys import ALL_SCOPES, SCOPE_ADMIN, KeyAuthenticator, NotCached, parse_key
+from scheduler.infra.db import DatabaseTimeouts, make_engine
+from scheduler.infra.redis_client import get_redis
+from scheduler.infra.settings import Settings, get_settings
 
 log = structlog.get_logger(__name__)
 
@@ -61,11 +61,12 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer_sch
 
 
 class Scope(StrEnum):
-    """The privileges a key may hold (``scheduler.keys``); ``admin`` implies the others."""
+    """The privileges a key may hold (``scheduler.access.api_keys``); ``admin`` implies the others."""
 
-    SUBMIT = keys.SCOPE_SUBMIT
-    READ = keys.SCOPE_READ
-    ADMIN = keys.SCOPE_ADMIN
+    SUBMIT = api_keys.SCOPE_SUBMIT
+    READ = api_keys.SCOPE_READ
+    WEBHOOKS = api_keys.SCOPE_WEBHOOKS
+    ADMIN = api_keys.SCOPE_ADMIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,7 @@ DEV_CALLER = Caller(tenant="default", scopes=ALL_SCOPES, key_id=None)
 class Security:
     """The per-app security objects: key authenticator and admission (rate limits).
 
-    Admission runs on the process' shared Redis client (``scheduler.redis_client.get_redis``:
+    Admission runs on the process' shared Redis client (``scheduler.infra.redis_client.get_redis``:
     one pool per URL, short timeouts, so a hanging Redis fails a request's rate-limit check in
     seconds instead of hanging it)."""
 

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from fastapi import HTTPException  # starlette's types ``detail`` as str; ours is the error dict
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_body, openai_error_body, openai_style
+from api.errors import openai_error_body, openai_style
+from api.limit_messages import body_too_large
 
 
 class BodyTooLarge(HTTPException):
@@ -23,29 +24,35 @@ class BodyTooLarge(HTTPException):
     body into a generic 400, but re-raises HTTP exceptions, which our handler renders as 413.
     """
 
-    def __init__(self, max_body_bytes: int) -> None:
-        super().__init__(413, detail=_too_large_body(max_body_bytes))
+    def __init__(self, max_body_bytes: int, setting: str) -> None:
+        super().__init__(413, detail=body_too_large(max_body_bytes, setting))
 
 
 class BodyLimitMiddleware:
-    """Enforce ``max_body_bytes`` on every HTTP request."""
+    """Enforce ``max_body_bytes`` on every HTTP request. The 413 names the setting of the limit
+    it enforced: ``setting`` (a settings field's flat name), or ``path_setting`` on a path of
+    ``path_limits``."""
 
     def __init__(
-        self, app: ASGIApp, max_body_bytes: int, path_limits: Mapping[str, int] | None = None
+        self, app: ASGIApp, max_body_bytes: int, path_limits: Mapping[str, int] | None = None, *,
+        setting: str = "max_body_bytes", path_setting: str = "batch_max_body_bytes",
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         # Exact paths with their own (larger) limit, e.g. batch uploads on ``/v1/batches``.
         self.path_limits = dict(path_limits or {})
+        self.setting, self.path_setting = setting, path_setting
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.path_limits.get(scope.get("path", ""), self.max_body_bytes)
+        path = scope.get("path", "")
+        limit = self.path_limits.get(path, self.max_body_bytes)
+        setting = self.path_setting if path in self.path_limits else self.setting
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            await self._reject(send, limit, scope.get("path", ""))
+            await self._reject(send, limit, setting, path)
             return
 
         received = 0
@@ -57,7 +64,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit)
+                    raise BodyTooLarge(limit, setting)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -70,10 +77,10 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not response_started:
-                await self._reject(send, limit, scope.get("path", ""))
+                await self._reject(send, limit, setting, path)
 
-    async def _reject(self, send: Send, limit: int, path: str) -> None:
-        shaped = _too_large_body(limit)
+    async def _reject(self, send: Send, limit: int, setting: str, path: str) -> None:
+        shaped = body_too_large(limit, setting)
         if openai_style(path):  # the OpenAI-compatible routes answer in OpenAI's error shape
             error = shaped["error"]
             assert isinstance(error, dict)
@@ -101,11 +108,3 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
-
-
-def _too_large_body(max_body_bytes: int) -> dict[str, object]:
-    return error_body(
-        "body_too_large",
-        f"The request body is larger than {max_body_bytes} bytes.",
-        {"max_body_bytes": max_body_bytes},
-    )

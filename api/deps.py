@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from api.auth import Caller, Scope, requires
 from api.prompt_tokens import PromptTokenCounter
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 
 # The accessors are ``async`` on purpose: FastAPI runs sync dependencies in the thread pool,
 # and a thread hop per trivial lookup is measurable on the submit path.
@@ -51,6 +51,8 @@ TokenCounterDep = Annotated[PromptTokenCounter, Depends(_token_counter)]
 ReadCaller = Annotated[Caller, Depends(requires(Scope.READ))]
 SubmitCaller = Annotated[Caller, Depends(requires(Scope.SUBMIT))]
 AdminCaller = Annotated[Caller, Depends(requires(Scope.ADMIN))]
+# The tenant's webhook signing secret: whoever holds it can forge deliveries to every receiver.
+WebhooksCaller = Annotated[Caller, Depends(requires(Scope.WEBHOOKS))]
 # The submit hot path (POST /v1/jobs, the OpenAI completions): ``submit``, its rate-limit token
 # taken in the admission round trip, and taken by the dependency itself if the route did not.
 AdmittedSubmitCaller = Annotated[

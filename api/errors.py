@@ -15,7 +15,7 @@ where the job API answers 422.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -205,13 +205,26 @@ async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
                           path=request.url.path, param=exc.param)
 
 
-async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    from api.auth import meter_refused_request  # here: api.errors loads without the auth stack
+RefusedRequestMeter = Callable[[Request], Awaitable[StarletteHTTPException | None]]
+"""Spends a rate-limit token for a request refused before its route ran; returns the 401/429 to
+answer instead, or None (``api.auth.meter_refused_request``). Passed in by ``create_app`` so that
+``api.errors`` sits below ``api.auth`` (auth raises ``ApiError``) instead of importing it back."""
 
-    refused = await meter_refused_request(request)  # an invalid body spends its token too
-    if refused is not None:
-        return await _http_exception_handler(request, refused)
+
+def _validation_handler(meter_refused: RefusedRequestMeter | None) -> Callable[
+        [Request, Exception], Awaitable[JSONResponse]]:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        if meter_refused is not None:
+            refused = await meter_refused(request)  # an invalid body spends its token too
+            if refused is not None:
+                return await _http_exception_handler(request, refused)
+        return _validation_response(request, exc)
+
+    return handle
+
+
+def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
     details = validation_details(exc.errors())
     message = "The request is not valid."
     if openai_style(request.url.path) and details:  # OpenAI clients show only the message
@@ -262,10 +275,10 @@ async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "internal_error", "An internal error occurred.", path=request.url.path)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception type to the JSON error shape."""
+def install_error_handlers(app: FastAPI, *, meter_refused: RefusedRequestMeter | None = None) -> None:
+    """Route every exception type to the JSON error shape (``meter_refused``: see its type)."""
     app.add_exception_handler(ApiError, _api_error_handler)
-    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler(meter_refused))
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
     app.add_exception_handler(DataError, _data_error_handler)
     app.add_exception_handler(OperationalError, _database_unavailable_handler)

@@ -8,7 +8,7 @@ truth:
   the attempt and the result. It is re-read when the job's event stream says an attempt began
   or ended, when the jobs-finished notice arrives (``api/job_waiter.py``), and otherwise on a
   doubling interval (so a final status written by the beat, which publishes nothing, is seen).
-- **The job's event stream** (``scheduler/job_stream.py``, written by the worker's monitor)
+- **The job's event stream** (``scheduler/jobs/event_stream.py``, written by the worker's monitor)
   brings each committed block as it happens. It is read with ``XREAD BLOCK`` from where the
   reader left off (``after``: a stream entry id, e.g. SSE's ``Last-Event-ID``), so a reader that
   reconnects resumes; without a stream (expired, Redis flushed) the hot status stands in for it.
@@ -34,9 +34,10 @@ from starlette.concurrency import run_in_threadpool
 from api.job_waiter import HEALTH_CHECK_SECONDS, MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
 from api.presenters import job_out
 from api.schemas.jobs import JobOut
-from scheduler import job_stream, redis_keys
-from scheduler import jobs as job_service
-from scheduler.models import JobStatus
+from scheduler.infra import redis_keys
+from scheduler.jobs import event_stream
+from scheduler.jobs import service as job_service
+from scheduler.jobs.models import JobStatus
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +76,7 @@ def _async_redis(app: FastAPI, attribute: str, max_connections: int) -> aioredis
 
 def stream_redis(app: FastAPI) -> aioredis.Redis:
     """The event streams' asyncio Redis client (created in the running event loop) for their
-    ``XREAD BLOCK``. Separate from the process' sync client (``scheduler.redis_client.get_redis``)
+    ``XREAD BLOCK``. Separate from the process' sync client (``scheduler.infra.redis_client.get_redis``)
     because asyncio connections belong to their event loop, and because these reads block on
     purpose: no socket timeout."""
     return _async_redis(app, "stream_redis", STREAM_MAX_CONNECTIONS)
@@ -157,10 +158,31 @@ def _hot_block(job: JobOut) -> dict[str, Any] | None:
             "offset": 0, "delta": progress.partial_text, "from_hot_status": True}
 
 
+def rebuilt(text: str, offset: Any, delta: Any) -> str:
+    """``text`` after one block event's delta (``text[:offset] + delta``; a retry starts at 0)."""
+    if isinstance(offset, int) and isinstance(delta, str):
+        return text[: max(0, offset)] + delta
+    return text
+
+
+def completion(text: str, final: str) -> tuple[int, str] | None:
+    """The ``(offset, delta)`` that turns the text the deltas built into the stored ``final`` text
+    (what the stream did not carry: blocks a reader missed, the last bytes the worker's decoder
+    held back); None when they already agree."""
+    if text == final:
+        return None
+    common = 0
+    for mine, theirs in zip(text, final, strict=False):
+        if mine != theirs:
+            break
+        common += 1
+    return common, final[common:]
+
+
 def _stream_entries(answer: Any) -> list[tuple[str, dict[str, Any]]]:
     """The entries of a one-stream ``XREAD`` answer, ``[[key, entries]]`` on our RESP2 clients
     (redis-py types the answer as a union with RESP3's ``{key: entries}``)."""
-    return job_stream.parse_entries(answer[0][1]) if answer else []
+    return event_stream.parse_entries(answer[0][1]) if answer else []
 
 
 async def _replay(client: aioredis.Redis, key: str, cursor: str) -> AsyncIterator[Followed]:
@@ -190,7 +212,7 @@ async def follow_job(
     waiter: JobWaiter = request.app.state.job_waiter
     client = stream_redis(request.app)
     key = redis_keys.events(job_id)
-    cursor = after or job_stream.STREAM_START
+    cursor = after or event_stream.STREAM_START
     async with waiter.watch(job_id) as finished:
         job = first or await run_in_threadpool(read_job, request, job_id, tenant)
         if job is None:
@@ -216,7 +238,7 @@ async def follow_job(
                 with suppress(TimeoutError):
                     await asyncio.wait_for(finished.wait(), STREAM_BLOCK_MS / 1000)
             entries = _stream_entries(answer)
-            if first_read and not entries and cursor == job_stream.STREAM_START:
+            if first_read and not entries and cursor == event_stream.STREAM_START:
                 hot = _hot_block(job) if job.status == JobStatus.RUNNING else None
                 if hot is not None:
                     yield Followed("block", job=job, event=hot)
@@ -241,6 +263,10 @@ async def follow_job(
                     yield Followed("status", job=job)
                     last_sent = time.monotonic()
                 if is_final(job):
+                    # The blocks committed since the last XREAD are in the stream already (the
+                    # worker writes its last events with the outcome): read them before the end.
+                    async for block in _replay(client, key, cursor):
+                        yield Followed("block", job=job, event=block.event, entry_id=block.entry_id)
                     yield Followed("final", job=job)
                     return
                 recheck = RECHECK_SECONDS if reread else min(2 * recheck, MAX_RECHECK_SECONDS)

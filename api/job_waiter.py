@@ -1,6 +1,6 @@
 """Long polling: ``GET /v1/jobs/{id}?wait=S`` answers as soon as the job is final.
 
-One pub/sub subscription per API process (``scheduler.job_events``: the worker publishes a
+One pub/sub subscription per API process (``scheduler.jobs.finished_notice``: the worker publishes a
 job's id after committing its outcome) wakes the requests waiting on that job; each then
 re-reads the row. A waiting request holds no thread and no database connection, only an
 ``asyncio.Event``. Without notices (Redis down, a status written by the beat) a waiter still
@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager, suppress
 import redis.asyncio as aioredis
 import structlog
 
-from scheduler.redis_keys import JOBS_FINISHED_CHANNEL
+from scheduler.infra.redis_keys import JOBS_FINISHED_CHANNEL
 
 log = structlog.get_logger(__name__)
 

@@ -14,19 +14,21 @@ from typing import Any
 from api.block_steps import check_steps_fit_block
 from api.decision_limits import check_decide_limits
 from api.errors import ApiError
+from api.extract_limits import check_extract_limits
+from api.limit_messages import limit_detail, prompt_too_long, setting_env
 from api.prompt_tokens import PromptTokenCounter
-from api.schemas.jobs import DecideJobCreate, GenerateJobCreate
-from scheduler.settings import Settings
-from scheduler.webhooks import WebhookTargetError, check_url
+from api.schema_check import check_schema
+from api.schemas.jobs import DecideJobCreate, ExtractJobCreate, GenerateInput, GenerateJobCreate
+from scheduler.infra.settings import Settings
+from scheduler.jobs.schema_subset import parse_options
+from scheduler.jobs.tool_spec import ToolError, parse_tools
+from scheduler.webhooks.delivery import WebhookTargetError, check_url
 
 
-def _limit_error(field: str, value: int, limit: int) -> ApiError:
-    return ApiError(
-        422,
-        "invalid_request",
-        f"params.{field} must be at most {limit}.",
-        [{"loc": ["body", "params", field], "message": f"at most {limit}", "type": "limit", "value": value}],
-    )
+def _limit_error(field: str, value: int, limit: int, flat_name: str) -> ApiError:
+    message = f"params.{field} must be at most {limit} ({setting_env(flat_name)})."
+    return ApiError(422, "invalid_request", message,
+                    [limit_detail(["params", field], f"at most {limit}", value, flat_name)])
 
 
 def metadata_bytes(metadata: Mapping[str, Any]) -> int:
@@ -43,16 +45,19 @@ def check_metadata(
     size = metadata_bytes(metadata)
     if size > settings.limits.max_metadata_bytes:
         cap = settings.limits.max_metadata_bytes
-        message = f"metadata is {size} bytes as JSON; at most {cap} are accepted."
+        env = setting_env("max_metadata_bytes")
+        message = (f"metadata is {size} bytes as JSON; at most {cap} are accepted ({env}): keep large "
+                   "values (documents) in the input and ids in metadata.")
         raise ApiError(422, "metadata_too_large", message,
-                       [{"loc": list(loc), "message": message, "type": "limit", "value": size}])
+                       [{"loc": list(loc), "message": message, "type": "limit", "value": size,
+                         "setting": env}])
 
 
 def check_webhook_url(
     url: str | None, *, settings: Settings, loc: Sequence[str | int] = ("body", "webhook_url")
 ) -> None:
     """422 ``invalid_webhook_url`` for a URL the service would never deliver to (credentials,
-    loopback/private literal addresses, localhost names; see ``scheduler.webhooks.check_url``).
+    loopback/private literal addresses, localhost names; see ``scheduler.webhooks.delivery.check_url``).
     Names that resolve to refused addresses are refused again at every delivery."""
     if url is None:
         return
@@ -64,8 +69,26 @@ def check_webhook_url(
                        [{"loc": list(loc), "message": str(exc), "type": "webhook_url_refused"}]) from None
 
 
+def check_tools(input: GenerateInput, *, settings: Settings) -> None:
+    """400 with a ``ToolErrorCode`` (``invalid_tools``, ``invalid_tool_name``, ``too_many_tools``,
+    ``invalid_tool_choice``, ``unknown_tool``) or, for a tool's ``parameters`` outside the schema
+    subset, the ``SchemaErrorCode``: the same parse the worker runs (``scheduler.jobs.tool_spec``)."""
+    if input.tools is None and input.tool_choice is None:
+        return
+    try:
+        parse_tools(input.tools, input.tool_choice, input.parallel_tool_calls,
+                    max_tools=settings.limits.max_tools, options=parse_options(settings))
+    except ToolError as exc:
+        field = "tool_choice" if exc.param.startswith("tool_choice") else "tools"
+        rest = exc.param[len(field):]
+        loc: list[str | int] = ["body", "input", field]
+        loc += [int(p) if p.isdigit() else p for p in rest.replace("[", ".").replace("]", "").split(".") if p]
+        raise ApiError(400, exc.code, f"input.{exc.param}: {exc}.",
+                       [{"loc": loc, "message": str(exc), "type": exc.code, **exc.details()}]) from None
+
+
 def check_job_limits(
-    body: GenerateJobCreate | DecideJobCreate,
+    body: GenerateJobCreate | DecideJobCreate | ExtractJobCreate,
     *,
     settings: Settings,
     counter: PromptTokenCounter,
@@ -76,6 +99,9 @@ def check_job_limits(
     if isinstance(body, DecideJobCreate):
         params = check_decide_limits(body.input, body.params, settings=settings, counter=counter,
                                      faults_enabled=faults_enabled)
+    elif isinstance(body, ExtractJobCreate):
+        params = check_extract_limits(body.input, body.params, settings=settings, counter=counter,
+                                      faults_enabled=faults_enabled)
     else:
         params = check_generate_limits(body, settings=settings, counter=counter,
                                        faults_enabled=faults_enabled)
@@ -96,6 +122,8 @@ def check_generate_limits(
     Filling the defaults here means the stored row records exactly what the job will run with,
     even if the deployment's defaults change while it waits in the queue.
     """
+    check_schema(body.input.response_schema, settings=settings, field="response_schema")
+    check_tools(body.input, settings=settings)
     params = body.params
     # Thinking jobs get larger defaults (they write the reasoning before the answer).
     thinking = settings.thinking.default if params.thinking is None else params.thinking
@@ -105,11 +133,14 @@ def check_generate_limits(
     steps_per_block = check_steps_fit_block(params.steps_per_block, params.block_size,
                                             settings.limits.default_steps_per_block)
     if max_new_tokens > settings.limits.max_new_tokens_limit:
-        raise _limit_error("max_new_tokens", max_new_tokens, settings.limits.max_new_tokens_limit)
+        raise _limit_error("max_new_tokens", max_new_tokens, settings.limits.max_new_tokens_limit,
+                           "max_new_tokens_limit")
     if steps_per_block is not None and steps_per_block > settings.limits.max_steps_per_block:
-        raise _limit_error("steps_per_block", steps_per_block, settings.limits.max_steps_per_block)
+        raise _limit_error("steps_per_block", steps_per_block, settings.limits.max_steps_per_block,
+                           "max_steps_per_block")
     if params.step_budget is not None and params.step_budget > settings.limits.max_step_budget:
-        raise _limit_error("step_budget", params.step_budget, settings.limits.max_step_budget)
+        raise _limit_error("step_budget", params.step_budget, settings.limits.max_step_budget,
+                           "max_step_budget")
     if params.fault is not None and not faults_enabled:
         raise ApiError(
             422,
@@ -120,15 +151,8 @@ def check_generate_limits(
 
     prompt_tokens = counter.count(body.input.text_parts())
     if prompt_tokens > settings.limits.max_prompt_tokens:
-        unit = "tokens" if counter.exact else "bytes (upper bound of tokens)"
-        raise ApiError(
-            422,
-            "prompt_too_long",
-            f"The prompt has {prompt_tokens} {unit}; the limit is "
-            f"{settings.limits.max_prompt_tokens} tokens.",
-            {"prompt_tokens": prompt_tokens, "max_prompt_tokens": settings.limits.max_prompt_tokens,
-             "exact": counter.exact},
-        )
+        raise prompt_too_long("The prompt", prompt_tokens, exact=counter.exact, settings=settings,
+                              alternatives=["shorten it, or split a long document into parts, one job each"])
 
     # The engine holds prompt + generated region (rounded up to whole blocks) per sequence; a
     # request that cannot fit is refused here, not failed by the worker. Without a block size the
@@ -136,12 +160,17 @@ def check_generate_limits(
     block = params.block_size or 1
     positions = -(-(prompt_tokens + max_new_tokens) // block) * block
     if positions > settings.resolved_engine_max_len:
+        room = settings.resolved_engine_max_len
+        fits = (room // block) * block - prompt_tokens
+        env = setting_env("engine_max_len")
+        instead = f"lower max_new_tokens to at most {fits}" if fits > 0 else "shorten the prompt"
         raise ApiError(
             422,
             "request_too_long",
             f"Prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) in blocks of {block} "
-            f"needs {positions} positions; the engine holds {settings.resolved_engine_max_len}.",
-            {"positions": positions, "engine_max_len": settings.resolved_engine_max_len},
+            f"needs {positions} positions; the engine holds {room} ({env}). Instead: {instead}; or ask "
+            f"the operator to raise {env}.",
+            {"positions": positions, "engine_max_len": room, "setting": env},
         )
 
     stored = params.model_dump(exclude_none=True)

@@ -19,13 +19,24 @@ parameters it does not know):
   (``"none"`` off, else on); the reasoning is answered as ``reasoning_content``;
 - cloverq's own knobs as extra body fields: ``steps_per_block``, ``step_budget``,
   ``block_size``, ``strategy``, ``threshold``, ``top_k``, ``priority``;
-- accepted and ignored: ``user``, ``service_tier``, ``store``, ``parallel_tool_calls``, and
-  the no-op values of ``logprobs`` (false), penalties (0), ``tool_choice`` ("none"),
-  ``response_format`` (text), ``best_of`` (1), ``echo`` (completions: supported).
+- ``response_format``: ``json_schema`` -> ``input.response_schema`` (its ``schema``; ``strict``
+  either way: valid by construction), ``json_object`` -> ``{"type": "object"}``; the content is
+  the JSON text (docs/structured.md); a schema outside the subset is a 400 with its code;
+- ``tools``, ``tool_choice``, ``parallel_tool_calls`` -> ``input.tools`` / ``tool_choice`` /
+  ``parallel_tool_calls`` as they are (checked at submit, ``scheduler/jobs/tool_spec.py``);
+  assistant ``tool_calls`` and ``tool`` messages -> the same fields of ``input.messages``; the
+  worker renders them through the chat template and returns the calls it read
+  (``result.tool_calls``), answered as ``message.tool_calls`` with ``finish_reason:
+  "tool_calls"`` (docs/structured.md#tools);
+- accepted and ignored: ``user``, ``service_tier``, ``store``, and the no-op values of
+  ``logprobs`` (false), penalties (0), ``response_format`` (text), ``best_of`` (1), ``echo``
+  (completions: supported);
+- refused: the legacy ``functions`` / ``function_call``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -33,10 +44,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import ApiError
 from api.schemas.jobs import GenerateJobCreate, JobOut
-from scheduler.models import ErrorCode, JobStatus
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import ErrorCode, JobStatus
 
 MAX_STOP_SEQUENCES = 16
+_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MAX_STOP_CHARS = 1024
 FINISH_REASONS = {"eos": "stop", "length": "length", "budget": "length"}
 
@@ -170,7 +182,10 @@ def _params(req: _Request, max_new_tokens: int | None, thinking: bool | None) ->
 
 # cloverq's field (where the job model found a problem) -> the OpenAI parameter to name
 _JOB_FIELDS = {("params", "max_new_tokens"): "max_tokens", ("input", "prompt"): "prompt",
-               ("input", "messages"): "messages"}
+               ("input", "messages"): "messages",
+               ("input", "response_schema"): "response_format.json_schema.schema",
+               ("input", "tools"): "tools", ("input", "tool_choice"): "tool_choice",
+               ("input", "parallel_tool_calls"): "parallel_tool_calls"}
 
 
 def _job_param(loc: Sequence[Any], *, max_tokens_name: str) -> str:
@@ -228,21 +243,44 @@ def _content(message: Mapping[str, Any], index: int) -> str:
     raise _bad("Message content must be a string or a list of text parts.", f"messages[{index}].content")
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MESSAGE_KEYS = {"role", "content", "name", "refusal"}
+_ROLE_KEYS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
 
 
-def _messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls`` as the job carries them (OpenAI's shape; the job model
+    checks that each ``arguments`` is a JSON object as text)."""
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(f"'{param}' must be a list of tool calls.", param)
+    out = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or call.get("type", "function") != "function":
+            raise _bad(f"'{param}[{k}]' must be {{\"id\", \"type\": \"function\", \"function\": "
+                       "{\"name\", \"arguments\"}}.", f"{param}[{k}]")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function.get("name"), "arguments": function.get("arguments")}})
+    return out
+
+
+def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for index, message in enumerate(messages):
         role = _ROLES.get(str(message.get("role")))
         if role is None:
             raise _unsupported(f"messages[{index}].role", f"'{message.get('role')}' is not supported "
-                               "(system, developer, user, assistant)")
-        unknown = sorted(set(message) - _MESSAGE_KEYS)
+                               "(system, developer, user, assistant, tool)")
+        unknown = sorted(set(message) - _MESSAGE_KEYS - _ROLE_KEYS.get(role, set()))
         if unknown and not (unknown == ["tool_calls"] and not message.get("tool_calls")):
             raise _unsupported(f"messages[{index}].{unknown[0]}")
-        out.append({"role": role, "content": _content(message, index)})
+        turn: dict[str, Any] = {"role": role, "content": _content(message, index)}
+        if role == "assistant" and message.get("tool_calls"):
+            turn["tool_calls"] = _tool_calls(message["tool_calls"], index)
+        if role == "tool":
+            turn["tool_call_id"] = message.get("tool_call_id")
+        out.append(turn)
     return out
 
 
@@ -263,25 +301,73 @@ def chat_job(req: ChatCompletionRequest) -> GenerateJobCreate:
     _check_common(req)
     if req.logprobs or req.top_logprobs:
         raise _unsupported("logprobs")
-    if req.tools or req.functions:
-        raise _unsupported("tools")
-    if req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
-        raise _unsupported("tool_choice")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise _unsupported("response_format", "only supports {'type': 'text'}")
+    if req.functions or req.function_call not in (None, "none"):
+        raise _unsupported("functions", "(the legacy function calling) is not supported; use 'tools'")
     if req.modalities not in (None, ["text"]):
         raise _unsupported("modalities")
     stop_sequences(req.stop)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    job_input: dict[str, Any] = {"messages": _messages(req.messages)}
+    schema = response_schema(req.response_format)
+    if schema is not None:
+        job_input["response_schema"] = schema
+    for field in ("tools", "tool_choice", "parallel_tool_calls"):
+        if getattr(req, field) is not None:
+            job_input[field] = getattr(req, field)
     body = {
         "kind": "generate",
-        "input": {"messages": _messages(req.messages)},
+        "input": job_input,
         "params": _params(req, req.max_completion_tokens if req.max_completion_tokens is not None
                           else req.max_tokens, _thinking(req)),
         "priority": req.priority,
         "metadata": _metadata(req),
     }
     return _job({k: v for k, v in body.items() if v is not None}, max_tokens_name=name)
+
+
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+def response_schema(response_format: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The job's ``input.response_schema`` for OpenAI's ``response_format``: ``text`` (or none)
+    -> none; ``json_object`` -> ``{"type": "object"}`` (free string key/value pairs);
+    ``json_schema`` -> its ``schema``. ``strict`` true or false makes no difference: the value is
+    valid by construction either way. The subset check itself runs at submit (``api.limits``)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind not in _FORMAT_KEYS:
+        raise _bad("'response_format.type' must be 'text', 'json_object' or 'json_schema'.",
+                   "response_format.type")
+    unknown = sorted(set(response_format) - _FORMAT_KEYS[kind])
+    if unknown:
+        raise _bad(f"Unrecognized request argument supplied: response_format.{unknown[0]}",
+                   f"response_format.{unknown[0]}", code="unrecognized_argument")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise _bad("'response_format.json_schema' must be an object with 'name' and 'schema'.",
+                   "response_format.json_schema")
+    unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    if unknown:
+        raise _bad(f"Unrecognized request argument supplied: response_format.json_schema.{unknown[0]}",
+                   f"response_format.json_schema.{unknown[0]}", code="unrecognized_argument")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise _bad("'response_format.json_schema.name' must match ^[a-zA-Z0-9_-]{1,64}$.",
+                   "response_format.json_schema.name")
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise _bad("'response_format.json_schema.strict' must be a boolean.",
+                   "response_format.json_schema.strict")
+    schema = spec.get("schema", {"type": "object"})  # OpenAI: omitted means any JSON object
+    if not isinstance(schema, dict):
+        raise _bad("'response_format.json_schema.schema' must be a JSON Schema object.",
+                   "response_format.json_schema.schema", code="invalid_schema")
+    return schema
 
 
 def completion_prompt(req: CompletionRequest) -> str:
@@ -377,6 +463,52 @@ class StopScanner:
         return "" if self.hit else rest
 
 
+class ToolCallHold:
+    """Streams the content of an answer that may hold tool calls.
+
+    The worker answers the content as the text outside the calls, stripped
+    (``worker/structured/tool_parsers.py``), and the calls themselves in ``result.tool_calls``.
+    So the stream sends the raw text's content only up to the first ``<tool_call>`` (both call
+    formats open with it), holds what may be the start of that tag or of a stop sequence, and
+    holds leading and trailing whitespace; the rest of the content and the calls come with the
+    final status. What it sent is then always a prefix of the final content."""
+
+    OPEN = "<tool_call>"
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = list(stops)
+        self.sent = ""
+        self.hit = False  # a stop sequence cut the content
+
+    def _candidate(self, text: str) -> str:
+        cut = text.find(self.OPEN)
+        if cut >= 0:
+            text = text[:cut]
+        else:
+            markers = [self.OPEN, *self.stops]
+            hold = max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+            text = text[: len(text) - hold]
+        text, hit = apply_stop(text, self.stops)
+        self.hit = self.hit or hit
+        return text.strip()
+
+    def _send(self, candidate: str) -> str:
+        if not candidate.startswith(self.sent):  # never taken back: wait for the final content
+            return ""
+        new, self.sent = candidate[len(self.sent):], candidate
+        return new
+
+    def feed(self, text: str) -> str:
+        """The raw answer so far -> the content that may be sent now (new part)."""
+        return "" if self.hit else self._send(self._candidate(text))
+
+    def finish(self, content: str) -> str:
+        """The final content (the worker's) -> the part not sent yet, through the stop sequences."""
+        cut, hit = apply_stop(content, self.stops)
+        self.hit = self.hit or hit
+        return self._send(cut)
+
+
 def finish_reason(job: JobOut, stop_hit: bool) -> str:
     if stop_hit:
         return "stop"
@@ -418,10 +550,24 @@ def job_failure(job: JobOut) -> ApiError:
     return ApiError(status, code, f"Job {job.id} failed: {message}", {"job_id": job.id})
 
 
+def tool_calls_of(job: JobOut) -> list[dict[str, Any]]:
+    """The calls the worker read from the output (``result.tool_calls``, OpenAI's shape)."""
+    return list((job.result.tool_calls if job.result else None) or [])
+
+
+def chat_finish_reason(job: JobOut, stop_hit: bool) -> str:
+    """``tool_calls`` when the answer holds calls (a stop sequence only cuts the content)."""
+    return "tool_calls" if tool_calls_of(job) else finish_reason(job, stop_hit)
+
+
 def chat_message(job: JobOut, stops: Sequence[str]) -> tuple[dict[str, Any], bool]:
     result = job.result
     text, hit = apply_stop((result.text or "") if result else "", stops)
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    calls = tool_calls_of(job)
+    if calls:
+        message["content"] = text or None  # OpenAI: null content beside calls
+        message["tool_calls"] = calls
     if (job.params or {}).get("thinking"):
         message["reasoning_content"] = result.reasoning if result else None
     return message, hit
@@ -433,9 +579,18 @@ def chat_response(job: JobOut, *, model: str, stops: Sequence[str]) -> dict[str,
         "id": chat_id(job.id), "object": "chat.completion", "created": created_of(job), "model": model,
         "system_fingerprint": job.model_version,
         "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": finish_reason(job, hit)}],
+                     "finish_reason": chat_finish_reason(job, hit)}],
         "usage": usage(job),
     }
+
+
+def tool_call_deltas(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A stream's ``delta.tool_calls`` for finished calls: each call whole in one entry, with
+    its ``index`` (OpenAI's chunk shape; clients join deltas of one index)."""
+    return [{"index": i, "id": call.get("id"), "type": "function",
+             "function": {"name": (call.get("function") or {}).get("name"),
+                          "arguments": (call.get("function") or {}).get("arguments")}}
+            for i, call in enumerate(calls)]
 
 
 def completion_response(job: JobOut, *, model: str, stops: Sequence[str], echo: str | None) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from api.schemas.jobs import JobErrorInfo, JobOut, JobProgress, JobResult, JobTimings
-from scheduler.models import Job, JobStatus
+from scheduler.jobs.models import Job, JobStatus
 
 _PROGRESS_FIELDS = tuple(JobProgress.model_fields)
 _RESULT_FIELDS = tuple(JobResult.model_fields)
@@ -39,6 +39,8 @@ def _progress(job: Job, hot: Mapping[str, Any] | None) -> JobProgress | None:
         merged["steps_used"] = max(job.steps_used, merged.get("steps_used") or 0)
     if job.status == JobStatus.SUCCEEDED and merged.get("blocks_done"):
         merged["blocks_total"] = merged["blocks_done"]  # what it needed (EOS can come early)
+    if job.status == JobStatus.SUCCEEDED and merged.get("prompt_tokens") is not None:
+        merged["prompt_tokens_done"] = merged["prompt_tokens"]  # a succeeded job prefilled it all
     merged.setdefault("steps_used", job.steps_used)
     merged.setdefault("step_budget", job.step_budget)
     if not merged:
@@ -93,4 +95,5 @@ def job_out(job: Job, hot_progress: Mapping[str, Any] | None = None) -> JobOut:
         error=error,
         timings=timings,
         cancel_requested=job.cancel_requested,
+        trace_id=job.trace_id,
     )

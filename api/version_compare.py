@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.metrics import version_label
-from scheduler.model_versions import Activation
-from scheduler.models import Job, JobStatus
+from scheduler.jobs.models import Job, JobStatus
+from scheduler.model_versions.registry import Activation
+from scheduler.observability.metrics import version_label
 
 
 def _seconds(job: Job) -> float | None:

@@ -10,6 +10,11 @@ Measures, on the same database and Redis:
    engine's own time (sequential jobs; client-observed with long polling and with fast polling,
    and server-side from the job's timestamps).
 
+``--tracing`` measures instead what OpenTelemetry tracing costs the submit path (issue 29): three
+API processes side by side, tracing off, on at sample ratio 0.1 and on at 1.0 (exporting over
+OTLP/HTTP to ``bench.otlp_sink``, a stand-in collector in its own process), loaded in alternating
+rounds; throughput and latency against the tracing-off one. Goals: <= 3% loss at 0.1, <= 10% at 1.0.
+
 Backends: ``--database-url`` / ``--redis-url``, defaulting to ``CLOVERQ_TEST_DATABASE_URL`` /
 ``CLOVERQ_TEST_REDIS_URL`` (as in CI: PostgreSQL gets a fresh database that is dropped at
 the end; the Redis DB is flushed), else a SQLite file and an embedded redis-server.
@@ -38,8 +43,8 @@ import httpx
 from bench.backends import HOST, free_port, scratch_database, scratch_redis
 from bench.http_load import LoadResult, build_request, run_load
 from cli.supervisor import _die_with_parent
-from scheduler.models import JobStatus
-from scheduler.queue_names import JOB_QUEUES
+from scheduler.infra.queue_names import JOB_QUEUES
+from scheduler.jobs.models import JobStatus
 
 JOB_TIMEOUT_SECONDS = 60.0
 
@@ -179,6 +184,8 @@ def main() -> None:
     )
     parser.add_argument("--auth", choices=["enabled", "disabled"], default="enabled")
     parser.add_argument("--overhead-jobs", type=int, default=30, help="0 skips the worker phase.")
+    parser.add_argument("--tracing", action="store_true",
+                        help="Only the tracing comparison: submit with tracing off / ratio 0.1 / ratio 1.0.")
     args = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so the finally blocks stop every server and drop the database.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -190,16 +197,19 @@ def main() -> None:
             scratch_database(args.database_url, workdir, prefix="bench") as db_url,
             scratch_redis(args.redis_url, workdir) as redis_url,
         ):
-            _run(args, levels, workdir, db_url, redis_url)
+            if args.tracing:
+                _run_tracing(args, levels, workdir, db_url, redis_url)
+            else:
+                _run(args, levels, workdir, db_url, redis_url)
 
 
 def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str, redis_url: str) -> None:
     import redis
     from sqlalchemy import text, update
 
-    from scheduler.db import make_engine, migrate, session_factory
-    from scheduler.keys import create_key
-    from scheduler.models import Job
+    from scheduler.access.api_keys import create_key
+    from scheduler.infra.db import make_engine, migrate, session_factory
+    from scheduler.jobs.models import Job
     from worker.model.demo import write_demo_checkpoint
 
     migrate(db_url)
@@ -308,10 +318,84 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
         engine.dispose()
 
 
+TRACING_SETUPS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("tracing off", {}),
+    ("tracing 0.1", {"CLOVERQ_TRACING_ENABLED": "true", "CLOVERQ_TRACING_SAMPLE_RATIO": "0.1"}),
+    ("tracing 1.0", {"CLOVERQ_TRACING_ENABLED": "true", "CLOVERQ_TRACING_SAMPLE_RATIO": "1.0"}),
+)
+
+
+def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str,
+                 redis_url: str) -> None:
+    """Submit throughput with tracing off, at ratio 0.1 and at 1.0: one API process each, same
+    backends, rounds alternated (off, 0.1, 1.0, off, ...) so background noise hits all alike."""
+    from scheduler.access.api_keys import create_key
+    from scheduler.infra.db import make_engine, migrate, session_factory
+    from worker.model.demo import write_demo_checkpoint
+
+    migrate(db_url)
+    model_dir = write_demo_checkpoint(workdir / "model", seed=0, size="tiny")
+    sink_port = free_port()
+    base_env = {
+        **os.environ,
+        "CLOVERQ_DATABASE_URL": db_url, "CLOVERQ_REDIS_URL": redis_url,
+        "CLOVERQ_DATA_DIR": str(workdir / "data"), "CLOVERQ_MODEL_DIR": str(model_dir),
+        "CLOVERQ_AUTH": args.auth, "CLOVERQ_RATE_LIMIT_PER_SECOND": "0",
+        "CLOVERQ_TENANT_MAX_ACTIVE_JOBS": str(10**9), "CLOVERQ_QUEUE_MAX_DEPTH": json.dumps(BIG_LIMITS),
+        "CLOVERQ_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{HOST}:{sink_port}",
+    }
+    engine = make_engine(db_url)
+    headers: dict[str, str] = {}
+    if args.auth == "enabled":
+        with session_factory(engine)() as session:
+            key = create_key(session, tenant="bench", scopes=frozenset({"submit", "read"})).key
+        headers = {"Authorization": f"Bearer {key}"}
+    engine.dispose()
+    python = sys.executable
+    sink = Service("otlp-sink", [python, "-m", "bench.otlp_sink", "--port", str(sink_port)], base_env,
+                   workdir)
+    services = [sink]
+    try:
+        sink.wait_http(f"http://{HOST}:{sink_port}/")
+        apis: list[tuple[str, Service, int, bytes]] = []
+        for label, extra in TRACING_SETUPS:
+            port = free_port()
+            service = Service(label.replace(" ", "-"), [python, "-m", "cli", "api", "--port", str(port)],
+                              {**base_env, **extra}, workdir)
+            services.append(service)
+            service.wait_http(f"http://{HOST}:{port}/healthz")
+            request = build_request("POST", "/v1/jobs", f"{HOST}:{port}", SUBMIT_BODY, headers)
+            apis.append((label, service, port, request))
+        for _, service, port, request in apis:  # warm-up
+            _load(service, port, lambda i, n, r=request: r, 8, 400)
+        db_kind = "PostgreSQL" if db_url.startswith("postgresql") else "SQLite"
+        print(f"\nbench.api --tracing — {db_kind}, Redis {redis_url}, auth {args.auth}, "
+              f"{os.cpu_count()} CPUs")
+        print(f"{'':<24} {'req/s':>9} {'vs off':>7}   {'p50 ms':>7} {'p99 ms':>7}   {'cpu ms':>6}   statuses")
+        for clients in levels:
+            parts: dict[str, list[LoadResult]] = {label: [] for label, *_ in apis}
+            for _ in range(max(1, args.rounds)):
+                share = max(clients, args.requests // max(1, args.rounds))
+                for label, service, port, request in apis:
+                    parts[label].append(_load(service, port, lambda i, n, r=request: r, clients, share))
+            merged = {label: LoadResult.merged(results) for label, results in parts.items()}
+            off = merged[apis[0][0]].throughput
+            for label, result in merged.items():
+                ratio = result.throughput / off if off else float("nan")
+                print(f"{label + f' x{clients}':<24} {result.throughput:9.0f} {ratio:7.3f}   "
+                      f"{result.percentile(50):7.2f} {result.percentile(99):7.2f}   "
+                      f"{result.server_cpu_ms:6.2f}   {_statuses(result)}")
+        print("\ngoals: throughput loss <= 3% at ratio 0.1, <= 10% at ratio 1.0 (vs tracing off)")
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+
 def _wait_worker(redis_url: str, worker: Service, timeout: float = 120.0) -> None:
     import redis
 
-    from scheduler.workers import ready_workers
+    from scheduler.fleet.workers import ready_workers
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     deadline = time.monotonic() + timeout

@@ -44,7 +44,7 @@ def scratch_database(url: str | None, workdir: Path, *, prefix: str) -> Iterator
     try:
         yield make_url(url).set(database=name).render_as_string(hide_password=False)
     finally:
-        from scheduler.db import dispose_all
+        from scheduler.infra.db import dispose_all
 
         dispose_all()  # this process's pooled connections would block the DROP
         with admin.connect() as conn:

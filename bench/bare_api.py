@@ -25,9 +25,9 @@ from redis import Redis
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from scheduler.db import make_engine, session_factory
-from scheduler.models import Job, JobStatus, QueueName, utcnow
-from scheduler.settings import get_settings
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import get_settings
+from scheduler.jobs.models import Job, JobStatus, QueueName, utcnow
 
 BARE_QUEUE = "bench:bare:queue"
 _SCALARS = (int, float, str, dict, list, type(None))

@@ -50,13 +50,13 @@ import redis
 from sqlalchemy import func, select, update
 
 from bench.backends import scratch_database, scratch_redis
-from scheduler.celery_app import RUN_JOB_TASK, create_celery_app
-from scheduler.db import get_session_factory, migrate
-from scheduler.jobs import submit_job
-from scheduler.models import Job, JobStatus, QueueName, utcnow
-from scheduler.queue_names import DEFAULT_WORKER_QUEUES, JOB_QUEUES
-from scheduler.settings import Settings
-from scheduler.workers import list_workers
+from scheduler.fleet.workers import list_workers
+from scheduler.infra.celery_app import RUN_JOB_TASK, create_celery_app
+from scheduler.infra.db import get_session_factory, migrate
+from scheduler.infra.queue_names import DEFAULT_WORKER_QUEUES, JOB_QUEUES
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job, JobStatus, QueueName, utcnow
+from scheduler.jobs.service import submit_job
 
 FIFO_QUEUE = "fifo"
 _UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
@@ -101,7 +101,7 @@ def _start_beat(settings: Settings, workdir: Path) -> Worker:
     env = {**os.environ, **settings.to_env(), "PYTHONUNBUFFERED": "1"}
     log_path = workdir / "beat.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "scheduler.beat"], env=env, stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "scheduler.maintenance.beat"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return Worker("beat", proc, log_path)
 

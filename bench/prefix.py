@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from scheduler.queue_names import QueueName
+from scheduler.infra.queue_names import QueueName
 from worker.decisions import DecisionSpec, plan_decision
 from worker.decisions.spec import DecisionQuestion
 from worker.engine.engine import Engine, EngineConfig

@@ -61,16 +61,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from bench.model import OUT
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import GenerationRequest, SamplingParams
-from worker.model.checkpoint import SINGLE_NAME, LoadedModel, hf_targets, load_checkpoint
+from worker.model.checkpoint import SINGLE_NAME, LoadedModel, load_checkpoint
 from worker.model.demo import write_demo_checkpoint
-from worker.model.manifest import write_manifest
 from worker.model.quantize import quantize_model
 from worker.model.tokenizer import Tokenizer
+from worker.training.trainer import denoise, save_hf
 
 NEW_TOKENS = 64  # per prompt: 4 x 64 = 256 generated tokens
 PROMPT_CUTS = (14, 17, 22, 29)  # prompt lengths (tokens): mid-header and mid-first-clause, mixed blocks
@@ -118,24 +117,6 @@ def _corpus(tokenizer: Tokenizer, seq_len: int, seed: int) -> tuple[torch.Tensor
 
 
 # --- the denoising forward, training, the checkpoint ------------------------------------------------
-def _denoise(
-    model: Any, ids: torch.Tensor, commit_lens: torch.Tensor, valid: torch.Tensor | None = None
-) -> Any:
-    """Logits ``[R, T, V]`` of one denoising pass as the engine runs it: row ``r``'s first
-    ``commit_lens[r]`` tokens are committed blocks, the rest (up to ``valid``) the current block.
-    Clover: commit rows then preview rows against a fresh cache; SDAR: the block-causal mask (the
-    committed blocks are the earlier block ids). Calls the forward without its ``no_grad``."""
-    forward = type(model).forward.__wrapped__
-    r, t = ids.shape
-    pos = torch.arange(t).expand(r, -1)
-    blocks = pos // model.config.block_size
-    if model.config.family != "clover":
-        return forward(model, ids, pos, blocks, valid=valid)
-    cache = model.new_cache(max_seqs=r, max_len=t, device="cpu", dtype=torch.float32)
-    slots = torch.tensor([cache.allocate() for _ in range(r)])
-    return forward(model, ids, pos, blocks, valid=valid, cache=cache, slots=slots, commit_lens=commit_lens)
-
-
 def train(model: Any, data: torch.Tensor, weights: torch.Tensor, args: argparse.Namespace) -> str:
     """Train ``model`` in place on rows of ``data`` with the block-diffusion objective; a summary."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -159,7 +140,7 @@ def train(model: Any, data: torch.Tensor, weights: torch.Tensor, args: argparse.
         masked[torch.arange(args.batch), torch.randint(block, (args.batch,), generator=gen)] = True
         noisy = rows.clone()
         noisy[:, n * block :][masked] = mask_id
-        logits = _denoise(model, noisy, torch.full((args.batch,), n * block))[:, n * block :]
+        logits = denoise(model, noisy, torch.full((args.batch,), n * block))[:, n * block :]
         loss = F.cross_entropy(logits[masked], rows[:, n * block :][masked])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -176,31 +157,15 @@ def train(model: Any, data: torch.Tensor, weights: torch.Tensor, args: argparse.
 
 
 def _save_hf(model: Any, demo: Path, folder: Path) -> Path:
-    """``model``'s weights as a Hugging Face-layout checkpoint: ``demo``'s other files, per-expert
-    tensors (the inverse of ``checkpoint.hf_targets``), a fresh manifest."""
+    """``model``'s weights as a Hugging Face-layout checkpoint: ``demo``'s other files, then the
+    weights and manifest as ``cloverq model train-demo`` writes them (``worker.training.trainer``)."""
     if folder.exists():
         shutil.rmtree(folder)
     shutil.copytree(demo, folder, ignore=shutil.ignore_patterns(SINGLE_NAME, "manifest.json"))
-    params = dict(model.named_parameters())
-    tensors: dict[str, torch.Tensor] = {}
-    for name, target in hf_targets(model.config).items():
-        p = params[target.param].detach()
-        half = p.shape[-1] // 2
-        if target.part == "gate":
-            t = p[target.expert, :, :half].T  # ours [E, H, 2I] -> theirs [I, H]
-        elif target.part == "up":
-            t = p[target.expert, :, half:].T
-        elif target.part == "down":
-            t = p[target.expert].T  # ours [E, I, H] -> theirs [H, I]
-        else:
-            t = p.reshape(target.shape)  # e.g. conv taps [C, K] -> [C, 1, K]
-        tensors[name] = t.contiguous().clone()
-    save_file(tensors, str(folder / SINGLE_NAME), metadata={"format": "pt"})
-    write_manifest(folder)
+    save_hf(model, folder)
     return folder
 
 
-# --- measuring (the approach of tests/unit/test_model_quant.py) ---------------------------------------
 def _engine(model: Any, lm: LoadedModel) -> Engine:
     engine = Engine(
         model,
@@ -260,7 +225,7 @@ def _teacher_forced(model: Any, prompts: list[list[int]], reference: list[list[i
     for i, (tokens, _, _) in enumerate(rows):
         ids[i, : len(tokens)] = torch.tensor(tokens)
         valid[i, : len(tokens)] = True
-    logits = _denoise(model, ids, torch.tensor([c for _, c, _ in rows]), valid)
+    logits = denoise(model, ids, torch.tensor([c for _, c, _ in rows]), valid)
     out = torch.cat([logits[i, s : len(t)] for i, (t, _, s) in enumerate(rows)])
     out[:, mask_id] = float("-inf")  # the engine never picks the mask token
     return out
@@ -347,7 +312,7 @@ def main() -> None:
         block = lm.config.block_size or 4
         check, commits = torch.randint(0, 400, (2, 3 * block)), torch.tensor([2 * block, block])
         with torch.no_grad():
-            same = torch.equal(_denoise(lm.model, check, commits), _denoise(trained.model, check, commits))
+            same = torch.equal(denoise(lm.model, check, commits), denoise(trained.model, check, commits))
         if not same:
             raise SystemExit(f"{arch}: the reloaded checkpoint does not reproduce the trained logits")
         lines, int8, reference = measure(trained, prompts, "trained")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from bench.recompute import block_logits
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.reference_decode import block_logits, step_quotas
 from worker.engine.types import GenerationRequest, GenerationResult, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint
 from worker.model.demo import write_demo_checkpoint
@@ -95,6 +95,11 @@ def reference_decode(
     """Greedy static decoding of equally long prompts with full recompute, the rows batched in
     one forward per pass; returns (tokens per row, wall s, CPU s, passes timed).
 
+    ``worker/engine/reference_decode.py`` is the contract's readable loop for one sequence; this
+    is the same loop (its ``block_logits`` and ``step_quotas``) batched over rows so that the bench
+    times work equal to the engine's batched passes. The tests hold its rows equal to the readable
+    reference's tokens.
+
     With ``stride`` > 1 only every ``stride``-th pass is run (on ``finals``' tokens, with the
     current block masked) and the time is scaled up accordingly.
     """
@@ -107,9 +112,7 @@ def reference_decode(
     for b in range(start // block, end // block):
         lo, hi = b * block, (b + 1) * block
         first = max(lo, start)
-        m = hi - first
-        quotas = [q for q in (m // steps + (1 if i < m % steps else 0) for i in range(steps)) if q > 0]
-        for quota in quotas:
+        for quota in step_quotas(hi - first, steps):
             index += 1
             if stride > 1:
                 if index % stride:

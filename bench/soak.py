@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from scheduler import models
+from scheduler.jobs import models
 
 FINAL_STATUSES = frozenset(status.value for status in models.FINAL_STATUSES)
 TINY_JOB = {"kind": "generate", "input": {"prompt": "Soak test"},

@@ -6,6 +6,10 @@ for scripts; it exercises exactly the worker's decoding path. Every decoding fla
 the checkpoint's ``generation_config.json`` value, else the model family's default
 (``worker.model.family.decoding_defaults``); the dtype is ``--dtype``, else ``CLOVERQ_DTYPE``, else
 the checkpoint's. A checkpoint that cannot be loaded is one line on stderr, exit 1.
+
+It loads the model on one device: ``CLOVERQ_TENSOR_PARALLEL`` is a worker setting (rank processes,
+their group and their failure handling belong to a worker's life), so when it is above 1 the command
+says on stderr that it ignores it rather than leaving the reader to believe the run was sharded.
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ import time
 from pathlib import Path
 
 import click
+
+_TP_IGNORED = (
+    "note: CLOVERQ_TENSOR_PARALLEL={n} is ignored: `cloverq generate` loads the model on one device "
+    "(tensor parallelism applies to workers: `cloverq worker`)"
+)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -78,7 +87,7 @@ def generate(
     import torch
 
     from cli.model import existing_folder, model_errors, one_line
-    from scheduler.settings import get_settings
+    from scheduler.infra.settings import get_settings
     from worker.engine.engine import Engine, EngineConfig
     from worker.engine.types import FinishReason, GenerationRequest, SamplingParams
     from worker.model.family import decoding_defaults
@@ -94,6 +103,8 @@ def generate(
         "--model / CLOVERQ_MODEL_DIR)"
     )
     existing_folder(folder, hint=hint)
+    if settings.engine.tensor_parallel > 1:
+        click.echo(_TP_IGNORED.format(n=settings.engine.tensor_parallel), err=True)
     began = time.perf_counter()
     dtype_name = dtype or settings.model.dtype
     try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from cli.api_client import api_client, echo_json
-from client import Client, CloverqError, Job
-from scheduler.keys import DEV_KEY_FILE
-from scheduler.models import JobStatus
-from scheduler.queue_names import PRIORITY_CLASSES
+from client import Client, CloverqError, Job, JobEvent, JobProgress
+from scheduler.access.api_keys import DEV_KEY_FILE
+from scheduler.infra.queue_names import PRIORITY_CLASSES
+from scheduler.jobs.models import JobStatus
 
 PRIORITY_CHOICES = [q.value for q in PRIORITY_CLASSES]  # the classes a client may ask for
 
@@ -61,11 +63,13 @@ def _finish(job: Job) -> None:
 @click.option("--thinking/--no-thinking", default=None)
 @click.option("--priority", type=click.Choice(PRIORITY_CHOICES))
 @click.option("--idempotency-key")
-@click.option("--wait", is_flag=True, help="Wait for the job, showing a progress bar of blocks and steps.")
+@click.option("--wait", is_flag=True,
+              help="Wait for the job, showing progress bars of the prompt's prefill, then blocks, and steps.")
 @click.option("--stream", "stream_text", is_flag=True,
               help="Print the text as each block is committed (stdout), then the job (stderr).")
 @click.option("--poll-interval", type=float, default=0.25, show_default=True,
-              help="--wait: seconds between polls when the server has no event stream.")
+              help="--wait: seconds between polls while a prompt prefills (the event stream reports "
+              "blocks only) or when the server has no event stream.")
 def submit(
     prompt: str | None, messages_json: str | None, idempotency_key: str | None, wait: bool, stream_text: bool,
     poll_interval: float, priority: str | None, **params: Any,
@@ -107,27 +111,72 @@ def _bars() -> Progress:
 
 
 def _show(bar: Progress, blocks: TaskID, steps: TaskID, progress: dict[str, Any], status: str) -> None:
-    bar.update(blocks, completed=progress.get("blocks_done") or 0, total=progress.get("blocks_total"),
-               detail=status)
+    """The bars for one progress report: ``prefill N/M tokens`` while the prompt is prefilled
+    (``prompt_tokens_done`` < ``prompt_tokens``, no block yet), then ``blocks N/M``."""
+    if JobProgress.model_validate(progress).prefilling:
+        bar.update(blocks, description="prefill", completed=progress.get("prompt_tokens_done") or 0,
+                   total=progress.get("prompt_tokens"), detail=f"tokens {status}")
+    else:
+        bar.update(blocks, description="blocks", completed=progress.get("blocks_done") or 0,
+                   total=progress.get("blocks_total"), detail=status)
     bar.update(steps, completed=progress.get("steps_used") or 0, total=progress.get("step_budget"),
                detail=f"{progress.get('tokens_committed') or 0} tokens")
 
 
+def _poll_prefill(cq: Client, job: Job, poll_interval: float,
+                  show: Callable[[dict[str, Any], str], None]) -> Job:
+    """Poll ``GET /v1/jobs/{id}`` while the running job has committed no block: the event stream
+    reports progress per committed block only, so a long prompt's prefill shows nothing there."""
+    while True:
+        job = cq.get(job.id)
+        progress = job.progress or JobProgress()
+        show(progress.model_dump(), job.status)
+        if job.is_final or job.status != JobStatus.RUNNING or progress.blocks_done:
+            return job
+        time.sleep(poll_interval)
+
+
+@contextmanager
+def _closing(events: Iterator[JobEvent]) -> Iterator[Iterator[JobEvent]]:
+    """``events``, closed on leaving (left early, the stream's connection ends at once)."""
+    try:
+        yield events
+    finally:
+        if isinstance(events, Generator):
+            events.close()
+
+
 def _wait_with_progress(cq: Client, job: Job, poll_interval: float) -> Job:
-    """Follow the job's event stream (progress per committed block) until its result; poll
-    ``GET /v1/jobs/{id}`` instead when the stream is not available."""
+    """Follow the job's event stream (progress per committed block) until its result. Once it
+    runs, poll ``GET /v1/jobs/{id}`` until its first block (the prefill's ``prompt_tokens_done``
+    of ``prompt_tokens``) and then follow the stream again; poll instead when the stream is not
+    available."""
     with _bars() as bar:
         blocks = bar.add_task("blocks", total=None, detail="")
         steps = bar.add_task("steps", total=None, detail="")
+
+        def show(progress: dict[str, Any], status: str) -> None:
+            _show(bar, blocks, steps, progress, status)
+
         status = job.status
+        prefill_polled = False
         try:
-            for event in cq.stream(job.id):
-                if event.event == "status":
-                    status = str(event.data.get("status"))
-                elif event.event == "progress":
-                    _show(bar, blocks, steps, event.data, status)
-                elif event.event == "result" and event.job is not None:
-                    job = event.job
+            while not job.is_final:
+                with _closing(cq.stream(job.id)) as events:  # from the start again after the prefill
+                    for event in events:
+                        if event.event == "status":
+                            status = str(event.data.get("status"))
+                            if status == JobStatus.RUNNING and not prefill_polled:
+                                break  # nothing on the stream until the first block: poll the prefill
+                        elif event.event == "progress":
+                            prefill_polled = True  # a block is committed: the prefill is over
+                            show(event.data, status)
+                        elif event.event == "result" and event.job is not None:
+                            job = event.job
+                    else:
+                        break  # the stream ended (after its result)
+                prefill_polled = True
+                job = _poll_prefill(cq, job, poll_interval, show)
         except CloverqError as exc:
             if exc.status != 404 or exc.code == "job_not_found":
                 raise
@@ -139,6 +188,7 @@ def _wait_with_progress(cq: Client, job: Job, poll_interval: float) -> Job:
         for task, key in ((blocks, "blocks_done"), (steps, "steps_used")):  # finished: bars end full
             done = final.get(key) or 0
             bar.update(task, total=done or None, completed=done)
+        bar.update(blocks, description="blocks")
     return job
 
 

@@ -14,13 +14,20 @@ import click
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler.admission import mark_revoked
-from scheduler.audit import audit
-from scheduler.db import make_engine, migrate, session_factory
-from scheduler.keys import DEFAULT_SCOPES, InvalidKeyRequest, create_key, list_keys, parse_scopes, revoke_key
-from scheduler.logging import configure_logging
-from scheduler.redis_client import get_redis
-from scheduler.settings import Settings, get_settings
+from scheduler.access.admission import mark_revoked
+from scheduler.access.api_keys import (
+    DEFAULT_SCOPES,
+    InvalidKeyRequest,
+    create_key,
+    list_keys,
+    parse_scopes,
+    revoke_key,
+)
+from scheduler.infra.db import make_engine, migrate, session_factory
+from scheduler.infra.redis_client import get_redis
+from scheduler.infra.settings import Settings, get_settings
+from scheduler.observability.audit import audit
+from scheduler.observability.logging import configure_logging
 
 
 def _sessions(settings: Settings) -> sessionmaker[Session]:

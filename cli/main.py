@@ -16,9 +16,13 @@ COMMAND_MODULES: tuple[str, ...] = (
     "cli.model_store",  # model pull / list (adds to the model group)
     "cli.model_versions",  # model activate / rollback / versions (adds to the model group)
     "cli.model_canary",  # model canary / promote / abort (adds to the model group)
+    "cli.model_train",  # model train-demo (adds to the model group)
+    "cli.model_eval",  # model eval --suite decisions|generation (adds to the model group)
+    "cli.model_golden",  # model golden record / check (adds to the model group)
     "cli.generate",  # offline generation through the engine
     "cli.services",  # up / api / worker / beat / migrate
     "cli.jobs",  # submit / decide / jobs / cancel
+    "cli.extract",  # extract (a JSON Schema's value from a document)
     "cli.batch",  # batch submit / status / results / cancel
     "cli.keys",  # keys create / list / revoke
     "cli.top",  # live terminal view

@@ -281,6 +281,11 @@ _DEFAULT_STATE_BYTES = 2 * 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 4)
     "--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
     help="int4 group (CLOVERQ_WEIGHT_GROUP_SIZE) of the int4 row and of --check.",
 )
+@click.option(
+    "--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Also print each rank's weight bytes for a worker over N devices (CLOVERQ_TENSOR_PARALLEL; "
+    "needs --config DIR).",
+)
 @guarded
 def plan_command(
     total_params: float | None,
@@ -299,15 +304,26 @@ def plan_command(
     check_dir: Path | None,
     weight_dtype: str | None,
     group_size: str,
+    tensor_parallel: int,
 ) -> None:
     """Weight and KV-cache memory, compute per token, and GPUs needed to serve a model."""
-    from scheduler.settings import get_settings
-    from worker.model.planner import PlanInput, format_plan, plan, plan_weight_bytes
+    from scheduler.infra.settings import get_settings
+    from worker.model.planner import (
+        PlanInput,
+        format_plan,
+        format_rank_weight_bytes,
+        plan,
+        plan_rank_weight_bytes,
+        plan_weight_bytes,
+    )
 
     shape = dict(_DEFAULT_SHAPE)
     state_bytes = float(_DEFAULT_STATE_BYTES)
     weights: dict[str, float] = {}
     config_dir = config_dir or check_dir
+    if tensor_parallel > 1 and config_dir is None:  # a rank's share follows the checkpoint's shapes
+        raise click.UsageError("--tensor-parallel needs --config DIR (the split follows its shapes)")
+    rank_rows: dict[str, list[int]] = {}
     if config_dir is not None:
         from worker.model.checkpoint import read_config
 
@@ -324,6 +340,9 @@ def plan_command(
             weights = plan_weight_bytes(config, dtype, group_size=int(group_size))
         total_params = total_params or total
         active_params = active_params or active
+        if tensor_parallel > 1:  # raises ShardError (one line, via guarded) when the shapes do not split
+            rank_rows = plan_rank_weight_bytes(config, dtype, world=tensor_parallel,
+                                               group_size=int(group_size))
     if total_params is None or active_params is None:
         raise click.UsageError("give --total-params and --active-params, or --config DIR")
     given = {"layers": layers, "attention_heads": attention_heads, "kv_heads": kv_heads, "head_dim": head_dim}
@@ -343,6 +362,9 @@ def plan_command(
         **shape,
     )
     click.echo(format_plan(plan(inp)))
+    if rank_rows:
+        click.echo("")
+        click.echo(format_rank_weight_bytes(tensor_parallel, rank_rows))
     if check_dir is not None:
         _check_weights(check_dir, weight_dtype or (dtype if dtype in ("int8", "int4") else None),
                        int(group_size), dtype)

@@ -1,10 +1,10 @@
 """``cloverq model canary NAME VERSION --percent P``, ``promote NAME`` and ``abort NAME``.
 
 The same operations as ``POST /v1/admin/models/{name}/canary|promote|abort``
-(``scheduler/canary.py``), run where the database (and usually the model store) is reachable.
+(``scheduler/model_versions/canary.py``), run where the database (and usually the model store) is reachable.
 Canary workers (``CLOVERQ_MODEL_TRACK=canary``) switch to the canary version, new jobs are routed
 by the hash of their id, ``promote`` moves the whole fleet to the canary (refused by the gate of
-``scheduler/canary_gate.py`` unless ``--force``), ``abort`` returns the canary workers to the
+``scheduler/model_versions/canary_gate.py`` unless ``--force``), ``abort`` returns the canary workers to the
 stable version. Every call writes an audit line.
 """
 
@@ -16,11 +16,12 @@ import click
 
 from cli.model import model_group
 from cli.model_versions import _sessions
-from scheduler.audit import audit
-from scheduler.canary import CanaryConflict, abort_canary, promote_canary, start_canary
-from scheduler.canary_gate import check_promotion
-from scheduler.model_versions import Activation, UnknownModelVersion, active_version
-from scheduler.settings import get_settings
+from scheduler.infra.settings import get_settings
+from scheduler.model_versions.canary import CanaryConflict, abort_canary, promote_canary, start_canary
+from scheduler.model_versions.canary_gate import check_promotion
+from scheduler.model_versions.golden import golden_refusal
+from scheduler.model_versions.registry import Activation, UnknownModelVersion, active_version
+from scheduler.observability.audit import audit
 from worker import model_store
 
 
@@ -57,13 +58,20 @@ def canary_command(name: str, version: str, percent: float) -> None:
 @click.command("promote")
 @click.argument("name")
 @click.option("--force", is_flag=True, help="Promote although the canary served too few jobs or fails more.")
-def promote_command(name: str, force: bool) -> None:
+@click.option("--require-golden/--no-require-golden", default=None,
+              help="Refuse unless the canary's last golden check passed "
+              "[default: CLOVERQ_CANARY_REQUIRE_GOLDEN].")
+def promote_command(name: str, force: bool, require_golden: bool | None) -> None:
     """Make the canary the active version of model NAME: the whole fleet moves to it."""
     settings = get_settings()
     with _sessions(settings)() as session:
         current = active_version(session, name=name)
         if current is None or current.canary_version is None:
             raise click.ClickException(f"model {name!r} has no canary in effect")
+        needs_golden = settings.canary.require_golden if require_golden is None else require_golden
+        golden = golden_refusal(session, name=name, version=current.canary_version) if needs_golden else None
+        if golden is not None and not force:
+            raise click.ClickException(f"promotion refused: {golden} (--force overrides)")
         report = check_promotion(session, activation=current, settings=settings)
         if not report.ok and not force:
             raise click.ClickException("promotion refused: " + "; ".join(report.reasons)

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.model import ByteProgress, model_group
-from scheduler.settings import get_settings
+from scheduler.infra.settings import get_settings
 from worker import model_store
 
 

@@ -19,10 +19,9 @@ from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
 from cli.model import model_group
-from scheduler.audit import audit
-from scheduler.db import make_engine, migrate, session_factory
-from scheduler.logging import configure_logging
-from scheduler.model_versions import (
+from scheduler.infra.db import make_engine, migrate, session_factory
+from scheduler.infra.settings import Settings, get_settings
+from scheduler.model_versions.registry import (
     Activation,
     UnknownModelVersion,
     activate,
@@ -30,7 +29,8 @@ from scheduler.model_versions import (
     list_active,
     list_registered,
 )
-from scheduler.settings import Settings, get_settings
+from scheduler.observability.audit import audit
+from scheduler.observability.logging import configure_logging
 from worker import model_store
 
 

@@ -2,7 +2,7 @@
 
 A Celery worker serves no HTTP, so Kubernetes (and Docker health checks) cannot ``GET
 /healthz`` it. The worker already publishes itself in the Redis worker registry (state and a
-heartbeat with a TTL, ``scheduler.workers``); this command reads that entry for the local
+heartbeat with a TTL, ``scheduler.fleet.workers``); this command reads that entry for the local
 hostname (a pod's hostname is its name), so the probe sees exactly what ``/readyz`` and the
 admin API see.
 
@@ -21,9 +21,9 @@ import sys
 import click
 import redis
 
-from scheduler.redis_client import get_redis
-from scheduler.settings import get_settings
-from scheduler.workers import WorkerInfo, WorkerState, list_workers
+from scheduler.fleet.workers import WorkerInfo, WorkerState, list_workers
+from scheduler.infra.redis_client import get_redis
+from scheduler.infra.settings import get_settings
 
 
 @click.group("probe")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -23,10 +24,11 @@ from typing import Any
 import click
 import httpx
 
+from cli.stack_record import remove_record, write_record
 from cli.supervisor import Child, RestartBudget, Supervisor
 from client import Client, RetryPolicy
-from scheduler.queue_names import JOB_QUEUES
-from scheduler.settings import Settings, WorkerSettings, flat_fields, get_settings
+from scheduler.infra.queue_names import JOB_QUEUES
+from scheduler.infra.settings import Settings, WorkerSettings, flat_fields, get_settings
 
 ALL_QUEUES = ",".join(JOB_QUEUES)  # the one embedded worker of `cloverq up` serves every job queue
 
@@ -45,7 +47,7 @@ def migrate() -> None:
     """Upgrade the database schema to the newest Alembic revision (idempotent)."""
     from sqlalchemy.exc import OperationalError
 
-    from scheduler.db import migrate as run_migrations
+    from scheduler.infra.db import migrate as run_migrations
 
     settings = get_settings()
     shown = _redact_url(settings.resolved_database_url)
@@ -70,14 +72,14 @@ def api(host: str, port: int, workers: int, access_log: bool, keep_alive: int, f
     """Serve the HTTP API (uvicorn)."""
     import uvicorn
 
-    from scheduler.logging import configure_logging
+    from scheduler.observability.logging import configure_logging
 
     settings = get_settings()
     configure_logging(settings)
     if fd is not None and workers > 1:
         raise click.UsageError("--fd serves from one process: drop --workers")
     if workers > 1:  # several processes on this host: merge their metrics via the mmap dir
-        from scheduler.metrics import enable_multiprocess
+        from scheduler.observability.metrics import enable_multiprocess
 
         enable_multiprocess(settings)
     from api.http_protocol import JsonHttpToolsProtocol
@@ -142,7 +144,7 @@ def worker(celery_args: tuple[str, ...]) -> None:
 @click.command()
 def beat() -> None:
     """Run the beat process (reconciler + aging, reaper, expiry). Run exactly one."""
-    from scheduler.beat import run_beat
+    from scheduler.maintenance.beat import run_beat
 
     run_beat(get_settings())
 
@@ -178,13 +180,18 @@ class _StopRequested:
 @click.option("--port", default=8000, show_default=True, type=int, help="API port.")
 @click.option("--ready-timeout", default=300.0, show_default=True, type=float,
               help="Seconds to wait for the stack to become ready.")
-def up(host: str, port: int, ready_timeout: float) -> None:
+@click.option("--trace", is_flag=True, default=False,
+              help="Turn tracing on in every process (CLOVERQ_TRACING_ENABLED=1): OpenTelemetry spans "
+                   "over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT (default http://localhost:4318).")
+def up(host: str, port: int, ready_timeout: float, trace: bool) -> None:
     """Run everything on this machine: Redis, migrations, demo model, API, worker, beat.
 
     State lives under CLOVERQ_DATA_DIR (default ./.cloverq). Ctrl-C or SIGTERM stops every
     process this command started.
     """
     settings = get_settings()
+    if trace:  # the children read it from the environment _child_env writes
+        settings = settings.replaced(tracing_enabled=True)
     data_dir = settings.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     # First of all: a port another stack holds must stop us before we start anything (issue 16:
@@ -200,7 +207,7 @@ def up(host: str, port: int, ready_timeout: float) -> None:
         if settings.redis.url is None:
             _start_embedded_redis(supervisor, settings, data_dir, env, stop.event)
         _say(f"database: {_redact_url(child_settings.resolved_database_url)}")
-        from scheduler.db import migrate as run_migrations
+        from scheduler.infra.db import migrate as run_migrations
 
         run_migrations(child_settings.resolved_database_url)
         _ensure_demo_checkpoint(child_settings)
@@ -220,7 +227,9 @@ def up(host: str, port: int, ready_timeout: float) -> None:
             raise click.ClickException(
                 f"the stack did not become ready within {ready_timeout:g}s; logs: {supervisor.log_dir}"
             )
-        _print_banner(base_url, dev_key, settings)
+        recorded = write_record(settings, api_url=base_url, data_dir=data_dir)
+        login = _dashboard_login_link(child_settings, base_url, dev_key)
+        _print_banner(base_url, dev_key, settings, recorded, login)
         budget = RestartBudget()
         while not stop.event.wait(0.5):
             dead = supervisor.first_dead()
@@ -236,6 +245,7 @@ def up(host: str, port: int, ready_timeout: float) -> None:
             raise click.ClickException(child_failure(dead, supervisor.log_dir))
     finally:
         listener.close()
+        remove_record(settings)
         _say("stopping ...")
         supervisor.stop_all()
         _say("stopped.")
@@ -305,6 +315,8 @@ def _settings_overrides(settings: Settings, data_dir: Path) -> dict[str, Any]:
     }
     if settings.database.url is None:
         overrides["database_url"] = f"sqlite:///{data_dir / 'cloverq.db'}"
+    if settings.observability.tracing_enabled:  # `up --trace`
+        overrides["tracing_enabled"] = True
     return overrides
 
 
@@ -366,17 +378,26 @@ def _ensure_demo_checkpoint(settings: Settings) -> None:
         return
     if settings.model.dir is not None:
         raise click.ClickException(f"CLOVERQ_MODEL_DIR={model_dir} holds no checkpoint (config.json)")
+    import shutil
+
+    from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+
+    if (TRAINED_CLOVER_DEMO / "config.json").is_file():  # the shipped, trained demo (worker/training)
+        _say(f"model: copying the trained tiny Clover demo checkpoint to {model_dir}")
+        shutil.copytree(TRAINED_CLOVER_DEMO, model_dir, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.py"))  # fmt: skip
+        return
     from worker.model.demo import write_demo_checkpoint
 
-    _say(f"model: writing the tiny Clover demo checkpoint to {model_dir}")
+    _say(f"model: writing the tiny Clover demo checkpoint (random weights) to {model_dir}")
     write_demo_checkpoint(model_dir, seed=0, size="tiny", arch="clover")
 
 
 def _dev_key(settings: Settings, data_dir: Path) -> str | None:
     if settings.security.auth == "disabled":
         return None
-    from scheduler.db import DatabaseTimeouts, make_engine, session_factory
-    from scheduler.keys import ensure_dev_key
+    from scheduler.access.api_keys import ensure_dev_key
+    from scheduler.infra.db import DatabaseTimeouts, make_engine, session_factory
 
     engine = make_engine(settings.resolved_database_url, timeouts=DatabaseTimeouts.from_settings(settings))
     try:
@@ -403,13 +424,43 @@ def _wait_ready(base_url: str, supervisor: Supervisor, stop: threading.Event, ti
     return False
 
 
-def _print_banner(base_url: str, dev_key: str | None, settings: Settings) -> None:
+def _dashboard_login_link(settings: Settings, base_url: str, dev_key: str | None) -> str | None:
+    """A one-time sign-in link for the dashboard (``api/dashboard_login.py``), or None without
+    auth (the page needs no key then) or when Redis refuses."""
+    if dev_key is None:
+        return None
+    import redis
+
+    from api.dashboard_login import issue_login_code, login_link
+
+    try:
+        client = redis.Redis.from_url(settings.resolved_redis_url)
+        return login_link(base_url, issue_login_code(client, dev_key))
+    except redis.RedisError as exc:
+        _say(f"no dashboard sign-in link ({type(exc).__name__}); sign in with the dev key")
+        return None
+
+
+def _cli_hint() -> list[str]:
+    """How to run the CLI this ``up`` belongs to: the venv's ``bin/cloverq`` is not on PATH
+    unless the venv is active (``make up`` never activates it)."""
+    cloverq = Path(sys.executable).with_name("cloverq")
+    if shutil.which("cloverq") == str(cloverq):
+        return ["CLI (from any folder): cloverq submit 'Hello' --wait   (cloverq --help)"]
+    return [f"CLI (from any folder): {cloverq} submit 'Hello' --wait",
+            f"  or first: source {cloverq.parent / 'activate'}   then: cloverq --help"]
+
+
+def _print_banner(base_url: str, dev_key: str | None, settings: Settings, recorded: Path,
+                  login: str | None = None) -> None:
     auth_header = "" if dev_key is None else f" \\\n  -H 'Authorization: Bearer {dev_key}'"
     lines = [
         "",
         f"cloverq is up: {base_url}   (API docs: {base_url}/docs)",
         f"operator dashboard: {base_url}/dashboard   (admin key; `cloverq top` in a terminal)",
     ]
+    if login is not None:
+        lines += [f"  signed in, once, within 10 minutes: {login}"]
     if dev_key is None:
         lines += ["", "!!! AUTHENTICATION IS DISABLED (CLOVERQ_AUTH=disabled): anyone who can reach",
                   "!!! this port can submit and read every job. Use it only for local development."]
@@ -422,6 +473,9 @@ def _print_banner(base_url: str, dev_key: str | None, settings: Settings) -> Non
         "  -H 'Content-Type: application/json' \\",
         """  -d '{"kind": "generate", "input": {"prompt": "Hello"}, "params": {"max_new_tokens": 32}}'""",
         f"  curl -s {base_url}/v1/jobs/<id>{auth_header}",
+        "",
+        *_cli_hint(),
+        f"  (it finds this stack's URL and key through {recorded})",
         "",
         "Ctrl-C stops everything.",
     ]

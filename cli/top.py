@@ -20,10 +20,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from cli.api_client import api_client, api_key
+from cli.api_client import Target, api_client, refusal_hint, resolve_target
 from client import Client, CloverqError
-from scheduler.models import FINAL_STATUSES, JobStatus
-from scheduler.settings import get_settings
+from scheduler.infra.settings import get_settings
+from scheduler.jobs.models import FINAL_STATUSES, JobStatus
 
 STATUSES: tuple[str, ...] = tuple(status.value for status in JobStatus)
 STATUS_STYLES: dict[str, str] = {
@@ -183,33 +183,37 @@ def versions_table(overview: Mapping[str, Any]) -> Table | None:
     return table
 
 
-def fetch_overview(client: Client) -> dict[str, Any]:
-    """GET the admin overview; raises ``click.ClickException`` with the API's message."""
+def fetch_overview(client: Client, target: Target | None = None) -> dict[str, Any]:
+    """GET the admin overview; raises ``click.ClickException`` with the API's message and, for a
+    refusal, what was sent (no key at all, or which key) and what is needed (an admin key)."""
     try:
         return client.overview()
     except CloverqError as exc:
         if exc.status in (401, 403):
+            sent = refusal_hint(target, exc.status) if target is not None else "the key was refused"
             raise click.ClickException(
-                f"the API refused the key ({exc.status}); an admin key is needed"
+                f"the API refused the request (HTTP {exc.status}): {sent}; `cloverq top` needs a key "
+                "with the admin scope (the dev key `cloverq up` prints has it)"
             ) from None
         raise
 
 
 @click.command("top")
-@click.option("--url", default=None, help="Base URL of the API (default: CLOVERQ_API_URL).")
-@click.option("--key", default=None, help="Admin API key (default: CLOVERQ_API_KEY, else the dev key).")
+@click.option("--url", default=None,
+              help="Base URL of the API (default: CLOVERQ_API_URL, else the running `cloverq up`).")
+@click.option("--key", default=None,
+              help="Admin API key (default: CLOVERQ_API_KEY, else the dev key of `cloverq up`).")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2), help="Seconds.")
 @click.option("--once", is_flag=True, help="Print one frame and exit (for scripts).")
 def top(url: str | None, key: str | None, interval: float, once: bool) -> None:
     """Live view of queues, workers and throughput (Ctrl-C to quit)."""
-    settings = get_settings()
-    url = url or settings.client.api_url
-    key = key or api_key(settings)
+    target = resolve_target(get_settings(), url, key)
+    url = target.url
     rates = Rates()
     console = Console()
-    with api_client(url, key, timeout=10.0) as client:
+    with api_client(url, target.key, timeout=10.0) as client:
         try:
-            overview = fetch_overview(client)
+            overview = fetch_overview(client, target)
         except httpx.HTTPError as exc:
             raise click.ClickException(f"cannot reach {url}: {exc}") from exc
         rate = rates.update(overview, time.monotonic())
@@ -222,7 +226,7 @@ def top(url: str | None, key: str | None, interval: float, once: bool) -> None:
                     live.update(render(overview, url=url, job_rate=rate, tps_history=list(rates.history)))
                     time.sleep(interval)
                     try:
-                        overview = fetch_overview(client)
+                        overview = fetch_overview(client, target)
                     except (httpx.HTTPError, CloverqError) as exc:
                         live.console.print(f"[red]poll failed: {exc}[/red]")
                         continue

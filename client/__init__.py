@@ -13,6 +13,8 @@ package against ``/v1`` (or ``/openai/v1`` for its Batch API).
             print(piece, end="", flush=True)
         done = cq.wait(job.id)                     # long polling
         decision = cq.wait(cq.decide("A short text.", [{"id": "q", "text": "Is it short?"}]).id)
+        fields = cq.wait(cq.extract("Acme Corp sells to Bolt Ltd.", {
+            "type": "object", "properties": {"seller": {"type": "string", "maxLength": 20}}}).id).data
 """
 
 from client._core import DEFAULT_BASE_URL, CloverqError, JobTimeout, RetryPolicy, retry_after

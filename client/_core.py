@@ -120,6 +120,16 @@ def decide_body(context: str, questions: Sequence[Mapping[str, Any]], *, mode: s
                      webhook_url=webhook_url)
 
 
+def extract_body(context: str, schema: Mapping[str, Any], *, instructions: str | None,
+                 params: Mapping[str, Any] | None, priority: str | None,
+                 metadata: Mapping[str, Any] | None, webhook_url: str | None) -> dict[str, Any]:
+    job_input: dict[str, Any] = {"context": context, "schema": dict(schema)}
+    if instructions is not None:
+        job_input["instructions"] = instructions
+    return _job_body("extract", job_input, params, priority=priority, metadata=metadata,
+                     webhook_url=webhook_url)
+
+
 def _job_body(kind: str, job_input: dict[str, Any], params: Mapping[str, Any] | None, *,
               priority: str | None, metadata: Mapping[str, Any] | None,
               webhook_url: str | None) -> dict[str, Any]:

@@ -16,18 +16,31 @@ class _Model(BaseModel):
 
 
 class JobProgress(_Model):
-    """Blocks, steps and tokens of a job (live while it runs, its final figures once it ends)."""
+    """Blocks, steps and tokens of a job (live while it runs, its final figures once it ends).
+
+    ``prompt_tokens_done`` of ``prompt_tokens``: the prompt's prefill (0 of N while the first
+    pass prefills a long prompt, before any block; N after)."""
 
     blocks_done: int | None = None
     blocks_total: int | None = None
     steps_used: int | None = None
     step_budget: int | None = None
     tokens_committed: int | None = None
+    prompt_tokens: int | None = None
+    prompt_tokens_done: int | None = None
     partial_text: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether the prompt is still being prefilled (no block committed yet)."""
+        return (self.prompt_tokens is not None and (self.prompt_tokens_done or 0) < self.prompt_tokens
+                and not self.blocks_done)
 
 
 class JobResult(_Model):
-    """The outcome: ``text`` (and ``reasoning`` in thinking mode) or decision ``answers``."""
+    """The outcome: ``text`` (and ``reasoning`` in thinking mode), decision ``answers``, or for
+    ``extract`` (and ``generate`` with a ``response_schema``) ``data``, the value valid against
+    the schema (``text`` is its JSON), with ``confidence`` per choice field by JSON pointer."""
 
     text: str | None = None
     token_ids: list[int] | None = None
@@ -36,6 +49,9 @@ class JobResult(_Model):
     reasoning: str | None = None
     mode: str | None = None
     answers: list[dict[str, Any]] | None = None
+    data: Any = None
+    confidence: dict[str, float] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class JobError(_Model):
@@ -81,6 +97,11 @@ class Job(_Model):
     @property
     def text(self) -> str | None:
         return self.result.text if self.result else None
+
+    @property
+    def data(self) -> Any:
+        """An extract job's value (``result.data``); None until it succeeded."""
+        return self.result.data if self.result else None
 
 
 class JobPage(_Model):

@@ -19,6 +19,7 @@ from client._core import (
     RetryPolicy,
     SSEParser,
     decide_body,
+    extract_body,
     generate_body,
     headers,
     idempotency_headers,
@@ -86,7 +87,7 @@ class Client:
 
     # --- jobs ----------------------------------------------------------------------------------
     def submit_job(self, body: Mapping[str, Any], *, idempotency_key: str | None = None) -> Job:
-        """``POST /v1/jobs`` with any job body (``kind`` generate or decide)."""
+        """``POST /v1/jobs`` with any job body (``kind`` generate, decide or extract)."""
         return Job.model_validate(self._json("POST", "/v1/jobs", json=dict(body),
                                              headers=idempotency_headers(idempotency_key)))
 
@@ -107,6 +108,19 @@ class Client:
         """Queue a decision job: ``questions`` as ``{"id", "text", "choices"?}`` about ``context``."""
         body = decide_body(context, questions, mode=mode, rationale=rationale, params=params,
                            priority=priority, metadata=metadata, webhook_url=webhook_url)
+        return self.submit_job(body, idempotency_key=idempotency_key)
+
+    def extract(self, context: str, schema: Mapping[str, Any], *, instructions: str | None = None,
+                params: Mapping[str, Any] | None = None, priority: str | None = None,
+                metadata: Mapping[str, Any] | None = None, webhook_url: str | None = None,
+                idempotency_key: str | None = None, **param_values: Any) -> Job:
+        """Queue an extract job: a value valid against the JSON Schema ``schema``, read from the
+        document ``context`` (``instructions``: what to look for). Once it succeeded, ``job.data``
+        is the value and ``job.result.confidence`` each choice field's probability; decoding
+        parameters as ``params`` or keywords (``temperature=0.7, seed=3``)."""
+        body = extract_body(context, schema, instructions=instructions,
+                            params={**(params or {}), **param_values}, priority=priority, metadata=metadata,
+                            webhook_url=webhook_url)
         return self.submit_job(body, idempotency_key=idempotency_key)
 
     def get(self, job_id: str, *, wait: float = 0) -> Job:

@@ -1,12 +1,12 @@
-"""Alembic environment: runs revisions against the URL set by ``scheduler.db.migrate``."""
+"""Alembic environment: runs revisions against the URL set by ``scheduler.infra.db.migrate``."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import pool
 
-from scheduler.db import make_engine, process_timeouts
-from scheduler.models import Base
+from scheduler.infra.db import make_engine, process_timeouts
+from scheduler.jobs.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -25,7 +25,7 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     url = config.get_main_option("sqlalchemy.url")
-    assert url, "sqlalchemy.url is not set (use scheduler.db.migrate(url))"
+    assert url, "sqlalchemy.url is not set (use scheduler.infra.db.migrate(url))"
     # No statement_timeout: a revision may rewrite a large table.
     engine = make_engine(url, timeouts=process_timeouts().for_migrations())
     engine.pool = pool.NullPool(engine.pool._creator)  # one short-lived connection

@@ -42,9 +42,13 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Every skip says how to run what it skips: here, a PostgreSQL server (a database per session is
+# created on it and dropped at the end; .ci/run sets this).
+NO_POSTGRES = ("no PostgreSQL configured (set CLOVERQ_TEST_DATABASE_URL=postgresql+psycopg://USER@HOST/DB, "
+               "e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test; .ci/run sets it)")
 WORKER_READY_TIMEOUT = 120.0
 
 # Settings for tests: short beat intervals and leases so recovery paths run in seconds.
@@ -108,6 +112,46 @@ def xdist_redis_url(given: str) -> str:
     return urlunsplit(parts._replace(path=f"/{db}"))
 
 
+# --- the backend subset (CI's second run, on SQLite) --------------------------------------------
+
+# Tests that need one of these run whole stacks or were run on both backends already.
+NOT_IN_BACKEND_SUBSET = ("launcher", "db_backend_url", "fresh_db_url")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--backend-subset", action="store_true",
+        help="run only the tests that read or write the session database (migrated_db) in this "
+        "process, without worker processes and without db_backend_url (those run on both backends "
+        "anyway): what differs by backend (SQL dialect, ids, timestamps). .ci/run runs it on SQLite "
+        "after the PostgreSQL run (make test-sqlite).")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Stacks the tests start (``cloverq up``) record themselves for the CLI
+    (``cli/stack_record.py``) under ``$XDG_STATE_HOME``: point it at a folder of this session,
+    so a test run never replaces or removes the record of the user's own running stack."""
+    import tempfile
+
+    os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="cloverq-test-state-")
+
+
+def in_backend_subset(item: pytest.Item) -> bool:
+    """Whether ``--backend-subset`` keeps ``item`` (see the option's help)."""
+    names = set(getattr(item, "fixturenames", ()))
+    path = item.nodeid.split("::", 1)[0]
+    return ("migrated_db" in names and not names & set(NOT_IN_BACKEND_SUBSET)
+            and xdist_scope(item.nodeid) != "serial" and path.startswith("tests/"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("backend_subset"):
+        return
+    kept = [item for item in items if in_backend_subset(item)]
+    config.hook.pytest_deselected(items=[item for item in items if not in_backend_subset(item)])
+    items[:] = kept
+
+
 # --- generic helpers (importable through the fixtures below) -----------------------------------
 
 
@@ -128,9 +172,9 @@ def clear_leftover_jobs(settings: Settings) -> int:
     tests that ran no worker): a worker runs what is queued, whoever queued it."""
     from sqlalchemy import update
 
-    from scheduler.db import make_engine, session_factory
-    from scheduler.models import Job, JobStatus, utcnow
-    from scheduler.queue_names import CANARY_LANE_PREFIX, JOB_QUEUES
+    from scheduler.infra.db import make_engine, session_factory
+    from scheduler.infra.queue_names import CANARY_LANE_PREFIX, JOB_QUEUES
+    from scheduler.jobs.models import Job, JobStatus, utcnow
 
     engine = make_engine(settings.resolved_database_url)
     try:
@@ -142,9 +186,14 @@ def clear_leftover_jobs(settings: Settings) -> int:
             cancelled = int(getattr(result, "rowcount", 0) or 0)
     finally:
         engine.dispose()
+    from scheduler.infra import redis_keys
+    from scheduler.jobs.dead_messages import PRIORITY_SUFFIXES
+
     queues = [str(q) for q in JOB_QUEUES]
-    redis_lib.Redis.from_url(settings.resolved_redis_url).delete(
-        *queues, *(f"{CANARY_LANE_PREFIX}{q}" for q in queues))
+    lanes = [*queues, *(f"{CANARY_LANE_PREFIX}{q}" for q in queues)]
+    redis_lib.Redis.from_url(settings.resolved_redis_url).delete(  # each lane's priority lists, dead set
+        *(lane + suffix for lane in lanes for suffix in PRIORITY_SUFFIXES),
+        *(redis_keys.dead_messages(lane) for lane in lanes))
     return cancelled
 
 
@@ -176,7 +225,7 @@ def _create_postgres_database(base_url: str) -> tuple[str, Callable[[], None]]:
     url = make_url(base_url).set(database=name).render_as_string(hide_password=False)
 
     def drop() -> None:
-        from scheduler.db import dispose_all
+        from scheduler.infra.db import dispose_all
 
         dispose_all()
         with admin.connect() as conn:
@@ -191,7 +240,7 @@ def postgres_url() -> Iterator[str]:
     """A fresh PostgreSQL database for this session (skips when none is configured)."""
     base = os.environ.get("CLOVERQ_TEST_DATABASE_URL", "")
     if not base.startswith("postgresql"):
-        pytest.skip("no PostgreSQL configured (set CLOVERQ_TEST_DATABASE_URL)")
+        pytest.skip(NO_POSTGRES)
     url, drop = _create_postgres_database(base)
     yield url
     drop()
@@ -214,7 +263,7 @@ def database_url(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def migrated_db(database_url: str) -> str:
     """``database_url`` upgraded to the newest migration (returns the URL)."""
-    from scheduler.db import migrate
+    from scheduler.infra.db import migrate
 
     migrate(database_url)
     return database_url
@@ -224,7 +273,7 @@ def migrated_db(database_url: str) -> str:
 def fresh_db_url(db_backend_url: str, tmp_path: Path) -> Iterator[str]:
     """A migrated database of ``db_backend_url``'s backend with no rows yet, for a test that
     counts rows other tests would also leave in the shared session database."""
-    from scheduler.db import migrate
+    from scheduler.infra.db import migrate
 
     if db_backend_url.startswith("sqlite"):
         url = f"sqlite:///{tmp_path / 'fresh.db'}"
@@ -240,7 +289,7 @@ def fresh_db_url(db_backend_url: str, tmp_path: Path) -> Iterator[str]:
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])
 def db_backend_url(request: pytest.FixtureRequest) -> str:
     """A migrated database of each backend in turn (PostgreSQL skipped when not configured)."""
-    from scheduler.db import migrate
+    from scheduler.infra.db import migrate
 
     fixture = {"sqlite": "sqlite_url", "postgresql": "postgres_url"}[request.param]
     url = str(request.getfixturevalue(fixture))
@@ -251,7 +300,7 @@ def db_backend_url(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def session_maker(migrated_db: str) -> Any:
     """A sessionmaker on the migrated session database."""
-    from scheduler.db import get_session_factory
+    from scheduler.infra.db import get_session_factory
 
     return get_session_factory(migrated_db)
 
@@ -458,7 +507,7 @@ class ProcessLauncher:
         return service
 
     def wait_ready(self, service: ServiceProcess, settings: Settings, *, timeout: float) -> None:
-        from scheduler.workers import list_workers
+        from scheduler.fleet.workers import list_workers
 
         client = redis_lib.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
 

@@ -18,10 +18,11 @@ from typing import Any
 
 from celery import signals
 
-from scheduler.celery_app import get_celery_app
-from scheduler.logging import configure_logging
-from scheduler.process import run_then_exit
-from scheduler.settings import Settings, get_settings
+from scheduler.infra.celery_app import get_celery_app
+from scheduler.infra.process import run_then_exit
+from scheduler.infra.settings import Settings, get_settings
+from scheduler.observability.logging import configure_logging
+from scheduler.observability.tracing import setup_tracing
 from worker.joint_gate import interactive_reserve
 from worker.runtime import WorkerRuntime, get_runtime, set_runtime
 
@@ -42,8 +43,8 @@ def _connect_signals(runtime: WorkerRuntime) -> None:
         if sender is not None:  # before the consumer exists: no drained queue, a canary's lanes
             runtime.select_queues_at_start(sender.app.amqp.queues)
 
-    def on_ready(**_: Any) -> None:
-        runtime.mark_ready()
+    def on_ready(sender: Any = None, **_: Any) -> None:
+        runtime.mark_ready(sender)  # the Consumer: queues are switched on it, in process
 
     def on_shutting_down(**_: Any) -> None:
         runtime.mark_draining()
@@ -114,10 +115,12 @@ def run_worker(
     app = get_celery_app()
     app.set_current()
     app.set_default()
+    import worker.control_commands
     import worker.tasks  # noqa: F401  (registers cloverq.run_job on the app)
 
     configure_logging(settings)  # JSON lines; Celery keeps its hands off (setup_logging receiver)
     signals.setup_logging.connect(_keep_our_logging, weak=False)
+    setup_tracing(settings, process="worker", drops_to_redis=True)  # off by default: creates nothing
     apply_switch_interval(settings)
     runtime = WorkerRuntime(settings, worker_id=node, queues=queue_list)
     set_runtime(runtime)

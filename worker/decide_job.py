@@ -1,24 +1,27 @@
 """The ``decide`` kind for the worker: job row -> decision on the engine -> job outcome.
 
-Registered in ``worker.execution.KIND_HANDLERS``. The decision logic itself is pure
+Registered in ``worker.execution.KIND_HANDLERS``; builds on ``worker.job_handler`` (not on
+``execution``, which imports this module). The decision logic itself is pure
 (``worker.decisions``); this adapter adds the job plumbing: settings, the test-only fault knob,
 the alert log line and metric for invalid model output, and the mapping to an ``Outcome``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from scheduler.logging import get_logger
-from scheduler.metrics import RedisMetricsRecorder
-from scheduler.models import ErrorCode, JobStatus, QueueName
-from scheduler.redis_client import get_redis
-from scheduler.retry import InputJobError
+from scheduler.infra.redis_client import get_redis
+from scheduler.jobs.models import ErrorCode, JobStatus, QueueName
+from scheduler.jobs.retry import InputJobError
+from scheduler.observability.logging import get_logger
+from scheduler.observability.metrics import RedisMetricsRecorder
 from worker.decisions import DecisionFaults, DecisionSpec, run_decision
+from worker.decisions.planner import DecisionPlan
 from worker.decisions.runner import DecisionOptions, DecisionOutcome
 from worker.engine.types import FinishReason
-from worker.execution import EngineContext, JobSpec, Outcome, sampling_params
+from worker.job_handler import EngineContext, JobSpec, Outcome, planned_blocks, sampling_params
 
 log = get_logger(__name__)
 
@@ -34,6 +37,26 @@ def _count_invalid_output(ctx: EngineContext) -> None:
         RedisMetricsRecorder(get_redis(ctx.settings.resolved_redis_url)).invalid_output_retry(kind="decide")
     except Exception as exc:  # metrics are best effort: never fail a job over them
         log.warning("metrics.record_failed", metric="cloverq_invalid_output_retries_total", error=repr(exc))
+
+
+def _plan_reporter(ctx: EngineContext) -> Callable[[DecisionPlan], None] | None:
+    """Tell the monitor a decision's planned blocks: the sum over its sequences (one for a joint
+    decision, one per question otherwise), as their summed progress counts towards it."""
+    report = ctx.on_plan
+    if report is None:
+        return None
+
+    def plan(decision_plan: DecisionPlan) -> None:
+        counts = [planned_blocks(len(r.prompt_ids), r.params.max_new_tokens,
+                                 r.params.block_size or ctx.default_block_size)
+                  for r in decision_plan.requests]
+        prompts = sum(len(r.prompt_ids) for r in decision_plan.requests)  # before any prefix sharing
+        if counts and all(count is not None for count in counts):
+            report(blocks_total=sum(count or 0 for count in counts), prompt_tokens=prompts)
+        else:
+            report(prompt_tokens=prompts)
+
+    return plan
 
 
 def _outcome(decision: DecisionOutcome) -> Outcome:
@@ -85,6 +108,7 @@ def run_decide(job: JobSpec, ctx: EngineContext) -> Outcome:
         on_invalid_output=on_invalid_output,
         on_progress=ctx.on_progress,
         submit_many=ctx.submit_many,
+        on_plan=_plan_reporter(ctx),
     )
     if decision.error_code == ErrorCode.INVALID_MODEL_OUTPUT:
         log.warning("decision.failed_invalid_model_output", alert=True, job_id=job.job_id,

@@ -26,8 +26,8 @@ import signal
 import threading
 from collections.abc import Callable
 
-from scheduler.retry import InputJobError, TransientJobError
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs.retry import InputJobError, TransientJobError
 from worker.execution import JobSpec
 
 FAULTS: tuple[str, ...] = ("transient", "transient_once", "stall_first_attempt", "input", "crash")

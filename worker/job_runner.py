@@ -6,7 +6,7 @@
    switch in progress): not claimed, its enqueued marker dropped, so the reconciler republishes
    it for another worker (or this one, later). Consumers are only delivery
    (``worker/consumers.py``); these checks are the guarantee.
-2. **Claim** it in SQL (fenced: ``scheduler.lifecycle.claim_job``) on this worker's model version.
+2. **Claim** it in SQL (fenced: ``scheduler.jobs.lifecycle.claim_job``) on this worker's model version.
 3. **Run** it on the engine through ``worker.execution.run_kind``, with the monitor tracking its
    lease, progress and cancel flag.
 4. **Record** the outcome (fenced ``finish_job``), or a retry / dead letter (``retry_or_fail``),
@@ -25,19 +25,24 @@ from collections.abc import Callable
 
 import redis
 import structlog
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, StatusCode
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler import redis_keys
-from scheduler.canary_routing import queue_of_lane
-from scheduler.job_events import publish_finished
-from scheduler.lifecycle import Lease, claim_job, finish_job, retry_or_fail
-from scheduler.metrics import RedisMetricsRecorder
-from scheduler.models import ErrorCode, Job, JobStatus, utcnow
-from scheduler.retry import InputJobError
-from scheduler.routing import deadline_seconds
-from scheduler.settings import Settings
-from scheduler.webhook_tasks import notify_job_finished
+from scheduler.infra import redis_keys
+from scheduler.infra.settings import Settings
+from scheduler.jobs.dead_messages import take_if_dead
+from scheduler.jobs.finished_notice import publish_finished
+from scheduler.jobs.lifecycle import Lease, claim_job, finish_job, retry_or_fail
+from scheduler.jobs.models import ErrorCode, Job, JobStatus, utcnow
+from scheduler.jobs.retry import InputJobError
+from scheduler.jobs.routing import deadline_seconds
+from scheduler.model_versions.canary_routing import queue_of_lane
+from scheduler.observability import tracing
+from scheduler.observability.metrics import RedisMetricsRecorder
+from scheduler.webhooks.tasks import notify_job_finished
+from worker.engine.types import Progress
 from worker.execution import EngineContext, JobSpec, Outcome, run_kind
 from worker.fault_injection import FaultInjector
 from worker.joint_gate import INTERACTIVE_QUEUE, JOINT_QUEUE, JointGate
@@ -91,18 +96,34 @@ class JobRunner:
         self._lane = lane
         self._facts: dict[uuid.UUID, JobFacts] = {}
 
-    def run_job(self, job_id: str, *, queue: str | None = None) -> RunOutcome:
+    def run_job(self, job_id: str, *, queue: str | None = None,
+                trace_parent: Context | None = None) -> RunOutcome:
         """Claim, run and record one job; returns what happened (for logs/tests).
 
         ``queue`` is the queue the message came from: joint messages pass the joint gate (a
-        canary lane counts as its class queue).
+        canary lane counts as its class queue). ``trace_parent``: the trace context the message
+        carried (``worker/tasks.py``); the attempt is a ``cloverq.run_job`` span under it, with
+        the claim, the engine and the outcome write as its children (none when None).
         """
+        with tracing.job_span("cloverq.run_job", trace_parent, kind=SpanKind.CONSUMER,
+                              **tracing.job_attributes(job_id=job_id, queue=queue)) as span:
+            outcome = self._run_job(job_id, queue=queue)
+            if span is not None:
+                span.set_attribute("cloverq.run_outcome", outcome.value)
+                if outcome in (RunOutcome.FAILED, RunOutcome.RETRY_QUEUED, RunOutcome.RETRY_FAILED):
+                    span.set_status(StatusCode.ERROR, outcome.value)
+            return outcome
+
+    def _run_job(self, job_id: str, *, queue: str | None) -> RunOutcome:
+        lane = queue
         queue = queue_of_lane(queue) if queue is not None else None
         try:
             parsed = uuid.UUID(str(job_id))
         except ValueError:
             log.warning("job.bad_message", job_id=str(job_id))
             return RunOutcome.INVALID
+        if lane is not None and self._dead(lane, parsed):  # cancelled while queued: no gate, no claim
+            return RunOutcome.SKIPPED
         if self._draining.is_set():
             return self._hand_back(parsed, "job.handed_back_draining")
         gates = [g for g in (self.joint_gate if queue == JOINT_QUEUE else None,
@@ -124,6 +145,14 @@ class JobRunner:
             self.admission.leave()
             for held in entered:
                 held.leave()
+
+    def _dead(self, lane: str, job_id: uuid.UUID) -> bool:
+        """Whether this message is a cancelled job's (``scheduler.jobs.dead_messages``); Redis down: the
+        claim decides."""
+        try:
+            return take_if_dead(self.redis, lane, job_id)
+        except redis.RedisError:
+            return False
 
     def _hand_back(self, parsed: uuid.UUID, event: str, **fields: object) -> RunOutcome:
         """Leave a job unclaimed: drop its enqueued marker so that the reconciler republishes it
@@ -149,7 +178,7 @@ class JobRunner:
         except redis.RedisError as exc:  # Redis down: the claim still decides; recovery is periodic
             log.warning("job.marker_release_failed", job_id=str(parsed), error=type(exc).__name__)
         model_version = self.model.model_version
-        with self.sessions() as session:
+        with self.sessions() as session, tracing.span("cloverq.claim"):
             try:
                 job = claim_job(session, job_id=parsed, worker_id=self.worker_id,
                                 model_version=model_version, settings=self.settings,
@@ -164,8 +193,11 @@ class JobRunner:
             spec = JobSpec(job_id=str(job.id), kind=job.kind, queue=job.queue, attempt=job.attempt,
                            input=dict(job.input or {}), params=dict(job.params or {}))
             step_budget = job.step_budget
+            tenant = job.tenant
             facts = JobFacts(created_at=job.created_at, started_at=job.started_at, step_budget=step_budget,
                              request_id=job.request_id)
+        tracing.annotate(tracing.job_attributes(kind=spec.kind, queue=spec.queue, attempt=spec.attempt,
+                                                model_version=model_version, tenant=tenant))
         structlog.contextvars.bind_contextvars(job_id=spec.job_id, kind=spec.kind, queue=spec.queue,
                                                attempt=spec.attempt, model_version=model_version,
                                                request_id=facts.request_id)
@@ -207,7 +239,12 @@ class JobRunner:
         try:
             if self.faults is not None:  # tests only (settings.worker.fault_injection)
                 self.faults.before_run(spec, running.cancel_event)
-            outcome = run_kind(spec, ctx)
+            with tracing.span("cloverq.engine") as engine_span:
+                if engine_span is not None:
+                    ctx.on_progress = _block_events(engine_span, ctx.on_progress)
+                outcome = run_kind(spec, ctx)
+                if engine_span is not None:
+                    _engine_timings(engine_span, outcome)
         except InputJobError as exc:
             outcome = Outcome(JobStatus.FAILED, error_code=ErrorCode.INVALID_INPUT.value,
                               error_message=str(exc))
@@ -224,7 +261,7 @@ class JobRunner:
         final = monitor.final_progress(running, steps_used=outcome.steps_used, tokens=outcome.tokens,
                                        blocks=usage.get("blocks"),
                                        complete=outcome.status is JobStatus.SUCCEEDED)
-        with self.sessions() as session:
+        with self.sessions() as session, tracing.span("cloverq.outcome_write"):
             written = finish_job(session, lease=lease, status=outcome.status, settings=self.settings,
                                  result=outcome.result, steps_used=outcome.steps_used,
                                  error_code=outcome.error_code, error_message=outcome.error_message,
@@ -246,8 +283,11 @@ class JobRunner:
     def _retry(self, spec: JobSpec, lease: Lease, running: RunningJob, error: str) -> RunOutcome:
         if running.lost:
             return RunOutcome.LOST
-        with self.sessions() as session:
+        with self.sessions() as session, tracing.span("cloverq.retry_or_fail") as span:
             status = retry_or_fail(session, lease=lease, error=error, settings=self.settings)
+            if span is not None:
+                span.set_attribute("cloverq.retry_reason", retry_reason(error))
+                span.set_attribute("cloverq.next_status", status.value if status else "lost")
         if status is JobStatus.QUEUED:
             self.redis.delete(redis_keys.enqueued(lease.job_id))  # the reconciler republishes when due
             self.metrics.safe(self.metrics.job_retried, kind=spec.kind, queue=spec.queue,
@@ -273,3 +313,34 @@ class JobRunner:
             model_version=self.model.model_version, finish_reason=finish_reason, error_code=error_code,
             request_id=facts.request_id, logger=log, track=self._lane(),
         )
+
+
+def _block_events(span: Span, report: Callable[[Progress], None]) -> Callable[[Progress], None]:
+    """``report``, plus one ``block.committed`` event on the engine span per newly committed block
+    (counts only: blocks, denoising passes, tokens; never the committed ids or text). It runs on
+    the engine thread, so it is given the span rather than reading the current context."""
+    last = [0]
+
+    def on_progress(progress: Progress) -> None:
+        if progress.blocks_done > last[0]:
+            last[0] = progress.blocks_done
+            span.add_event("block.committed", {"cloverq.blocks": progress.blocks_done,
+                                               "cloverq.passes": progress.steps_used,
+                                               "cloverq.tokens": progress.tokens_committed})
+        report(progress)
+
+    return on_progress
+
+
+def _engine_timings(span: Span, outcome: Outcome) -> None:
+    """The engine's own timings of the attempt on its span, and its queue wait (the time the
+    request waited for a batch slot) as a child span ending where the engine run began."""
+    timings = (outcome.result or {}).get("timings") or {}
+    queue_s, run_s = timings.get("engine_queue_seconds"), timings.get("engine_run_seconds")
+    span.set_attributes({"cloverq.passes": outcome.steps_used, "cloverq.tokens": outcome.tokens})
+    if isinstance(queue_s, int | float) and isinstance(run_s, int | float):
+        span.set_attributes({"cloverq.engine.queue_seconds": float(queue_s),
+                             "cloverq.engine.run_seconds": float(run_s)})
+        end = time.time_ns() - int(run_s * 1e9)
+        wait = tracing.tracer().start_span("cloverq.engine.queue_wait", start_time=end - int(queue_s * 1e9))
+        wait.end(end_time=end)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import structlog
 
-from scheduler.queue_names import QueueName
+from scheduler.infra.queue_names import QueueName
 
 log = structlog.get_logger(__name__)
 

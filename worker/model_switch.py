@@ -1,7 +1,7 @@
 """Follow the active model version: notice a change, drain, load, warm up, take jobs again.
 
 A worker started with ``served_model`` serves ``<model_root>/<served_model>/<active version>``
-and a ``ModelFollower`` thread polls the active version in SQL (``scheduler.model_versions``)
+and a ``ModelFollower`` thread polls the active version in SQL (``scheduler.model_versions.registry``)
 every ``model_watch_interval_seconds``. When it changes the worker
 (``worker/model_switcher.py`` ``ModelSwitcher.switch_model``):
 
@@ -17,11 +17,11 @@ every ``model_watch_interval_seconds``. When it changes the worker
 Every job records the version it ran on at claim time (``Job.model_version``), and no job is
 claimed while a switch is under way, so that record is exact.
 
-Canaries (``scheduler/canary.py``): the version a worker should serve depends on its
+Canaries (``scheduler/model_versions/canary.py``): the version a worker should serve depends on its
 ``model_track``. A ``canary`` worker serves the canary version while one is in effect and then
 consumes the canary lanes (``canary.<queue>``); otherwise it serves the active version like a
-``stable`` worker (``scheduler.canary_routing.served_target``). A promotion that leaves a canary
-worker on the same version only moves its consumers back to the plain queues (no reload).
+``stable`` worker (``scheduler.model_versions.canary_routing.served_target``). A promotion that
+leaves a canary worker on the same version only moves its consumers back to the plain queues (no reload).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import redis
 import structlog
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler import redis_keys
-from scheduler.canary_routing import served_target
-from scheduler.model_versions import Activation, active_version
+from scheduler.infra import redis_keys
+from scheduler.model_versions.canary_routing import served_target
+from scheduler.model_versions.registry import Activation, active_version
 
 log = structlog.get_logger(__name__)
 

@@ -17,12 +17,18 @@ import redis
 import structlog
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler.canary_routing import served_target
-from scheduler.heap import freeze_startup_heap
-from scheduler.metrics import set_process_version, version_label
-from scheduler.model_versions import Activation, active_version, ensure_active, register_version, store_path
-from scheduler.settings import Settings
-from scheduler.workers import WorkerInfo, WorkerState
+from scheduler.fleet.workers import WorkerInfo, WorkerState
+from scheduler.infra.gc_freeze import freeze_startup_heap
+from scheduler.infra.settings import Settings
+from scheduler.model_versions.canary_routing import served_target
+from scheduler.model_versions.registry import (
+    Activation,
+    active_version,
+    ensure_active,
+    register_version,
+    store_path,
+)
+from scheduler.observability.metrics import set_process_version, version_label
 from worker.consumers import ConsumerController
 from worker.model_switch import SWITCHING, JobAdmission, ModelFollower, SwitchTurn
 from worker.resident_model import ResidentModel
@@ -128,7 +134,7 @@ class ModelSwitcher:
             register_version(session, name=self.model_name, version=self.model.served_version,
                              path=self.store_path(self.model.served_version))
 
-    # --- canary lanes (scheduler/canary_routing.py) -----------------------------------------------
+    # --- canary lanes (scheduler/model_versions/canary_routing.py) ---
     def set_lane(self, on_lane: bool) -> None:
         """Serve on the canary lanes or the plain queues (the registry, the metrics, the consumers)."""
         self.info.stats["lane"] = "canary" if on_lane else "stable"

@@ -6,7 +6,7 @@ all running jobs so its cost does not grow with per-job round trips:
 - every tick (~0.1 s): one pipelined EXISTS over the jobs' cancel keys (a running job's cancel
   reaches the engine within one tick + one denoising pass) and one pipelined write of the
   latest progress snapshots to Redis, together with one event per block committed since the
-  last tick on each job's event stream (``scheduler/job_stream.py``: counters plus the
+  last tick on each job's event stream (``scheduler/jobs/event_stream.py``: counters plus the
   committed-text delta; the engine's ``on_progress`` only queues a snapshot, so the engine
   thread never waits on Redis or on the tokenizer);
 - every ``lease_seconds / 3``: one UPDATE renewing all leases, which also reports jobs whose
@@ -31,10 +31,11 @@ import redis
 import structlog
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler import job_stream, redis_keys
-from scheduler.lifecycle import Lease, renew_leases, sql_safe_text, write_progress
-from scheduler.models import JobStatus
-from scheduler.settings import Settings
+from scheduler.infra import redis_keys
+from scheduler.infra.settings import Settings
+from scheduler.jobs import event_stream
+from scheduler.jobs.lifecycle import Lease, renew_leases, sql_safe_text, write_progress
+from scheduler.jobs.models import JobStatus
 from worker.engine.types import Progress
 
 log = structlog.get_logger(__name__)
@@ -90,6 +91,7 @@ class RunningJob:
     pending: collections.deque[Progress] = field(default_factory=collections.deque)
     events: list[dict[str, Any]] = field(default_factory=list)  # built, not yet on the stream
     blocks_total: int | None = None  # planned blocks of the generated region (on_plan)
+    prompt_tokens: int | None = None  # prompt positions to prefill (on_plan)
     render: Render | None = None
     text: TextTracker = field(default_factory=TextTracker)
     reasoning: TextTracker = field(default_factory=TextTracker)
@@ -125,7 +127,7 @@ class JobMonitor:
     def add(self, lease: Lease, *, cancel_event: threading.Event, step_budget: int | None) -> RunningJob:
         job = RunningJob(lease=lease, cancel_event=cancel_event, step_budget=step_budget)
         # published next tick
-        job.events.append(job_stream.status_event(JobStatus.RUNNING.value, lease.attempt))
+        job.events.append(event_stream.status_event(JobStatus.RUNNING.value, lease.attempt))
         with self._lock:
             self._jobs[lease.job_id] = job
         return job
@@ -146,13 +148,13 @@ class JobMonitor:
             job.status = status
             job.dirty = False
             self._collect_events(job)
-            job.events.append(job_stream.status_event(status, job.lease.attempt))
+            job.events.append(event_stream.status_event(status, job.lease.attempt))
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(redis_keys.progress(job.lease.job_id), json.dumps(self.snapshot(job)),
                      ex=redis_keys.PROGRESS_TTL_SECONDS)
             pipe.delete(redis_keys.cancel(job.lease.job_id))
-            job_stream.add_events(pipe, job.lease.job_id, job.events,
-                                  ttl_seconds=job_stream.FINISHED_TTL_SECONDS)
+            event_stream.add_events(pipe, job.lease.job_id, job.events,
+                                  ttl_seconds=event_stream.FINISHED_TTL_SECONDS)
             job.events = []
             try:
                 pipe.execute()
@@ -179,11 +181,14 @@ class JobMonitor:
         """The callback worker/execution.py calls before submitting: the job's planned block
         count and, for thinking-mode jobs, how to split committed ids into answer and reasoning."""
 
-        def plan(*, blocks_total: int | None = None, render: Render | None = None) -> None:
+        def plan(*, blocks_total: int | None = None, render: Render | None = None,
+                 prompt_tokens: int | None = None) -> None:
             job = self._jobs.get(job_id)
             if job is not None:
                 if blocks_total is not None:
                     job.blocks_total = blocks_total
+                if prompt_tokens is not None:
+                    job.prompt_tokens = prompt_tokens
                 if render is not None:
                     job.render = render
                 job.dirty = True
@@ -255,7 +260,7 @@ class JobMonitor:
                 job.cancel_event.set()
 
     def snapshot(self, job: RunningJob) -> dict[str, Any]:
-        """The hot-status document of ``job`` (what ``scheduler.jobs.read_progress`` returns)."""
+        """The hot-status document of ``job`` (what ``scheduler.jobs.service.read_progress`` returns)."""
         p = job.latest
         doc: dict[str, Any] = {
             "status": job.status,
@@ -266,6 +271,11 @@ class JobMonitor:
             "blocks_total": job.blocks_total,
             "steps_used": p.steps_used if p else 0,
             "tokens_committed": p.tokens_committed if p else 0,
+            # Prefill: the engine runs a prompt's whole blocks inside its first pass and reports
+            # nothing before that pass commits a block, so "done" is 0 of N while it prefills,
+            # then N (finer steps need a report from inside the engine's prefill).
+            "prompt_tokens": job.prompt_tokens,
+            "prompt_tokens_done": None if job.prompt_tokens is None else (job.prompt_tokens if p else 0),
             "partial_text": job.partial_text,  # decoded once per block (_collect_events)
             "updated_at": time.time(),
         }
@@ -301,7 +311,7 @@ class JobMonitor:
             pipe = self.redis.pipeline(transaction=False)
             for job in dirty:
                 self._collect_events(job)
-                job_stream.add_events(pipe, job.lease.job_id, job.events)
+                event_stream.add_events(pipe, job.lease.job_id, job.events)
                 job.events = []
                 if job.dirty:
                     job.dirty = False

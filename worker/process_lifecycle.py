@@ -22,11 +22,11 @@ import redis
 import structlog
 import torch
 
-from scheduler.heap import freeze_startup_heap
-from scheduler.metrics import RedisMetricsRecorder, WorkerSnapshot
-from scheduler.settings import Settings
-from scheduler.workers import WorkerInfo, WorkerState, heartbeat_ttl, publish_worker, remove_worker
-from worker.consumers import AmqpQueues, ConsumerController
+from scheduler.fleet.workers import WorkerInfo, WorkerState, heartbeat_ttl, publish_worker, remove_worker
+from scheduler.infra.gc_freeze import freeze_startup_heap
+from scheduler.infra.settings import Settings
+from scheduler.observability.metrics import RedisMetricsRecorder, WorkerSnapshot
+from worker.consumers import AmqpQueues, ConsumerController, ConsumerHandle
 from worker.model_switch import ModelFollower
 from worker.model_switcher import ModelSwitcher
 from worker.monitor import JobMonitor
@@ -100,11 +100,11 @@ class ProcessLifecycle:
             self.consumers.update(drained=drained)
         return self.consumers.select_at_start(queues)
 
-    def mark_ready(self) -> None:
+    def mark_ready(self, consumer: ConsumerHandle) -> None:
         freeze_startup_heap()  # the model and the libraries stay: keep full GCs short
         self.info.state = WorkerState.READY
         self.ready.set()
-        self.consumers.go_live()  # the consumer exists: changes since worker_init are sent now
+        self.consumers.go_live(consumer)  # the consumer exists: it follows the state from now on
         self.heartbeat()
         if self.telemetry is not None:
             self.telemetry.publish_now()  # the dashboard sees the worker as ready at once
@@ -148,9 +148,14 @@ class ProcessLifecycle:
                                    tokens_per_second=round(stats.tokens_per_second, 2),
                                    engine_passes=stats.passes,
                                    engine_busy_seconds=round(stats.busy_seconds, 3))
+        # What the Celery consumer itself consumes (read back by the last reconcile), and what it
+        # should but does not: /readyz and cloverq_workers_queue_unconsumed read these.
+        self.info.stats["consuming"] = sorted(self.consumers.consuming)
+        self.info.stats["unconsumed"] = self.consumers.unconsumed()
         ttl = heartbeat_ttl(self.settings.worker.heartbeat_seconds)
         publish_worker(self.redis, self.info, ttl_seconds=ttl)
         self.drain.sync()
+        self.consumers.heal()  # read the consumer back and put right whatever differs
 
     def engine_died(self) -> None:
         """The engine thread is gone: stop advertising readiness, hand back what arrives, and ask

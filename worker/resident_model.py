@@ -18,10 +18,10 @@ import redis
 import structlog
 import torch
 
-from scheduler.heap import thaw_heap
-from scheduler.metrics import set_process_version, version_label
-from scheduler.settings import Settings
-from scheduler.workers import WorkerInfo
+from scheduler.fleet.workers import WorkerInfo
+from scheduler.infra.gc_freeze import thaw_heap
+from scheduler.infra.settings import Settings
+from scheduler.observability.metrics import set_process_version, version_label
 from worker.engine_protocol import ServingEngine
 from worker.execution import ChatTokenizer
 from worker.joint_gate import INTERACTIVE_QUEUE, JOINT_QUEUE

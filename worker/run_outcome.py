@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 
-from scheduler.models import JobStatus
+from scheduler.jobs.models import JobStatus
 
 
 class RunOutcome(enum.StrEnum):

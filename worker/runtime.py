@@ -28,12 +28,14 @@ import threading
 import time
 from typing import Any
 
-from scheduler.db import get_session_factory
-from scheduler.metrics import RedisMetricsRecorder
-from scheduler.redis_client import get_redis
-from scheduler.settings import Settings
-from scheduler.workers import WorkerInfo, WorkerState
-from worker.consumers import AmqpQueues, CeleryConsumers, ConsumerController
+from opentelemetry.context import Context
+
+from scheduler.fleet.workers import WorkerInfo, WorkerState
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.redis_client import get_redis
+from scheduler.infra.settings import Settings
+from scheduler.observability.metrics import RedisMetricsRecorder
+from worker.consumers import AmqpQueues, CeleryConsumer, ConsumerController
 from worker.engine_protocol import ServingEngine
 from worker.fault_injection import fault_injector_for
 from worker.job_runner import JobRunner
@@ -45,12 +47,6 @@ from worker.process_lifecycle import ProcessLifecycle
 from worker.queue_drain import DrainFollower
 from worker.resident_model import ResidentModel
 from worker.run_outcome import RunOutcome
-
-
-def _celery_app() -> Any:
-    from scheduler.celery_app import get_celery_app
-
-    return get_celery_app()
 
 
 class WorkerRuntime:
@@ -68,7 +64,11 @@ class WorkerRuntime:
                                heartbeat_seconds=settings.worker.heartbeat_seconds)
         self.info.stats["model_track"] = settings.canary.track
         self.info.stats["served_model"] = settings.model.served
-        self.consumers = ConsumerController(queues, CeleryConsumers(_celery_app, node=self.worker_id))
+        self.metrics = RedisMetricsRecorder(self.redis)  # job outcomes and snapshots (worker/telemetry.py)
+        # Switches this worker's Celery consumer in process, read back and healed each heartbeat.
+        self.consumers = ConsumerController(
+            queues, stale_after_seconds=5 * settings.worker.heartbeat_seconds + 5.0,
+            on_heal=self._consumer_healed)
         self.drain_follower = DrainFollower(redis_client=self.redis, controller=self.consumers,
                                             node=self.worker_id)
         # Every class but interactive holds at most engine_max_batch task threads (and engine slots);
@@ -76,7 +76,6 @@ class WorkerRuntime:
         reserve = interactive_reserve(queues, settings.engine.interactive_reserve)
         self.model = ResidentModel(settings, info=self.info, worker_id=self.worker_id,
                                    redis_client=self.redis, reserve=reserve)
-        self.metrics = RedisMetricsRecorder(self.redis)  # job outcomes and snapshots (worker/telemetry.py)
         self.admission = JobAdmission()  # closed while a model switch drains and loads
         monitor = JobMonitor(settings=settings, sessions=self.sessions, redis_client=self.redis,
                              worker_id=self.worker_id, decode=self.model.decode, heartbeat=self._heartbeat)
@@ -111,6 +110,9 @@ class WorkerRuntime:
             draining=draining, lane=lambda: self.info.stats.get("lane"), faults=fault_injector_for(settings),
         )
 
+    def _consumer_healed(self, queue: str) -> None:
+        self.metrics.safe(self.metrics.consumer_healed, queue=queue)
+
     def _heartbeat(self) -> None:
         self.lifecycle.heartbeat()
 
@@ -121,8 +123,9 @@ class WorkerRuntime:
     def select_queues_at_start(self, queues: AmqpQueues) -> list[str]:
         return self.lifecycle.select_queues_at_start(queues)
 
-    def mark_ready(self) -> None:
-        self.lifecycle.mark_ready()
+    def mark_ready(self, consumer: Any) -> None:
+        """``consumer``: Celery's ``Consumer`` (the ``worker_ready`` signal's sender)."""
+        self.lifecycle.mark_ready(CeleryConsumer(consumer))
 
     def mark_draining(self) -> None:
         self.lifecycle.mark_draining()
@@ -133,8 +136,9 @@ class WorkerRuntime:
     def heartbeat(self) -> None:
         self.lifecycle.heartbeat()
 
-    def run_job(self, job_id: str, *, queue: str | None = None) -> RunOutcome:
-        return self.runner.run_job(job_id, queue=queue)
+    def run_job(self, job_id: str, *, queue: str | None = None,
+                trace_parent: Context | None = None) -> RunOutcome:
+        return self.runner.run_job(job_id, queue=queue, trace_parent=trace_parent)
 
     # --- read-only views (registry, tests) -------------------------------------------------------
     @property

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
-from scheduler.workers import WorkerState, heartbeat_ttl, publish_worker
+from scheduler.fleet.workers import WorkerState, heartbeat_ttl, publish_worker
 from worker.model.checkpoint import LoadedModel
 
 if TYPE_CHECKING:

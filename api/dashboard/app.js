@@ -8,7 +8,12 @@ const REFRESH_MS = 2000;
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled", "expired"];
 const QUEUE_COLORS = { interactive: "#2f6fdb", standard: "#1f9d55", bulk: "#c08a1e", joint: "#8e44ad" };
 
-const state = { key: sessionStorage.getItem(KEY_STORAGE), selectedJob: null, timer: null, jobsSignature: null };
+const BATCH_SEGMENTS = ["succeeded", "failed", "cancelled", "expired", "running"];  // the progress bar, left to right
+
+const state = {
+  key: sessionStorage.getItem(KEY_STORAGE), selectedJob: null, selectedBatch: null, timer: null,
+  jobsSignature: null, batchesSignature: null, batchSignature: null,
+};
 
 function $(id) { return document.getElementById(id); }
 
@@ -61,6 +66,13 @@ function fmtSeconds(s) {
   if (s < 1) return (s * 1000).toFixed(0) + " ms";
   if (s < 120) return s.toFixed(2) + " s";
   return (s / 60).toFixed(1) + " min";
+}
+
+// Metadata as short "key=value" pairs (a client's labels: a contract id, a document name).
+function fmtMeta(meta) {
+  if (!meta || typeof meta !== "object") return "–";
+  const pairs = Object.entries(meta).map(([k, v]) => k + "=" + (typeof v === "object" ? JSON.stringify(v) : String(v)));
+  return pairs.length ? pairs.join(", ") : "–";
 }
 
 function fmtBytes(n) {
@@ -149,17 +161,32 @@ function renderVersions(data) {
 // ---------------------------------------------------------------------------------------------
 // Latency charts: inline SVG scatter, one dot per finished job, coloured by queue
 
+// One unit for a whole axis, chosen from its maximum (ticks never read "450 ms" then "0.90 s"),
+// and round tick steps (1, 2, 2.5 or 5 times a power of ten) in that unit.
+function axisScale(maxSeconds, ticks) {
+  const unit = maxSeconds < 1 ? { name: "ms", per: 0.001 } : maxSeconds < 120 ? { name: "s", per: 1 } : { name: "min", per: 60 };
+  const raw = maxSeconds / unit.per / ticks;
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  const mult = [1, 2, 2.5, 5, 10].find((m) => m * power >= raw * (1 - 1e-9));
+  const step = mult * power;
+  const decimals = Math.max(0, -Math.round(Math.log10(power)) - (mult === 10 ? 1 : 0) + (mult === 2.5 ? 1 : 0));
+  return {
+    max: step * ticks * unit.per,  // seconds
+    label: (i) => (step * i).toFixed(decimals) + " " + unit.name,
+  };
+}
+
 function drawChart(node, points, field) {
-  const W = 560, H = 180, left = 44, right = 8, top = 8, bottom = 20;
+  const W = 560, H = 180, left = 50, right = 8, top = 8, bottom = 20, TICKS = 4;
   const ordered = points.slice().reverse(); // oldest first
   const values = ordered.map((p) => p[field] || 0);
-  const max = Math.max(0.001, ...values) * 1.1;
+  const scale = axisScale(Math.max(0.001, ...values) * 1.05, TICKS);
+  const max = scale.max;
   const children = [];
-  for (let i = 0; i <= 4; i += 1) {
-    const v = (max * i) / 4;
-    const y = top + (H - top - bottom) * (1 - i / 4);
+  for (let i = 0; i <= TICKS; i += 1) {
+    const y = top + (H - top - bottom) * (1 - i / TICKS);
     children.push(svg("line", { x1: left, x2: W - right, y1: y, y2: y, stroke: "#e3e6eb" }));
-    children.push(svg("text", { x: left - 4, y: y + 3, "text-anchor": "end" }, fmtSeconds(v)));
+    children.push(svg("text", { x: left - 4, y: y + 3, "text-anchor": "end", class: "tick" }, scale.label(i)));
   }
   const n = ordered.length;
   ordered.forEach((p, i) => {
@@ -179,6 +206,78 @@ function renderLatency(data) {
   drawChart($("chart-wait"), data.points, "wait_seconds");
   $("legend").replaceChildren(...Object.entries(QUEUE_COLORS).map(([q, c]) =>
     el("span", {}, el("i", { style: "background:" + c }), q)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batches: list with progress, and the selected batch's jobs
+
+function batchBar(batch) {
+  // One segment per final status (and running), as a share of the batch's jobs.
+  const total = Math.max(1, batch.total);
+  const segments = BATCH_SEGMENTS.filter((s) => (batch.counts[s] || 0) > 0).map((s) =>
+    el("div", { class: "seg", "data-status": s, title: (batch.counts[s] || 0) + " " + s,
+      style: "width:" + ((100 * (batch.counts[s] || 0)) / total).toFixed(2) + "%;background:var(--" + s + ")" }));
+  return el("div", { class: "bar stacked", role: "progressbar", "aria-valuemin": 0, "aria-valuemax": batch.total,
+    "aria-valuenow": batch.finished }, segments);
+}
+
+function batchProgress(batch) {
+  const pct = batch.total ? Math.floor((100 * batch.finished) / batch.total) : 100;
+  return el("div", { class: "progress" }, batchBar(batch),
+    el("span", { class: "progress-label" }, batch.finished + " / " + batch.total + " done (" + pct + "%)"));
+}
+
+function batchCounts(counts) {
+  const parts = STATUSES.filter((s) => counts[s]).map((s) => counts[s] + " " + s);
+  return parts.length ? parts.join(" · ") : "–";
+}
+
+function renderBatches(data) {
+  const signature = JSON.stringify(data.items) + "|" + state.selectedBatch;
+  if (signature === state.batchesSignature) return;
+  state.batchesSignature = signature;
+  const rows = data.items.map((b) => el("tr", { "data-batch-id": b.id, "data-status": b.status,
+    class: b.id === state.selectedBatch ? "selected" : "", onclick: () => selectBatch(b.id) },
+    el("td", { title: b.id }, el("code", {}, b.id.slice(0, 8))), el("td", {}, b.tenant),
+    el("td", {}, badge(b.status)), el("td", { class: "progress-cell" }, batchProgress(b)),
+    el("td", { class: "counts" }, batchCounts(b.counts)),
+    el("td", {}, el("span", { class: "meta", title: fmtMeta(b.metadata) }, fmtMeta(b.metadata))),
+    el("td", {}, fmtTime(b.created_at))));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7, class: "muted" }, "no batches yet (POST /v1/batches)")));
+  replaceRows($("batches-table").tBodies[0], rows);
+}
+
+function renderBatchDetail(batch) {
+  const signature = JSON.stringify(batch) + "|" + state.selectedJob;
+  if (signature === state.batchSignature) return;
+  state.batchSignature = signature;
+  const jobs = batch.jobs.map((job) => el("tr", { "data-job-id": job.id, "data-index": job.index,
+    class: job.id === state.selectedJob ? "selected" : "", onclick: () => selectJob(job.id, { scroll: true }) },
+    el("td", { class: "num" }, job.index), el("td", { title: job.id }, el("code", {}, job.id.slice(0, 8))),
+    el("td", {}, badge(job.status)), el("td", {}, el("span", { class: "meta", title: fmtMeta(job.metadata) }, fmtMeta(job.metadata))),
+    el("td", { class: "num" }, job.steps_used + (job.step_budget ? "/" + job.step_budget : "")),
+    el("td", { class: "num" }, fmtSeconds(job.wait_seconds)), el("td", { class: "num" }, fmtSeconds(job.run_seconds))));
+  const shown = batch.jobs.length < batch.total ? "first " + batch.jobs.length + " of " + batch.total + " jobs" : batch.total + " jobs";
+  $("batch-detail-body").replaceChildren(
+    el("h3", { class: "job-id" }, el("code", {}, batch.id), " ", badge(batch.status)),
+    kv([["tenant", batch.tenant], ["created", batch.created_at ? new Date(batch.created_at).toLocaleString() : null],
+      ["jobs", batchCounts(batch.counts)], ["metadata", fmtMeta(batch.metadata)]]),
+    batchProgress(batch),
+    el("h4", {}, "Jobs ", el("span", { class: "muted small" }, "(" + shown + ", in submission order)")),
+    el("table", { id: "batch-jobs-table", class: "clickable" },
+      el("thead", {}, el("tr", {}, ["#", "id", "status", "metadata", "steps", "wait", "run"].map((h) => el("th", {}, h)))),
+      el("tbody", {}, jobs)));
+  $("batch-detail-body").hidden = false;
+  $("batch-detail-empty").hidden = true;
+}
+
+async function selectBatch(id) {
+  state.selectedBatch = id;
+  state.batchSignature = null;
+  for (const row of $("batches-table").tBodies[0].rows) row.classList.toggle("selected", row.dataset.batchId === id);
+  try {
+    renderBatchDetail(await api("/v1/admin/batches/" + encodeURIComponent(id)));
+  } catch (err) { handleError(err); }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -226,16 +325,34 @@ function renderDetail(job) {
     el("h3", { class: "job-id" }, el("code", {}, job.id), " ", badge(job.status)),
     kv([["tenant", job.tenant], ["kind", job.kind], ["queue / class", job.queue + " / " + job.priority],
       ["attempt", job.attempt + " of " + job.max_attempts], ["worker", job.worker_id], ["model version", job.model_version],
-      ["request id", job.request_id], ["finish reason", job.finish_reason],
+      ["request id", job.request_id],
+      ["trace", job.trace_url ? el("a", { href: job.trace_url, target: "_blank", rel: "noopener noreferrer" }, job.trace_id)
+        : job.trace_id],
+      ["batch", job.batch_id ? el("a", { href: "#", class: "batch-link",
+        onclick: (event) => { event.preventDefault(); selectBatch(job.batch_id); } }, job.batch_id.slice(0, 8)) : null],
+      ["finish reason", job.finish_reason],
       ["wait / run", fmtSeconds(job.wait_seconds) + " / " + fmtSeconds(job.run_seconds)]]),
     el("h4", {}, "Steps"),
     el("div", { class: "muted" }, used + (budget ? " of " + budget + " denoising passes" : " denoising passes (no budget)")
       + (progress.blocks_done !== undefined ? " · " + progress.blocks_done + " blocks" : "")
       + (progress.tokens_committed !== undefined ? " · " + progress.tokens_committed + " tokens" : "")),
     el("div", { class: "bar" }, el("div", { style: "width:" + pct + "%" })),
-    el("h4", {}, "Timeline"),
-    el("ul", { class: "timeline" }, job.timeline.map((t) => el("li", {}, el("b", {}, t.event), " ", new Date(t.at).toLocaleString()))),
   ];
+  if (progress.prompt_tokens !== undefined && progress.prompt_tokens !== null) {
+    // Prefill: the prompt's tokens the engine has run (0 of N while it prefills, then N).
+    const done = progress.prompt_tokens_done || 0;
+    const ppct = progress.prompt_tokens ? Math.min(100, Math.round((100 * done) / progress.prompt_tokens)) : 100;
+    parts.push(el("h4", {}, "Prefill"),
+      el("div", { class: "muted", id: "job-prefill" }, done + " of " + progress.prompt_tokens + " prompt tokens"),
+      el("div", { class: "bar" }, el("div", { style: "width:" + ppct + "%" })));
+  }
+  if (job.metadata && Object.keys(job.metadata).length) {
+    parts.push(el("h4", {}, "Metadata"), el("div", { id: "job-metadata" },
+      kv(Object.entries(job.metadata).map(([k, v]) => [k, typeof v === "object" ? JSON.stringify(v) : String(v)]))));
+  }
+  parts.push(
+    el("h4", {}, "Timeline"),
+    el("ul", { class: "timeline" }, job.timeline.map((t) => el("li", {}, el("b", {}, t.event), " ", new Date(t.at).toLocaleString()))));
   if (job.usage) parts.push(el("h4", {}, "Usage"), kv(Object.entries(job.usage)));
   if (job.params) parts.push(el("h4", {}, "Params"), kv(Object.entries(job.params).map(([k, v]) => [k, typeof v === "object" ? JSON.stringify(v) : v])));
   if (job.error_code || job.error_message) {
@@ -246,11 +363,15 @@ function renderDetail(job) {
   $("job-detail-empty").hidden = true;
 }
 
-async function selectJob(id) {
+async function selectJob(id, options) {
   state.selectedJob = id;
-  for (const row of $("jobs-table").tBodies[0].rows) row.classList.toggle("selected", row.dataset.jobId === id);
+  for (const table of [$("jobs-table"), $("batch-jobs-table")]) {
+    if (!table) continue;
+    for (const row of table.tBodies[0].rows) row.classList.toggle("selected", row.dataset.jobId === id);
+  }
   try {
     renderDetail(await api("/v1/admin/jobs/" + encodeURIComponent(id)));
+    if (options && options.scroll) $("job-detail").scrollIntoView({ block: "nearest" });
   } catch (err) { handleError(err); }
 }
 
@@ -259,12 +380,15 @@ async function selectJob(id) {
 
 async function refresh() {
   try {
-    const [overview, jobs, latency] = await Promise.all([
-      api("/v1/admin/overview"), api("/v1/admin/jobs?" + filterQuery()), api("/v1/admin/latency?limit=200")]);
+    const [overview, jobs, latency, batches] = await Promise.all([
+      api("/v1/admin/overview"), api("/v1/admin/jobs?" + filterQuery()), api("/v1/admin/latency?limit=200"),
+      api("/v1/admin/batches?limit=20")]);
     showApp();
     renderOverview(overview);
     renderJobs(jobs);
     renderLatency(latency);
+    renderBatches(batches);
+    if (state.selectedBatch) renderBatchDetail(await api("/v1/admin/batches/" + encodeURIComponent(state.selectedBatch)));
     if (state.selectedJob) renderDetail(await api("/v1/admin/jobs/" + encodeURIComponent(state.selectedJob)));
     $("status-line").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.loaded = "true";
@@ -277,7 +401,8 @@ function handleError(err) {
     stop();
     state.key = null;
     sessionStorage.removeItem(KEY_STORAGE);
-    showLogin(err.message);
+    // No key was sent (the first visit): the sign-in form, without a refusal nobody asked for.
+    showLogin(err.key ? err.message : "");
   } else {
     $("status-line").textContent = "refresh failed: " + err.message;
   }
@@ -330,5 +455,26 @@ $("logout").addEventListener("click", () => {
 $("filters").addEventListener("change", refresh);
 $("filters").addEventListener("submit", (event) => { event.preventDefault(); refresh(); });
 
+// A one-time sign-in link (`cloverq up` prints <url>/dashboard#login=<code>): the code is in the
+// fragment, which the browser never sends; it is dropped from the address bar at once and traded,
+// once, for the key (POST /dashboard/login), which then lives in this tab like a typed one.
+async function signInWithLink() {
+  const match = /^#login=([A-Za-z0-9_-]+)$/.exec(location.hash);
+  if (!match) return false;
+  history.replaceState(null, "", location.pathname + location.search);
+  try {
+    const response = await fetch("/dashboard/login", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ code: match[1] }) });
+    const body = await response.json();
+    if (!response.ok) { showLogin(body.error && body.error.message || "This sign-in link did not work."); return true; }
+    state.key = body.key;
+    sessionStorage.setItem(KEY_STORAGE, body.key);
+    start();
+  } catch (err) {
+    showLogin("This sign-in link did not work: " + err.message);
+  }
+  return true;
+}
+
 // With a stored key, or with auth disabled on the server, the first refresh succeeds at once.
-start();
+signInWithLink().then((handled) => { if (!handled) start(); });

@@ -1,12 +1,12 @@
 """``/v1/admin``: operate the service (admin scope only). Every call writes an audit line.
 
 - workers: the live worker processes, their state and model version (worker registry);
-- queues: depth, cap and drain state; drain / resume (``scheduler.drain``);
+- queues: depth, cap and drain state; drain / resume (``scheduler.fleet.drain``);
 - limits: rate limits and caps, changed at runtime (Redis; every API process sees them);
 - keys: create / list / revoke API keys (the key is shown once, in the create response).
 
 Drains and limit changes are committed to SQL before Redis is written
-(``scheduler.operator_state``), so they survive a Redis restart.
+(``scheduler.fleet.operator_state``), so they survive a Redis restart.
 
 Model versions (list, activate, roll back) live in ``api/routes/admin_models.py``.
 """
@@ -41,15 +41,15 @@ from api.schemas.admin import (
     key_out,
 )
 from api.schemas.errors import error_responses
-from scheduler import drain, operator_state
-from scheduler.admission import effective_limits, mark_revoked, queue_depths
-from scheduler.audit import audit
-from scheduler.celery_app import create_celery_app
-from scheduler.keys import create_key, list_keys, revoke_key
-from scheduler.models import QueueName
-from scheduler.redis_client import get_redis
-from scheduler.settings import Settings
-from scheduler.workers import WorkerInfo, list_workers
+from scheduler.access.admission import effective_limits, mark_revoked, queue_depths
+from scheduler.access.api_keys import create_key, list_keys, revoke_key
+from scheduler.fleet import drain, operator_state
+from scheduler.fleet.workers import WorkerInfo, list_workers
+from scheduler.infra.celery_app import create_celery_app
+from scheduler.infra.redis_client import get_redis
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import QueueName
+from scheduler.observability.audit import audit
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 429, 503),
                    route_class=LimitedJsonRoute)

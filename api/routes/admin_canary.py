@@ -1,10 +1,10 @@
 """``/v1/admin/models/{name}/canary|promote|abort``: canary releases of a model version (admin).
 
-The same operations as ``cloverq model canary / promote / abort`` (``scheduler/canary.py``): each
-changes the model's one SQL row; canary workers and stable workers follow within their poll
-interval. Promotion is refused (409 ``canary_gate_refused``, with the tallies) while the canary
-finished too few jobs or fails more than the stable version (``scheduler/canary_gate.py``);
-``force`` overrides. Every call writes an audit line.
+The same operations as ``cloverq model canary / promote / abort``
+(``scheduler/model_versions/canary.py``): each changes the model's one SQL row; canary workers and
+stable workers follow within their poll interval. Promotion is refused (409 ``canary_gate_refused``,
+with the tallies) while the canary finished too few jobs or fails more than the stable version
+(``scheduler/model_versions/canary_gate.py``); ``force`` overrides. Every call writes an audit line.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from api.json_input import LimitedJsonRoute
 from api.routes.admin_models import ModelName, _audit, _models, _ready_by_version
 from api.schemas.admin_models import CanaryRequest, ModelOut, PromoteRequest
 from api.schemas.errors import error_responses
-from scheduler.canary import CanaryConflict, abort_canary, promote_canary, start_canary
-from scheduler.canary_gate import check_promotion
-from scheduler.model_versions import UnknownModelVersion, active_version
+from scheduler.model_versions.canary import CanaryConflict, abort_canary, promote_canary, start_canary
+from scheduler.model_versions.canary_gate import check_promotion
+from scheduler.model_versions.golden import golden_refusal
+from scheduler.model_versions.registry import UnknownModelVersion, active_version
 
 router = APIRouter(prefix="/v1/admin/models", tags=["admin"], responses=error_responses(401, 403, 429, 503),
                    route_class=LimitedJsonRoute)
@@ -79,6 +80,9 @@ def post_promote(
     current = active_version(session, name=name)
     if current is None or current.canary_version is None:
         raise ApiError(409, "canary_conflict", f"model {name!r} has no canary in effect", {"name": name})
+    golden = golden_refusal(session, name=name, version=current.canary_version)
+    if settings.canary.require_golden and golden is not None and not force:
+        raise ApiError(409, "canary_gate_refused", golden, {"golden": golden})
     report = check_promotion(session, activation=current, settings=settings)
     if not report.ok and not force:
         raise ApiError(409, "canary_gate_refused", "; ".join(report.reasons), report.as_dict())

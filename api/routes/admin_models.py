@@ -1,6 +1,6 @@
 """``/v1/admin/models``: registered model versions, and switching the active one (admin scope).
 
-Activation changes one SQL row (``scheduler.model_versions``); every worker serving the model
+Activation changes one SQL row (``scheduler.model_versions.registry``); every worker serving the model
 notices within its poll interval, drains, loads the version from the store, warms up and only
 then takes jobs again (``worker/model_switch.py``). Rollback is activating the previous version:
 nothing is copied. Every call writes an audit line.
@@ -27,11 +27,11 @@ from api.schemas.admin_models import (
     StoreComponent,
 )
 from api.schemas.errors import error_responses
-from scheduler.audit import audit
-from scheduler.model_versions import UnknownModelVersion, activate, list_active, list_registered
-from scheduler.redis_client import get_redis
-from scheduler.settings import Settings
-from scheduler.workers import list_workers
+from scheduler.fleet.workers import list_workers
+from scheduler.infra.redis_client import get_redis
+from scheduler.infra.settings import Settings
+from scheduler.model_versions.registry import UnknownModelVersion, activate, list_active, list_registered
+from scheduler.observability.audit import audit
 
 router = APIRouter(prefix="/v1/admin/models", tags=["admin"], responses=error_responses(401, 403, 429, 503),
                    route_class=LimitedJsonRoute)

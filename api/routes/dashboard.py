@@ -1,10 +1,13 @@
 """The operator dashboard (``/dashboard``) and the admin JSON endpoints it reads.
 
 The page itself is static HTML + one small script (``api/dashboard/``, no build step) and needs
-no key to load; the script asks for an admin key, keeps it in ``sessionStorage`` and sends it
-as ``Authorization: Bearer`` to the admin-scoped JSON endpoints below, which read SQL (the
+no key to load; the script asks for an admin key (or trades the one-time code of the sign-in
+link ``cloverq up`` prints for it: ``POST /dashboard/login``, ``api/dashboard_login.py``), keeps
+it in ``sessionStorage`` and sends it as ``Authorization: Bearer`` to the admin-scoped JSON
+endpoints below, which read SQL (the
 system of record) and the workers' metric snapshots in Redis. Payloads (prompts, outputs) are
-never returned here: operators see counts, timings and errors.
+never returned here: operators see counts, timings, errors and the clients' own job and batch
+``metadata`` (labels such as a contract id).
 """
 
 from __future__ import annotations
@@ -19,21 +22,26 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, HTMLResponse
+from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
-from api.deps import AdminCaller, RedisDep, SessionDep
+from api.dashboard_login import redeem_login_code
+from api.deps import AdminCaller, RedisDep, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.schemas.errors import error_responses
 from api.version_compare import canaries, compare_versions
-from scheduler import redis_keys
-from scheduler.metrics import read_version_invalid_retries, read_worker_snapshots
-from scheduler.model_versions import list_active
-from scheduler.models import Job, JobKind, JobStatus, QueueName
-from scheduler.workers import list_workers
+from scheduler.batches import service as batch_service
+from scheduler.batches.service import Batch, BatchJob, BatchSummary
+from scheduler.fleet.workers import list_workers
+from scheduler.infra import redis_keys
+from scheduler.jobs.models import Job, JobKind, JobStatus, QueueName
+from scheduler.model_versions.registry import list_active
+from scheduler.observability.metrics import read_version_invalid_retries, read_worker_snapshots
 
 DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
 LATENCY_WINDOW = 500  # finished jobs used for latency percentiles and the charts
 MAX_JOBS_PAGE = 200
+MAX_BATCHES_PAGE = 100
 # Tenant names as keys allow them; anything else (NUL bytes included) is a 422, not a SQL error.
 TENANT_QUERY_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
 
@@ -61,6 +69,22 @@ def dashboard_asset(asset: str) -> FileResponse:
     return FileResponse(
         DASHBOARD_DIR / asset, media_type=allowed[asset], headers={"Cache-Control": "no-store"}
     )
+
+
+class LoginCode(BaseModel):
+    """The one-time code of a sign-in link (``api/dashboard_login.py``)."""
+
+    code: str = Field(min_length=16, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")
+
+
+@router.post("/dashboard/login", include_in_schema=False)
+def dashboard_login(body: LoginCode, redis_client: RedisDep) -> dict[str, str]:
+    """Trade a sign-in link's one-time code for the key it stands for (once)."""
+    key = redeem_login_code(redis_client, body.code)
+    if key is None:
+        raise ApiError(401, "unauthorized", "This sign-in link was already used or has expired: sign "
+                       "in with an admin key (cloverq up prints the dev key, and a new link when restarted).")
+    return {"key": key}
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -300,7 +324,7 @@ def _hot_progress(redis_client: Any, job_id: uuid.UUID) -> dict[str, Any] | None
 
 @router.get("/v1/admin/jobs/{job_id}", responses=error_responses(404))
 def admin_job_detail(
-    job_id: str, session: SessionDep, redis_client: RedisDep, _: AdminCaller
+    job_id: str, session: SessionDep, redis_client: RedisDep, settings: SettingsDep, _: AdminCaller
 ) -> dict[str, Any]:
     """One job for the detail pane: timeline, steps, progress, error (no prompt, no output)."""
     try:
@@ -319,12 +343,105 @@ def admin_job_detail(
             "request_id": job.request_id,
             "cancel_requested": job.cancel_requested,
             "error_message": job.error_message,
-            "progress": _hot_progress(redis_client, job.id) or _without_payload(job.progress),
+            "progress": _with_prefill(
+                job, _hot_progress(redis_client, job.id) or _without_payload(job.progress)),
             "finish_reason": result.get("finish_reason"),
             "usage": result.get("usage"),
+            # The client's own labels (a contract id, a document name): what lets an operator
+            # find the job a pipeline asks about. Not a payload (no prompt, no output).
+            "metadata": job.meta,
+            "batch_id": str(job.batch_id) if job.batch_id is not None else None,
+            # The job's OpenTelemetry trace (docs/observability.md) and, with tracing_ui_url, a link.
+            "trace_id": job.trace_id,
+            "trace_url": _trace_url(settings.observability.tracing_ui_url, job.trace_id),
         }
     )
     return detail
+
+
+def _trace_url(template: str | None, trace_id: str | None) -> str | None:
+    """The operator's trace UI page of ``trace_id`` (a 32-hex id: nothing to escape)."""
+    if template is None or trace_id is None:
+        return None
+    return template.replace("{trace_id}", trace_id)
+
+
+def _with_prefill(job: Job, progress: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Progress with its prefill figures (``prompt_tokens_done`` of ``prompt_tokens``): a finished
+    job's come from its usage, and a succeeded job prefilled its whole prompt (as ``GET /v1/jobs``
+    shows it, api/presenters.py)."""
+    merged = dict(progress or {})
+    usage = (job.result or {}).get("usage") or {}
+    if merged.get("prompt_tokens") is None and isinstance(usage.get("prompt_tokens"), int):
+        merged["prompt_tokens"] = usage["prompt_tokens"]
+    if job.status == JobStatus.SUCCEEDED and merged.get("prompt_tokens") is not None:
+        merged["prompt_tokens_done"] = merged["prompt_tokens"]
+    return merged or None
+
+
+def _batch_row(summary: BatchSummary) -> dict[str, Any]:
+    """A batch as the dashboard lists it: the fields of ``GET /v1/batches/{id}`` plus its tenant."""
+    batch = summary.batch
+    return {
+        "id": str(batch.id),
+        "tenant": batch.tenant,
+        "status": summary.status.value,
+        "total": batch.total,
+        "finished": summary.finished,
+        "counts": summary.counts,
+        "created_at": _iso(batch.created_at),
+        "cancel_requested": batch.cancel_requested,
+        "metadata": batch.meta,
+    }
+
+
+@router.get("/v1/admin/batches")
+def admin_batches(
+    session: SessionDep,
+    _: AdminCaller,
+    tenant: Annotated[str | None, Query(max_length=128, pattern=TENANT_QUERY_PATTERN)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_BATCHES_PAGE)] = 20,
+) -> dict[str, Any]:
+    """Most recent batches across tenants, newest first, with their job counts by status (one
+    GROUP BY over the page's jobs; ``GET /v1/batches/{id}`` answers the same for one batch)."""
+    stmt = select(Batch).order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit)
+    if tenant:
+        stmt = stmt.where(Batch.tenant == tenant)
+    batches = list(session.scalars(stmt))
+    counts: dict[uuid.UUID, dict[str, int]] = {batch.id: {} for batch in batches}
+    if batches:
+        rows = session.execute(
+            select(Job.batch_id, Job.status, func.count())
+            .where(Job.batch_id.in_(list(counts)))
+            .group_by(Job.batch_id, Job.status)
+        ).all()
+        for batch_id, status, n in rows:  # one row per (batch, status) pair
+            if batch_id is not None:
+                counts[batch_id][str(status)] = int(n)
+    return {"items": [_batch_row(BatchSummary(batch=b, counts=counts[b.id])) for b in batches]}
+
+
+@router.get("/v1/admin/batches/{batch_id}", responses=error_responses(404))
+def admin_batch_detail(
+    batch_id: str,
+    session: SessionDep,
+    _: AdminCaller,
+    limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = 100,
+) -> dict[str, Any]:
+    """One batch and its first ``limit`` jobs in submission order (identity, state, timings and
+    metadata; no prompt, no output: ``GET /v1/batches/{id}/results`` is the client's route)."""
+    batch = batch_service.get_batch(session, batch_id=batch_id, tenant=None)
+    if batch is None:
+        raise ApiError(404, "batch_not_found", f"No batch with id '{batch_id}'.", {"batch_id": batch_id})
+    stmt = (
+        select(BatchJob.seq, Job)
+        .join(Job, Job.id == BatchJob.job_id)
+        .where(BatchJob.batch_id == batch.id)
+        .order_by(BatchJob.seq)
+        .limit(limit)
+    )
+    jobs = [{"index": seq, **_job_row(job), "metadata": job.meta} for seq, job in session.execute(stmt).all()]
+    return {**_batch_row(batch_service.summarize(session, batch)), "jobs": jobs}
 
 
 def _without_payload(progress: dict[str, Any] | None) -> dict[str, Any] | None:

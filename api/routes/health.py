@@ -20,7 +20,7 @@ from redis import Redis
 from sqlalchemy import text
 
 from api.schemas.health import Health, Readiness, ReadinessCheck
-from scheduler.workers import ready_workers
+from scheduler.fleet.workers import consuming_classes, ready_workers, unconsumed_classes
 
 router = APIRouter(tags=["health"])
 
@@ -35,8 +35,10 @@ async def healthz() -> Health:
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(request: Request, response: Response) -> Readiness:
-    """Ready when the database and Redis answer and at least one worker is ready, decided within
-    the readiness deadline (a check still running then has failed)."""
+    """Ready when the database and Redis answer, at least one worker is ready and no ready worker's
+    consumer is off a queue it should consume (``consumers``), decided within the readiness
+    deadline (a check still running then has failed). ``ready_workers`` counts, per queue, the
+    ready workers whose Celery consumer consumes it now (read back from the consumer itself)."""
     state = request.app.state
     deadline: float = state.settings.observability.readiness_timeout_seconds
     checks: dict[str, ReadinessCheck] = {}
@@ -48,14 +50,14 @@ async def readyz(request: Request, response: Response) -> Readiness:
 
     async def redis() -> None:
         found, queues = await _bounded(lambda: _check_redis(state.redis), deadline,
-                                       _timed_out(("redis", "workers"), deadline))
+                                       _timed_out(("redis", "workers", "consumers"), deadline))
         checks.update(found)
         per_queue.update(queues)
 
     async with anyio.create_task_group() as group:  # both at once: one deadline, not two
         group.start_soon(database)
         group.start_soon(redis)
-    ordered = {name: checks[name] for name in ("database", "redis", "workers")}
+    ordered = {name: checks[name] for name in ("database", "redis", "workers", "consumers")}
     ready = all(check.ok for check in ordered.values())
     if not ready:
         response.status_code = 503
@@ -95,8 +97,12 @@ def _check_redis(client: Redis) -> DependencyResult:
         client.ping()
         live_ready = ready_workers(client)
     except Exception as exc:
+        unreachable = ReadinessCheck(ok=False, detail="redis unreachable")
         return {"redis": ReadinessCheck(ok=False, detail=type(exc).__name__),
-                "workers": ReadinessCheck(ok=False, detail="redis unreachable")}, {}
-    per_queue = dict(sorted(Counter(queue for w in live_ready for queue in w.queues).items()))
+                "workers": unreachable, "consumers": unreachable}, {}
+    per_queue = dict(sorted(Counter(queue for w in live_ready for queue in consuming_classes(w)).items()))
     workers = ReadinessCheck(ok=len(live_ready) > 0, detail=f"{len(live_ready)} ready")
-    return {"redis": ReadinessCheck(ok=True), "workers": workers}, per_queue
+    off = {w.id: unconsumed_classes(w) for w in live_ready if unconsumed_classes(w)}
+    consumers = ReadinessCheck(ok=not off, detail="; ".join(
+        f"{worker} not consuming {', '.join(queues)}" for worker, queues in sorted(off.items())) or None)
+    return {"redis": ReadinessCheck(ok=True), "workers": workers, "consumers": consumers}, per_queue

@@ -9,7 +9,10 @@ Events, in order (``data`` is JSON):
   ``steps_used``, ``step_budget``, ``tokens_committed``, ``attempt``);
 - ``delta``: the text that block committed, ``{"attempt", "offset", "text"}`` (the job's text is
   ``text_so_far[:offset] + text``), plus ``reasoning_offset`` / ``reasoning`` for thinking mode;
-- ``result``: the final job, exactly ``GET /v1/jobs/{id}``; the stream ends after it.
+- ``result``: the final job, exactly ``GET /v1/jobs/{id}``; the stream ends after it. Just
+  before it, when the deltas sent do not add up to the stored text (a block the stream lost, the
+  last bytes the worker's decoder held back), one more ``delta`` (no ``id``) carries the rest, so
+  the deltas of every stream always add up to the job's stored ``result.text`` (and reasoning).
 
 ``progress`` and ``delta`` carry the stream entry id as the SSE ``id``: a client that reconnects
 with ``Last-Event-ID`` (browsers' ``EventSource`` do) or ``?after=`` resumes after it; without
@@ -32,12 +35,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import ReadCaller, visible_tenant
 from api.errors import ApiError
-from api.job_follow import Followed, follow_job, read_job
+from api.job_follow import Followed, completion, follow_job, read_job, rebuilt
 from api.json_input import LimitedJsonRoute
 from api.schemas.errors import error_responses
 from api.schemas.jobs import JobOut
 from api.sse import SSE_HEADERS, EventStreamResponse, sse_comment, sse_event
-from scheduler.job_stream import valid_entry_id
+from scheduler.jobs.event_stream import valid_entry_id
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 429),
                    route_class=LimitedJsonRoute)
@@ -78,6 +81,24 @@ def render(item: Followed) -> str:
     return text
 
 
+def final_delta(job: JobOut, answer: str, reasoning: str) -> dict[str, Any] | None:
+    """The ``delta`` that completes the text the stream's deltas built to the stored result (None
+    when they agree, or when the job has no text: failed, cancelled before any block)."""
+    result = job.result
+    if result is None:
+        return None
+    text = completion(answer, result.text or "")
+    thought = completion(reasoning, result.reasoning or "") if result.reasoning is not None else None
+    if text is None and thought is None:
+        return None
+    delta: dict[str, Any] = {"attempt": job.attempt, "offset": len(answer), "text": ""}
+    if text is not None:
+        delta["offset"], delta["text"] = text
+    if thought is not None:
+        delta["reasoning_offset"], delta["reasoning"] = thought
+    return delta
+
+
 @router.get(
     "/{job_id}/events",
     response_class=StreamingResponse,
@@ -108,8 +129,17 @@ async def job_events(
 
     async def body() -> AsyncIterator[str]:
         yield "retry: 1000\n\n"
+        answer = reasoning = ""  # what the deltas sent so far add up to
         async with aclosing(follow_job(request, parsed, tenant, after=resume, first=first)) as followed:
             async for item in followed:
+                if item.kind == "block" and item.event is not None:
+                    answer = rebuilt(answer, item.event.get("offset", 0), item.event.get("delta", ""))
+                    reasoning = rebuilt(reasoning, item.event.get("reasoning_offset", 0),
+                                        item.event.get("reasoning_delta", ""))
+                elif item.kind == "final" and item.job is not None and resume is None:
+                    rest = final_delta(item.job, answer, reasoning)
+                    if rest is not None:
+                        yield sse_event("delta", rest)
                 text = render(item)
                 if text:
                     yield text

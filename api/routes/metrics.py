@@ -1,9 +1,9 @@
 """``GET /metrics`` (Prometheus text exposition) and the request middleware that feeds it.
 
 :func:`install_observability` is the one call ``create_app`` makes: it adds
-:class:`ObservabilityMiddleware` (request id + HTTP metrics) and mounts ``/metrics`` and the
-operator dashboard. ``/metrics`` needs no key (scrapers run inside the deployment's network;
-it exposes counts, never payloads or tenants).
+:class:`ObservabilityMiddleware` (request id + HTTP metrics) and mounts ``/metrics``; the operator
+dashboard (``api/routes/dashboard.py``) reads the same gauges. ``/metrics`` needs no key (scrapers
+run inside the deployment's network; it exposes counts, never payloads or tenants).
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from typing import Any
 
 import anyio.to_thread
 from fastapi import APIRouter, FastAPI, Request, Response
+from opentelemetry.trace import SpanKind, StatusCode
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from scheduler.logging import REQUEST_ID_HEADER, accept_request_id, bind_request_id, get_logger
-from scheduler.metrics import record_http_request, render_metrics
-from scheduler.models import Job, JobStatus, QueueName
-from scheduler.settings import Settings
-from scheduler.workers import list_workers
+from scheduler.fleet.workers import consuming_classes, list_workers, unconsumed_classes
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job, JobStatus, QueueName
+from scheduler.observability import tracing
+from scheduler.observability.logging import REQUEST_ID_HEADER, accept_request_id, bind_request_id, get_logger
+from scheduler.observability.metrics import record_http_request, render_metrics
 
 log = get_logger(__name__)
 router = APIRouter(tags=["observability"])
@@ -29,6 +31,7 @@ router = APIRouter(tags=["observability"])
 UNMATCHED_ROUTE = "unmatched"
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _REQUEST_ID_HEADER_BYTES = REQUEST_ID_HEADER.lower().encode()
+_TRACE_ID_HEADER_BYTES = tracing.TRACE_ID_HEADER.lower().encode()
 
 
 class ObservabilityMiddleware:
@@ -43,6 +46,47 @@ class ObservabilityMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if tracing.enabled():
+            await self._traced(scope, receive, send)
+            return
+        await self._observed(scope, receive, send)
+
+    async def _traced(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The request inside a SERVER span continuing the client's ``traceparent``; a recorded
+        span's trace id is echoed in ``X-Trace-Id``. Only method, route template and status are
+        recorded (never the path's ids, the query or the body)."""
+        value = _header(scope, b"traceparent")
+        parent = tracing.extract({"traceparent": value} if value else None)
+        method = scope.get("method", "GET")
+        method = method if method in KNOWN_METHODS else "other"
+        with tracing.tracer().start_as_current_span(
+            method, context=parent, kind=SpanKind.SERVER,
+            attributes={"http.request.method": method},
+        ) as span:
+            ids = tracing.recorded_ids(span)
+            status_code = 500
+
+            async def send_with_trace_id(message: Message) -> None:
+                nonlocal status_code
+                if message["type"] == "http.response.start":
+                    status_code = int(message["status"])
+                    if ids is not None:
+                        headers = list(message.get("headers", []))
+                        headers.append((_TRACE_ID_HEADER_BYTES, ids[0].encode()))
+                        message["headers"] = headers
+                await send(message)
+
+            try:
+                await self._observed(scope, receive, send_with_trace_id)
+            finally:
+                template = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
+                span.update_name(f"{method} {template}")
+                span.set_attribute("http.route", template)
+                span.set_attribute("http.response.status_code", status_code)
+                if status_code >= 500:
+                    span.set_status(StatusCode.ERROR)
+
+    async def _observed(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         header = _header(scope, _REQUEST_ID_HEADER_BYTES)
         request_id = accept_request_id(header)
@@ -66,11 +110,13 @@ class ObservabilityMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", None) or UNMATCHED_ROUTE
             method = scope.get("method", "GET")
+            traced = tracing.recorded_ids() if tracing.enabled() else None  # the SERVER span's
             record_http_request(
                 route=template,
                 method=method if method in KNOWN_METHODS else "other",  # clients choose methods
                 status=status_code,
                 seconds=time.perf_counter() - started,
+                trace_id=traced[0] if traced else None,
             )
 
 
@@ -94,13 +140,24 @@ def queue_depths(session_factory: Any) -> dict[str, int]:
 
 
 def workers_ready(redis_client: Any) -> Mapping[str, int]:
-    """Ready workers per queue from the worker registry (every known queue listed, 0 when none)."""
+    """Ready workers per queue whose Celery consumer consumes it now (from the worker registry:
+    each consumer read back by its worker; every known queue listed, 0 when none)."""
     ready = {queue.value: 0 for queue in QueueName}
     for worker in list_workers(redis_client):  # a handful of workers
         if worker.is_ready:
-            for queue in worker.queues:
+            for queue in consuming_classes(worker):
                 ready[queue] = ready.get(queue, 0) + 1
     return ready
+
+
+def workers_unconsumed(redis_client: Any) -> Mapping[str, int]:
+    """Per queue, the ready workers that should consume it (by their own state) and do not."""
+    missing = {queue.value: 0 for queue in QueueName}
+    for worker in list_workers(redis_client):
+        if worker.is_ready:
+            for queue in unconsumed_classes(worker):
+                missing[queue] = missing.get(queue, 0) + 1
+    return missing
 
 
 @router.get("/metrics", include_in_schema=False)
@@ -116,16 +173,16 @@ async def metrics(request: Request) -> Response:
             redis_client,
             queue_depths=lambda: queue_depths(session_factory),
             workers_ready=lambda: workers_ready(redis_client),
+            workers_unconsumed=lambda: workers_unconsumed(redis_client),
             multiproc_dir=settings.observability.prometheus_multiproc_dir,
+            openmetrics="application/openmetrics-text" in request.headers.get("accept", ""),
         )
     )
     return Response(content=body, media_type=content_type)
 
 
 def install_observability(app: FastAPI) -> None:
-    """Add the request-id/metrics middleware and mount ``/metrics`` and the dashboard."""
-    from api.routes import dashboard  # local: dashboard imports this module's helpers
-
+    """Add the request-id/metrics middleware and mount ``/metrics`` (``create_app`` mounts the
+    dashboard, which builds on this module's helpers)."""
     app.add_middleware(ObservabilityMiddleware)
     app.include_router(router)
-    app.include_router(dashboard.router)

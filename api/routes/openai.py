@@ -40,8 +40,8 @@ from api.routes.jobs import MAX_IDEMPOTENCY_KEY_LENGTH
 from api.routes.jobs import _submit_blocking as submit_blocking  # THE submit path of POST /v1/jobs
 from api.schemas.jobs import GenerateJobCreate, JobOut
 from api.sse import SSE_HEADERS, EventStreamResponse, sse_comment, sse_event
-from scheduler.models import JobStatus
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import JobStatus
 
 DONE = "data: [DONE]\n\n"
 
@@ -146,12 +146,23 @@ class _Text:
 
 
 async def _stream(request: Request, caller: Caller, job: JobOut, *, chat: bool, model: str,
-                  stops: list[str], with_usage: bool, echo: str | None) -> AsyncIterator[str]:
+                  stops: list[str], with_usage: bool, echo: str | None,
+                  structured: bool = False, tools: bool = False) -> AsyncIterator[str]:
     """The SSE body of ``stream: true``: one chunk per committed block, the finish, ``[DONE]``.
-    Cancels the job if the client leaves before the end (or a stop sequence ends it early)."""
+    Cancels the job if the client leaves before the end (or a stop sequence ends it early).
+
+    ``structured`` (a ``response_format`` schema): the blocks hold the raw canvas (pads, closed
+    gates), not a prefix of the JSON read back from it, so the content is held and sent whole
+    with the finish: the deltas add up to the final JSON.
+
+    ``tools`` (tools that may be called): the content goes through ``oa.ToolCallHold`` (sent up
+    to the first ``<tool_call>``, the rest with the final status) and the calls the worker read
+    are sent as one ``delta.tool_calls`` chunk before the finish: the simple, always-correct
+    shape (a call is never sent half-parsed)."""
     tenant = visible_tenant(caller)
     answer = _Text(stops)
     reasoning = _Text()
+    hold = oa.ToolCallHold(stops) if tools else None
     thinking = bool((job.params or {}).get("thinking"))
     completed = False
     followed: AsyncGenerator[Followed, None] | None = None
@@ -186,6 +197,14 @@ async def _stream(request: Request, caller: Caller, job: JobOut, *, chat: bool, 
         async for item in followed:
             if item.kind == "keepalive":
                 yield sse_comment("keep-alive")
+            elif item.kind == "block" and structured:
+                yield sse_comment("keep-alive")  # content is sent whole at the end (docstring)
+            elif item.kind == "block" and item.event is not None and hold is not None:
+                event = item.event
+                answer.apply(event.get("offset"), event.get("delta"))
+                reasoning.apply(event.get("reasoning_offset"), event.get("reasoning_delta"))
+                content, more = hold.feed(answer.text), reasoning.take() if thinking else None
+                yield chunk(content, more) if content or more else sse_comment("keep-alive")
             elif item.kind == "block" and item.event is not None and not stopped:
                 event = item.event
                 answer.apply(event.get("offset"), event.get("delta"))
@@ -206,6 +225,17 @@ async def _stream(request: Request, caller: Caller, job: JobOut, *, chat: bool, 
                     yield DONE
                     return
                 result = final.result
+                if hold is not None:
+                    rest = hold.finish((result.text or "") if result else "")
+                    more_reasoning = reasoning.finish((result.reasoning or "") if result and thinking else "")
+                    if rest or more_reasoning:
+                        yield chunk(rest, more_reasoning or None)
+                    calls = oa.tool_calls_of(final)
+                    if calls:
+                        yield _data(oa.chat_chunk(final, model=model,
+                                                  delta={"tool_calls": oa.tool_call_deltas(calls)}))
+                    yield finish_chunks(oa.chat_finish_reason(final, hold.hit), oa.usage(final))
+                    return
                 rest = answer.finish((result.text or "") if result else "")
                 more_reasoning = reasoning.finish((result.reasoning or "") if result and thinking else "")
                 if rest or more_reasoning:
@@ -254,7 +284,9 @@ async def chat_completions(request: Request, caller: AdmittedSubmitCaller, setti
     stops = oa.stop_sequences(req.stop)
     if req.stream:
         return _streaming_response(request, caller, job, chat=True, model=model, stops=stops,
-                                   with_usage=oa.include_usage(req), echo=None)
+                                   with_usage=oa.include_usage(req), echo=None,
+                                   structured=oa.response_schema(req.response_format) is not None,
+                                   tools=bool(req.tools) and req.tool_choice != "none")
     return await _answer(request, caller, job,
                          lambda final: oa.chat_response(final, model=model, stops=stops))
 

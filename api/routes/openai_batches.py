@@ -11,7 +11,7 @@ Creating a batch validates every line as its endpoint (``/v1/chat/completions`` 
 its specs (``api/routes/batches.py``: same models and limits), so a bad line refuses the whole
 batch with a 400 naming the line; admission is all or nothing (``api/admission.py``
 ``admit_batch``: 429 before anything is stored). One cloverq batch holds the jobs (bulk class,
-submission order); ``scheduler/openai_batches.py`` keeps each line's ``custom_id``. The output
+submission order); ``scheduler/batches/openai_batches.py`` keeps each line's ``custom_id``. The output
 and error files (``output_file_id`` / ``error_file_id`` once the batch is final) are rendered
 from the jobs when read: one line per request, ``{"id", "custom_id", "response": {"status_code",
 "request_id", "body"}, "error"}``, in submission order.
@@ -39,11 +39,11 @@ from api.errors import ApiError, openai_error_body
 from api.presenters import job_out
 from api.prompt_tokens import PromptTokenCounter
 from api.routes.batches import _validate_specs as validate_specs  # the checks of POST /v1/batches
-from scheduler import batches as batch_service
-from scheduler import openai_batches as store
-from scheduler.batches import BatchStatus
-from scheduler.models import FINAL_STATUSES, Job, JobStatus, as_utc
-from scheduler.settings import Settings
+from scheduler.batches import openai_batches as store
+from scheduler.batches import service as batch_service
+from scheduler.batches.service import BatchStatus
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import FINAL_STATUSES, Job, JobStatus, as_utc
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = ("24h",)
@@ -372,7 +372,7 @@ def cancel_batch(
     batch_id: str, request: Request, session: SessionDep, caller: SubmitCaller
 ) -> dict[str, Any]:
     """OpenAI ``POST /batches/{id}/cancel``: queued jobs are cancelled at once, running ones stop
-    within a pass (``scheduler.batches.cancel_batch``)."""
+    within a pass (``scheduler.batches.service.cancel_batch``)."""
     row = _load(session, caller, batch_id)
     batch = batch_service.get_batch(session, batch_id=row.batch_id, tenant=None)
     assert batch is not None

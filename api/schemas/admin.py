@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from api.schemas.common import storable_text
-from scheduler.models import QueueName
+from scheduler.jobs.models import QueueName
 
 TenantName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 KeyId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{12}$")]
@@ -121,7 +121,7 @@ class KeyList(BaseModel):
 
 
 def key_out(info: Any) -> dict[str, Any]:
-    """A ``scheduler.keys.KeyInfo`` as the fields of :class:`KeyOut`."""
+    """A ``scheduler.access.api_keys.KeyInfo`` as the fields of :class:`KeyOut`."""
     return {
         "key_id": info.key_id,
         "tenant": info.tenant,

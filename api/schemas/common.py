@@ -21,7 +21,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, AllowInfNan, Field
 
-from scheduler.models import as_utc
+from scheduler.jobs.models import as_utc
 
 MAX_METADATA_KEYS = 32
 

@@ -9,6 +9,7 @@ that depend on the deployment (``max_new_tokens`` etc.) are checked against ``Se
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -26,21 +27,54 @@ from api.schemas.common import (
     Text,
 )
 from api.schemas.decisions import DecideInput, DecideParams
-from scheduler.queue_names import PRIORITY_CLASSES
-from scheduler.routing import PRIORITY_ALIASES
+from api.schemas.extract import ExtractInput, ExtractParams
+from scheduler.infra.queue_names import PRIORITY_CLASSES
+from scheduler.jobs.routing import PRIORITY_ALIASES
 
 MAX_MESSAGES = 256
+MAX_TOOL_CALLS = 128  # calls of one assistant turn
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ChatMessage(_Strict):
-    """One chat turn; the worker renders the checkpoint's chat template."""
+class ToolCallFunction(_Strict):
+    name: Text
+    arguments: Text = Field(description="The call's arguments: a JSON object, as text (OpenAI's shape).")
 
-    role: Literal["system", "user", "assistant"]
+
+class ToolCall(_Strict):
+    """A call an earlier assistant turn made (rendered back through the chat template)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Strict):
+    """One chat turn; the worker renders the checkpoint's chat template. ``tool_calls`` only on
+    an assistant turn, ``tool_call_id`` only on a ``tool`` turn (a tool's result)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: Text
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries 'tool_calls'")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message carries 'tool_call_id'")
+        for call in self.tool_calls or ():
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise ValueError(f"tool call {call.id!r}: 'arguments' must be a JSON object as text")
+        return self
 
 
 class GenerateInput(_Strict):
@@ -48,18 +82,44 @@ class GenerateInput(_Strict):
 
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    response_schema: dict[str, Any] | None = Field(
+        None, description="A JSON Schema (the subset in docs/structured.md): the result's text is the "
+        "JSON of a value valid against it by construction, data the value. Outside the subset or over "
+        "settings.limits.max_schema_bytes / max_schema_depth: 400 invalid_schema, "
+        "unsupported_schema_keyword or schema_too_large, nothing stored.",
+    )
+    tools: list[Any] | None = Field(
+        None, description="Functions the model may call, OpenAI's shape ({\"type\": \"function\", "
+        "\"function\": {\"name\", \"description\", \"parameters\"}}), rendered by the chat template "
+        "(messages only). At most settings.limits.max_tools; parameters inside the schema subset "
+        "(docs/structured.md#tools). The result's tool_calls holds the calls parsed from the output.",
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto (default with tools), required, or {\"type\": \"function\", "
+        "\"function\": {\"name\": ...}}; named and required calls are valid by construction.",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call is returned.")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> GenerateInput:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.prompt is not None and (self.tools or self.tool_choice not in (None, "none")):
+            raise ValueError("tools need chat 'messages' (the chat template renders them)")
+        if self.response_schema is not None and self.tools and self.tool_choice != "none":
+            raise ValueError("give 'response_schema' or 'tools', not both")
         return self
 
     def text_parts(self) -> list[str]:
         """Every piece of user-supplied text (for size and token-count limits)."""
         if self.prompt is not None:
             return [self.prompt]
-        return [message.content for message in self.messages or ()]
+        parts = [message.content for message in self.messages or ()]
+        parts += [call.function.name + call.function.arguments for message in self.messages or ()
+                  for call in message.tool_calls or ()]
+        if self.tools and self.tool_choice != "none":  # rendered into the prompt by the template
+            parts.append(json.dumps(self.tools, ensure_ascii=False))
+        return parts
 
 
 class GenerateParams(_Strict):
@@ -94,7 +154,7 @@ class GenerateParams(_Strict):
 
 
 # Classes a client may ask for, plus the aliases high/normal/low: derived from
-# scheduler.queue_names.PRIORITY_CLASSES and scheduler.routing.PRIORITY_ALIASES.
+# scheduler.infra.queue_names.PRIORITY_CLASSES and scheduler.jobs.routing.PRIORITY_ALIASES.
 PRIORITY_NAMES: tuple[str, ...] = (*(q.value for q in PRIORITY_CLASSES), *PRIORITY_ALIASES)
 if TYPE_CHECKING:
     Priority = str
@@ -132,8 +192,16 @@ class DecideJobCreate(_JobCreateBase):
     params: DecideParams = Field(default_factory=DecideParams)
 
 
+class ExtractJobCreate(_JobCreateBase):
+    """Create an extract job: a value valid against a JSON Schema, read from a document."""
+
+    kind: Literal["extract"]
+    input: ExtractInput
+    params: ExtractParams = Field(default_factory=ExtractParams)
+
+
 # Add new kinds here; the discriminator picks the model by ``kind``.
-JobCreate = Annotated[GenerateJobCreate | DecideJobCreate, Field(discriminator="kind")]
+JobCreate = Annotated[GenerateJobCreate | DecideJobCreate | ExtractJobCreate, Field(discriminator="kind")]
 
 
 class JobProgress(BaseModel):
@@ -144,6 +212,10 @@ class JobProgress(BaseModel):
     steps_used: int | None = None
     step_budget: int | None = None
     tokens_committed: int | None = None
+    # Prompt positions to prefill, and how many are done: 0 of N while the first pass prefills
+    # (a long prompt takes a while before its first block), N after.
+    prompt_tokens: int | None = None
+    prompt_tokens_done: int | None = None
     partial_text: str | None = None
 
 
@@ -158,6 +230,19 @@ class JobResult(BaseModel):
     mode: str | None = Field(None, description="decide: independent | joint.")
     answers: list[dict[str, Any]] | None = Field(
         None, description='decide: [{"id", "choice", "confidence", "rationale"?}] in question order.'
+    )
+    data: Any = Field(
+        None, description="extract, and generate with a response_schema: the value read from the output, "
+        "valid against the schema by construction (text is its JSON).",
+    )
+    confidence: dict[str, float] | None = Field(
+        None, description="extract, and generate with a response_schema: the probability of each choice "
+        "field (enum, boolean, small integer range), keyed by JSON pointer ('/' for the whole value).",
+    )
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description='generate with tools: the calls read from the output, OpenAI\'s shape '
+        '[{"id", "type": "function", "function": {"name", "arguments"}}] (arguments: JSON text); text is '
+        "then the content outside the calls.",
     )
 
 
@@ -203,6 +288,10 @@ class JobOut(BaseModel):
     error: JobErrorInfo | None = None
     timings: JobTimings
     cancel_requested: bool = False
+    trace_id: str | None = Field(
+        None, description="The job's OpenTelemetry trace (32 hex digits) when tracing recorded its submit; "
+        "null otherwise (tracing off or not sampled).",
+    )
 
 
 class JobList(BaseModel):

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-from scheduler.models import UTCDateTime
+from scheduler.jobs.models import UTCDateTime
 
 revision = "0001_jobs"
 down_revision = None

@@ -1,4 +1,4 @@
-"""API keys (only a sha256 digest of each key is stored; see scheduler/keys.py).
+"""API keys (only a sha256 digest of each key is stored; see scheduler/access/api_keys.py).
 
 Revision ID: 0002_api_keys
 Revises: 0001_jobs
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from scheduler.models import UTCDateTime
+from scheduler.jobs.models import UTCDateTime
 
 revision = "0002_api_keys"
 down_revision = "0001_jobs"

@@ -1,4 +1,4 @@
-"""Model versions: registered versions per model and the active one (scheduler/model_versions.py).
+"""Model versions: registered versions per model and the active one (scheduler/model_versions/registry.py).
 
 Revision ID: 0004_model_versions
 Revises: 0003_batches
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from scheduler.models import UTCDateTime
+from scheduler.jobs.models import UTCDateTime
 
 revision = "0004_model_versions"
 down_revision = "0003_batches"

@@ -1,4 +1,5 @@
-"""OpenAI Batch API: uploaded files and OpenAI batches over cloverq batches (scheduler/openai_batches.py).
+"""OpenAI Batch API: uploaded files and OpenAI batches over cloverq batches
+(scheduler/batches/openai_batches.py).
 
 Revision ID: 0005_openai_batches
 Revises: 0004_model_versions
@@ -10,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-from scheduler.models import UTCDateTime
+from scheduler.jobs.models import UTCDateTime
 
 revision = "0005_openai_batches"
 down_revision = "0004_model_versions"

@@ -1,5 +1,5 @@
 """Operator state: drained queues and limit overrides, the SQL record of what Redis mirrors
-(scheduler/operator_state.py).
+(scheduler/fleet/operator_state.py).
 
 Revision ID: 0008_operator_state
 Revises: 0007_canary
@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from alembic import op
 
-from scheduler.models import UTCDateTime
+from scheduler.jobs.models import UTCDateTime
 
 revision = "0008_operator_state"
 down_revision = "0007_canary"
@@ -30,7 +30,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("kind", "name", name="pk_operator_state"),
     )
     # Until the first restore: import what Redis holds (state set before this revision) instead
-    # of overwriting it with this empty table (scheduler.operator_state._adopt).
+    # of overwriting it with this empty table (scheduler.fleet.operator_state._adopt).
     op.bulk_insert(table, [{"kind": "meta", "name": "adopt_redis", "value": None,
                             "updated_at": datetime.now(UTC)}])
 

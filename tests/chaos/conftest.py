@@ -17,6 +17,7 @@ on logs a SIGKILLed process may not have flushed.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -37,16 +38,20 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import create_engine, text
 
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 from tests.conftest import FAST_JOB_SETTINGS, ProcessLauncher, ServiceProcess, free_port, wait_for
 
 FINAL = ("succeeded", "failed", "cancelled")
+# The repeated-kill test SIGKILLs a busy worker this many times. One job can be running on the
+# victim of every round (killed on A, re-claimed by B, B killed, re-claimed by A', ...), and each
+# kill costs it an attempt: only attempts above the kill count guarantee that every job succeeds.
+REPEATED_KILLS = 3
 CHAOS_SETTINGS: dict[str, Any] = {
     **FAST_JOB_SETTINGS,
     "auth": "disabled",  # no key store round trips and no per-key rate limit under load
     "rate_limit_per_second": 0,
     "tenant_max_active_jobs": 100_000,
-    "max_attempts": 3,
+    "max_attempts": REPEATED_KILLS + 1,
 }
 # A tiny job: one 4-token block, one denoising pass.
 TINY_PARAMS: dict[str, Any] = {"max_new_tokens": 4, "steps_per_block": 1, "seed": 1}
@@ -214,11 +219,24 @@ class ChaosStack:
         self.workers.extend(started)
         return started
 
+    def spawn_worker(self) -> ServiceProcess:
+        """Start one worker without waiting for it: where a poison job may kill it while it starts
+        (Celery consumes before the registry says ready), its death is an outcome, not a failure."""
+        service = self.launcher.start_worker(self.settings, wait_ready=False)
+        self.workers.append(service)
+        return service
+
     def live_workers(self) -> list[ServiceProcess]:
         self.workers = [w for w in self.workers if w.proc.poll() is None]
         return self.workers
 
     def ensure_workers(self, count: int) -> None:
+        """``count`` live, ready workers: waits for spawned ones (a death while starting only
+        means one more to start), then starts what is missing."""
+        for service in [w for w in self.live_workers() if w.worker_id is None]:
+            # A death while starting (a poison job) is dropped by live_workers() below.
+            with contextlib.suppress(pytest.fail.Exception):
+                self.launcher.wait_ready(service, self.settings, timeout=120)
         missing = count - len(self.live_workers())
         if missing > 0:
             self.start_workers(missing)
@@ -295,9 +313,34 @@ class ChaosStack:
                             f"tail:\n{self.beat.log()[-1500:]}")
             time.sleep(0.25)
 
+    def unfinished_jobs(self) -> list[str]:
+        """Every job in SQL that is not final yet (a failed test can leave some behind)."""
+        with self.engine.connect() as conn:
+            found = conn.execute(text(
+                "SELECT id FROM jobs WHERE status NOT IN ('succeeded', 'failed', 'cancelled')"))
+            return [str(row[0]) for row in found]
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Cancel what a failed test left running and wait for it: a poison job still being
+        retried, or a stalled one, must not kill or occupy the next test's workers. Never
+        raises: it only keeps one failure from becoming several."""
+        try:
+            leftover = self.unfinished_jobs()
+            if not leftover:
+                return
+            with self.client() as client:
+                for job_id in leftover:
+                    client.post(f"/v1/jobs/{job_id}/cancel")
+            deadline = time.monotonic() + timeout
+            while self.unfinished_jobs() and time.monotonic() < deadline:
+                time.sleep(0.25)
+            print(f"chaos: cancelled {len(leftover)} jobs a test left unfinished", file=sys.stderr)
+        except Exception as exc:  # best effort between tests
+            print(f"chaos: could not settle leftover jobs: {exc!r}", file=sys.stderr)
+
     def whereabouts(self, job_id: str, row: dict[str, Any] | None) -> dict[str, Any]:
         """Where a stuck job is: its SQL row, its enqueued marker, its message (queue or unacked)."""
-        from scheduler import redis_keys
+        from scheduler.infra import redis_keys
 
         found: dict[str, Any] = {k: (row or {}).get(k) for k in ("status", "attempt", "worker_id")}
         try:
@@ -326,6 +369,16 @@ class ChaosStack:
         assert not bad_attempts, f"attempts out of range: {bad_attempts}"
 
 
+@pytest.fixture(autouse=True)
+def _settled_after_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each chaos test leaves its jobs final when it passes; when one fails, this cancels what it
+    left so that one failure stays one failure instead of failing every test after it."""
+    yield
+    if "chaos_stack" in request.fixturenames:
+        stack: ChaosStack = request.getfixturevalue("chaos_stack")
+        stack.settle()
+
+
 def _wait_http(url: str, proc: ServiceProcess, timeout: float) -> None:
     def up() -> bool:
         if proc.proc.poll() is not None:
@@ -348,7 +401,7 @@ def start_api(launcher: ProcessLauncher, settings: Settings) -> tuple[ServicePro
 
 @pytest.fixture(scope="package")
 def chaos_stack(demo_checkpoint: Path) -> Iterator[ChaosStack]:
-    from scheduler.db import migrate
+    from scheduler.infra.db import migrate
 
     root = Path(tempfile.mkdtemp(prefix="cloverq-chaos-"))
     root.chmod(0o755)  # the postgres user must reach its cluster dir below

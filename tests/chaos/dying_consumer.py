@@ -15,12 +15,12 @@ import sys
 
 from kombu import Queue
 
-from scheduler.celery_app import create_celery_app
-from scheduler.db import get_session_factory
-from scheduler.enqueue import publish_job
-from scheduler.jobs import submit_job
-from scheduler.redis_client import get_redis
-from scheduler.settings import get_settings
+from scheduler.infra.celery_app import create_celery_app
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.redis_client import get_redis
+from scheduler.infra.settings import get_settings
+from scheduler.jobs.enqueue import publish_job
+from scheduler.jobs.service import submit_job
 
 
 def main() -> None:

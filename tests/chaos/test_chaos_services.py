@@ -79,7 +79,8 @@ def test_redis_flushed_mid_run_every_accepted_job_completes(chaos_stack: ChaosSt
 def test_postgres_restarted_mid_run_503_during_outage_then_recovers(chaos_stack: ChaosStack) -> None:
     stack = chaos_stack
     if stack.postgres is None:
-        pytest.skip("no PostgreSQL binaries (initdb/pg_ctl) for a throwaway cluster")
+        pytest.skip("no PostgreSQL server binaries (initdb/pg_ctl) for a throwaway cluster "
+                    "(apt-get install -y postgresql)")
     stack.ensure_workers(2)
     outage: list[tuple[int, float]] = []  # (status, seconds) of submissions while the DB is down
     with stack.client(timeout=15.0) as client:

@@ -11,7 +11,7 @@ from typing import Any
 import uvicorn
 
 from api.app import create_app
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 from tests.conftest import free_port
 
 

@@ -22,12 +22,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.app import create_app
-from scheduler import redis_keys
-from scheduler.admission import queue_depths
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import create_key
-from scheduler.models import Job
-from scheduler.settings import Settings
+from scheduler.access.admission import queue_depths
+from scheduler.access.api_keys import create_key
+from scheduler.infra import redis_keys
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job
 
 pytestmark = pytest.mark.integration
 
@@ -140,7 +140,8 @@ def test_a_batch_is_refused_by_the_bulk_queue_at_its_cap(make_stack: Callable[..
     assert refused.status_code == 429, refused.text
     error = refused.json()["error"]
     assert error["code"] == "queue_full"
-    assert error["details"] == {"queue": "bulk", "depth": 5, "max_depth": 5}
+    assert error["details"] == {"queue": "bulk", "depth": 5, "max_depth": 5,
+                                "setting": "CLOVERQ_QUEUE_MAX_DEPTH"}
     assert stack.stored() == {} and stack.reservations() == 0
 
 
@@ -155,7 +156,7 @@ def test_interactive_at_its_cap_does_not_refuse_a_bulk_batch(make_stack: Callabl
     assert stack.depths() == {"interactive": 3, "standard": 0, "bulk": 4, "joint": 0}
     # The batch's jobs count against bulk: 6 more fit its cap of 10, 7 do not.
     assert stack.post("/v1/batches", {"jobs": [SHORT] * 7}).json()["error"]["details"] == {
-        "queue": "bulk", "depth": 4, "max_depth": 10}
+        "queue": "bulk", "depth": 4, "max_depth": 10, "setting": "CLOVERQ_QUEUE_MAX_DEPTH"}
     assert stack.post("/v1/batches", {"jobs": [SHORT] * 6}).status_code == 202
     assert stack.stored() == {"bulk": 10} and stack.depths()["bulk"] == 10
     assert stack.reservations() == 0

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 import redis as redis_lib
 
-from scheduler import redis_keys
-from scheduler.admission import Admission, AdmissionRefused, forget_admitted
-from scheduler.redis_keys import LIMITS_KEY, REVOKED_SET
-from scheduler.settings import Settings
+from scheduler.access.admission import Admission, AdmissionRefused, forget_admitted
+from scheduler.infra import redis_keys
+from scheduler.infra.redis_keys import LIMITS_KEY, REVOKED_SET
+from scheduler.infra.settings import Settings
 
 pytestmark = pytest.mark.integration
 

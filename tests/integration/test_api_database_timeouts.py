@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from api.app import create_app
-from scheduler.db import DatabaseTimeouts, make_engine
-from scheduler.settings import Settings
+from scheduler.infra.db import DatabaseTimeouts, make_engine
+from scheduler.infra.settings import Settings
 
 pytestmark = pytest.mark.integration
 

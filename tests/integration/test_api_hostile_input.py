@@ -24,10 +24,10 @@ from sqlalchemy import func, select
 
 from api.app import create_app
 from api.schemas.jobs import JobList
-from scheduler.batches import Batch, BatchJob
-from scheduler.db import get_session_factory
-from scheduler.models import Job
-from scheduler.settings import Settings
+from scheduler.batches.service import Batch, BatchJob
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job
 
 pytestmark = pytest.mark.integration
 

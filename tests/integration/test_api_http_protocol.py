@@ -35,10 +35,10 @@ async def _ok_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+def serve_ok_app(protocol: type[JsonHttpToolsProtocol]) -> Iterator[int]:
+    """A real uvicorn on loopback serving ``_ok_app`` with ``protocol``; yields its port."""
     port = free_port()
-    config = uvicorn.Config(_ok_app, host="127.0.0.1", port=port, http=SmallHeads, lifespan="off",
+    config = uvicorn.Config(_ok_app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
                             log_level="error")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -50,6 +50,11 @@ def port() -> Iterator[int]:
     yield port
     server.should_exit = True
     thread.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    yield from serve_ok_app(SmallHeads)
 
 
 def _exchange(port: int, *chunks: bytes) -> tuple[int, dict[str, str], bytes]:

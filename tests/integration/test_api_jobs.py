@@ -17,10 +17,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.app import create_app
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import create_key
-from scheduler.models import Job
-from scheduler.settings import Settings
+from scheduler.access.api_keys import create_key
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job
 
 pytestmark = pytest.mark.integration
 
@@ -208,18 +208,22 @@ def test_tenants_see_only_their_own_jobs(make_settings: Callable[..., Settings],
 def test_readyz_reports_database_redis_and_ready_workers(client: TestClient, api_settings: Settings) -> None:
     import redis
 
-    from scheduler.workers import ready_workers
+    from scheduler.fleet.workers import ready_workers, unconsumed_classes
 
     response = client.get("/readyz")
     checks = response.json()["checks"]
     assert checks["database"]["ok"] is True
     assert checks["redis"]["ok"] is True
-    # Workers of other tests may share this Redis: readiness must agree with the registry.
+    # Workers of other tests may share this Redis: readiness must agree with the registry (ready
+    # workers, and none of them off a queue its own state says it consumes).
     registry = redis.Redis.from_url(api_settings.resolved_redis_url, decode_responses=True)
-    has_workers = len(ready_workers(registry)) > 0
+    live = ready_workers(registry)
+    has_workers = len(live) > 0
+    all_consuming = not any(unconsumed_classes(w) for w in live)
     assert checks["workers"]["ok"] is has_workers
-    assert response.status_code == (200 if has_workers else 503)
-    assert response.json()["ready"] is has_workers
+    assert checks["consumers"]["ok"] is all_consuming
+    assert response.status_code == (200 if has_workers and all_consuming else 503)
+    assert response.json()["ready"] is (has_workers and all_consuming)
 
 
 def test_openapi_documents_the_job_routes(client: TestClient) -> None:

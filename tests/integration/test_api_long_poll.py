@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,10 +21,10 @@ from sqlalchemy import update
 
 import api.routes.jobs as jobs_routes
 from api.app import create_app
-from scheduler.db import make_engine, session_factory
-from scheduler.job_events import publish_finished
-from scheduler.models import Job, utcnow
-from scheduler.settings import Settings
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.finished_notice import publish_finished
+from scheduler.jobs.models import Job, utcnow
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +32,11 @@ BODY = {"kind": "generate", "input": {"prompt": "Hello"}, "params": {"max_new_to
 
 
 @pytest.fixture
-def settings(make_settings: Callable[..., Settings], demo_checkpoint: Path) -> Settings:
-    return make_settings(model_dir=demo_checkpoint, auth="disabled", fault_injection=False)
+def settings(make_settings: Callable[..., Settings], demo_checkpoint: Path, db_backend_url: str) -> Settings:
+    # Both backends: the finisher writes the id through SQLAlchemy's Uuid type, which binds a
+    # string on PostgreSQL but needs a uuid.UUID on SQLite (the embedded default).
+    return make_settings(model_dir=demo_checkpoint, auth="disabled", fault_injection=False,
+                         database_url=db_backend_url)
 
 
 @pytest.fixture
@@ -48,7 +52,7 @@ def _finish_later(settings: Settings, job_id: str, delay: float) -> threading.Th
         time.sleep(delay)
         engine = make_engine(settings.resolved_database_url)
         with session_factory(engine)() as session:
-            session.execute(update(Job).where(Job.id == job_id).values(
+            session.execute(update(Job).where(Job.id == uuid.UUID(job_id)).values(
                 status="succeeded", result={"text": "done", "token_ids": [1]}, finished_at=utcnow()))
             session.commit()
         engine.dispose()

@@ -1,6 +1,6 @@
 """The submit path sets the job's enqueued marker inside the admission round trip.
 
-The marker (``scheduler.redis_keys.enqueued``) tells the reconciler a queued row has a message
+The marker (``scheduler.infra.redis_keys.enqueued``) tells the reconciler a queued row has a message
 in Redis. The API sets it with the admission script, before the row is inserted, so it must be
 there for an accepted job and absent after anything that stores no job under that id.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import redis as redis_lib
 
-from scheduler import redis_keys
+from scheduler.infra import redis_keys
 from tests.integration.test_security_api import JOB, Stack, bearer, make_stack, stack, tenant_name
 
 __all__ = ["make_stack", "stack"]  # fixtures shared with the security tests

@@ -11,8 +11,8 @@ import redis as redis_lib
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from scheduler.redis_keys import JOBS_FINISHED_CHANNEL
-from scheduler.settings import Settings
+from scheduler.infra.redis_keys import JOBS_FINISHED_CHANNEL
+from scheduler.infra.settings import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -18,10 +18,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.app import create_app
-from scheduler.batches import Batch
-from scheduler.db import get_session_factory
-from scheduler.models import Job
-from scheduler.settings import Settings
+from scheduler.batches.service import Batch
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +82,23 @@ def test_json_batch_stored_with_counts_and_results_in_submission_order(
         stored = session.get(Batch, uuid.UUID(batch["id"]))
         assert stored is not None and stored.total == 12 and stored.meta == {"run": "nightly"}
         assert session.scalar(select(func.count()).select_from(Job).where(Job.batch_id == stored.id)) == 12
+
+
+def test_results_pages_by_keyset_into_the_same_lines(client: TestClient, sessions: Any) -> None:
+    """The one keyset pager (``batches.service.iter_batch_jobs``) under both batch APIs: pages of 5
+    over 12 jobs (two full pages and a short one) give the lines one page gives, in submission order."""
+    from scheduler.batches import openai_batches, service
+
+    response = client.post("/v1/batches", json={"jobs": [_decide(i) for i in range(12)]})
+    assert response.status_code == 202, response.text
+    batch_id = uuid.UUID(response.json()["id"])
+    whole = list(service.iter_results(sessions, batch_id=batch_id))
+    assert [line["index"] for line in whole] == list(range(12))
+    assert list(service.iter_results(sessions, batch_id=batch_id, page=5)) == whole
+    assert list(service.iter_results(sessions, batch_id=batch_id, page=6)) == whole  # a last full page
+    pairs = list(openai_batches.iter_batch_jobs(sessions, batch_id=batch_id, page=5))
+    assert [(seq, str(job.id)) for seq, job in pairs] == [(line["index"], line["job_id"]) for line in whole]
+    assert [job.meta for _, job in pairs] == [line["metadata"] for line in whole]  # detached, still loaded
 
 
 def test_jsonl_body_and_multipart_upload(client: TestClient) -> None:

@@ -21,22 +21,28 @@ import redis as redis_lib
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from scheduler.canary import CanaryConflict, abort_canary, current_route, promote_canary, start_canary
-from scheduler.canary_gate import check_promotion
-from scheduler.canary_reconcile import heal_pins
-from scheduler.canary_routing import route_version
-from scheduler.db import get_session_factory
-from scheduler.jobs import submit_job
-from scheduler.lifecycle import claim_job, finish_job
-from scheduler.model_versions import (
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.lifecycle import claim_job, finish_job
+from scheduler.jobs.models import Job, JobStatus, utcnow
+from scheduler.jobs.service import submit_job
+from scheduler.model_versions.canary import (
+    CanaryConflict,
+    abort_canary,
+    current_route,
+    promote_canary,
+    start_canary,
+)
+from scheduler.model_versions.canary_gate import check_promotion
+from scheduler.model_versions.canary_reconcile import heal_pins
+from scheduler.model_versions.canary_routing import route_version
+from scheduler.model_versions.registry import (
     UnknownModelVersion,
     activate,
     active_version,
     ensure_active,
     register_version,
 )
-from scheduler.models import Job, JobStatus, utcnow
-from scheduler.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +100,7 @@ def test_canary_pins_fence_transitions_gate_and_reconciler(
         assert claimed is not None and claimed.routed_version == "v2"
 
         # The gate: one canary job finished (failed) against one stable success.
-        from scheduler.lifecycle import Lease
+        from scheduler.jobs.lifecycle import Lease
 
         assert finish_job(session, lease=Lease(first, 1), status=JobStatus.FAILED, settings=settings)
         stable_claim = claim_job(session, job_id=stable_jobs[0].id, worker_id="w1", model_version="v1@x",
@@ -154,7 +160,7 @@ def test_cli_canary_promote_refused_then_forced_and_abort(
     from click.testing import CliRunner
 
     from cli.main import cli
-    from scheduler.settings import get_settings
+    from scheduler.infra.settings import get_settings
 
     name = f"cc-{os.urandom(3).hex()}"
     settings = make_settings(served_model=name, canary_min_jobs=5)

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 from tests.conftest import ProcessLauncher, clear_leftover_jobs, wait_for
 
 pytestmark = pytest.mark.integration

@@ -17,9 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from client import AsyncClient, Client, CloverqError, JobEvent
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import create_key
-from scheduler.settings import Settings, get_settings
+from scheduler.access.api_keys import create_key
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import Settings, get_settings
 from tests.conftest import ProcessLauncher, clear_leftover_jobs
 from tests.integration.api_server import ApiServer
 

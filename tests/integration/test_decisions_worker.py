@@ -18,9 +18,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from api.app import create_app
-from scheduler.db import get_session_factory
-from scheduler.models import Job
-from scheduler.settings import Settings
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job
 from tests.conftest import ProcessLauncher, ServiceProcess, wait_for
 from worker.model.tokenizer import Tokenizer
 from worker.thinking import split_thinking
@@ -97,6 +97,12 @@ def test_both_modes_answer_every_question_within_its_choices(stack, mode: str, r
     assert job["status"] == "succeeded", job
     _check_answers(job["result"], mode, QUESTIONS, rationale)
     assert job["result"]["usage"]["sequences"] == (1 if mode == "joint" else len(QUESTIONS))
+    # Progress a user can read: planned blocks are filled (every sequence's, summed), and a
+    # finished decision shows all of them done.
+    progress = job["progress"]
+    assert progress["blocks_total"] is not None
+    assert progress["blocks_total"] >= job["result"]["usage"]["sequences"]
+    assert progress["blocks_done"] == progress["blocks_total"]
 
 
 def _invalid_output_count(client: TestClient) -> float:

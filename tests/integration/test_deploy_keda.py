@@ -2,7 +2,7 @@
 
 deploy/k8s/keda.yaml assumes that, with Celery's Redis transport as cloverq configures it, a
 job published to queue Q waits in the Redis list named Q. This publishes through the real
-publish path (``scheduler.enqueue.publish_job`` on the real Celery app) into a real Redis and
+publish path (``scheduler.jobs.enqueue.publish_job`` on the real Celery app) into a real Redis and
 reads the list lengths the ScaledObjects read.
 """
 
@@ -16,10 +16,10 @@ import pytest
 import redis as redis_lib
 import yaml
 
-from scheduler.celery_app import create_celery_app
-from scheduler.enqueue import publish_job
-from scheduler.models import QueueName
-from scheduler.settings import Settings
+from scheduler.infra.celery_app import create_celery_app
+from scheduler.infra.settings import Settings
+from scheduler.jobs.enqueue import publish_job
+from scheduler.jobs.models import QueueName
 
 pytestmark = pytest.mark.integration
 

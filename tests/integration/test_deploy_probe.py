@@ -22,9 +22,9 @@ import pytest
 import redis as redis_lib
 from click.testing import CliRunner
 
-from scheduler import redis_keys
-from scheduler.settings import get_settings
-from scheduler.workers import WorkerInfo, WorkerState, list_workers, publish_worker, remove_worker
+from scheduler.fleet.workers import WorkerInfo, WorkerState, list_workers, publish_worker, remove_worker
+from scheduler.infra import redis_keys
+from scheduler.infra.settings import get_settings
 
 pytestmark = pytest.mark.integration
 

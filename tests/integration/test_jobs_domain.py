@@ -14,10 +14,13 @@ import redis as redis_lib
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from scheduler import redis_keys
-from scheduler.celery_app import create_celery_app
-from scheduler.db import get_session_factory
-from scheduler.jobs import (
+from scheduler.infra import redis_keys
+from scheduler.infra.celery_app import create_celery_app
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.lifecycle import Lease, claim_job, finish_job, renew_leases, retry_or_fail
+from scheduler.jobs.models import Job, JobStatus, utcnow
+from scheduler.jobs.service import (
     IdempotencyConflictError,
     InvalidCursorError,
     cancel_job,
@@ -25,15 +28,12 @@ from scheduler.jobs import (
     list_jobs,
     submit_job,
 )
-from scheduler.lifecycle import Lease, claim_job, finish_job, renew_leases, retry_or_fail
-from scheduler.maintenance import (
+from scheduler.maintenance.tasks import (
     enqueue_due_jobs,
     expire_finished_jobs,
     promote_aged_jobs,
     reap_expired_leases,
 )
-from scheduler.models import Job, JobStatus, utcnow
-from scheduler.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -243,7 +243,7 @@ def own_database(db_backend_url: str, tmp_path: Any) -> Iterator[str]:
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
 
-    from scheduler.db import migrate
+    from scheduler.infra.db import migrate
 
     if db_backend_url.startswith("sqlite"):
         url = f"sqlite:///{tmp_path / 'own.db'}"
@@ -322,7 +322,7 @@ def test_aging_promotes_oldest_first_and_caps_promoted_jobs_waiting(
 def test_redis_outage_degrades_cancel_and_progress_instead_of_failing(
     session: Session, settings: Settings, client: redis_lib.Redis, celery: Any
 ) -> None:
-    from scheduler.jobs import read_progress
+    from scheduler.jobs.service import read_progress
 
     dead = redis_lib.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
     job = submit(session, settings, client, celery, publish=False)

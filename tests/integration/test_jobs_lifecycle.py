@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
-from scheduler.celery_app import create_celery_app
-from scheduler.db import get_session_factory
-from scheduler.enqueue import publish_job
-from scheduler.jobs import cancel_job, get_job, read_progress, submit_job
-from scheduler.models import Job, JobStatus
-from scheduler.settings import Settings
+from scheduler.infra.celery_app import create_celery_app
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.enqueue import publish_job
+from scheduler.jobs.models import Job, JobStatus
+from scheduler.jobs.service import cancel_job, get_job, read_progress, submit_job
 from tests.conftest import ProcessLauncher, ServiceProcess, wait_for
 
 pytestmark = pytest.mark.integration
@@ -255,7 +255,7 @@ def test_worker_killed_mid_job_is_recovered_and_succeeds(stack: Stack) -> None:
 
 
 def test_sigterm_drains_the_worker_running_jobs_finish_and_no_new_job_is_taken(stack: Stack) -> None:
-    from scheduler.workers import list_workers
+    from scheduler.fleet.workers import list_workers
 
     running_job = stack.submit(params={"max_new_tokens": 96, "steps_per_block": 64, "seed": 2},
                                priority="bulk")

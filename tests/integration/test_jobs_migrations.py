@@ -1,7 +1,8 @@
-"""Migrations: ``scheduler.db.migrate`` works from any directory, revision 0001_jobs creates the
-``jobs`` table, and the head revision (0007_canary added ``routed_version``) leaves exactly the
-``jobs`` table the model describes (no drift between the ORM and Alembic); 0008_operator_state
-adds the ``operator_state`` table of ``scheduler.operator_state``."""
+"""Migrations: ``scheduler.infra.db.migrate`` works from any directory, revision 0001_jobs creates the
+``jobs`` table, and the head revision (0007_canary added ``routed_version``, 0011_job_trace
+``trace_id`` and ``trace_span_id``) leaves exactly the ``jobs`` table the model describes (no
+drift between the ORM and Alembic); 0008_operator_state adds the ``operator_state`` table of
+``scheduler.fleet.operator_state``."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from scheduler.db import make_engine, migrate
-from scheduler.models import Base
+from scheduler.infra.db import make_engine, migrate
+from scheduler.jobs.models import Base
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +31,10 @@ def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield f"sqlite:///{tmp_path / 'fresh.db'}"
         return
     base = os.environ.get("CLOVERQ_TEST_DATABASE_URL", "")
+    from tests.conftest import NO_POSTGRES, _create_postgres_database
+
     if not base.startswith("postgresql"):
-        pytest.skip("no PostgreSQL configured (set CLOVERQ_TEST_DATABASE_URL)")
-    from tests.conftest import _create_postgres_database
+        pytest.skip(NO_POSTGRES)
 
     url, drop = _create_postgres_database(base)
     yield url
@@ -40,7 +42,7 @@ def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 def test_migrate_from_another_directory_reaches_0001_without_drift(fresh_url: str, tmp_path: Path) -> None:
-    code = f"from scheduler.db import migrate; migrate({fresh_url!r}, revision='0001_jobs')"
+    code = f"from scheduler.infra.db import migrate; migrate({fresh_url!r}, revision='0001_jobs')"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=120)
     engine = make_engine(fresh_url)
@@ -61,7 +63,8 @@ def test_migrate_from_another_directory_reaches_0001_without_drift(fresh_url: st
         engine.dispose()
 
 
-LATER_JOBS_COLUMNS = {"routed_version"}  # added by 0007_canary
+LATER_JOBS_COLUMNS = {"routed_version",  # added by 0007_canary
+                      "trace_id", "trace_span_id"}  # added by 0011_job_trace
 
 
 def _added_later(diff: object) -> bool:
@@ -84,10 +87,10 @@ def _touches_jobs(diff: object) -> bool:
 
 def test_head_has_the_operator_state_table_of_the_model(fresh_url: str) -> None:
     """0008_operator_state: the table matches ``OperatorSetting`` and carries the one-off
-    ``adopt_redis`` row (scheduler/operator_state.py imports pre-0008 Redis state once)."""
+    ``adopt_redis`` row (scheduler/fleet/operator_state.py imports pre-0008 Redis state once)."""
     from sqlalchemy import select
 
-    from scheduler.operator_state import ADOPT_REDIS, KIND_META, OperatorSetting
+    from scheduler.fleet.operator_state import ADOPT_REDIS, KIND_META, OperatorSetting
 
     migrate(fresh_url)
     engine = make_engine(fresh_url)

@@ -17,11 +17,11 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import update
 
-from scheduler.celery_app import create_celery_app
-from scheduler.db import get_session_factory
-from scheduler.jobs import cancel_job, get_job, submit_job
-from scheduler.models import Job, JobStatus
-from scheduler.settings import Settings
+from scheduler.infra.celery_app import create_celery_app
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job, JobStatus
+from scheduler.jobs.service import cancel_job, get_job, submit_job
 from tests.conftest import ProcessLauncher, clear_leftover_jobs, wait_for
 
 pytestmark = pytest.mark.integration

@@ -23,14 +23,14 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from cli.main import cli
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import create_key
-from scheduler.workers import list_workers
+from scheduler.access.api_keys import create_key
+from scheduler.fleet.workers import list_workers
+from scheduler.infra.db import make_engine, session_factory
 from tests.conftest import ProcessLauncher, wait_for
 from worker.model.manifest import check
 
 pytestmark = pytest.mark.integration
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="transformers: a test extra (make test)")
 
 from tests import hf_checkpoints  # noqa: E402  (imports torch; after the importorskip)
 

@@ -334,7 +334,7 @@ def test_cli_refuses_a_corrupted_pull_and_names_the_file(source: Path, root: Pat
 
 def test_cli_uses_the_model_root_setting(source: Path, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from cli.main import cli
-    from scheduler.settings import get_settings
+    from scheduler.infra.settings import get_settings
 
     monkeypatch.setenv("CLOVERQ_MODEL_ROOT", str(root))
     get_settings.cache_clear()

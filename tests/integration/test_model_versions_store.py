@@ -1,6 +1,6 @@
 """Model versions in SQL (both backends), the CLI as an operator runs it, and the switch turn.
 
-- ``scheduler.model_versions`` on SQLite and PostgreSQL: register, activate, roll back, the
+- ``scheduler.model_versions.registry`` on SQLite and PostgreSQL: register, activate, roll back, the
   first start's ``ensure_active``, unknown versions refused;
 - ``cloverq model versions / activate / rollback`` in a subprocess against a real store: a
   version published by ``pull`` is registered when activated; rollback copies nothing;
@@ -22,9 +22,10 @@ import redis as redis_lib
 from click.testing import CliRunner, Result
 
 from cli.main import cli
-from scheduler import redis_keys
-from scheduler.db import get_session_factory
-from scheduler.model_versions import (
+from scheduler.infra import redis_keys
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings, get_settings
+from scheduler.model_versions.registry import (
     UnknownModelVersion,
     activate,
     active_version,
@@ -32,7 +33,6 @@ from scheduler.model_versions import (
     list_registered,
     register_version,
 )
-from scheduler.settings import Settings, get_settings
 from tests.conftest import REPO_ROOT
 from worker import model_store
 from worker.model.demo import write_demo_checkpoint

@@ -26,10 +26,10 @@ import redis as redis_lib
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import create_key
-from scheduler.settings import Settings
-from scheduler.workers import list_workers
+from scheduler.access.api_keys import create_key
+from scheduler.fleet.workers import list_workers
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import Settings
 from tests.conftest import ProcessLauncher, wait_for
 from worker import model_store
 from worker.model.demo import write_demo_checkpoint

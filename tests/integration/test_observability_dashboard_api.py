@@ -8,20 +8,22 @@ dashboard shows can be checked exactly.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
 from api.app import create_app
-from scheduler import redis_keys
-from scheduler.db import get_session_factory
-from scheduler.keys import create_key
-from scheduler.lifecycle import Lease, claim_job, finish_job
-from scheduler.models import JobStatus
-from scheduler.settings import Settings
+from scheduler.access.api_keys import create_key
+from scheduler.infra import redis_keys
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.lifecycle import Lease, claim_job, finish_job
+from scheduler.jobs.models import Job, JobStatus
 
 pytestmark = pytest.mark.integration
 
@@ -154,3 +156,23 @@ def test_overview_jobs_detail_and_latency_reflect_the_rows(
     finished_ids = {p["id"] for p in latency["points"]}
     assert {done, failed} <= finished_ids and running not in finished_ids
     assert all(p["run_seconds"] is not None and p["run_seconds"] >= 0 for p in latency["points"])
+
+
+def test_a_traced_jobs_detail_links_to_the_trace_ui(
+    make_settings: Callable[..., Settings], db_backend_url: str, demo_checkpoint: Path, keys: dict[str, str],
+) -> None:
+    """tracing_ui_url (docs/observability.md): the job's trace id, and the operator's trace page."""
+    settings = make_settings(database_url=db_backend_url, model_dir=demo_checkpoint, fault_injection=False,
+                             tracing_ui_url="https://traces.example/trace/{trace_id}?from=cloverq")
+    with TestClient(create_app(settings)) as client:
+        traced, untraced = _submit(client, keys["alice"], 8), _submit(client, keys["alice"], 8)
+        with get_session_factory(settings.resolved_database_url)() as session:
+            session.execute(update(Job).where(Job.id == uuid.UUID(traced)).values(trace_id="ab" * 16))
+            session.commit()
+        detail = client.get(f"/v1/admin/jobs/{traced}", headers=_auth(keys["admin"])).json()
+        plain = client.get(f"/v1/admin/jobs/{untraced}", headers=_auth(keys["admin"])).json()
+    assert detail["trace_id"] == "ab" * 16
+    assert detail["trace_url"] == f"https://traces.example/trace/{'ab' * 16}?from=cloverq"
+    assert plain["trace_id"] is None and plain["trace_url"] is None
+    with pytest.raises(ValueError, match="tracing_ui_url"):
+        make_settings(tracing_ui_url="javascript:alert(1)//{trace_id}")

@@ -1,6 +1,6 @@
 """``/metrics`` after real jobs: a real Celery worker on the tiny demo model, real Redis and SQL.
 
-Checks every family of ``scheduler.metrics.FAMILIES`` is exported, with the values the jobs
+Checks every family of ``scheduler.observability.metrics.FAMILIES`` is exported, with the values the jobs
 must have produced; that the request id sent to the API reaches the worker's job summary log
 line; and the Redis-backed recorder/collector on its own (histogram buckets, snapshot expiry).
 """
@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from scheduler.metrics import FAMILIES, RedisMetricsRecorder, WorkerSnapshot, render_metrics
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.observability.metrics import FAMILIES, RedisMetricsRecorder, WorkerSnapshot, render_metrics
 
 pytestmark = pytest.mark.integration
 

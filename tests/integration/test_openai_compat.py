@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,9 +21,9 @@ import httpx
 import openai
 import pytest
 
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import create_key
-from scheduler.settings import Settings
+from scheduler.access.api_keys import create_key
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import Settings
 from tests.conftest import ProcessLauncher, clear_leftover_jobs, wait_for
 from tests.integration.api_server import ApiServer
 
@@ -60,10 +61,12 @@ class Stack:
         return [j for j in response.json()["items"] if (j.get("metadata") or {}).get("probe") == label]
 
 
-@pytest.fixture(scope="module")
-def stack(make_settings: Callable[..., Settings], demo_checkpoint: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = make_settings(model_dir=demo_checkpoint, fault_injection=False)
+@contextmanager
+def running_stack(make_settings: Callable[..., Settings], checkpoint: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """API over HTTP + one worker on ``checkpoint``, with this module's keys (the tool tests run
+    it on each demo family)."""
+    settings = make_settings(model_dir=checkpoint, fault_injection=False)
     engine = make_engine(settings.resolved_database_url)
     with session_factory(engine)() as session:
         key = create_key(session, tenant=TENANT, scopes={"submit", "read"}, label="openai").key
@@ -76,10 +79,17 @@ def stack(make_settings: Callable[..., Settings], demo_checkpoint: Path,
     try:
         launcher.start_worker(settings)
         yield Stack(url=server.url, key=key, read_key=read_key, other_key=other_key,
-                    model=demo_checkpoint.name, settings=settings)
+                    model=checkpoint.name, settings=settings)
     finally:
         launcher.close()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(make_settings: Callable[..., Settings], demo_checkpoint: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(make_settings, demo_checkpoint, tmp_path_factory) as running:
+        yield running
 
 
 def test_models_lists_the_served_model(stack: Stack) -> None:
@@ -225,10 +235,10 @@ def test_errors_take_openais_shape(stack: Stack) -> None:
         ({"model": "gpt-4o"}, openai.NotFoundError, "model_not_found", "model"),
         ({"max_tokens": 10**6}, openai.BadRequestError, "invalid_request", "max_tokens"),
         ({"messages": []}, openai.BadRequestError, "invalid_request", "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, openai.BadRequestError, "unsupported_parameter",
-         "messages[0].role"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, openai.BadRequestError,
-         "unsupported_parameter", "tools"),
+        ({"messages": [{"role": "function", "content": "x"}]}, openai.BadRequestError,
+         "unsupported_parameter", "messages[0].role"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, openai.BadRequestError,
+         "invalid_tool_name", "tools[0].function.name"),
         ({"extra_body": {"no_such_knob": 1}}, openai.BadRequestError, "unrecognized_argument",
          "no_such_knob"),
         ({"extra_body": {"steps_per_block": 8, "block_size": 4}}, openai.BadRequestError, "invalid_request",

@@ -1,6 +1,6 @@
 """Operator state survives a Redis restart: drains and tenant caps are committed to SQL first,
 and the restore (beat's reconcile tick, the API's start-up) puts them back into an empty Redis
-(``scheduler/operator_state.py``). Real Redis, real databases; no workers."""
+(``scheduler/fleet/operator_state.py``). Real Redis, real databases; no workers."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from scheduler import operator_state
-from scheduler.admission import Admission, AdmissionRefused
-from scheduler.db import get_session_factory, make_engine, session_factory
-from scheduler.drain import drained_queues
-from scheduler.keys import create_key
-from scheduler.operator_state import sql_operator_state
-from scheduler.redis_keys import DRAINED_SET, LIMITS_KEY
-from scheduler.settings import Settings
+from scheduler.access.admission import Admission, AdmissionRefused
+from scheduler.access.api_keys import create_key
+from scheduler.fleet import operator_state
+from scheduler.fleet.drain import drained_queues
+from scheduler.fleet.operator_state import sql_operator_state
+from scheduler.infra.db import get_session_factory, make_engine, session_factory
+from scheduler.infra.redis_keys import DRAINED_SET, LIMITS_KEY
+from scheduler.infra.settings import Settings
 from worker.consumers import ConsumerState, ordered_queues
 
 pytestmark = pytest.mark.integration
@@ -130,8 +130,8 @@ def test_beat_reconcile_tick_restores_a_flushed_drain(
     fresh_db_url: str, client: redis_lib.Redis, make_settings: Callable[..., Settings],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The hook in ``scheduler.maintenance.reconcile_task`` (what beat runs every few seconds)."""
-    from scheduler import maintenance
+    """The hook in ``scheduler.maintenance.tasks.reconcile_task`` (what beat runs every few seconds)."""
+    from scheduler.maintenance import tasks
 
     settings = make_settings(database_url=fresh_db_url)
     sessions = get_session_factory(fresh_db_url)
@@ -139,6 +139,6 @@ def test_beat_reconcile_tick_restores_a_flushed_drain(
         operator_state.restore_operator_state(session, client)  # this database's adoption
         operator_state.drain_queue(session, client, Celery("unused"), "bulk", destinations=[])
     client.flushdb()
-    monkeypatch.setattr(maintenance, "_resources", lambda: (sessions(), client, settings))
-    maintenance.reconcile_task()
+    monkeypatch.setattr(tasks, "_resources", lambda: (sessions(), client, settings))
+    tasks.reconcile_task()
     assert drained_queues(client) == {"bulk"}

@@ -25,10 +25,10 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from api.app import create_app
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import ALL_SCOPES, create_key
-from scheduler.operator_state import clear_operator_state
-from scheduler.settings import Settings
+from scheduler.access.api_keys import ALL_SCOPES, create_key
+from scheduler.fleet.operator_state import clear_operator_state
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -120,7 +120,7 @@ def test_api_conforms_to_its_schema(
         finally:
             # Admin calls may tighten limits or drain queues; keep every example independent.
             if case.path.startswith(("/v1/admin/limits", "/v1/admin/queues")):
-                with api_stack["sessions"]() as session:  # SQL too (scheduler.operator_state)
+                with api_stack["sessions"]() as session:  # SQL too (scheduler.fleet.operator_state)
                     clear_operator_state(session, api_stack["redis"])
 
     try:

@@ -17,11 +17,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.app import create_app
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import create_key
-from scheduler.models import Job
-from scheduler.operator_state import clear_operator_state
-from scheduler.settings import Settings
+from scheduler.access.api_keys import create_key
+from scheduler.fleet.operator_state import clear_operator_state
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import Job
 
 pytestmark = pytest.mark.integration
 
@@ -320,7 +320,9 @@ def test_tenant_cap_is_429_and_stores_nothing(stack: Stack) -> None:
     assert stack.submit(key).status_code == 202
     assert stack.submit(key).status_code == 202
     error = assert_error(stack.submit(key), 429, "tenant_limit")
-    assert error["details"] == {"active_jobs": 2, "max_active_jobs": 2}
+    assert error["details"] == {"active_jobs": 2, "max_active_jobs": 2,
+                                "setting": "CLOVERQ_TENANT_MAX_ACTIVE_JOBS"}
+    assert "The cap is an operator override of CLOVERQ_TENANT_MAX_ACTIVE_JOBS" in error["message"]
     assert stack.jobs_of(tenant) == 2
     assert stack.submit(other_key).status_code == 202  # the cap is per tenant
     # A finished (cancelled) job no longer counts.
@@ -370,7 +372,8 @@ def test_batch_over_the_tenant_cap_is_429_and_stores_nothing(stack: Stack) -> No
     assert stack.submit(key).status_code == 202
     refused = stack.client.post("/v1/batches", json={"jobs": [JOB, JOB, JOB]}, headers=bearer(key))
     error = assert_error(refused, 429, "tenant_limit")
-    assert error["details"] == {"active_jobs": 1, "max_active_jobs": 3}
+    assert error["details"] == {"active_jobs": 1, "max_active_jobs": 3,
+                                "setting": "CLOVERQ_TENANT_MAX_ACTIVE_JOBS"}
     assert stack.jobs_of(tenant) == 1
     accepted = stack.client.post("/v1/batches", json={"jobs": [JOB, JOB]}, headers=bearer(key))
     assert accepted.status_code == 202, accepted.text
@@ -428,3 +431,19 @@ def test_cross_tenant_batches_are_404(stack: Stack) -> None:
     # The batch's jobs are the owner's jobs: invisible to the other tenant's list.
     listed = stack.client.get("/v1/jobs", headers=bearer(key_b)).json()["items"]
     assert listed == []
+
+
+def test_only_a_webhooks_or_admin_key_reads_or_rotates_the_webhook_secret(stack: Stack) -> None:
+    """A submit-only key must neither read the tenant's signing secret (it could forge deliveries)
+    nor rotate it (every receiver would break) (issue 31)."""
+    tenant = tenant_name()
+    submit_read = bearer(stack.key(tenant, ("submit", "read")))
+    for method, path in (("GET", "/v1/webhooks/secret"), ("POST", "/v1/webhooks/secret/rotate")):
+        assert_error(stack.client.request(method, path, headers=submit_read), 403, "forbidden")
+    webhooks_key = bearer(stack.key(tenant, ("webhooks",)))
+    first = stack.client.get("/v1/webhooks/secret", headers=webhooks_key)
+    assert first.status_code == 200 and first.json()["tenant"] == tenant, first.text
+    rotated = stack.client.post("/v1/webhooks/secret/rotate", headers=webhooks_key)
+    assert rotated.status_code == 200 and rotated.json()["secret"] != first.json()["secret"]
+    admin = stack.client.get("/v1/webhooks/secret", headers=bearer(stack.key(tenant, ("admin",))))
+    assert admin.status_code == 200 and admin.json()["secret"] == rotated.json()["secret"]

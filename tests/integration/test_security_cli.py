@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.integration

@@ -16,10 +16,10 @@ import redis as redis_lib
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import create_key
-from scheduler.operator_state import clear_operator_state
-from scheduler.settings import Settings
+from scheduler.access.api_keys import create_key
+from scheduler.fleet.operator_state import clear_operator_state
+from scheduler.infra.db import make_engine, session_factory
+from scheduler.infra.settings import Settings
 from tests.conftest import ProcessLauncher, wait_for
 
 pytestmark = pytest.mark.integration

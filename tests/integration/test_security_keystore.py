@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.db import make_engine, session_factory
-from scheduler.keys import KeyAuthenticator, create_key, list_keys, revoke_key
+from scheduler.access.api_keys import KeyAuthenticator, create_key, list_keys, revoke_key
+from scheduler.infra.db import make_engine, session_factory
 
 pytestmark = pytest.mark.integration
 

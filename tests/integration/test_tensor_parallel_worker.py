@@ -19,23 +19,26 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
 from api.app import create_app
-from scheduler.settings import Settings
-from scheduler.workers import WorkerInfo, list_workers
+from scheduler.fleet.workers import WorkerInfo, list_workers
+from scheduler.infra.settings import Settings
 from tests.chaos.conftest import install_outcome_audit
 from tests.conftest import ProcessLauncher, _create_postgres_database, wait_for
 from worker.tensor_parallel import EXIT_RANK_LOST
 
 pytestmark = pytest.mark.integration
 
-# ~32 denoising passes per job: long enough that the kill lands while jobs run
-PARAMS: dict[str, Any] = {"max_new_tokens": 32, "block_size": 4, "steps_per_block": 4}
+# Two short jobs (~8 denoising passes) that are served end to end early, and long ones (~64 passes)
+# still running then: jobs of one length run as one batch and end within the same few passes, so
+# "one succeeded and others still running" would last only milliseconds before the kill.
+PARAMS: dict[str, Any] = {"block_size": 4, "steps_per_block": 4}
+SHORT_JOBS, LONG_JOBS = 2, 6
 FINAL = ("succeeded", "failed", "cancelled")
 
 
 @pytest.fixture
 def audited_db(tmp_path: Path) -> Iterator[str]:
     """A migrated database of its own (PostgreSQL when configured) with the outcome-write audit."""
-    from scheduler.db import migrate
+    from scheduler.infra.db import migrate
 
     base = os.environ.get("CLOVERQ_TEST_DATABASE_URL", "")
     drop: Callable[[], None] = lambda: None  # noqa: E731
@@ -69,7 +72,7 @@ def _ready_probe(monkeypatch: pytest.MonkeyPatch, redis_url: str, host: str) -> 
     from click.testing import CliRunner
 
     from cli.probe import probe_group
-    from scheduler.settings import get_settings
+    from scheduler.infra.settings import get_settings
 
     monkeypatch.setenv("CLOVERQ_REDIS_URL", redis_url)
     get_settings.cache_clear()
@@ -101,8 +104,9 @@ def test_two_rank_worker_serves_jobs_and_a_killed_rank_loses_none(
     try:
         with TestClient(create_app(settings)) as client:
             body = {"kind": "generate", "input": {"prompt": "The quick brown fox"}}
-            job_ids = [client.post("/v1/jobs", json={**body, "params": {**PARAMS, "seed": i}}).json()["id"]
-                       for i in range(8)]
+            job_ids = [client.post("/v1/jobs", json={**body, "params": {
+                **PARAMS, "seed": i, "max_new_tokens": 8 if i < SHORT_JOBS else 64}}).json()["id"]
+                for i in range(SHORT_JOBS + LONG_JOBS)]
 
         def mid_run() -> bool:  # some served end to end, some running on the worker right now
             statuses = [r["status"] for r in _rows(sql, job_ids).values()]

@@ -16,9 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from scheduler.db import get_session_factory
-from scheduler.settings import Settings
-from scheduler.webhooks import SIGNATURE_HEADER, DeliveryStatus, WebhookDelivery, verify_signature
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.webhooks.delivery import SIGNATURE_HEADER, DeliveryStatus, WebhookDelivery, verify_signature
 from tests.conftest import ProcessLauncher, wait_for
 from tests.integration.webhook_receiver import WebhookReceiver
 

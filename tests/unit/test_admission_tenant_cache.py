@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from scheduler.admission import TenantCountCache
+from scheduler.access.admission import TenantCountCache
 
 
 def test_the_bound_grows_by_every_admission_since_the_count() -> None:

@@ -18,12 +18,12 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.auth import security_of
+from api.auth import meter_refused_request, security_of
 from api.deps import AdminCaller, AdmittedSubmitCaller, ReadCaller, SubmitCaller
 from api.errors import ApiError, install_error_handlers
-from scheduler.admission import RateDecision
-from scheduler.keys import KeyInfo
-from scheduler.settings import Settings
+from scheduler.access.admission import RateDecision
+from scheduler.access.api_keys import KeyInfo
+from scheduler.infra.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = {"/healthz", "/readyz", "/metrics", "/dashboard", "/dashboard/{asset}"}
@@ -103,7 +103,7 @@ def _app(tmp_path: Path, scopes: frozenset[str] = frozenset({"submit", "read"}),
     app.state.settings = Settings(data_dir=tmp_path, redis_url="redis://127.0.0.1:1/0")
     security = _Security(scopes, decision)
     app.state.security = security
-    install_error_handlers(app)
+    install_error_handlers(app, meter_refused=meter_refused_request)
 
     @app.post("/submit")
     def submit(request: Request, caller: AdmittedSubmitCaller, mode: str = "admit") -> dict[str, str]:

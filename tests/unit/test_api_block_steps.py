@@ -12,7 +12,7 @@ from api.errors import ApiError
 from api.limits import check_generate_limits
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.jobs import DecideJobCreate, GenerateJobCreate, JobCreate
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 
 create = TypeAdapter(JobCreate)
 SETTINGS = Settings(default_steps_per_block=4)

@@ -17,7 +17,7 @@ import pytest
 from cli.api_client import click_error
 from cli.services import ALL_QUEUES, _child_env, _redact_url, _settings_overrides
 from client import CloverqError
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 from tests.conftest import free_port
 
 
@@ -40,6 +40,16 @@ def test_up_keeps_configured_services_and_queues(tmp_path: Path) -> None:
     assert "database_url" not in overrides
     assert overrides["redis_url"] == "redis://r:6379/2"
     assert overrides["worker_queues"] == "interactive"
+
+
+def test_up_trace_turns_tracing_on_in_its_children(tmp_path: Path) -> None:
+    """`cloverq up --trace` (it replaces tracing_enabled before building the children's env)."""
+    from cli.services import up
+
+    assert "trace" in {p.name for p in up.params}
+    assert "CLOVERQ_TRACING_ENABLED" not in _child_env(Settings(), tmp_path)  # off: nothing pinned
+    env = _child_env(Settings().replaced(tracing_enabled=True), tmp_path)
+    assert Settings(tracing_enabled=env["CLOVERQ_TRACING_ENABLED"]).observability.tracing_enabled
 
 
 @pytest.mark.parametrize(
@@ -69,7 +79,7 @@ def test_up_fails_at_once_with_the_cause_when_the_api_port_is_taken(
     from click.testing import CliRunner
 
     from cli.services import up
-    from scheduler.settings import get_settings
+    from scheduler.infra.settings import get_settings
 
     monkeypatch.setenv("CLOVERQ_DATA_DIR", str(tmp_path))
     get_settings.cache_clear()

@@ -91,7 +91,8 @@ def test_declared_oversized_body_is_413_before_parsing(client: TestClient) -> No
     assert response.status_code == 413
     error = _error(response)
     assert error["code"] == "body_too_large"
-    assert error["details"] == {"max_body_bytes": LIMIT}
+    assert error["details"] == {"max_body_bytes": LIMIT, "setting": "CLOVERQ_MAX_BODY_BYTES"}
+    assert f"larger than {LIMIT} bytes (CLOVERQ_MAX_BODY_BYTES)" in error["message"]
 
 
 def test_streamed_oversized_body_without_length_is_413(client: TestClient) -> None:

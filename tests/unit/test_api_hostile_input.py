@@ -25,9 +25,9 @@ from api.limits import check_job_limits, metadata_bytes
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.common import UtcDateTime
 from api.schemas.jobs import JobCreate
-from scheduler.jobs import InvalidCursorError, decode_cursor
-from scheduler.models import as_utc
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import as_utc
+from scheduler.jobs.service import InvalidCursorError, decode_cursor
 
 CREATE: TypeAdapter = TypeAdapter(JobCreate)
 SURROGATES = ["\ud800", "ok \udfff end", "\udc00\ud800"]  # lone high, lone low, reversed pair
@@ -206,6 +206,10 @@ def _decide(context: str = "doc", question: str = "ok?", qid: str = "a", choices
     return {"kind": "decide", "input": {"context": context, "questions": [q]}, **overrides}
 
 
+def _extract(context: str = "doc", **input_fields: object) -> dict:
+    return {"kind": "extract", "input": {"context": context, "schema": {"type": "object"}, **input_fields}}
+
+
 def _text_bodies(text: str) -> list[dict]:
     return [
         _generate(input={"prompt": text}),
@@ -218,6 +222,8 @@ def _text_bodies(text: str) -> list[dict]:
         _decide(qid=text),
         _decide(choices=[text, "no"]),
         _decide(metadata={"k": text}),
+        _extract(context=text),
+        _extract(instructions=text),
     ]
 
 
@@ -271,6 +277,14 @@ def test_generate_params_beyond_their_bounds_are_refused(field: str, value: obje
 def test_decide_params_beyond_their_bounds_are_refused(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as caught:
         CREATE.validate_python(_decide(params={field: value}))
+    assert caught.value.errors()[0]["loc"][-1] == field
+
+
+@pytest.mark.parametrize(("field", "value"),
+                         [(f, v) for f, v in GENERATE_OUT_OF_BOUNDS if f != "max_new_tokens"])
+def test_extract_params_beyond_their_bounds_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ValidationError) as caught:
+        CREATE.validate_python({**_extract(), "params": {field: value}})
     assert caught.value.errors()[0]["loc"][-1] == field
 
 

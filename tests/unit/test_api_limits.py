@@ -15,7 +15,7 @@ from api.errors import ApiError
 from api.limits import check_generate_limits
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.jobs import GenerateJobCreate, JobCreate
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 
 create = TypeAdapter(JobCreate)
 
@@ -104,7 +104,8 @@ def test_tokenizer_counts_exactly_across_chat_messages(tmp_path: Path) -> None:
     with pytest.raises(ApiError) as caught:
         check_generate_limits(_body(input={"messages": messages}), settings=settings, counter=counter,
                               faults_enabled=False)
-    assert caught.value.details == {"prompt_tokens": 5, "max_prompt_tokens": 4, "exact": True}
+    assert caught.value.details == {"prompt_tokens": 5, "max_prompt_tokens": 4, "exact": True,
+                                    "setting": "CLOVERQ_MAX_PROMPT_TOKENS"}
 
 
 def test_missing_or_broken_tokenizer_falls_back_to_the_byte_bound(tmp_path: Path) -> None:

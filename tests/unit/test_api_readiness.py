@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.routes import health
-from scheduler.settings import Settings
-from scheduler.workers import WorkerInfo, WorkerState, heartbeat_age, stale_after
+from scheduler.fleet.workers import WorkerInfo, WorkerState, heartbeat_age, stale_after
+from scheduler.infra.settings import Settings
 
 
 class _RefusingRedis:
@@ -51,7 +51,8 @@ def test_readyz_answers_503_within_its_deadline_while_the_database_hangs() -> No
         "ready": False,
         "checks": {"database": {"ok": False, "detail": "no answer within 0.3s"},
                    "redis": {"ok": False, "detail": "ConnectionError"},
-                   "workers": {"ok": False, "detail": "redis unreachable"}},
+                   "workers": {"ok": False, "detail": "redis unreachable"},
+                   "consumers": {"ok": False, "detail": "redis unreachable"}},
         "ready_workers": {},
     }
 
@@ -72,3 +73,4 @@ def test_a_worker_that_missed_its_heartbeat_is_not_ready() -> None:
     assert not worker(3.1).is_ready  # its next beat is overdue: dead or wedged
     assert worker(None).is_ready and worker(60, interval=0).is_ready  # unknown: only the TTL drops it
     assert not WorkerInfo(id="w", hostname="h", pid=1, queues=[], state=WorkerState.DRAINING).is_ready
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cli.settings_doc import BEGIN_MARKER, END_MARKER, settings_block
-from scheduler.settings import flat_fields, settings_groups
+from scheduler.infra.settings import flat_fields, settings_groups
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

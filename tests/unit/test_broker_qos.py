@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.broker import QoS
+from scheduler.infra.broker import QoS
 
 
 class _ChannelWithoutConnection:

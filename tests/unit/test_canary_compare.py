@@ -6,9 +6,9 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from api.version_compare import canaries, compare_versions
-from scheduler.canary_gate import GateReport, VersionTally
-from scheduler.model_versions import Activation
-from scheduler.models import Job
+from scheduler.jobs.models import Job
+from scheduler.model_versions.canary_gate import GateReport, VersionTally
+from scheduler.model_versions.registry import Activation
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

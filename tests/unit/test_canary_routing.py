@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from scheduler.canary_routing import (
+from scheduler.model_versions.canary_routing import (
     VersionRoute,
     basis_points,
     job_bucket,
@@ -20,7 +20,7 @@ from scheduler.canary_routing import (
     route_version,
     served_target,
 )
-from scheduler.model_versions import Activation
+from scheduler.model_versions.registry import Activation
 from worker import model_switch
 from worker.model_switch import ModelFollower
 
@@ -109,33 +109,27 @@ def test_canary_follower_switches_then_only_moves_lanes_on_promotion(monkeypatch
 
 
 def test_a_canary_worker_starting_during_a_canary_consumes_only_the_lanes() -> None:
-    from scheduler.celery_app import create_celery_app
-    from scheduler.settings import Settings
+    from scheduler.infra.celery_app import create_celery_app
+    from scheduler.infra.settings import Settings
     from worker.consumers import ConsumerController
-
-    class NoCommands:
-        def add(self, queue: str, *, wait: bool) -> None:
-            raise AssertionError("nothing is sent before the consumer exists")
-
-        cancel = add
 
     queues = create_celery_app(Settings()).amqp.queues
     queues.select(["interactive", "standard", "bulk"])  # what `celery worker --queues` selected
     classes = ("interactive", "standard", "bulk")
-    controller = ConsumerController(classes, NoCommands())
+    controller = ConsumerController(classes)
     controller.update(canary_lane=True)  # the served target at start (ModelSwitcher.load_initial)
     controller.select_at_start(queues)
     assert list(queues.consume_from) == ["canary.interactive", "canary.standard", "canary.bulk"]
     plain = create_celery_app(Settings()).amqp.queues
     plain.select(["interactive"])
-    ConsumerController(("interactive",), NoCommands()).select_at_start(plain)
+    ConsumerController(("interactive",)).select_at_start(plain)
     assert list(plain.consume_from) == ["interactive"]
 
 
 def test_canary_queues_are_those_a_live_canary_worker_consumes() -> None:
     """Rule 2 per queue: a canary pool without ``joint`` leaves canary joint jobs to stable."""
-    from scheduler.canary_reconcile import canary_queues
-    from scheduler.workers import WorkerInfo
+    from scheduler.fleet.workers import WorkerInfo
+    from scheduler.model_versions.canary_reconcile import canary_queues
 
     def worker(version: str, queues: list[str], state: str = "ready", track: str = "canary") -> WorkerInfo:
         return WorkerInfo(id=version + ",".join(queues), hostname="h", pid=1, queues=queues, state=state,

@@ -1,5 +1,6 @@
 """The Python client without a server (httpx mock transports): retries on 429/503 honouring
-``Retry-After``, idempotent submits, error mapping, SSE parsing and resuming, text assembly."""
+``Retry-After``, idempotent submits, error mapping, SSE parsing and resuming, text assembly, the
+extract helper."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from client import AsyncClient, Client, CloverqError, JobEvent, RetryPolicy, TextAssembler, retry_after
+from client import AsyncClient, Client, CloverqError, Job, JobEvent, RetryPolicy, TextAssembler, retry_after
 from client._core import SSEParser, parse_lines
 
 JOB = {"id": "j1", "kind": "generate", "status": "queued", "timings": {}}
@@ -155,3 +156,43 @@ def test_sse_parser_ignores_comments_and_keeps_the_last_id() -> None:
     event = parser.feed("")
     assert isinstance(event, JobEvent) and event.event == "message" and event.data == {"a": 1}
     assert parser.last_id == "5-1"
+
+
+def test_a_job_s_progress_carries_the_prompt_s_prefill() -> None:
+    """``progress.prompt_tokens_done`` of ``progress.prompt_tokens`` (issue 33): 0 of N while a
+    long prompt prefills, N once its first block is committed."""
+    running = Job.model_validate({**JOB, "status": "running", "progress": {
+        "prompt_tokens": 3000, "prompt_tokens_done": 0, "blocks_done": 0, "blocks_total": 6}})
+    assert running.progress is not None
+    assert (running.progress.prompt_tokens_done, running.progress.prompt_tokens) == (0, 3000)
+    assert running.progress.prefilling
+    first_block = running.progress.model_copy(update={"prompt_tokens_done": 3000, "blocks_done": 1})
+    assert not first_block.prefilling
+    older = Job.model_validate({**JOB, "progress": {"blocks_done": 0}})  # a server without the figures
+    assert older.progress is not None and not older.progress.prefilling
+
+
+def test_extract_sends_an_extract_body_and_the_value_reads_typed() -> None:
+    sent: list[dict[str, Any]] = []
+    done = {"id": "j2", "kind": "extract", "status": "succeeded", "timings": {},
+            "result": {"text": '{"ok": true}', "data": {"ok": True}, "confidence": {"/ok": 0.75}}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(202, json=done)
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+
+    async def run() -> Job:
+        async with AsyncClient("http://api", transport=httpx.MockTransport(handler)) as cq:
+            return await cq.extract("A document.", schema, seed=3)
+
+    with Client("http://api", transport=httpx.MockTransport(handler)) as cq:
+        job = cq.extract("A document.", schema, instructions="Is it ok?", params={"temperature": 0.5})
+    assert asyncio.run(run()).data == {"ok": True}
+    assert sent == [
+        {"kind": "extract", "params": {"temperature": 0.5},
+         "input": {"context": "A document.", "schema": schema, "instructions": "Is it ok?"}},
+        {"kind": "extract", "input": {"context": "A document.", "schema": schema}, "params": {"seed": 3}},
+    ]
+    assert job.data == {"ok": True} and job.result is not None and job.result.confidence == {"/ok": 0.75}

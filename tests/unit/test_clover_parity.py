@@ -19,7 +19,7 @@ from worker.model.checkpoint import build_empty_model, load_weights, read_config
 from worker.model.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from worker.model.hybrid_model import CloverHybridForBlockDiffusion
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="transformers: a test extra (make test)")
 
 SHAPES: dict[str, dict[str, Any]] = {
     "kv2-ratio2-p25-int4": dict(num_key_value_heads=2, linear_num_key_heads=2, partial=0.25, interval=4),

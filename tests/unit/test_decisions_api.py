@@ -10,9 +10,9 @@ from api.errors import ApiError
 from api.limits import check_generate_limits
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.jobs import DecideJobCreate, GenerateJobCreate, JobCreate
-from scheduler.models import QueueName
-from scheduler.routing import route_job
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import QueueName
+from scheduler.jobs.routing import route_job
 
 ADAPTER: TypeAdapter = TypeAdapter(JobCreate)
 SETTINGS = Settings(decide_max_questions=4, decide_max_choices=3, joint_default_step_budget=777)

@@ -234,3 +234,21 @@ def test_thinking_fields_replace_text_with_the_answer() -> None:
 
     fields = thinking_fields([THINK, A, B, END_THINK, C], Thinking())
     assert fields == {"reasoning": "ab", "text": "c"}
+
+
+def test_independent_sequences_report_their_progress_summed() -> None:
+    from worker.decisions.planner import SummedProgress
+    from worker.engine.types import Progress
+
+    seen: list[Progress] = []
+    summed = SummedProgress(seen.append, 3)
+    summed.callback(0)(Progress(blocks_done=1, steps_used=4, step_budget=None, tokens_committed=3,
+                                committed_token_ids=[5, 6, 7]))
+    summed.callback(2)(Progress(blocks_done=2, steps_used=6, step_budget=None, tokens_committed=5,
+                                committed_token_ids=[8]))
+    # The latest report of a sequence replaces its earlier one.
+    summed.callback(0)(Progress(blocks_done=2, steps_used=7, step_budget=None, tokens_committed=6,
+                                committed_token_ids=[5, 6, 7, 9]))
+    sums = [(p.blocks_done, p.steps_used, p.tokens_committed) for p in seen]
+    assert sums == [(1, 4, 3), (3, 10, 8), (4, 13, 11)]
+    assert seen[-1].committed_token_ids == []  # separate answers: no concatenated partial text

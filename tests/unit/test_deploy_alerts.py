@@ -1,7 +1,7 @@
 """Alert rules and the Grafana dashboard only use metrics cloverq really exports.
 
 An alert on a misspelt metric never fires, and a dashboard panel on one stays empty; neither
-fails loudly. The names are checked against ``scheduler.metrics.FAMILIES`` (the contract of the
+fails loudly. The names are checked against ``scheduler.observability.metrics.FAMILIES`` (the contract of the
 ``/metrics`` exporter). When Debian's ``prometheus`` package is installed, ``promtool`` also
 checks the rule syntax and runs the rule unit tests in ``deploy/prometheus/alerts_test.yml``
 (those tests skip, with the reason, where promtool is absent).
@@ -20,12 +20,13 @@ from typing import Any
 import pytest
 import yaml
 
-from scheduler.metrics import FAMILIES
+from scheduler.observability.metrics import FAMILIES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 DASHBOARD = DEPLOY / "grafana" / "cloverq.json"
 PROMTOOL = shutil.which("promtool")
+NO_PROMTOOL = "promtool not installed (apt-get install -y --no-install-recommends prometheus; .ci/run does)"
 
 # Series Prometheus itself produces (not exported by cloverq).
 PROMETHEUS_BUILTINS = {"up"}
@@ -105,6 +106,8 @@ def test_selector_parser_finds_metrics_not_functions_or_labels() -> None:
 def test_alert_rules_use_only_exported_metrics() -> None:
     rules = _rules()
     recorded = {rule["record"] for rule in rules if "record" in rule}
+    selectors = [name for rule in rules for name in _selectors(rule["expr"])]
+    assert recorded and selectors  # the rules parsed (an empty file would pass the loop below)
     for rule in rules:
         for name in _selectors(rule["expr"]):
             if ":" in name:
@@ -114,6 +117,7 @@ def test_alert_rules_use_only_exported_metrics() -> None:
 
 
 def test_recording_rules_follow_the_naming_convention() -> None:
+    assert any("record" in rule for rule in _rules())  # there are recording rules to check
     for rule in _rules():
         if "record" in rule:
             assert re.fullmatch(r"cloverq:[a-z0-9_]+:[a-z0-9_]+", rule["record"]), rule["record"]
@@ -163,6 +167,9 @@ def test_cluster_wide_counters_are_deduplicated_before_summing() -> None:
         "cloverq_job_retries_total",
     )
     exprs = [rule["expr"] for rule in _rules()] + [expr for _, expr in _dashboard_exprs()]
+    summed = [m for expr in exprs for c in worker_counters
+              for m in re.finditer(rf"\b(rate|increase)\({c}\b", expr)]
+    assert summed  # the rules and dashboards do sum these counters (else the check below checks nothing)
     for expr in exprs:
         for counter in worker_counters:
             for match in re.finditer(rf"\b(rate|increase)\({counter}\b", expr):
@@ -170,7 +177,7 @@ def test_cluster_wide_counters_are_deduplicated_before_summing() -> None:
                 assert before.endswith("max without (instance, pod) ("), expr
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package 'prometheus')")
+@pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
 def test_promtool_checks_the_rules() -> None:
     result = subprocess.run(
         [PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
@@ -178,7 +185,7 @@ def test_promtool_checks_the_rules() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package 'prometheus')")
+@pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
 def test_promtool_rule_unit_tests_pass() -> None:
     """Alerts fire on synthetic series (and stay quiet below their thresholds)."""
     result = subprocess.run(
@@ -190,7 +197,7 @@ def test_promtool_rule_unit_tests_pass() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package 'prometheus')")
+@pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
 def test_promtool_checks_the_prometheus_config() -> None:
     result = subprocess.run(
         [PROMTOOL, "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
@@ -281,5 +288,6 @@ def test_dashboard_layout_and_datasource() -> None:
 
 def test_the_deploy_readme_documents_every_alert() -> None:
     readme = (DEPLOY / "README.md").read_text()
+    assert _alerts_by_name()  # the alert rules parsed
     for name in _alerts_by_name():
         assert f"`{name}`" in readme, f"deploy/README.md does not document {name}"

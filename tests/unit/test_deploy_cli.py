@@ -19,7 +19,7 @@ import click
 import pytest
 import yaml
 
-from scheduler.settings import Settings, flat_fields
+from scheduler.infra.settings import Settings, flat_fields
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
@@ -198,6 +198,8 @@ def test_other_env_keys_are_real_settings() -> None:
     """Non-CLOVERQ_ keys given to cloverq containers (e.g. PROMETHEUS_MULTIPROC_DIR) are aliases."""
     aliases = {entry.env for entry in flat_fields().values() if not entry.env.startswith("CLOVERQ_")}
     passthrough = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "CUDA_VISIBLE_DEVICES"}
+    envs = [env for _, doc in _k8s_docs() for c in _pod_containers(doc) for env in c.get("env", [])]
+    assert envs  # the k8s containers do carry env entries (else the loop checks nothing)
     for file_name, doc in _k8s_docs():
         for container in _pod_containers(doc):
             for env in container.get("env", []):
@@ -259,6 +261,9 @@ def test_route_check_rejects_unknown_paths(api_app: Any) -> None:
 
 def test_api_container_port_matches_the_cli_port() -> None:
     """The port the API binds (cloverq api --port) is the one probes and the Service target."""
+    api_containers = [c for _, doc in _k8s_docs() if doc["kind"] == "Deployment"
+                      for c in _pod_containers(doc) if c.get("command", [])[:2] == ["cloverq", "api"]]
+    assert api_containers  # an API Deployment was parsed
     for file_name, doc in _k8s_docs():
         if doc["kind"] != "Deployment":
             continue

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -58,6 +58,7 @@ def _base_images(name: str) -> list[str]:
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_dockerfile_base_images_are_pinned(name: str) -> None:
+    assert _base_images(name), f"{name}: no FROM line parsed"
     for image in _base_images(name):
         assert PINNED_IMAGE.match(image), f"{name}: base image {image!r} is not pinned to a version"
 
@@ -160,6 +161,7 @@ def test_compose_has_every_role() -> None:
 
 
 def test_compose_images_are_pinned() -> None:
+    assert len(_compose()["services"]) >= 9  # every role (test_compose_has_every_role)
     for name, spec in _compose()["services"].items():
         assert PINNED_IMAGE.match(spec["image"]), f"{name}: image {spec['image']!r} is not pinned"
 
@@ -198,6 +200,9 @@ def test_compose_stop_grace_covers_job_deadlines() -> None:
 
 
 def test_compose_bind_mounts_exist() -> None:
+    binds = [v for spec in _compose()["services"].values() for v in spec.get("volumes", [])
+             if str(v).startswith("./")]
+    assert binds  # compose bind-mounts files from deploy/ (prometheus, grafana): there are some to check
     for name, spec in _compose()["services"].items():
         for volume in spec.get("volumes", []):
             source = str(volume).split(":")[0]
@@ -253,8 +258,9 @@ def test_systemd_unit_runs_the_worker_safely() -> None:
 # --- compose, validated by docker-compose itself (Debian's `docker-compose`, no daemon needed) --
 
 DOCKER_COMPOSE = shutil.which("docker-compose")
+NO_DOCKER_COMPOSE = "docker-compose not installed (apt-get install -y docker-compose; .ci/run does)"
 needs_docker_compose = pytest.mark.skipif(
-    DOCKER_COMPOSE is None, reason="docker-compose not installed (Debian package 'docker-compose')"
+    DOCKER_COMPOSE is None, reason=NO_DOCKER_COMPOSE
 )
 
 
@@ -290,6 +296,7 @@ def test_docker_compose_rejects_an_invalid_file(tmp_path: Path) -> None:
 
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+NO_SYSTEMD_ANALYZE = "systemd-analyze not installed (apt-get install -y systemd)"
 
 
 def _verify_unit(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -301,7 +308,7 @@ def _verify_unit(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([SYSTEMD_ANALYZE, "verify", str(unit)], capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed")
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason=NO_SYSTEMD_ANALYZE)
 def test_systemd_analyze_accepts_the_unit(tmp_path: Path) -> None:
     text = (DEPLOY / "systemd" / "cloverq-worker.service").read_text()
     result = _verify_unit(text, tmp_path)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from scheduler.models import QueueName
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import QueueName
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 
@@ -24,7 +24,7 @@ try:  # the schemas come with the `kubernetes-validate` test extra; the other ch
 except ImportError:  # pragma: no cover - the test extra installs it
     kubernetes_validate = None
 needs_schemas = pytest.mark.skipif(
-    kubernetes_validate is None, reason="kubernetes-validate (test extra) ships the Kubernetes schemas"
+    kubernetes_validate is None, reason="kubernetes-validate (a test extra: make test) ships the schemas"
 )
 
 
@@ -202,7 +202,7 @@ def test_gpu_workers_have_a_gpu_probes_and_a_grace_period(name: str) -> None:
 
 
 def test_configured_deadlines_fit_the_worker_grace_periods() -> None:
-    (config,) = _of_kind("ConfigMap")
+    (config,) = [d for d in _of_kind("ConfigMap") if d["metadata"]["name"] == "cloverq-config"]
     data = config["data"]
     for name, key in (
         ("cloverq-worker", "CLOVERQ_JOB_DEADLINE_SECONDS"),
@@ -230,7 +230,7 @@ def test_migrations_job_runs_cloverq_migrate() -> None:
 
 
 def test_api_service_routes_to_the_api_pods() -> None:
-    (service,) = _of_kind("Service")
+    (service,) = [s for s in _of_kind("Service") if s["metadata"]["name"] != "otel-collector"]
     api = _deployment("cloverq-api")
     labels = api["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
@@ -248,6 +248,7 @@ def test_references_resolve_and_pods_run_as_non_root() -> None:
     secrets = {d["metadata"]["name"] for d in _of_kind("Secret")}
     claims = {d["metadata"]["name"] for d in _of_kind("PersistentVolumeClaim")}
     namespaces = {d["metadata"]["name"] for d in _of_kind("Namespace")}
+    assert namespaces and any(doc["kind"] in {"Deployment", "Job"} for _, doc in _docs())  # parsed
     for file_name, doc in _docs():
         if doc["kind"] in {"Namespace", "Kustomization"}:
             continue
@@ -275,3 +276,15 @@ def test_kustomization_lists_every_manifest_but_examples() -> None:
     files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     examples = {"secret.example.yaml", "model-pull-job.yaml"}
     assert set(kustomization["resources"]) == files - examples
+
+
+def test_the_collector_configmap_is_the_compose_collector_config() -> None:
+    """deploy/k8s/otel-collector.yaml inlines deploy/otel/collector.yaml (kustomize cannot load a
+    file outside its folder): the two must not drift."""
+    (config_map,) = [d for _, d in _docs() if d["kind"] == "ConfigMap"
+                     and d["metadata"]["name"] == "otel-collector-config"]
+    shared = yaml.safe_load((K8S.parent / "otel" / "collector.yaml").read_text())
+    assert yaml.safe_load(config_map["data"]["config.yaml"]) == shared
+    (service,) = [d for _, d in _docs()
+                  if d["kind"] == "Service" and d["metadata"]["name"] == "otel-collector"]
+    assert service["spec"]["ports"][0]["port"] == 4318

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from cli.probe import all_ranks_ready
-from scheduler.workers import WorkerInfo, WorkerState
+from scheduler.fleet.workers import WorkerInfo, WorkerState
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 WORKERS = ("worker", "worker-joint")
@@ -42,9 +42,10 @@ def test_compose_override_gives_each_worker_two_gpus_of_its_own() -> None:
 
 
 DOCKER_COMPOSE = shutil.which("docker-compose")
+NO_DOCKER_COMPOSE = "docker-compose not installed (apt-get install -y docker-compose; .ci/run does)"
 
 
-@pytest.mark.skipif(DOCKER_COMPOSE is None, reason="docker-compose not installed")
+@pytest.mark.skipif(DOCKER_COMPOSE is None, reason=NO_DOCKER_COMPOSE)
 def test_docker_compose_merges_the_tp2_override() -> None:
     done = subprocess.run([str(DOCKER_COMPOSE), "-f", "compose.yaml", "-f", "compose.tp2.yaml", "config"],
                           cwd=DEPLOY, capture_output=True, text=True, timeout=120)
@@ -92,6 +93,7 @@ def _overlay() -> dict[str, dict[str, Any]]:
 
 
 def test_k8s_overlay_runs_each_worker_pod_on_two_gpus_with_the_ready_probe() -> None:
+    assert _overlay()  # the overlay's worker patches parsed
     for name, doc in _overlay().items():
         (container,) = doc["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
@@ -105,12 +107,17 @@ def test_k8s_overlay_runs_each_worker_pod_on_two_gpus_with_the_ready_probe() -> 
 
 
 def test_k8s_overlay_deployments_match_the_kubernetes_schema() -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="a test extra (make test)")
     for doc in _overlay().values():
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+NO_KUBECTL = ("kubectl not on PATH (install its one binary on PATH: "
+              "https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/; .ci/run does not, and "
+              "the schema test above checks the same overlay without it)")
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason=NO_KUBECTL)
 def test_kubectl_kustomize_renders_the_overlay_as_the_test_applies_it() -> None:
     done = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "k8s-tp2")], capture_output=True, text=True,
                           timeout=60)

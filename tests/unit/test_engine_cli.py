@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
+from scheduler.infra.settings import get_settings
 
 
 def _run(args: list[str]) -> dict:
@@ -69,3 +71,24 @@ def test_generate_chat_prompt_with_budget(demo_checkpoint: Path) -> None:
 def test_generate_needs_one_prompt(demo_checkpoint: Path) -> None:
     result = CliRunner().invoke(cli, ["generate", "--model", str(demo_checkpoint)])
     assert result.exit_code != 0
+
+
+def test_generate_says_it_ignores_tensor_parallel(
+    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30: ``CLOVERQ_TENSOR_PARALLEL`` was ignored silently; the run is one device and says so."""
+    args = ["generate", "--model", str(demo_checkpoint), "--prompt-ids", "5,6,7", "--max-new-tokens", "4",
+            "--json"]  # fmt: skip
+    monkeypatch.setenv("CLOVERQ_TENSOR_PARALLEL", "2")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    finally:
+        monkeypatch.delenv("CLOVERQ_TENSOR_PARALLEL")
+        get_settings.cache_clear()
+    assert result.exit_code == 0, result.output
+    assert "CLOVERQ_TENSOR_PARALLEL=2 is ignored" in result.stderr
+    assert "one device" in result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["token_ids"]  # the run itself goes on
+    quiet = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert "TENSOR_PARALLEL" not in quiet.stderr

@@ -1,21 +1,21 @@
-"""The engine against the decoding contract on the tiny demo checkpoints of both families.
+"""The engine against the decoding contract on the tiny demo checkpoints of every family.
 
-The reference below is deliberately plain: no cache carried between passes, no batching, the
-whole sequence recomputed for every denoising pass (``bench.recompute``), one request at a time,
-Python loops.
-At temperature 0 the engine must give the same tokens, token for token.
+The reference is ``worker/engine/reference_decode.py``: deliberately plain, no cache carried
+between passes, no batching, the whole sequence recomputed for every denoising pass, one request
+at a time, Python loops. Greedy or seeded-sampled, the engine must give the same tokens, token
+for token, with the same passes, blocks and finish reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-import torch
 
-from bench.recompute import block_logits
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.reference_decode import ReferenceResult, reference_decode
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint
 from worker.model.family import decoding_defaults
@@ -46,53 +46,19 @@ def engine(tiny: LoadedModel) -> Iterator[Engine]:
     eng.stop()
 
 
-def reference_generate(
-    lm: LoadedModel,
-    prompt: list[int],
-    *,
-    max_new: int,
-    block: int,
-    steps: int,
-    strategy: str,
-    threshold: float,
-    eos: Sequence[int],
-) -> tuple[list[int], int]:
-    """Greedy block diffusion with full recompute; returns (tokens cut at EOS, passes)."""
-    mask = lm.config.mask_token_id
-    start = len(prompt)
-    end = -(-(start + max_new) // block) * block
-    seq = list(prompt) + [mask] * (end - start)
-    passes = 0
-    for b in range(start // block, end // block):
-        lo, hi = b * block, (b + 1) * block
-        m = sum(1 for p in range(max(lo, start), hi))
-        quotas = [m // steps + (1 if i < m % steps else 0) for i in range(steps)]
-        for quota in (q for q in quotas if q > 0):
-            open_positions = [p for p in range(max(lo, start), hi) if seq[p] == mask]
-            if not open_positions:  # dynamic committed more than its quotas: block done
-                break
-            logits = torch.zeros(hi, lm.config.vocab_size)  # [hi, V]; rows before the block unused
-            logits[lo:] = block_logits(lm.model, torch.tensor([seq[:hi]]), lo, hi, block)[0]  # no cache
-            logits[:, mask] = float("-inf")
-            probs = torch.softmax(logits, dim=-1)
-            conf, tok = probs.max(dim=-1)
-            ranked = sorted(open_positions, key=lambda p: (-conf[p].item(), p))
-            quota = min(quota, len(open_positions))
-            chosen = ranked[:quota]
-            if strategy == "dynamic":
-                above = [p for p in open_positions if conf[p].item() > threshold]
-                if len(above) >= quota:
-                    chosen = above
-            for p in chosen:
-                seq[p] = int(tok[p])
-            passes += 1
-        if any(t in eos for t in seq[start : min(hi, start + max_new)]):
-            break
-    out = seq[start : start + max_new]
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[:i], passes
-    return out, passes
+def reference(
+    lm: LoadedModel, prompt: list[int], params: SamplingParams, *, eos: Sequence[int] | None = None
+) -> ReferenceResult:
+    """``worker/engine/reference_decode.py`` for one request of ``lm`` (EOS ids: the config's, or ``eos``)."""
+    cfg = lm.config
+    return reference_decode(lm.model, prompt, params, mask_token_id=cfg.mask_token_id,
+                            eos_token_ids=cfg.eos_token_ids if eos is None else eos)  # fmt: skip
+
+
+def _same(result: GenerationResult, expected: ReferenceResult) -> None:
+    """Token for token, and the same passes, blocks and reason."""
+    got = (result.token_ids, result.steps_used, result.blocks, result.finish_reason)
+    assert got == (expected.token_ids, expected.steps_used, expected.blocks, expected.finish_reason)
 
 
 def run(engine: Engine, prompt: list[int], **params: object) -> GenerationResult:
@@ -134,24 +100,65 @@ def test_greedy_equals_full_recompute_reference(
         for i, prompt in enumerate(PROMPTS)
     ]  # all four in one batch: different lengths, partial prompt blocks at different offsets
     total_passes = total_blocks = 0
+    assert len(futures) == len(PROMPTS)
     for prompt, future in zip(PROMPTS, futures, strict=True):
         result = future.result(timeout=120)
-        expected, passes = reference_generate(
-            tiny,
-            prompt,
-            max_new=13,
-            block=block,
-            steps=steps,
-            strategy=strategy,
-            threshold=threshold,
-            eos=eos,
-        )
-        assert result.token_ids == expected
-        assert result.steps_used == passes
-        total_passes += passes
+        params = SamplingParams(max_new_tokens=13, block_size=block, steps_per_block=steps,
+                                strategy=strategy, threshold=threshold)  # type: ignore[arg-type]  # fmt: skip
+        expected = reference(tiny, prompt, params, eos=eos)
+        _same(result, expected)
+        total_passes += expected.steps_used
         total_blocks += result.blocks
     if strategy == "dynamic":  # the low threshold really commits several masks in one pass
         assert total_passes < total_blocks * min(steps, block)
+
+
+SAMPLED = [  # (temperature, top_k, top_p, strategy, threshold, step_budget)
+    (1.0, None, None, "static", 0.9, None),
+    (0.8, 20, 0.9, "dynamic", 0.05, None),
+    (0.7, None, 0.8, "static", 0.9, 5),  # a budget that lowers the steps, then stops
+    (0.0, 5, 0.5, "dynamic", 0.2, None),  # greedy with filters: the confidence is the filtered one
+]
+
+
+def test_seeded_sampling_equals_the_reference(tiny: LoadedModel, engine: Engine) -> None:
+    """The engine's per-request generator gives the reference's draws: same seed, same tokens,
+    inside one batch of requests of different lengths, filters and budgets."""
+    cases = [
+        (prompt, SamplingParams(max_new_tokens=13, block_size=4, steps_per_block=3, strategy=strategy,  # type: ignore[arg-type]
+                                threshold=threshold, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, step_budget=budget))
+        for seed, (temperature, top_k, top_p, strategy, threshold, budget) in enumerate(SAMPLED)
+        for prompt in PROMPTS
+    ]  # fmt: skip
+    futures = [engine.submit(GenerationRequest(f"s{i}", prompt, p)) for i, (prompt, p) in enumerate(cases)]
+    assert len(futures) == len(SAMPLED) * len(PROMPTS)
+    for (prompt, params), future in zip(cases, futures, strict=True):
+        _same(future.result(timeout=120), reference(tiny, prompt, params))
+    drawn = [future.result().token_ids for future in futures[: len(PROMPTS)]]
+    again = [run(engine, prompt, **vars(params)).token_ids for prompt, params in cases[: len(PROMPTS)]]
+    assert drawn == again and any(drawn)  # seeded: the same draws alone as in the batch
+
+
+def test_eos_and_budget_stops_equal_the_reference(tiny: LoadedModel) -> None:
+    """An EOS inside the output ends generation after its block; a budget ends it at a block start."""
+    prompt = [11, 12, 13, 14, 15]
+    params = SamplingParams(max_new_tokens=24, block_size=4, steps_per_block=2, strategy="static")
+    free = reference(tiny, prompt, params, eos=())
+    assert free.finish_reason is FinishReason.LENGTH and len(free.token_ids) == 24
+    eos = [free.token_ids[5]]
+    eos_engine = make_engine(tiny, eos=eos, max_batch=2)
+    try:
+        stopped = run(eos_engine, prompt, **vars(params))
+        short = run(eos_engine, prompt, **{**vars(params), "step_budget": 3})
+    finally:
+        eos_engine.stop()
+    expected = reference(tiny, prompt, params, eos=eos)
+    assert expected.finish_reason is FinishReason.EOS
+    _same(stopped, expected)
+    budget = reference(tiny, prompt, dataclasses.replace(params, step_budget=3), eos=eos)
+    assert budget.finish_reason in (FinishReason.BUDGET, FinishReason.EOS)
+    _same(short, budget)
 
 
 def test_partial_prompt_block_is_decoded_first_with_its_prompt_fixed(engine: Engine) -> None:
@@ -171,12 +178,12 @@ def test_silent_params_take_the_family_defaults(tiny: LoadedModel, engine: Engin
     eng = make_engine(tiny, eos=(), max_batch=2)
     try:
         for size in (block, 8):  # the config's block, and a request's block of 8
-            expected, passes = reference_generate(
-                tiny, prompt, max_new=10, block=size, steps=defaults.steps_for(size),
-                strategy=defaults.strategy, threshold=defaults.threshold, eos=(),
+            resolved = SamplingParams(
+                max_new_tokens=10, block_size=size, steps_per_block=defaults.steps_for(size),
+                strategy=defaults.strategy, threshold=defaults.threshold,  # type: ignore[arg-type]
             )  # fmt: skip
             result = run(eng, prompt, max_new_tokens=10, block_size=size)
-            assert (result.token_ids, result.steps_used) == (expected, passes)
+            _same(result, reference(tiny, prompt, resolved, eos=()))
         assert defaults.steps_for(8) == (4 if tiny.config.family == "sdar" else 8)
     finally:
         eng.stop()

@@ -4,8 +4,9 @@ A slot is chosen over the distribution of its candidates normalised together, fo
 length and across block boundaries: at temperature 0 the answer is that distribution's argmax
 and its ``confidence`` the answer's probability under it (so never below 1 / choices); with
 sampling the answer is drawn from it. The reference recomputes every block holding part of the
-slot from scratch with the whole slot masked (``bench.recompute``, no cache): each candidate's
-score is the sum of its tokens' log-probabilities at the slot's positions. Both model families.
+slot from scratch with the whole slot masked (``worker.engine.reference_decode.block_logits``, no
+cache): each candidate's score is the sum of its tokens' log-probabilities at the slot's positions.
+Both model families.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.recompute import block_logits
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.reference_decode import block_logits
 from worker.engine.types import (
     FinishReason,
     GenerationRequest,
@@ -193,15 +194,18 @@ def test_sampling_draws_from_the_normalised_choices(tiny: LoadedModel, engine: E
     choices = tuple(sorted({tuple(rng.choice(vocab) for _ in range(rng.randint(1, 6))) for _ in range(3)}))
     template = InfillTemplate((0, 0, 0, 0, 0, 0, rng.choice(vocab)), (InfillSlot(0, 6, choices),), pad_id=pad)
     probs = _reference(tiny, prompt, template, 4)
+    assert len(choices) >= 2 and len(probs) == len(choices)  # a draw among several, each with its share
     runs = 300
     sampled = [SamplingParams(block_size=4, steps_per_block=2, temperature=1.0, seed=s) for s in range(runs)]
     futures = [engine.submit(GenerationRequest(f"s{i}", prompt, p, template=template))
                for i, p in enumerate(sampled)]
+    assert len(futures) == runs
     counts: Counter[int] = Counter()
     for future in futures:
         (choice,) = future.result(timeout=120).slot_choices
         counts[choice.index] += 1
         assert choice.confidence == pytest.approx(float(probs[choice.index]), abs=2e-4)
+    assert sum(counts.values()) == runs  # every run answered (the loops above and below saw data)
     for index, p in enumerate(probs.tolist()):
         sd = (p * (1 - p) / runs) ** 0.5
         assert abs(counts[index] / runs - p) <= 4 * sd + 0.01, (counts, probs)

@@ -1,4 +1,4 @@
-"""scheduler.heap: start-up objects leave the cyclic collector's working set."""
+"""scheduler.infra.gc_freeze: start-up objects leave the cyclic collector's working set."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from scheduler.heap import freeze_startup_heap
+from scheduler.infra.gc_freeze import freeze_startup_heap
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from scheduler.db import DatabaseTimeouts, make_engine, postgres_connect_args, postgres_session_sql
-from scheduler.settings import Settings
+from scheduler.infra.db import DatabaseTimeouts, make_engine, postgres_connect_args, postgres_session_sql
+from scheduler.infra.settings import Settings
 
 
 def test_timeouts_come_from_the_settings() -> None:

@@ -66,7 +66,7 @@ def test_same_seed_is_byte_identical_other_seed_differs(tiny: Path, tmp_path: Pa
 
 
 def test_transformers_loads_it_with_the_same_logits(tiny: Path, tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="transformers: a test extra (make test)")
     if _arch(tiny) == "sdar":
         hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
     else:  # the trunk under transformers' own model type; the preview tensors are left unused

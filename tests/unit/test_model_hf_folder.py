@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import cli
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 from worker import model_store
 from worker.model import manifest
 from worker.model.checkpoint import load_checkpoint

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="transformers: a test extra (make test)")
 
 from worker.model.checkpoint import build_empty_model, load_weights, read_config, weight_files  # noqa: E402
 from worker.model.kv_cache import KVCache  # noqa: E402

@@ -74,3 +74,32 @@ def test_cli_init_demo_writes_a_verified_checkpoint(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert (target / "manifest.json").is_file()
     assert CliRunner().invoke(cli, ["model", "verify", str(target)]).exit_code == 0
+
+
+def test_cli_plan_tensor_parallel_prints_each_rank(demo_checkpoint: Path) -> None:
+    """``--tensor-parallel N``: ``planner.rank_weight_bytes`` per rank and dtype row, rank 0 the largest."""
+    from worker.model.checkpoint import read_config
+    from worker.model.planner import rank_weight_bytes
+
+    args = ["model", "plan", "--config", str(demo_checkpoint), "--tensor-parallel", "2"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "tensor parallel 2" in result.output
+    config = read_config(demo_checkpoint)
+    for dtype in ("bf16", "int8", "int4"):
+        ranks = [rank_weight_bytes(config, dtype, world=2, rank=r).total for r in range(2)]
+        assert ranks[0] > ranks[1] > 0
+        assert f"rank 0 {ranks[0]:,} B" in result.output and f"rank 1 {ranks[1]:,} B" in result.output
+
+
+def test_cli_plan_tensor_parallel_needs_a_config_and_a_split() -> None:
+    alone = CliRunner().invoke(cli, ["model", "plan", "--total-params", "1e9", "--active-params", "1e8",
+                                     "--tensor-parallel", "2"])  # fmt: skip
+    assert alone.exit_code == 2 and "--tensor-parallel needs --config" in alone.output
+
+
+def test_cli_plan_tensor_parallel_refusal_is_one_line(demo_checkpoint: Path) -> None:
+    args = ["model", "plan", "--config", str(demo_checkpoint), "--tensor-parallel", "3"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1
+    assert "does not split into 3" in result.output and "Traceback" not in result.output

@@ -261,7 +261,7 @@ def test_plan_check_reports_measured_next_to_predicted(demo_checkpoint: Path) ->
 
 
 def test_worker_setting_quantizes_at_load(demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from scheduler.settings import Settings
+    from scheduler.infra.settings import Settings
 
     monkeypatch.setenv("CLOVERQ_WEIGHT_DTYPE", "int4")
     monkeypatch.setenv("CLOVERQ_WEIGHT_GROUP_SIZE", "32")

@@ -128,7 +128,7 @@ def _max_diff(output: str) -> tuple[str, float]:
 
 @pytest.mark.parametrize("preview", [False, True], ids=["trunk", "with-preview-tensors"])
 def test_matching_reference_passes(tmp_path: Path, preview: bool) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers: a test extra (make test)")
     code, output = _verify(_stand_in(tmp_path / "ref", preview=preview))
     assert code == 0, output
     verdict, diff = _max_diff(output)
@@ -141,7 +141,7 @@ def test_matching_reference_passes(tmp_path: Path, preview: bool) -> None:
 
 @pytest.mark.parametrize("broken", ["norm", "attention"])
 def test_broken_reference_fails_with_the_difference(tmp_path: Path, broken: str) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers: a test extra (make test)")
     code, output = _verify(_stand_in(tmp_path / "ref", broken=broken))
     assert code == 1, output
     verdict, diff = _max_diff(output)
@@ -149,7 +149,7 @@ def test_broken_reference_fails_with_the_difference(tmp_path: Path, broken: str)
 
 
 def test_reference_tensors_that_do_not_fit_ours_fail_in_one_line(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers: a test extra (make test)")
     code, output = _verify(_stand_in(tmp_path / "ref", broken="extra"))
     assert code == 1
     assert output.strip().count("\n") == 0
@@ -164,7 +164,7 @@ def test_folder_without_auto_map_exits_2_in_one_line(tmp_path: Path) -> None:
 
 
 def test_unimportable_remote_code_is_one_line(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers: a test extra (make test)")
     folder = _stand_in(tmp_path / "ref")
     (folder / "modeling_stand_in.py").write_text("import not_a_module_anywhere\n")
     code, output = _verify(folder)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.model_versions import Activation
+from scheduler.model_versions.registry import Activation
 from worker import model_switch
 from worker.model_switch import JobAdmission, ModelFollower
 

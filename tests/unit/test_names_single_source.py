@@ -1,5 +1,5 @@
 """Redis key names, queue names and job outcome codes each come from one module
-(``scheduler/redis_keys.py``, ``scheduler/queue_names.py``, the enums) and keep their values:
+(``scheduler/infra/redis_keys.py``, ``scheduler/infra/queue_names.py``, the enums) and keep their values:
 they are on the wire, in Redis and in SQL, so a rename must be a deliberate change here too."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import get_args
 
 from api.schemas.jobs import Priority
-from scheduler import queue_names, redis_keys
-from scheduler.batches import BatchStatus
-from scheduler.error_codes import ErrorCode
-from scheduler.models import ErrorCode as ModelsErrorCode
-from scheduler.models import JobStatus, QueueName
-from scheduler.routing import PRIORITY_ALIASES
-from scheduler.settings import Settings
+from scheduler.batches.service import BatchStatus
+from scheduler.infra import queue_names, redis_keys
+from scheduler.infra.settings import Settings
+from scheduler.jobs.error_codes import ErrorCode
+from scheduler.jobs.models import ErrorCode as ModelsErrorCode
+from scheduler.jobs.models import JobStatus, QueueName
+from scheduler.jobs.routing import PRIORITY_ALIASES
 from worker.run_outcome import RunOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def test_no_redis_key_name_outside_redis_keys() -> None:
     for package in ("scheduler", "api", "worker", "cli", "bench"):
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel == "scheduler/redis_keys.py":
+            if rel == "scheduler/infra/redis_keys.py":
                 continue
             found += [f"{rel}:{line}: {value!r}"
                       for line, value in _string_constants(path) if key.match(value)]

@@ -11,7 +11,8 @@ import pytest
 import structlog
 from structlog.contextvars import clear_contextvars
 
-from scheduler.logging import (
+from scheduler.infra.settings import Settings
+from scheduler.observability.logging import (
     REDACTED,
     accept_request_id,
     bind_request_id,
@@ -21,7 +22,6 @@ from scheduler.logging import (
     get_logger,
     log_job_finished,
 )
-from scheduler.settings import Settings
 
 
 @pytest.fixture

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.metrics import FAMILIES, WorkerSnapshot, _bucket_index
+from scheduler.observability.metrics import FAMILIES, WorkerSnapshot, _bucket_index
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_family_is_prefixed_and_typed() -> None:
+    assert len(FAMILIES) > 10  # the registry is populated
     for name, spec in FAMILIES.items():
         assert name.startswith("cloverq_"), name
         assert spec.type in ("counter", "gauge", "histogram")
@@ -36,14 +37,14 @@ def test_expert_share_and_imbalance() -> None:
 
 
 _RECORD = (
-    "from scheduler.metrics import record_submitted, record_http_request\n"
+    "from scheduler.observability.metrics import record_submitted, record_http_request\n"
     "record_submitted(kind='generate', queue='standard')\n"
     "record_http_request(route='/v1/jobs', method='POST', status=202, seconds=0.01)\n"
 )
 _RENDER = (
     "import sys\n"
     "from pathlib import Path\n"
-    "from scheduler.metrics import render_metrics\n"
+    "from scheduler.observability.metrics import render_metrics\n"
     "body, _ = render_metrics(None, multiproc_dir=Path(sys.argv[1]))\n"
     "sys.stdout.write(body.decode())\n"
 )
@@ -79,7 +80,7 @@ def test_scrape_survives_redis_and_database_outages() -> None:
     """A dead Redis and a failing SQL query drop only their families; /metrics still answers."""
     import redis
 
-    from scheduler.metrics import record_submitted, render_metrics
+    from scheduler.observability.metrics import record_submitted, render_metrics
 
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, socket_timeout=0.2)
 

@@ -6,8 +6,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.routes.metrics import ObservabilityMiddleware
-from scheduler.logging import current_request_id
-from scheduler.metrics import HTTP_REQUEST_SECONDS, HTTP_REQUESTS
+from scheduler.observability.logging import current_request_id
+from scheduler.observability.metrics import HTTP_REQUEST_SECONDS, HTTP_REQUESTS
 
 
 def _app() -> FastAPI:

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from scheduler.models import JobStatus
-from scheduler.retry import InputJobError
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import JobStatus
+from scheduler.jobs.retry import InputJobError
 from worker.engine.types import FinishReason, GenerationResult
 from worker.execution import outcome_of, prompt_ids, sampling_params
 

@@ -6,10 +6,16 @@ import random
 
 import pytest
 
-from scheduler.models import QueueName
-from scheduler.retry import backoff_seconds
-from scheduler.routing import InvalidPriorityError, class_for_cost, estimate_cost, parse_priority, route_job
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs.models import QueueName
+from scheduler.jobs.retry import backoff_seconds
+from scheduler.jobs.routing import (
+    InvalidPriorityError,
+    class_for_cost,
+    estimate_cost,
+    parse_priority,
+    route_job,
+)
 
 SETTINGS = Settings(interactive_max_cost=1000, standard_max_cost=10_000, default_max_new_tokens=128,
                     default_steps_per_block=4)
@@ -75,6 +81,45 @@ def test_backoff_grows_exponentially_with_bounded_jitter() -> None:
         delays = [backoff_seconds(attempt, settings, rng=rng) for _ in range(200)]
         assert all(base / 2 <= d <= base for d in delays)
         assert max(delays) - min(delays) > base / 4  # jitter actually spreads retries
+
+
+def _plain_job_backoff(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """The jobs' retry delay as written before issue 30 (equal jitter)."""
+    delay = min(cap, base * 2 ** max(0, attempt - 1))
+    return delay / 2 + rng.uniform(0, delay / 2)
+
+
+def _plain_webhook_backoff(attempts: int, base: float, cap: float, rng: random.Random) -> float:
+    """The webhooks' delay as written before issue 30 (x1-1.25 jitter)."""
+    return min(cap, base * (2 ** max(0, attempts - 1))) * rng.uniform(1.0, 1.25)
+
+
+@pytest.mark.parametrize(("base", "cap"), [(2.0, 300.0), (1.0, 10.0), (0.2, 0.5), (0.0, 5.0)])
+def test_one_backoff_serves_jobs_and_webhooks(base: float, cap: float) -> None:
+    """Issue 30: ``exponential_backoff`` with either jitter gives, draw for draw on the same seed, what
+    each of the two former copies gave; the jobs' and the webhooks' wrappers read their own settings."""
+    from scheduler.jobs.retry import EQUAL_JITTER, LATE_JITTER, exponential_backoff
+    from scheduler.webhooks import delivery
+
+    checked = 0
+    for jitter, plain in ((EQUAL_JITTER, _plain_job_backoff), (LATE_JITTER, _plain_webhook_backoff)):
+        ours, theirs = random.Random(7), random.Random(7)
+        for attempt in range(0, 12):
+            got = exponential_backoff(attempt, base_seconds=base, max_seconds=cap, jitter=jitter, rng=ours)
+            assert got == pytest.approx(plain(attempt, base, cap, theirs), rel=1e-12, abs=1e-15)
+            checked += 1
+    assert checked == 24
+    settings = Settings(retry_backoff_base_seconds=base, retry_backoff_max_seconds=cap,
+                        webhook_backoff_base_seconds=base, webhook_backoff_max_seconds=cap)  # fmt: skip
+    ours, theirs = random.Random(3), random.Random(3)
+    assert backoff_seconds(4, settings, rng=ours) == pytest.approx(_plain_job_backoff(4, base, cap, theirs))
+    state = random.getstate()
+    try:
+        random.seed(5)
+        got = delivery.webhook_backoff_seconds(4, settings)  # the module's generator, as before
+        assert got == pytest.approx(_plain_webhook_backoff(4, base, cap, random.Random(5)))
+    finally:
+        random.setstate(state)
 
 
 def test_cost_counts_every_position_of_every_pass() -> None:

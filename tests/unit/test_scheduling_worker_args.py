@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 from worker.celery_worker import _option, _without_options, apply_switch_interval, worker_argv
 
 OURS = ("-Q", "--queues", "-c", "--concurrency", "-n", "--hostname")

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler.keys import (
+from scheduler.access.api_keys import (
     ALL_SCOPES,
     DEV_KEY_FILE,
     ApiKey,

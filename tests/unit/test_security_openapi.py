@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from api.app import create_app
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 
 
 def test_every_v1_operation_documents_401_and_429(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ import logging
 
 import structlog
 
-from scheduler.logging import configure_logging
-from scheduler.redaction import REDACTED, redact_secrets, redact_text
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.observability.logging import configure_logging
+from scheduler.observability.redaction import REDACTED, redact_secrets, redact_text
 
 KEY = "cq_0123456789ab_" + "S3cr3t-_" * 5 + "xyz"
 
@@ -57,7 +57,7 @@ def test_nested_secret_fields_are_masked_and_other_values_kept() -> None:
 
 
 def test_configured_logging_never_writes_a_key() -> None:
-    """End to end through scheduler.logging (which picks up redact_secrets)."""
+    """End to end through scheduler.observability.logging (which picks up redact_secrets)."""
     stream = io.StringIO()
     root = logging.getLogger()
     saved_handlers, saved_level = list(root.handlers), root.level

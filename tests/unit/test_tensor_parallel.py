@@ -51,6 +51,16 @@ def test_plan_splits_heads_and_replicates_kv_heads_when_fewer_than_ranks(demo_ch
         make_plan(config, 0, 3)
 
 
+def test_llada2_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """Issue 30: LLaDA2 stays refused (its fused query_key_value has no per-rank slicing); the message
+    says why and what to do, before any rank starts."""
+    from worker.model.demo import write_demo_checkpoint
+
+    config = read_config(write_demo_checkpoint(tmp_path / "llada2", seed=3, arch="llada2"))
+    with pytest.raises(ShardError, match=r"not llada2: .*query_key_value.*CLOVERQ_TENSOR_PARALLEL=1"):
+        make_plan(config, 0, 2)
+
+
 @pytest.mark.parametrize("moe", ["columns", "experts"])
 @pytest.mark.parametrize("arch", ["clover", "sdar"])
 def test_each_rank_reads_only_its_slices(arch: str, moe: str, demo_checkpoint: Path,

@@ -76,6 +76,17 @@ def _shards(path: Path, world: int = 2, moe: MoeMode = "columns") -> list[Shard]
     return shards
 
 
+def _assert_same_parameters(got: list[Shard], want: list[Shard]) -> None:
+    """Rank by rank, the same parameter names with equal values. Two ranks each and no rank without
+    parameters are asserted first: a loop over no shards, or ``all`` over an empty dict, would pass."""
+    assert len(got) == len(want) == 2
+    for shard, reference in zip(got, want, strict=True):
+        params, expected = dict(shard.model.named_parameters()), dict(reference.model.named_parameters())
+        assert params and params.keys() == expected.keys()
+        assert all(torch.equal(params[n], expected[n]) for n in params), [
+            n for n in params if not torch.equal(params[n], expected[n])]
+
+
 def _quantize_in_process(shards: list[Shard], mode: str) -> None:
     """``quantize_shard`` on every shard, the group's MAX all-reduce done here."""
     parsed = parse_mode(mode)
@@ -101,6 +112,7 @@ def test_int8_shards_hold_the_single_device_codes(arch: str, demo_checkpoint: Pa
     shards = _shards(path)
     _quantize_in_process(shards, "int8")
     mods = [dict(s.model.named_modules()) for s in shards]
+    assert len(mods) == 2  # the all() below is over both ranks, never over none
     whole = dict(single.named_modules())
     mixer = "layers.1.mixer" if arch == "clover" else "layers.1.attn"
     checks = [(f"{mixer}.q_proj", 0), (f"{mixer}.o_proj", 1)]  # column-, row-parallel
@@ -186,14 +198,11 @@ def test_fp8_shards_are_the_shards_of_the_dequantized_weights(arch: str, demo_ch
                                                               sdar_checkpoint: Path, tmp_path: Path) -> None:
     path = _arch_path(arch, demo_checkpoint, sdar_checkpoint)
     reference = _write_fp8(path, tmp_path / "fp8")
-    for got, want in zip(_shards(tmp_path / "fp8"), _shards(reference), strict=True):
-        params, expected = dict(got.model.named_parameters()), dict(want.model.named_parameters())
-        assert params.keys() == expected.keys()
-        assert all(torch.equal(params[n], expected[n]) for n in params), [
-            n for n in params if not torch.equal(params[n], expected[n])]
+    _assert_same_parameters(_shards(tmp_path / "fp8"), _shards(reference))
     # and the single-device loader agrees with the reference on the whole tensors
     single = dict(load_checkpoint(tmp_path / "fp8", verify=False).model.named_parameters())
     whole = dict(load_checkpoint(reference, verify=False).model.named_parameters())
+    assert single and single.keys() == whole.keys()
     assert all(torch.equal(single[n], whole[n]) for n in single)
 
 
@@ -203,9 +212,7 @@ def test_fp8_fused_expert_stacks_are_read_by_slices(moe: MoeMode, demo_checkpoin
     """Qwen3.5's fused stacks: gate and up column ranges (a range starting inside a scale block),
     down's input columns, or whole experts (the scales' leading dim)."""
     reference = _write_fp8(demo_checkpoint, tmp_path / "fp8", fused=True)
-    for got, want in zip(_shards(tmp_path / "fp8", moe=moe), _shards(reference, moe=moe), strict=True):
-        params, expected = dict(got.model.named_parameters()), dict(want.model.named_parameters())
-        assert all(torch.equal(params[n], expected[n]) for n in params)
+    _assert_same_parameters(_shards(tmp_path / "fp8", moe=moe), _shards(reference, moe=moe))
 
 
 # --- two real ranks ---------------------------------------------------------------------------------
@@ -308,6 +315,7 @@ def test_greedy_tokens_identical_through_the_engine(quant_pair: Pair) -> None:
             results.append([f.result(timeout=60).token_ids for f in futures])
         finally:
             engine.stop()
+    assert len(results) == 2 and len(results[0]) == len(requests)
     assert results[0] == results[1]
     assert all(results[0])
 
@@ -318,6 +326,7 @@ def test_planner_counts_each_rank_s_quantized_bytes(mode: str, demo_checkpoint: 
     shards = _shards(demo_checkpoint)
     _quantize_in_process(shards, mode)
     config = read_config(demo_checkpoint)
+    assert [shard.plan.rank for shard in shards] == [0, 1]  # both ranks measured, not none
     for shard in shards:
         predicted = rank_weight_bytes(config, mode.split("-")[0], world=2, rank=shard.plan.rank,
                                       high_precision="fp32", group_size=32)
@@ -336,9 +345,7 @@ def test_fp8_scales_in_another_file_of_a_sharded_checkpoint(sdar_checkpoint: Pat
         save_file(part, str(folder / file), metadata={"format": "pt"})
     index = {"weight_map": {n: file for file, part in parts.items() for n in part}}
     (folder / INDEX_NAME).write_text(json.dumps(index))
-    for got, want in zip(_shards(folder), _shards(reference), strict=True):
-        params, expected = dict(got.model.named_parameters()), dict(want.model.named_parameters())
-        assert all(torch.equal(params[n], expected[n]) for n in params)
+    _assert_same_parameters(_shards(folder), _shards(reference))
 
 
 def test_the_worker_loader_quantizes_each_rank(demo_checkpoint: Path) -> None:

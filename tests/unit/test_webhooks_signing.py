@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from scheduler.settings import Settings
-from scheduler.webhooks import backoff_seconds, sign, signature_header, verify_signature
+from scheduler.infra.settings import Settings
+from scheduler.webhooks.delivery import sign, signature_header, verify_signature, webhook_backoff_seconds
 
 SECRET = "s3cret"
 BODY = b'{"event":"job.finished","job":{"id":"1"}}'
@@ -31,7 +31,7 @@ def test_verify_accepts_fresh_and_rejects_tampering_replay_and_wrong_secret() ->
 
 def test_backoff_doubles_and_is_capped() -> None:
     settings = Settings(webhook_backoff_base_seconds=1.0, webhook_backoff_max_seconds=10.0)
-    delays = [backoff_seconds(n, settings) for n in range(1, 8)]
+    delays = [webhook_backoff_seconds(n, settings) for n in range(1, 8)]
     for n, delay in enumerate(delays[:4], start=1):
         assert 2 ** (n - 1) <= delay <= 1.25 * 2 ** (n - 1)
     assert all(10.0 <= d <= 12.5 for d in delays[4:])

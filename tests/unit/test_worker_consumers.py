@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import replace
@@ -94,128 +95,230 @@ def test_every_combination_follows_the_rules(canary_lane: bool, switching: bool,
     assert ordered_queues(state) == [prefix + q for q in ALL if q in classes]  # priority order kept
 
 
-class Commands:
-    """Records what the controller sends; ``failing`` names queues whose commands raise."""
+class FakeConsumer:
+    """A Celery consumer and its event loop, as the controller sees them (``ConsumerHandle``).
 
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, str, bool]] = []
+    Like kombu's ``Hub`` (pending callbacks in a ``set``), ``run_loop`` runs what was queued with
+    ``call_soon`` in an order of its own (shuffled by a seeded generator), which is what broke the
+    remote-control commands of old (issue 31). ``external`` changes the consumer behind the
+    controller's back (a stray broadcast, a Celery restart)."""
+
+    def __init__(self, consuming: set[str], *, seed: int = 0) -> None:
+        self.queues = set(consuming)
+        self.pending: list[Any] = []
+        self.log: list[tuple[str, str]] = []
         self.failing: set[str] = set()
+        self.restarting = False
+        self._random = random.Random(seed)
 
-    def add(self, queue: str, *, wait: bool) -> None:
-        self._record("add", queue, wait)
+    def call_soon(self, callback: Any) -> None:
+        self.pending.append(callback)
 
-    def cancel(self, queue: str, *, wait: bool) -> None:
-        self._record("cancel", queue, wait)
+    def consuming(self) -> frozenset[str] | None:
+        return None if self.restarting else frozenset(self.queues)
 
-    def _record(self, action: str, queue: str, wait: bool) -> None:
+    def add(self, queue: str) -> None:
         if queue in self.failing:
             raise ConnectionError("broker down")
-        self.sent.append((action, queue, wait))
+        self.log.append(("add", queue))
+        self.queues.add(queue)
+
+    def cancel(self, queue: str) -> None:
+        self.log.append(("cancel", queue))
+        self.queues.discard(queue)
+
+    def run_loop(self) -> None:
+        """One event-loop iteration: every pending callback, in no particular order."""
+        todo, self.pending = self.pending, []
+        self._random.shuffle(todo)
+        for callback in todo:
+            callback()
 
     def take(self) -> list[tuple[str, str]]:
-        sent, self.sent = self.sent, []
-        return [(action, queue) for action, queue, _ in sent]
+        self.run_loop()
+        log, self.log = self.log, []
+        return log
 
 
-def live(queues: tuple[str, ...] = ALL) -> tuple[ConsumerController, Commands]:
-    commands = Commands()
-    controller = ConsumerController(queues, commands)
-    controller.go_live()
-    assert commands.take() == []  # consuming what `celery worker --queues` selected already
-    return controller, commands
+def live(queues: tuple[str, ...] = ALL, **kwargs: Any) -> tuple[ConsumerController, FakeConsumer]:
+    consumer = FakeConsumer(set(queues))
+    controller = ConsumerController(queues, **kwargs)
+    controller.go_live(consumer)
+    assert consumer.take() == []  # consuming what `celery worker --queues` selected already
+    return controller, consumer
 
 
-def test_the_controller_sends_only_the_difference() -> None:
-    controller, commands = live()
+def test_the_controller_changes_only_the_difference() -> None:
+    controller, consumer = live()
     controller.update(joint_full=True)
-    assert commands.take() == [("cancel", "joint")]
+    assert consumer.take() == [("cancel", "joint")]
     controller.update(capacity_full=True)
-    assert commands.take() == [("cancel", "standard"), ("cancel", "bulk")]
-    controller.update(capacity_full=True)  # no change: nothing sent
-    assert commands.take() == []
+    assert consumer.take() == [("cancel", "standard"), ("cancel", "bulk")]
+    controller.update(capacity_full=True)  # no change: nothing done
+    assert consumer.take() == []
     controller.update(joint_full=False)
-    assert commands.take() == [("add", "joint")]
+    assert consumer.take() == [("add", "joint")]
     controller.update(capacity_full=False)
-    assert commands.take() == [("add", "standard"), ("add", "bulk")]
+    assert consumer.take() == [("add", "standard"), ("add", "bulk")]
     assert controller.consuming == frozenset(ALL)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_changes_applied_in_any_order_end_on_the_newest_state(seed: int) -> None:
+    """The issue-31 sequence: the capacity gate fills and frees within one loop iteration, many
+    times, and the loop runs its callbacks in any order: the consumer ends on every queue."""
+    controller, consumer = live()
+    consumer._random.seed(seed)
+    for _ in range(5):
+        controller.update(capacity_full=True)
+        controller.update(capacity_full=False)
+        controller.update(joint_full=True)
+        controller.update(joint_full=False)
+    consumer.run_loop()
+    assert consumer.queues == set(ALL) and controller.consuming == frozenset(ALL)
+    controller.update(capacity_full=True)
+    consumer.run_loop()
+    assert consumer.queues == {"interactive", "joint"} == set(controller.consuming)
+
+
+def test_a_consumer_changed_behind_the_controllers_back_is_healed_and_counted() -> None:
+    healed: list[str] = []
+    controller, consumer = live(on_heal=healed.append)
+    consumer.queues -= {"standard", "bulk"}  # what the reordered broadcasts did
+    controller.heal()  # the heartbeat
+    assert consumer.take() == [("add", "standard"), ("add", "bulk")]
+    assert consumer.queues == set(ALL) and sorted(healed) == ["bulk", "standard"]
+    controller.heal()
+    assert consumer.take() == [] and len(healed) == 2  # nothing to heal any more
+
+
+def test_unconsumed_names_what_the_consumer_lacks_and_a_silent_consumer_lacks_everything() -> None:
+    controller, consumer = live(stale_after_seconds=0.2)
+    consumer.failing = {"bulk"}
+    controller.update(capacity_full=True)
+    consumer.take()
+    controller.update(capacity_full=False)
+    consumer.take()
+    assert controller.unconsumed() == ["bulk"]  # wanted, not consumed: /readyz and the alert
+    consumer.failing = set()
+    controller.heal()
+    consumer.take()
+    assert controller.unconsumed() == []
+    controller.update(capacity_full=True)  # a gate that pauses on purpose is not a fault
+    consumer.take()
+    assert controller.unconsumed() == []
+    time.sleep(0.3)  # the consumer's thread has not answered for longer than the bound
+    assert controller.unconsumed() == ["interactive", "joint"]
+
+
+def test_a_restarting_consumer_is_left_alone_until_it_is_back() -> None:
+    controller, consumer = live()
+    consumer.restarting = True
+    controller.update(joint_full=True)
+    assert consumer.take() == []
+    consumer.restarting = False
+    controller.heal()
+    assert consumer.take() == [("cancel", "joint")]
 
 
 def test_a_gate_freeing_up_never_resumes_a_drained_queue() -> None:
     """What the joint gate's 'unless drained' check did, the rule does now."""
-    controller, commands = live()
+    controller, consumer = live()
     controller.update(joint_full=True)
-    assert commands.take() == [("cancel", "joint")]
+    assert consumer.take() == [("cancel", "joint")]
     controller.update(drained={"joint"})
-    assert commands.take() == [("cancel", "joint"), ("cancel", "canary.joint")]  # the flip: both lanes
+    assert consumer.take() == []
     controller.update(joint_full=False)
-    assert commands.take() == []
+    assert consumer.take() == []
     controller.update(drained=set())
-    assert commands.take() == [("cancel", "canary.joint"), ("add", "joint")]
+    assert consumer.take() == [("add", "joint")]
 
 
 def test_a_switch_consumes_nothing_and_a_gate_cannot_add_meanwhile() -> None:
-    controller, commands = live()
+    controller, consumer = live()
     controller.update(joint_full=True)
-    commands.take()
-    controller.update(switching=True, wait=True)
-    assert commands.sent == [("cancel", q, True) for q in SHORT]  # waited for: gone before the drain
-    commands.take()
+    consumer.take()
+    waiter = threading.Thread(target=lambda: controller.update(switching=True, wait=True))
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive()  # waits until the consumer's thread applied it
+    consumer.run_loop()
+    waiter.join(5)
+    assert not waiter.is_alive() and consumer.queues == set()
+    consumer.take()
     controller.update(joint_full=False)  # the last joint job finishes during the drain
     controller.update(drained={"bulk"})  # an operator drains bulk meanwhile
-    assert commands.take() == [("cancel", "bulk"), ("cancel", "canary.bulk")]  # the flip: no-ops
     controller.update(canary_lane=True)  # switched to the canary version
-    assert commands.take() == []
-    controller.update(switching=False, wait=True)
-    assert commands.take() == [("add", "canary.interactive"), ("add", "canary.standard"),
+    assert consumer.take() == []
+    controller.update(switching=False)
+    assert consumer.take() == [("add", "canary.interactive"), ("add", "canary.standard"),
                                ("add", "canary.joint")]
 
 
 def test_moving_lanes_keeps_a_full_gate_paused() -> None:
-    controller, commands = live()
+    controller, consumer = live()
     controller.update(joint_full=True)
-    commands.take()
-    controller.update(canary_lane=True, wait=True)
-    assert commands.take() == [("cancel", "interactive"), ("cancel", "standard"), ("cancel", "bulk"),
+    consumer.take()
+    controller.update(canary_lane=True)
+    assert consumer.take() == [("cancel", "interactive"), ("cancel", "standard"), ("cancel", "bulk"),
                                ("add", "canary.interactive"), ("add", "canary.standard"),
                                ("add", "canary.bulk")]
     controller.update(joint_full=False)
-    assert commands.take() == [("add", "canary.joint")]
+    assert consumer.take() == [("add", "canary.joint")]
 
 
-def test_a_resume_broadcast_on_a_canary_worker_is_corrected() -> None:
-    """The operator's broadcast adds the plain queue to every worker configured for it; a canary
-    worker must consume its lane only, so a flip of a flag sets both lanes again."""
-    controller, commands = live(SHORT)
-    controller.update(canary_lane=True)
-    controller.update(drained={"standard"})
-    commands.take()
-    controller.update(drained=set())
-    assert commands.take() == [("cancel", "standard"), ("add", "canary.standard")]
-
-
-def test_nothing_is_sent_before_live_or_once_stopping() -> None:
-    commands = Commands()
-    controller = ConsumerController(ALL, commands)
+def test_nothing_is_changed_before_live_or_once_stopping() -> None:
+    controller = ConsumerController(ALL)
     controller.update(joint_full=True)
     controller.update(drained={"bulk"})
-    assert commands.take() == []
-    controller.go_live()  # the consumer exists now: what changed since start is sent
-    assert commands.take() == [("cancel", "bulk"), ("cancel", "joint")]
+    consumer = FakeConsumer(set(ALL))
+    controller.go_live(consumer)  # the consumer exists now: what changed since start is applied
+    assert consumer.take() == [("cancel", "bulk"), ("cancel", "joint")]
     controller.update(stopping=True)
     controller.update(joint_full=False, drained=set())
-    assert commands.take() == []
-    assert consumed_queues(controller.state) == frozenset()
+    controller.heal()
+    assert consumer.take() == []
+    assert consumed_queues(controller.state) == frozenset() and controller.unconsumed() == []
 
 
-def test_a_failed_command_is_tried_again_at_the_next_change() -> None:
-    controller, commands = live()
-    commands.failing = {"joint"}
+def test_a_failed_switch_is_tried_again_at_the_next_heartbeat() -> None:
+    controller, consumer = live()
+    consumer.failing = {"joint"}
     controller.update(joint_full=True)
-    assert commands.take() == [] and "joint" in controller.consuming
-    commands.failing = set()
-    controller.update(capacity_full=True)
-    assert commands.take() == [("cancel", "standard"), ("cancel", "bulk"), ("cancel", "joint")]
-    assert controller.consuming == frozenset({"interactive"})
+    consumer.take()
+    controller.update(joint_full=False)
+    consumer.take()
+    assert "joint" not in consumer.queues and controller.unconsumed() == ["joint"]
+    consumer.failing = set()
+    controller.heal()
+    assert consumer.take() == [("add", "joint")]
+    assert consumer.queues == set(ALL) and controller.consuming == frozenset(ALL)
+
+
+def test_kombus_event_loop_runs_pending_callbacks_in_no_fixed_order() -> None:
+    """The root cause of issue 31, on kombu's own ``Hub``: Celery's add/cancel_consumer commands
+    each become one ``call_soon`` callback, and callbacks queued in one loop iteration do not run
+    in the order they were queued. (The controller's single, order-free callback does not care.)"""
+    from kombu.asynchronous import Hub
+
+    hub = Hub()
+    ran: list[int] = []
+    for i in range(64):  # four commands per gate fill-and-free, sixteen times
+        hub.call_soon(ran.append, i)
+    hub.close()  # runs every pending callback, as one loop iteration does
+    assert sorted(ran) == list(range(64))
+    assert ran != list(range(64))
+
+
+def test_a_sync_on_the_consumers_own_thread_applies_at_once() -> None:
+    """A remote-control command (the drain flags) runs on the consumer's thread: it must not wait
+    for a callback that only that thread could run."""
+    controller, consumer = live()
+    consumer.take()
+    controller.update(capacity_full=True)  # runs the first reconcile: the loop thread is known now
+    consumer.run_loop()
+    controller.update(drained={"joint"}, wait=True)  # same thread as the loop: applied inline
+    assert "joint" not in consumer.queues
 
 
 class FakeAmqpQueues:
@@ -237,18 +340,18 @@ class FakeAmqpQueues:
 
 
 def test_start_selection_skips_drained_queues_and_uses_the_lanes() -> None:
-    commands = Commands()
-    controller = ConsumerController(ALL, commands)
+    controller = ConsumerController(ALL)
     controller.update(drained={"standard"}, canary_lane=True)
     queues = FakeAmqpQueues(list(ALL))
     assert controller.select_at_start(queues) == ["canary.interactive", "canary.bulk", "canary.joint"]
     assert list(queues.consume_from) == ["canary.interactive", "canary.bulk", "canary.joint"]
-    controller.go_live()
-    assert commands.take() == []  # the selection is what the state wants
+    consumer = FakeConsumer(set(queues.consume_from))
+    controller.go_live(consumer)
+    assert consumer.take() == []  # the selection is what the state wants
 
 
 def test_start_selection_of_a_plain_worker_changes_nothing() -> None:
-    controller = ConsumerController(SHORT, Commands())
+    controller = ConsumerController(SHORT)
     queues = FakeAmqpQueues(list(SHORT))
     assert controller.select_at_start(queues) == list(SHORT)
     assert list(queues.consume_from) == list(SHORT)
@@ -265,23 +368,23 @@ class FakeRedis:
 
 
 def test_the_drain_follower_feeds_the_flags_to_the_controller() -> None:
-    controller, commands = live()
+    controller, consumer = live()
     client = FakeRedis({"bulk"})
     follower = DrainFollower(redis_client=client, controller=controller, node="w1")  # type: ignore[arg-type]
     follower.sync()
     assert controller.state.drained == frozenset({"bulk"})
-    assert commands.take() == [("cancel", "bulk"), ("cancel", "canary.bulk")]
+    assert consumer.take() == [("cancel", "bulk")]
     follower.sync()
-    assert commands.take() == []
+    assert consumer.take() == []
     client.drained = None  # Redis down: keep what is known, change nothing
     follower.sync()
     assert follower.read() is None and controller.state.drained == frozenset({"bulk"})
-    assert commands.take() == []
+    assert consumer.take() == []
     assert replace(controller.state, drained=frozenset()) == ConsumerState(ALL)
 
 
 def test_the_runtime_wires_its_gates_to_the_one_controller() -> None:
-    from scheduler.settings import Settings
+    from scheduler.infra.settings import Settings
     from worker.runtime import WorkerRuntime
 
     settings = Settings(database_url="sqlite://", redis_url="redis://127.0.0.1:1/0", engine_joint_slot_cap=1,
@@ -300,45 +403,10 @@ def test_the_runtime_wires_its_gates_to_the_one_controller() -> None:
     assert plain.runner.faults is None  # fault injection is off unless the setting is on
 
 
-class BlockingCommands(Commands):
-    """A broker that hangs: commands for ``queue`` wait until ``release`` is set."""
-
-    def __init__(self, queue: str) -> None:
-        super().__init__()
-        self.queue = queue
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def cancel(self, queue: str, *, wait: bool) -> None:
-        if queue == self.queue:
-            self.entered.set()
-            assert self.release.wait(10)
-        super().cancel(queue, wait=wait)
-
-
-def test_a_hanging_command_blocks_only_its_sender_and_no_change_is_left_unsent() -> None:
-    """A gate on another task thread (or the heartbeat) must not wait for a command stuck on a dead
-    broker; what it changed meanwhile is sent by the stuck sender once it gets through."""
-    commands = BlockingCommands("joint")
-    controller = ConsumerController(ALL, commands)
-    controller.go_live()
-    sender = threading.Thread(target=lambda: controller.update(joint_full=True))
-    sender.start()
-    assert commands.entered.wait(10)
-    started = time.monotonic()
-    controller.update(capacity_full=True)  # another thread's change while the send hangs
-    controller.record(drained={"interactive"})
-    assert time.monotonic() - started < 1.0
-    commands.release.set()
-    sender.join(10)
-    assert not sender.is_alive()
-    assert controller.consuming == frozenset() == consumed_queues(controller.state)
-
-
 def test_a_sigterm_during_the_start_up_selection_does_not_deadlock() -> None:
     """Celery runs its SIGTERM handler (mark_draining -> record) on the main thread, which may be
     inside select_at_start at that moment: the state lock is re-entrant."""
-    controller = ConsumerController(ALL, Commands())
+    controller = ConsumerController(ALL)
 
     class Interrupted(FakeAmqpQueues):
         def select_add(self, queue: str) -> Any:

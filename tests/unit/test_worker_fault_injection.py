@@ -9,8 +9,8 @@ import time
 import pytest
 
 import worker.job_runner
-from scheduler.retry import InputJobError, TransientJobError
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs.retry import InputJobError, TransientJobError
 from worker.execution import JobSpec
 from worker.fault_injection import FAULTS, FaultInjector, fault_injector_for
 

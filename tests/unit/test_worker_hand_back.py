@@ -8,7 +8,7 @@ import uuid
 import pytest
 from celery.exceptions import Reject
 
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
 from worker.job_runner import HandBackFailed
 from worker.runtime import WorkerRuntime, set_runtime
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from scheduler import job_stream
-from scheduler.lifecycle import Lease
-from scheduler.settings import Settings
+from scheduler.infra.settings import Settings
+from scheduler.jobs import event_stream
+from scheduler.jobs.lifecycle import Lease
 from worker.engine.types import GenerationRequest, Progress, SamplingParams
 from worker.execution import planned_blocks
 from worker.monitor import JobMonitor, TextTracker
@@ -31,7 +31,7 @@ class _Pipe:
         self.log.append(("delete", key, None))
 
     def xadd(self, key: str, fields: dict[str, str], **_: Any) -> None:
-        self.log.append(("xadd", key, json.loads(fields[job_stream.FIELD])))
+        self.log.append(("xadd", key, json.loads(fields[event_stream.FIELD])))
 
     def expire(self, key: str, seconds: int) -> None:
         self.log.append(("expire", key, seconds))
@@ -136,3 +136,16 @@ def test_final_hot_status_write_never_raises_when_redis_is_gone() -> None:
     running = monitor.add(Lease(uuid.uuid4(), 1), cancel_event=threading.Event(), step_budget=None)
     monitor.finish(running, "succeeded")
     assert running.status == "succeeded" and monitor.running_count() == 0
+
+
+def test_the_hot_status_shows_the_prefill_before_the_first_block() -> None:
+    redis = _Redis()
+    monitor = _monitor(redis)
+    job_id = uuid.uuid4()
+    running = monitor.add(Lease(job_id, 1), cancel_event=threading.Event(), step_budget=None)
+    monitor.on_plan(job_id)(blocks_total=6, prompt_tokens=3000)
+    before = monitor.snapshot(running)
+    assert (before["prompt_tokens_done"], before["prompt_tokens"], before["blocks_done"]) == (0, 3000, 0)
+    monitor.on_progress(job_id)(_progress(1))  # the first block: the prompt was prefilled
+    after = monitor.snapshot(running)
+    assert (after["prompt_tokens_done"], after["blocks_done"]) == (3000, 1)

@@ -26,6 +26,34 @@ class DecisionPlan:
     templates: tuple[AnswerTemplate, ...]
 
 
+class SummedProgress:
+    """One job's progress over its several sequences (an independent decision): each sequence's
+    latest report, added up, so the job's ``blocks_done`` counts towards the sum of their planned
+    blocks. Committed ids are not concatenated (the sequences' texts are separate answers)."""
+
+    def __init__(self, report: Callable[[Progress], None], sequences: int) -> None:
+        self._report = report
+        self._latest: list[Progress | None] = [None] * sequences
+        self._lock = threading.Lock()  # engine callbacks; one engine thread, but cheap insurance
+
+    def callback(self, index: int) -> Callable[[Progress], None]:
+        def record(progress: Progress) -> None:
+            with self._lock:
+                self._latest[index] = progress
+                seen = [p for p in self._latest if p is not None]
+                budgets = [p.step_budget for p in seen]
+                total = Progress(
+                    blocks_done=sum(p.blocks_done for p in seen),
+                    steps_used=sum(p.steps_used for p in seen),
+                    step_budget=None if None in budgets else sum(b for b in budgets if b is not None),
+                    tokens_committed=sum(p.tokens_committed for p in seen),
+                    committed_token_ids=[],
+                )
+            self._report(total)
+
+        return record
+
+
 def _pad_id(tokenizer: DecisionTokenizer) -> int:
     if tokenizer.pad_token_id is not None:
         return tokenizer.pad_token_id
@@ -49,7 +77,8 @@ def plan_decision(
     ``params`` applies to every sequence; its ``max_new_tokens`` is replaced by the template
     length. Independent sequences get ``seed + i`` so each question draws on its own stream.
     ``cancel_event`` is shared by every request so one cancel stops them all; ``on_progress``
-    is attached to a joint decision's one sequence (independent ones report no progress).
+    gets a joint decision's one sequence's reports, and the sum of an independent decision's
+    sequences' latest reports (:class:`SummedProgress`).
     """
     pad_id = _pad_id(tokenizer)
     rationale = rationale_tokens if spec.rationale else None
@@ -67,6 +96,8 @@ def plan_decision(
                             rationale_tokens=rationale, as_list=False)
             for i, q in enumerate(spec.questions)
         ]
+    several = on_progress is not None and len(prompts) > 1
+    summed = SummedProgress(on_progress, len(prompts)) if several and on_progress is not None else None
     requests = []
     for i, (prompt_ids, template) in enumerate(zip(prompts, templates, strict=True)):
         seed = None if params.seed is None else params.seed + i
@@ -80,7 +111,7 @@ def plan_decision(
                 slot_class=slot_class,
                 deadline=deadline,
                 cancel_event=cancel,
-                on_progress=on_progress if len(prompts) == 1 else None,
+                on_progress=summed.callback(i) if summed is not None else on_progress,
             )
         )
     return DecisionPlan(spec=spec, requests=tuple(requests), templates=tuple(templates))

@@ -13,9 +13,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from scheduler.error_codes import ErrorCode
+from scheduler.jobs.error_codes import ErrorCode
 from worker.decisions.assemble import IncompleteOutput, InvalidModelOutput, assemble_result
-from worker.decisions.planner import plan_decision
+from worker.decisions.planner import DecisionPlan, plan_decision
 from worker.decisions.spec import DecisionSpec, DecisionTokenizer
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, Progress, SamplingParams
 
@@ -92,15 +92,17 @@ def run_decision(
     on_invalid_output: Callable[[int, str], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     submit_many: SubmitMany | None = None,
+    on_plan: Callable[[DecisionPlan], None] | None = None,
 ) -> DecisionOutcome:
     """Decode the decision; retry once with a new seed when a rationale is invalid.
 
     ``submit_many`` (the engine's ``Engine.submit_many``), when given, queues an attempt's
     sequences together, so that they share their context's prefill.
 
-    ``on_invalid_output(attempt, reason)`` is called for every invalid attempt (the task logs
-    an alert line and counts the metric there). A second invalid attempt ends with error code
-    ``invalid_model_output``.
+    ``on_plan(plan)`` is told each attempt's requests before they are submitted (the worker
+    derives the job's planned blocks from them). ``on_invalid_output(attempt, reason)`` is called
+    for every invalid attempt (the task logs an alert line and counts the metric there). A second
+    invalid attempt ends with error code ``invalid_model_output``.
     """
     cancel = cancel_event or threading.Event()
     outcome = DecisionOutcome(result=None, finish_reason=FinishReason.ERROR)
@@ -111,6 +113,8 @@ def run_decision(
             rationale_tokens=options.rationale_tokens, slot_class=slot_class, deadline=deadline,
             cancel_event=cancel, on_progress=on_progress,
         )
+        if on_plan is not None:
+            on_plan(plan)
         results = _gather(plan.requests, submit, submit_many)
         outcome.attempts = attempt + 1
         outcome.sequences += len(results)

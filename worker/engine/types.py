@@ -54,12 +54,19 @@ class InfillSlot:
     pad id); ``None`` means any token. ``allowed_token_ids`` restricts every position of the span
     to those ids (each position decoded on its own); a span with ``allowed_sequences`` is
     committed as one unit, choosing the sequence with the highest summed log-probability.
+
+    ``pad_tail``: the span is room for a value that may be shorter (a structured output's
+    string or digits): every offset may also take the template's ``pad_id``, except the first
+    ``min_tokens``, and the sampler's pad-tail rule (``worker/sampler/pad_tail.py``) keeps the
+    pads one contiguous tail. Needs ``allowed_token_ids`` (the content ids) and a ``pad_id``.
     """
 
     start: int
     length: int
     allowed_sequences: tuple[tuple[int, ...], ...] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
+    pad_tail: bool = False
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The inference core: the Qwen3-MoE / SDAR-MoE model under a block-causal mask, its KV cache,
-checkpoint loading and the demo checkpoint. Plain torch: nothing here imports Celery, SQL or HTTP.
+"""The inference core: the model families (``family.py``: SDAR and LLaDA2 in ``model.py`` with a
+``KVCache``, Clover in ``hybrid_model.py`` with a ``HybridCache``), checkpoint loading and the demo
+checkpoint. Plain torch: nothing here imports Celery, SQL or HTTP.
 
 The public names are resolved lazily (PEP 562) so that importing a torch-free submodule such as
 ``worker.model.manifest`` (the model store, the CLI) does not pay torch's multi-second import.

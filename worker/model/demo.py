@@ -24,11 +24,12 @@ from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer as HFTokenizer
 
 from worker.model.checkpoint import SINGLE_NAME, hf_targets
 from worker.model.config import ModelConfig
 from worker.model.demo_tokenizer import (
-    CHAT_TEMPLATE,
+    CHAT_TEMPLATE,  # re-exported: the demo checkpoints' chat template (the trained demo's too)
     ENDOFTEXT,
     IM_END,
     IM_START,
@@ -251,9 +252,17 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_demo_checkpoint(
-    path: Path | str, *, seed: int = 0, size: DemoSize = "tiny", arch: DemoArch = "clover"
+    path: Path | str,
+    *,
+    seed: int = 0,
+    size: DemoSize = "tiny",
+    arch: DemoArch = "clover",
+    tokenizer: HFTokenizer | None = None,
 ) -> Path:
-    """Write the demo checkpoint into folder ``path`` (created if needed) and return it."""
+    """Write the demo checkpoint into folder ``path`` (created if needed) and return it.
+
+    ``tokenizer``: a demo-layout tokenizer to use instead of the built-in one (the trained demo's,
+    ``worker.training.tokenizer``); the vocabulary size follows it."""
     if size not in _SHAPES:
         raise ValueError(f"size must be one of {sorted(_SHAPES)}, not {size!r}")
     if arch not in DEMO_ARCHS:
@@ -261,7 +270,7 @@ def write_demo_checkpoint(
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_demo_tokenizer(_SHAPES[size]["vocab_size"])
+    tokenizer = tokenizer or build_demo_tokenizer(_SHAPES[size]["vocab_size"])
     special_ids: dict[str, int] = {}
     for t in SPECIAL_TOKENS:
         token_id = tokenizer.token_to_id(t)

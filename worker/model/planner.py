@@ -240,3 +240,27 @@ def rank_weight_bytes(
     return dataclasses.replace(shard, high_precision_params=shard.high_precision_params - head,
                                high_precision_bytes=shard.high_precision_bytes
                                - int(head * BYTES_PER_PARAM[shard.high_precision]))  # fmt: skip
+
+
+def plan_rank_weight_bytes(
+    config: ModelConfig, dtype: str, *, world: int, group_size: int = DEFAULT_INT4_GROUP
+) -> dict[str, list[int]]:
+    """Per-rank weight bytes of a ``world``-way tensor-parallel worker for the rows ``plan`` prints
+    (``dtype``, int8, int4), ranks 0..world-1 in order; the high-precision rest as in
+    ``plan_weight_bytes``. Raises ``parallel.plan.ShardError`` when the shapes do not split ``world``
+    ways. ``cloverq model plan --tensor-parallel`` prints it: one GPU must hold rank 0's share."""
+    hp = dtype if dtype in FLOAT_DTYPES else "bf16"
+    return {
+        d: [rank_weight_bytes(config, d, world=world, rank=r, high_precision=hp, group_size=group_size).total
+            for r in range(world)]
+        for d in dict.fromkeys((dtype, "int8", "int4"))
+    }  # fmt: skip
+
+
+def format_rank_weight_bytes(world: int, rows: Mapping[str, list[int]]) -> str:
+    """The ``--tensor-parallel`` block of ``cloverq model plan``: one line per weight dtype."""
+    lines = [f"tensor parallel {world} (experts split by columns): weight bytes per rank"]
+    for dtype, per_rank in rows.items():
+        ranks = "  ".join(f"rank {r} {b:,} B ({b / GIB:.3f} GiB)" for r, b in enumerate(per_rank))
+        lines.append(f"    {dtype:<5} {ranks}")
+    return "\n".join(lines)

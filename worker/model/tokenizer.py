@@ -186,10 +186,18 @@ class Tokenizer:
         *,
         enable_thinking: bool,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``)."""
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``).
+
+        ``tools`` go to the template as Hugging Face's ``apply_chat_template(tools=...)`` passes
+        them (``[{"type": "function", "function": {...}}]``; none: the variable is left
+        undefined, as there). Assistant ``tool_calls`` must carry ``arguments`` as a mapping, the
+        form templates iterate (``worker/structured/tool_render.py`` converts OpenAI's text)."""
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
         return self._template.render(
             messages=messages,
             enable_thinking=enable_thinking,
             add_generation_prompt=add_generation_prompt,
+            **extra,
         )

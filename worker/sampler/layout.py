@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.types import GenerationRequest, InfillTemplate
+from worker.engine.types import GenerationRequest, InfillSlot, InfillTemplate
 
 
 class RequestError(ValueError):
@@ -31,6 +31,18 @@ class SequenceSlot:
 
 
 @dataclass(frozen=True)
+class PadTailSlot:
+    """A slot under the pad-tail rule (``worker/sampler/pad_tail.py``)."""
+
+    index: int  # index into the template's slots
+    start: int  # region-relative
+    length: int
+    min_tokens: int  # leading offsets that never take the pad
+    pad_id: int
+    content_mask: torch.Tensor  # [V] bool: the content ids (no pad), for offsets that need content
+
+
+@dataclass(frozen=True)
 class RegionLayout:
     """The generated region of one request (positions are region-relative unless named abs)."""
 
@@ -43,6 +55,7 @@ class RegionLayout:
     slot_of_position: tuple[int, ...]  # [region_len] index into sequence_slots, -1 if none
     stop_at_eos: bool  # plain requests stop after the block with an EOS; templates never do
     unrestricted_slots: tuple[int, ...]  # template slot indexes decoded as plain masks
+    pad_tail_slots: tuple[PadTailSlot, ...] = ()
 
     @property
     def total_len(self) -> int:
@@ -81,6 +94,7 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
     slot_of: list[int] = [-1] * n
     seq_slots: list[SequenceSlot] = []
     unrestricted: list[int] = []
+    tails: list[PadTailSlot] = []
     for i, slot in enumerate(template.slots):
         if slot.length < 1 or slot.start < 0 or slot.start + slot.length > n:
             raise RequestError(f"slot {i} ({slot.start}+{slot.length}) lies outside the template (len {n})")
@@ -99,6 +113,12 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
             vocab_mask[list(ids)] = True
             for j in span:
                 allowed[j] = vocab_mask
+        if slot.pad_tail:
+            tail = _pad_tail_slot(i, slot, template.pad_id, vocab_size)
+            with_pad = tail.content_mask | _one_hot(tail.pad_id, vocab_size)  # [V]
+            for k, j in enumerate(span):
+                allowed[j] = tail.content_mask if k < tail.min_tokens else with_pad
+            tails.append(tail)
         if slot.allowed_sequences is None:
             unrestricted.append(i)
             continue
@@ -132,7 +152,29 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
         slot_of_position=tuple(slot_of),
         stop_at_eos=False,
         unrestricted_slots=tuple(unrestricted),
+        pad_tail_slots=tuple(tails),
     )
+
+
+def _one_hot(token: int, vocab_size: int) -> torch.Tensor:
+    mask = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
+    mask[token] = True
+    return mask
+
+
+def _pad_tail_slot(i: int, slot: InfillSlot, pad_id: int | None, vocab_size: int) -> PadTailSlot:
+    """Check a pad-tail slot (content ids, a pad, a sane minimum) and build its masks."""
+    if pad_id is None or not 0 <= pad_id < vocab_size:
+        raise RequestError(f"slot {i}: a pad_tail slot needs the template's pad_id")
+    if slot.allowed_token_ids is None or slot.allowed_sequences is not None:
+        raise RequestError(f"slot {i}: a pad_tail slot needs allowed_token_ids (and no allowed_sequences)")
+    if pad_id in slot.allowed_token_ids:
+        raise RequestError(f"slot {i}: a pad_tail slot's content ids must not hold the pad")
+    if not 0 <= slot.min_tokens <= slot.length:
+        raise RequestError(f"slot {i}: min_tokens {slot.min_tokens} outside 0..{slot.length}")
+    content = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
+    content[list(slot.allowed_token_ids)] = True
+    return PadTailSlot(i, slot.start, slot.length, slot.min_tokens, pad_id, content)
 
 
 def build_layout(request: GenerationRequest, block_size: int, vocab_size: int, max_len: int) -> RegionLayout:

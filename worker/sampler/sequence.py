@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.engine.types import FinishReason, GenerationRequest, Progress, SlotChoice
-from worker.sampler.layout import RegionLayout
+from worker.sampler.layout import PadTailSlot, RegionLayout
+from worker.sampler.pad_tail import content_required_before, forced_pads
 from worker.sampler.schedule import plan_block_steps, step_quotas
 
 
@@ -232,6 +233,8 @@ class SequenceState:
         groups: list[SlotGroup] = []
         if self.request.template is not None:
             allowed = [self.layout.allowed_ids[p - r0] if p >= r0 else None for p in range(lo, hi)]
+            if self.layout.pad_tail_slots:
+                self._restrict_pad_tails(allowed)
             groups = self._slot_groups(masked, group_ids)
         self._pass_groups = groups
         uniforms = None
@@ -249,6 +252,44 @@ class SequenceState:
             groups=groups,
             uniforms=uniforms,
         )
+
+    def _tail_tokens(self, tail: PadTailSlot) -> list[int | None]:
+        """A pad-tail slot's tokens, None where still masked."""
+        r0 = self.layout.region_start
+        span = range(tail.start, tail.start + tail.length)
+        return [self.tokens[r0 + j] if self.committed[j] else None for j in span]
+
+    def _restrict_pad_tails(self, allowed: list[torch.Tensor | None]) -> None:
+        """Pad-tail rule, mask side: offsets before a committed content token lose the pad."""
+        lo, r0 = self.block_start, self.layout.region_start
+        for tail in self.layout.pad_tail_slots:
+            first, end = r0 + tail.start, r0 + tail.start + tail.length
+            if end <= lo or first >= lo + len(allowed):
+                continue
+            need = content_required_before(self._tail_tokens(tail), tail.pad_id, tail.min_tokens)
+            for k in range(need):
+                offset = first + k - lo
+                if 0 <= offset < len(allowed):
+                    allowed[offset] = tail.content_mask
+
+    def _enforce_pad_tails(self) -> int:
+        """Pad-tail rule, commit side: after the first committed pad every offset becomes a pad.
+        Returns how many still-masked positions of the current block it committed (the other
+        blocks' counts are updated here)."""
+        r0, first_block = self.layout.region_start, self.first_block
+        in_block = 0
+        for tail in self.layout.pad_tail_slots:
+            for k in forced_pads(self._tail_tokens(tail), tail.pad_id):
+                j = tail.start + k
+                if not self.committed[j]:
+                    block = (r0 + j) // self.block_size
+                    if block == self.block_index:
+                        in_block += 1
+                    else:
+                        self.block_masks_left[block - first_block] -= 1
+                self.tokens[r0 + j] = tail.pad_id
+                self.committed[j] = True
+        return in_block
 
     def _slot_groups(self, masked: list[bool], group_ids: list[int]) -> list[SlotGroup]:
         """Restricted slots with masks in the current block (fills ``group_ids`` in place)."""
@@ -298,7 +339,8 @@ class SequenceState:
             self.committed[lo + o - r0] = True
         if self._pass_groups:
             self._record_groups(offsets, group_choices)
-        self.block_masks_left[self.block_index - self.first_block] -= len(offsets)
+        forced = self._enforce_pad_tails() if self.layout.pad_tail_slots and offsets else 0
+        self.block_masks_left[self.block_index - self.first_block] -= len(offsets) + forced
         if self.block_masks_left[self.block_index - self.first_block] > 0:
             if self.step_in_block >= len(self.quotas):
                 raise RuntimeError("schedule exhausted with masks left (commit rule broke its quota)")

@@ -78,7 +78,15 @@ def make_plan(config: ModelConfig, rank: int, world: int, moe: MoeMode = "column
     if moe not in MOE_MODES:
         raise ValueError(f"moe must be one of {MOE_MODES}, not {moe!r}")
     if config.family not in ("sdar", "clover"):
-        raise ShardError(f"tensor parallelism covers the sdar and clover families, not {config.family}")
+        # LLaDA2 (BailingMoeV2) is not a shape question: its checkpoint fuses q/k/v into one
+        # ``attention.query_key_value`` tensor (split at load by ``checkpoint._llada2_targets``), which
+        # the rank loader (``parallel/shard.py``) cannot slice per head yet, and its grouped sigmoid
+        # router with ``expert_bias`` has no sharded test. Refused here, by name, before any rank starts.
+        raise ShardError(
+            f"tensor parallelism covers the sdar and clover families, not {config.family}: the rank "
+            "loader cannot yet slice a fused query_key_value tensor by head (LLaDA2's attention), so "
+            "serve this checkpoint with CLOVERQ_TENSOR_PARALLEL=1"
+        )
     if moe == "experts" and getattr(config, "router_type", "softmax") != "softmax":
         raise ShardError("expert parallelism is implemented for the softmax top-k router only")
     q = _even(config.num_attention_heads, rank, world, "num_attention_heads")

@@ -1,0 +1,139 @@
+"""``python -m bench.demo_quality``: the trained demo's decision quality in-process, on the engine path.
+
+``cloverq model eval`` submits the evaluation suite as jobs to a running stack; this scores the
+same cases (``worker.training.corpus``, same seed and count by default) without one: the
+checkpoint is loaded with ``load_checkpoint``, an ``Engine`` is started in this process and every
+case runs through ``worker.decisions.run_decision`` (the planner, the infill template, the slot
+scoring, ``assemble_result``) exactly as ``worker.decide_job`` runs it, with the family's default
+decoding (what a ``decide`` job without params gets when ``default_steps_per_block`` is unset).
+The tallies are ``worker.training.evaluation.DecisionTally``'s; the answer distribution per
+question (first or second of its group, choices yes/no or yes/no/n.a.) shows a constant answerer,
+and the majority-class baseline (always the commonest true answer of that question type) is
+printed next to it.
+
+``--generation N`` also decodes N generation cases (thinking as the case says, 48 new tokens)
+with one token per pass and with ``dynamic`` at 0.9: tokens per pass and the exact-line score.
+Run it niced with one torch thread on the shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from worker.decisions import DecisionSpec, run_decision
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.types import GenerationRequest, SamplingParams
+from worker.model.checkpoint import load_checkpoint
+from worker.model.tokenizer import Tokenizer
+from worker.training.corpus import decision_cases, generation_cases
+from worker.training.evaluation import DecisionTally, GenerationTally
+from worker.training.rows import MODES, generation_prompt
+
+
+def decision_report(
+    engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int
+) -> dict[str, object]:
+    cases = decision_cases(split, seed, count)  # type: ignore[arg-type]
+    report: dict[str, object] = {}
+    truth: collections.Counter[tuple[str, str]] = collections.Counter()
+    for case in cases:
+        for group in case.groups:
+            for k, q in enumerate(group.questions):
+                truth[(f"q{k + 1}/{len(q.choices)}", q.answer)] += 1
+    majority: dict[str, int] = collections.defaultdict(int)
+    for (kind, _), n in truth.items():
+        majority[kind] = max(majority[kind], n)
+    questions = sum(truth.values())
+    report["majority_baseline"] = round(sum(majority.values()) / questions, 4)
+    report["truth"] = {f"{k}={a}": n for (k, a), n in sorted(truth.items())}
+    for mode in MODES:
+        tally = DecisionTally()
+        given: collections.Counter[str] = collections.Counter()
+        for i, case in enumerate(cases):
+            spec = DecisionSpec.from_input(case.job_input(mode))
+            outcome = run_decision(
+                spec,
+                tokenizer=tokenizer,  # type: ignore[arg-type]  # the worker Tokenizer has every member
+                submit=engine.submit,
+                request_id=f"eval{i}",
+                params=SamplingParams(max_new_tokens=1),
+                slot_class="standard",
+                submit_many=engine.submit_many,
+            )
+            answers = None
+            if outcome.result is not None:
+                answers = [str(a["choice"]) for a in outcome.result["answers"]]
+                flat = [(k, q) for g in case.groups for k, q in enumerate(g.questions)]
+                for (k, q), a in zip(flat, answers, strict=True):
+                    given[f"q{k + 1}/{len(q.choices)}={a}"] += 1
+            tally.add(case, answers, max(0, outcome.attempts - 1))
+        report[mode] = {**tally.as_dict(), "answers": dict(sorted(given.items()))}
+    return report
+
+
+def generation_report(engine: Engine, tokenizer: Tokenizer, seed: int, count: int) -> dict[str, object]:
+    cases = generation_cases("eval", seed, count)
+    configs = {
+        "static 1/pass": SamplingParams(max_new_tokens=48, strategy="static", steps_per_block=4),
+        "dynamic 0.9": SamplingParams(
+            max_new_tokens=48, strategy="dynamic", threshold=0.9, steps_per_block=4
+        ),
+    }
+    report: dict[str, object] = {}
+    for label, params in configs.items():
+        tally = GenerationTally()
+        requests = [
+            GenerationRequest(f"g{i}", generation_prompt(c, tokenizer), params) for i, c in enumerate(cases)
+        ]
+        for case, future in zip(cases, engine.submit_many(requests), strict=True):
+            r = future.result()
+            text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
+            if case.thinking and "</think>" in text:
+                text = text.split("</think>", 1)[1]
+            tally.add(case, text, r.tokens, r.steps_used)
+        report[label] = tally.as_dict()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, default=Path("worker/model/demo_trained/clover"))
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--count", type=int, default=60)
+    parser.add_argument("--splits", default="eval", help="comma-separated: eval, heldout")
+    parser.add_argument("--generation", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_checkpoint(args.checkpoint, dtype=torch.float32)
+    lm.model.eval()
+    assert lm.config.mask_token_id is not None
+    engine = Engine(
+        lm.model,
+        EngineConfig(max_batch=16, max_len=2048),
+        mask_token_id=lm.config.mask_token_id,
+        eos_token_ids=lm.config.eos_token_ids,
+        default_block_size=lm.config.block_size,
+    )
+    engine.start()
+    began = time.monotonic()
+    report: dict[str, object] = {"checkpoint": str(args.checkpoint), "seed": args.seed, "count": args.count}
+    try:
+        for split in args.splits.split(","):
+            report[split] = decision_report(engine, lm.tokenizer, split, args.seed, args.count)
+        if args.generation:
+            report["generation"] = generation_report(engine, lm.tokenizer, args.seed, args.generation)
+    finally:
+        engine.stop()
+    report["seconds"] = round(time.monotonic() - began, 1)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

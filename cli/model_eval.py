@@ -1,0 +1,181 @@
+"""``cloverq model eval --suite decisions|generation``: the trained demo's quality, through jobs.
+
+Every case of the suite (``worker.training.corpus``, an evaluation split: contracts whose facts no
+training contract has) is submitted as a real job to the running service (the Python client,
+``cli/api_client.py``), waited for, and scored by ``worker.training.evaluation``:
+
+- ``decisions``: each case as a ``decide`` job in ``independent`` and in ``joint`` mode, on the
+  ``eval`` split (training's clause phrasings) and the ``heldout`` split (a phrasing of every
+  clause that training never saw); side by side: accuracy, group all-correct, consistency
+  violations, invalid-output retries, failed jobs.
+- ``generation``: each case as a ``generate`` job (chat messages, thinking as the case says),
+  decoded with one token per pass (``static``, steps = block size), then ``static`` with fewer
+  steps and ``dynamic`` at thresholds 0.5 to 0.99: tokens per pass and the exact-line score.
+
+``--version V``: only jobs that ran on V count; a job a canary routed elsewhere at submit is
+cancelled and submitted again (a canary pins each job by the hash of its id). An ``extraction``
+suite needs the ``extract`` job kind, which this build does not have.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from cli.api_client import api_client
+from client import Client, Job
+from worker.training.corpus import DecisionCase, GenerationCase, Split, decision_cases, generation_cases
+from worker.training.evaluation import DecisionTally, GenerationTally
+from worker.training.rows import MODES
+
+EVAL_SEED = 1  # any seed gives evaluation contracts (the split is by facts); this is the reported one
+REROUTE_TRIES = 50
+GENERATION_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("static, 1 token/pass", {"strategy": "static", "steps_per_block": 4}),
+    ("static, 2 steps/block", {"strategy": "static", "steps_per_block": 2}),
+    ("static, 1 step/block", {"strategy": "static", "steps_per_block": 1}),
+    *((f"dynamic {t:g}", {"strategy": "dynamic", "threshold": t, "steps_per_block": 4})
+      for t in (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)),
+)  # fmt: skip
+GENERATION_TOKENS = 48
+
+_console = Console()
+
+
+def submit_on(cq: Client, body: dict[str, Any], version: str | None) -> Job:
+    """Submit ``body``; with ``version``, resubmit until the job is not pinned to another one."""
+    for _ in range(REROUTE_TRIES):
+        job = cq.submit_job(body)
+        if version is None or job.routed_version in (None, version):
+            return job
+        cq.cancel(job.id)
+    raise click.ClickException(f"no job was routed to version {version} in {REROUTE_TRIES} tries")
+
+
+def run_jobs(
+    cq: Client, bodies: list[dict[str, Any]], version: str | None, timeout: float
+) -> list[Job | None]:
+    """Submit every body, then wait for each: the finished job, or ``None`` when it ran on a
+    version other than ``version``."""
+    jobs = [submit_on(cq, body, version) for body in bodies]
+    done = [cq.wait(job.id, timeout=timeout) for job in jobs]
+    return [job if version is None or job.model_version == version else None for job in done]
+
+
+def _answers(job: Job | None) -> tuple[list[str] | None, int]:
+    if job is None or job.status != "succeeded" or job.result is None or job.result.answers is None:
+        return None, 0
+    attempts = int((job.result.usage or {}).get("attempts", 1))
+    return [str(a["choice"]) for a in job.result.answers], attempts - 1
+
+
+def evaluate_decisions(cq: Client, cases: list[DecisionCase], version: str | None, timeout: float,
+                       params: dict[str, Any] | None = None) -> dict[str, DecisionTally]:  # fmt: skip
+    """Tallies by mode for ``cases`` (each submitted once per mode)."""
+    tallies: dict[str, DecisionTally] = {}
+    for mode in MODES:
+        bodies = [{"kind": "decide", "input": c.job_input(mode), "params": dict(params or {})} for c in cases]
+        tally = DecisionTally()
+        for case, job in zip(cases, run_jobs(cq, bodies, version, timeout), strict=True):
+            answers, retries = _answers(job)
+            tally.add(case, answers, retries)
+        tallies[mode] = tally
+    return tallies
+
+
+def generation_body(case: GenerationCase, params: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kind": "generate",
+        "input": {"messages": list(case.messages)},
+        "params": {"max_new_tokens": GENERATION_TOKENS, "thinking": case.thinking, **params},
+    }
+
+
+def evaluate_generation(cq: Client, cases: list[GenerationCase], version: str | None, timeout: float
+                        ) -> dict[str, GenerationTally]:  # fmt: skip
+    tallies = {}
+    for label, params in GENERATION_CONFIGS:
+        tally = GenerationTally()
+        jobs = run_jobs(cq, [generation_body(c, params) for c in cases], version, timeout)
+        for case, job in zip(cases, jobs, strict=True):
+            ok = job is not None and job.status == "succeeded" and job.result is not None
+            usage = (job.result.usage or {}) if ok and job and job.result else {}
+            text = job.result.text if ok and job and job.result else None
+            tally.add(case, text, int(usage.get("completion_tokens", 0)), int(usage.get("steps_used", 0)))
+        tallies[label] = tally
+    return tallies
+
+
+def _percent(value: object) -> str:
+    return "-" if value is None else f"{100 * float(value):.1f}%"  # type: ignore[arg-type]
+
+
+def _decision_table(split: str, tallies: dict[str, DecisionTally]) -> Table:
+    table = Table(title=f"decisions, {split} split")
+    table.add_column("")
+    for mode in tallies:
+        table.add_column(mode, justify="right")
+    rows: Iterable[tuple[str, Callable[[dict[str, Any]], str]]] = (
+        ("questions", lambda d: str(d["questions"])),
+        ("accuracy", lambda d: _percent(d["accuracy"])),
+        ("groups", lambda d: str(d["groups"])),
+        ("group all-correct", lambda d: _percent(d["group_all_correct"])),
+        ("consistency violations", lambda d: str(d["consistency_violations"])),
+        ("invalid-output retries", lambda d: str(d["invalid_output_retries"])),
+        ("failed jobs", lambda d: str(d["failed_jobs"])),
+    )
+    summaries = [t.as_dict() for t in tallies.values()]
+    for label, cell in rows:
+        table.add_row(label, *(cell(s) for s in summaries))
+    return table
+
+
+@click.command("eval")
+@click.option("--suite", type=click.Choice(["decisions", "generation", "extraction"]), required=True)
+@click.option("--seed", type=int, default=EVAL_SEED, show_default=True, help="Seed of the evaluation cases.")
+@click.option("--count", type=int, default=None, help="Cases per split [decisions: 60, generation: 30].")
+@click.option("--version", default=None, help="Count only jobs that ran on this model version.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the JSON report here.")  # fmt: skip
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait per job.")
+def eval_command(suite: str, seed: int, count: int | None, version: str | None, report_path: Path | None,
+                 timeout: float) -> None:  # fmt: skip
+    """Run an evaluation suite as jobs on the running service and print the scores."""
+    if suite == "extraction":
+        raise click.ClickException(
+            "the extraction suite needs the 'extract' job kind, which this build lacks"
+        )
+    report: dict[str, Any] = {"suite": suite, "seed": seed, "version": version}
+    with api_client() as cq:
+        if suite == "decisions":
+            splits: tuple[Split, ...] = ("eval", "heldout")
+            for split in splits:
+                tallies = evaluate_decisions(cq, decision_cases(split, seed, count or 60), version, timeout)
+                report[split] = {mode: t.as_dict() for mode, t in tallies.items()}
+                _console.print(_decision_table(split, tallies))
+        else:
+            gen = evaluate_generation(cq, generation_cases("eval", seed, count or 30), version, timeout)
+            report["configs"] = {label: t.as_dict() for label, t in gen.items()}
+            table = Table(title="generation, eval split (exact one-line score)")
+            for column in ("decoding", "tokens/pass", "score", "failed jobs"):
+                table.add_column(column, justify="right" if column != "decoding" else "left")
+            for label, t in gen.items():
+                d = t.as_dict()
+                table.add_row(label, str(d["tokens_per_pass"]), _percent(d["score"]), str(d["failed_jobs"]))
+            _console.print(table)
+    text = json.dumps(report, indent=2, sort_keys=True)
+    if report_path is not None:
+        report_path.write_text(text + "\n")
+    click.echo(text)
+
+
+def register(group: click.Group) -> None:
+    from cli.model import model_group
+
+    model_group(group).add_command(eval_command)

@@ -1,0 +1,97 @@
+"""``cloverq model train-demo``: train the tiny demo checkpoint on the synthetic contract corpus.
+
+The trainer is ``worker.training.trainer`` (CPU, the engine's block-diffusion objective); this
+command adds the progress bar and the defaults of the shipped checkpoint
+(``models/clover-demo``: ``cloverq model train-demo models/clover-demo``). Interrupted or stopped
+by ``--max-minutes``, the same command resumes from the folder's ``resume.pt``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from cli.model import guarded, model_group
+
+
+@click.command("train-demo")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--arch", type=click.Choice(["clover", "sdar"]), default="clover", show_default=True)
+@click.option("--steps", type=int, default=1500, show_default=True, help="Optimizer steps in all.")
+@click.option("--batch", type=int, default=16, show_default=True, help="Rows per step.")
+@click.option("--lr", type=float, default=3e-3, show_default=True, help="Peak learning rate (AdamW).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the initial weights, the tokenizer's corpus, every batch.")  # fmt: skip
+@click.option("--save-every", type=int, default=100, show_default=True, help="Steps between resume points.")
+@click.option("--max-minutes", type=float, default=None,
+              help="Stop after this long (saving a resume point); run again to continue.")  # fmt: skip
+@click.option("--threads", type=int, default=1, show_default=True,
+              help="torch threads (1: deterministic bytes, fastest for tiny matrices).")  # fmt: skip
+@click.option("--init-from", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Start from this trained demo (weights, tokenizer), not random weights.")  # fmt: skip
+@click.option("--decision-share", type=float, default=0.6, show_default=True,
+              help="Share of a step's rows that are decisions (the rest: generation rows).")  # fmt: skip
+@click.option("--served-slots", is_flag=True, default=False,
+              help="Noise decision rows as the engine serves them: a choice slot masked whole, a slot "
+                   "crossing a block boundary masked in the earlier block too.")  # fmt: skip
+@click.option("--decision-weight", type=float, default=None,
+              help="Loss weight of a decision row's targets (default 1).")  # fmt: skip
+@guarded
+def train_demo_command(
+    init_from: str | None,
+    decision_share: float,
+    served_slots: bool,
+    decision_weight: float | None,
+    directory: Path,
+    arch: str,
+    steps: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    save_every: int,
+    max_minutes: float | None,
+    threads: int,
+) -> None:
+    """Train the tiny demo (ARCH) into DIRECTORY, resuming from DIRECTORY/resume.pt if present."""
+    import torch
+
+    from worker.training.trainer import RESUME_FILE, TrainConfig, train_demo
+
+    torch.set_num_threads(threads)
+    config = TrainConfig(arch=arch, steps=steps, batch=batch, lr=lr, seed=seed,  # type: ignore[arg-type]
+                         save_every=save_every, init_from=init_from, decision_share=decision_share,
+                         served_slots=served_slots or None, decision_weight=decision_weight)  # fmt: skip
+    if (directory / RESUME_FILE).is_file():
+        click.echo(f"resuming from {directory / RESUME_FILE}", err=True)
+    columns = (TextColumn("[bold]train-demo"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"),
+               TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns) as bar:
+        task = bar.add_task("train", total=steps, loss="-")
+
+        def progress(step: int, loss: float) -> None:
+            bar.update(task, completed=step, loss=f"{loss:.3f}")
+
+        result = train_demo(directory, config, max_seconds=None if max_minutes is None else max_minutes * 60,
+                            progress=progress)  # fmt: skip
+    state = (
+        "done"
+        if result.finished
+        else f"stopped (resume: run the same command; {RESUME_FILE} is in {directory})"
+    )
+    click.echo(f"{state}: {result.steps}/{steps} steps, {result.seconds:.0f} s this run, "
+               f"loss {result.first_loss:.3f} "
+               f"-> {result.final_loss:.3f} (mean of the last 50 steps)")  # fmt: skip
+
+
+def register(group: click.Group) -> None:
+    model_group(group).add_command(train_demo_command)

@@ -1,0 +1,84 @@
+"""The record ``cloverq up`` leaves for the CLI: where the running embedded stack answers and
+where its state (the dev key) lives, so ``cloverq submit`` / ``jobs`` / ``top`` work from any
+folder, not only the one ``up`` was started in (issue 33).
+
+One small JSON file per user (``client.stack_file``, default
+``$XDG_STATE_HOME/cloverq/stack.json``): ``{"api_url", "data_dir", "pid"}``. It holds no secret:
+the dev key stays in ``data_dir/dev_api_key`` (mode 0600), read from there. ``up`` removes the
+record when it stops; a record whose process is gone (a killed ``up``) is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler.infra.settings import Settings
+
+RECORD_NAME = "stack.json"
+
+
+@dataclass(frozen=True)
+class StackRecord:
+    """What one running ``cloverq up`` recorded."""
+
+    api_url: str
+    data_dir: Path
+    pid: int
+
+
+def record_path(settings: Settings) -> Path:
+    """``client.stack_file``, else ``$XDG_STATE_HOME/cloverq/stack.json`` (the XDG default of
+    ``~/.local/state`` when the variable is unset or not absolute, as the spec says)."""
+    if settings.client.stack_file is not None:
+        return settings.client.stack_file.expanduser()
+    state_home = os.environ.get("XDG_STATE_HOME", "")
+    default = Path.home() / ".local" / "state"
+    base = Path(state_home) if state_home and Path(state_home).is_absolute() else default
+    return base / "cloverq" / RECORD_NAME
+
+
+def write_record(settings: Settings, *, api_url: str, data_dir: Path) -> Path:
+    """Record this process as the running stack (replacing an earlier record); returns the path."""
+    path = record_path(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"api_url": api_url, "data_dir": str(data_dir.resolve()), "pid": os.getpid()}
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(body) + "\n")
+    temporary.replace(path)  # a reader never sees half a record
+    return path
+
+
+def remove_record(settings: Settings) -> None:
+    """Remove the record if it is this process's (a later ``up`` may have replaced it)."""
+    path = record_path(settings)
+    record = _parse(path)
+    if record is not None and record.pid == os.getpid():
+        path.unlink(missing_ok=True)
+
+
+def read_record(settings: Settings) -> StackRecord | None:
+    """The running stack's record, or None (none written, unreadable, or its ``up`` is gone)."""
+    record = _parse(record_path(settings))
+    return record if record is not None and _alive(record.pid) else None
+
+
+def _parse(path: Path) -> StackRecord | None:
+    try:
+        body = json.loads(path.read_text())
+        return StackRecord(api_url=str(body["api_url"]), data_dir=Path(body["data_dir"]),
+                           pid=int(body["pid"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, though not ours
+        return True
+    return True

@@ -1,0 +1,811 @@
+"""The one Settings object of cloverq (env prefix ``CLOVERQ_``).
+
+Every process (api, worker, beat, CLI) reads its configuration here and nowhere else, so a
+value means the same thing in every component. Nothing in the code base reads ``os.environ``
+for configuration.
+
+Settings are grouped by concern into nested models, and code reads them nested
+(``settings.engine.max_batch``, ``settings.database.url``)::
+
+    data_dir        the root folder every embedded default lives under (the one top-level field)
+    database        SQL: URL and timeouts            redis           URL, embedded server port
+    model           checkpoint, dtype, store         canary          canary releases
+    engine          the batched inference engine     limits          request limits and defaults
+    jobs            retries, leases, deadlines       scheduling      cost classes and aging
+    worker          worker process                   beat            maintenance process
+    security        API-key authentication           admission       rate limits and caps
+    decisions       decision jobs                    thinking        thinking generate jobs
+    batches         batch jobs                       webhooks        webhook deliveries
+    client          the CLI client                   observability   logs, metrics, readiness
+
+Every field keeps its **flat name**, the name it had before the grouping: the field's pydantic
+``alias`` where the nested name differs (``engine.max_batch`` has alias ``engine_max_batch``),
+else the nested name itself (``limits.max_prompt_tokens``). The flat name is
+
+* its environment variable: ``CLOVERQ_`` + flat name in capitals (``CLOVERQ_ENGINE_MAX_BATCH``),
+  unless the field names another one (``json_schema_extra={"env": ...}``: only
+  ``PROMETHEUS_MULTIPROC_DIR``, which prometheus-client itself reads);
+* its keyword: ``Settings(engine_max_batch=4)`` is the alias of ``Settings(engine={"max_batch": 4})``,
+  and ``settings.replaced(engine_max_batch=4)`` a validated copy with that change;
+* what ``settings.to_env()`` writes for a subprocess.
+
+``flat_fields()`` derives that one table from the declarations below; there is no second list.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from collections.abc import Mapping
+from functools import cache, lru_cache
+from pathlib import Path
+from typing import Annotated, Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
+
+from scheduler.infra.queue_names import DEFAULT_WORKER_QUEUES, QueueName
+
+# Positions the chat template adds around a prompt (max_prompt_tokens counts the prompt's text only).
+CHAT_TEMPLATE_SLACK_TOKENS = 64
+
+ENV_PREFIX = "CLOVERQ_"
+
+
+class SettingsGroup(BaseModel):
+    """One concern's settings; its fields validate by nested name and by flat name (alias)."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+
+
+# --- where state lives -----------------------------------------------------------------------
+
+
+class DatabaseSettings(SettingsGroup):
+    """SQL database: where it is and how long its operations may take."""
+
+    url: str | None = Field(
+        None, alias="database_url", description="SQLAlchemy URL; default SQLite under data_dir."
+    )
+    connect_timeout_seconds: float = Field(
+        5.0, gt=0, alias="database_connect_timeout_seconds",
+        description="Seconds to open one database connection (PostgreSQL connect_timeout, "
+        "whole seconds, at least 2): a server that accepts and never answers fails fast (503).",
+    )
+    statement_timeout_seconds: float = Field(
+        30.0, ge=0, alias="database_statement_timeout_seconds",
+        description="PostgreSQL statement_timeout of every session (0: none); migrations run "
+        "without it.",
+    )
+    lock_timeout_seconds: float = Field(
+        30.0, ge=0, alias="database_lock_timeout_seconds",
+        description="How long a statement waits for a lock: PostgreSQL lock_timeout (0: no "
+        "bound), SQLite busy timeout (the embedded default's writers queue on one file lock).",
+    )
+    pool_timeout_seconds: float = Field(
+        10.0, gt=0, alias="database_pool_timeout_seconds",
+        description="PostgreSQL: how long a request waits for a free pooled connection "
+        "before it fails (503).",
+    )
+
+
+class RedisSettings(SettingsGroup):
+    """Redis (broker, caches, streams): where it is."""
+
+    url: str | None = Field(
+        None, alias="redis_url", description="Redis URL; default the embedded redis-server."
+    )
+    embedded_port: int = Field(
+        6390, alias="embedded_redis_port", description="Port of the embedded redis-server."
+    )
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+class ModelSettings(SettingsGroup):
+    """The checkpoint a worker serves: where it is, how it is loaded, which store model it follows."""
+
+    dir: Path | None = Field(
+        None, alias="model_dir", description="Checkpoint folder; default the demo checkpoint."
+    )
+    device: str = Field("cpu", description="torch device for the model: cpu, cuda, cuda:N.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Weights and compute dtype; default the checkpoint's (config.json dtype or "
+        "torch_dtype), float32 when it names none.",
+    )
+    weight_dtype: Literal["int8", "int4"] | None = Field(
+        None, description="Worker: weight-only quantization at load (expert and projection matrices; "
+        "embeddings, LM head, norms, routers and GDN gates keep dtype): int8 per output channel or int4 "
+        "in groups of weight_group_size. Default: none, the weights stay in dtype.",
+    )
+    weight_group_size: int = Field(
+        64, description="Worker: int4 group along the input dim (weight_dtype=int4): 32, 64 or 128.",
+    )
+    skip_verify: bool = Field(False, description="Load a checkpoint even if its manifest fails.")
+    verify_on_load: Literal["quick", "full"] = Field(
+        "quick", description="Manifest check when a worker loads a checkpoint: quick (sizes and sampled "
+        "chunks of every file, the hashes recorded at pull trusted) or full (every byte re-hashed).",
+    )
+    root: Path | None = Field(
+        None, alias="model_root",
+        description="Model store: <model_root>/<name>/<version>/; default data_dir/model-store.",
+    )
+    served: str | None = Field(
+        None, alias="served_model",
+        description="Worker: serve this store model and follow its active version (cloverq model "
+        "activate); unset: serve model_dir as is. API and beat: route jobs by this model's canary.",
+    )
+    served_initial_version: str | None = Field(
+        None, alias="served_model_initial_version",
+        description="Worker: version of served_model to activate when none is active yet.",
+    )
+    watch_interval_seconds: float = Field(
+        2.0, gt=0, alias="model_watch_interval_seconds",
+        description="Worker: how often it checks the active version of served_model.",
+    )
+
+    @field_validator("weight_group_size")
+    @classmethod
+    def _group_size(cls, value: int) -> int:
+        if value not in (32, 64, 128):
+            raise ValueError("weight_group_size must be 32, 64 or 128")
+        return value
+
+
+class CanarySettings(SettingsGroup):
+    """Canary releases (scheduler/model_versions/canary.py, docs/architecture.md "Canary releases")."""
+
+    track: Literal["stable", "canary"] = Field(
+        "stable", alias="model_track",
+        description="Worker: canary workers serve the canary version of served_model while "
+        "one is in effect (cloverq model canary), stable ones the active version.",
+    )
+    min_jobs: int = Field(
+        50, ge=0, alias="canary_min_jobs",
+        description="Promotion is refused until the canary finished this many jobs (--force overrides).",
+    )
+    error_margin: float = Field(
+        0.01, ge=0, le=1, alias="canary_error_margin",
+        description="Promotion is refused when the canary's error rate exceeds the "
+        "stable one's by more than this (--force overrides).",
+    )
+    require_golden: bool = Field(
+        False, alias="canary_require_golden",
+        description="Promotion is refused unless the canary version's last golden check passed "
+        "(cloverq model golden check; --force overrides).",
+    )
+    reroute_seconds: float = Field(
+        60.0, gt=0, alias="canary_reroute_seconds",
+        description="A canary job queued this long while no canary worker is registered "
+        "is re-routed to the stable version (reconciler).",
+    )
+
+
+# --- engine ------------------------------------------------------------------------------------
+
+
+class EngineSettings(SettingsGroup):
+    """The worker's batched inference engine: batch, KV room, prefix cache, threads, devices."""
+
+    max_batch: int = Field(
+        16, ge=1, alias="engine_max_batch", description="Sequences in one batched forward."
+    )
+    max_tokens_in_flight: int = Field(
+        65536, ge=1, alias="engine_max_tokens_in_flight", description="KV positions held at once."
+    )
+    prefix_cache_bytes: int = Field(
+        512 * 1024 * 1024, ge=0, description="Worker: bytes of shared prompt prefixes (K/V, and GDN "
+        "states at the cached block boundary) the engine keeps, evicted least recently used; prompts "
+        "that share whole blocks (a decision's questions, jobs over one document) prefill them once. "
+        "0 turns prefix sharing off.",
+    )
+    max_len: int | None = Field(
+        None, ge=1, alias="engine_max_len",
+        description="KV positions per sequence (prompt + generated region). Default: "
+        "max_prompt_tokens + max_new_tokens_limit + 64 (chat template) rounded up to 64-token blocks.",
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="Worker: torch.set_num_threads at start. Default: the number of CPU cores.",
+    )
+    tensor_parallel: int = Field(
+        1, ge=1, description="Worker: devices one worker spans (tensor parallel). Ranks 1..N-1 are processes "
+        "the worker starts, on cuda:K+1.. after device cuda:K (NCCL; gloo on CPU, torch_threads split "
+        "among them); heads and MLP widths must divide by N. `CLOVERQ_WEIGHT_DTYPE` applies per rank (each "
+        "quantizes its shard on the host with the one-device rules: the same int8 codes and scales; an int4 "
+        "group that does not divide a row-parallel shard's input width falls back to a smaller group or "
+        "int8, logged) and FP8 block-scaled checkpoints are dequantized slice by slice. A rank that dies "
+        "takes the worker down (exit status 75), its jobs come back through lease expiry.",
+    )
+    joint_slot_cap: int = Field(
+        4, ge=1, alias="engine_joint_slot_cap", description="Engine slots joint requests may hold."
+    )
+    interactive_reserve: int = Field(
+        4,  # bench.mix, 4 short jobs/s under a saturating bulk batch: p95 wait 1962 ms with 2, 76 ms with 4
+        ge=0, alias="engine_interactive_reserve",
+        description="Task threads and engine slots beyond engine_max_batch that only interactive jobs may "
+        "take (on a worker consuming interactive and other queues), so short jobs never wait for bulk work.",
+    )
+
+
+# --- request limits and defaults ---------------------------------------------------------------
+
+
+class LimitSettings(SettingsGroup):
+    """What one request may ask for, the defaults it gets, and the HTTP size limits of the API."""
+
+    max_prompt_tokens: int = Field(4096, ge=1)
+    max_new_tokens_limit: int = Field(2048, ge=1)
+    default_max_new_tokens: int = Field(128, ge=1)
+    default_steps_per_block: int | None = Field(
+        None,
+        ge=1,
+        description="Steps per block when a request names none; unset: the model family's default "
+        "(Clover and LLaDA2: the block size; SDAR: 4).",
+    )
+    max_steps_per_block: int = Field(64, ge=1)
+    max_step_budget: int = Field(8192, ge=1)
+    max_body_bytes: int = Field(1_048_576, ge=1024)
+    max_header_bytes: int = Field(
+        32_768, ge=1024, description="cloverq api: bytes of a request's head (request line and headers); "
+        "a larger one is refused with 431 as it arrives.",
+    )
+    max_header_count: int = Field(
+        100, ge=8, description="cloverq api: header lines of one request; more are refused with 431.",
+    )
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="cloverq api: from a request head's first byte to its end; a slower head "
+        "(slowloris) is answered 408 and the connection closed.",
+    )
+    idle_timeout_seconds: float = Field(
+        15.0, gt=0, description="cloverq api: how long a new connection may stay silent before its first "
+        "request; then it is closed. Between requests the keep-alive timeout (cloverq api --keep-alive) "
+        "applies.",
+    )
+    max_connections: int = Field(
+        900, ge=1, description="cloverq api: open connections one process serves; beyond it (and the health "
+        "reserve) a new one is answered 503 too_many_connections and closed at once. Lowered to fit the "
+        "process's file-descriptor limit (raised to its hard limit at start).",
+    )
+    health_connections: int = Field(
+        32, ge=1, description="cloverq api: connections beyond max_connections that may still ask "
+        "/healthz, /readyz and /metrics, so probes answer while the API is full.",
+    )
+    max_metadata_bytes: int = Field(
+        16_384, ge=64,
+        description="Bytes of a job's (or batch's) metadata as compact UTF-8 JSON; larger is refused (422).",
+    )
+    max_schema_bytes: int = Field(
+        16_384, ge=64,
+        description="Bytes of a response_schema (OpenAI response_format json_schema) as JSON; larger is "
+        "refused with 400 schema_too_large.",
+    )
+    max_schema_depth: int = Field(
+        6, ge=1, le=32,
+        description="Nesting of objects, arrays and anyOf in a response_schema; deeper is refused with 400 "
+        "schema_too_large.",
+    )
+    max_tools: int = Field(
+        128, ge=1, le=4096,
+        description="Functions in one request's tools (OpenAI tools); more are refused with 400 "
+        "too_many_tools. Each tool's parameters count against max_schema_bytes / max_schema_depth.",
+    )
+    list_max_response_bytes: int = Field(
+        4 * 1024 * 1024, ge=65_536,
+        description="GET /v1/jobs ends a page before this many bytes (next_cursor goes on from there); "
+        "a page always holds at least one job.",
+    )
+
+
+# --- job system (scheduler + worker + beat) ----------------------------------------------------
+
+
+class JobSettings(SettingsGroup):
+    """A job's life: attempts, leases, retries, deadlines, redelivery, progress, expiry."""
+
+    max_attempts: int = Field(3, ge=1, description="Claims a job may take before retries_exhausted.")
+    result_ttl_seconds: float = Field(7 * 24 * 3600, gt=0, description="Finished jobs expire after this.")
+    lease_seconds: float = Field(60.0, gt=0, description="A running job's lease; renewed while it runs.")
+    retry_backoff_base_seconds: float = Field(2.0, ge=0, description="Backoff before retry n: base*2^(n-1).")
+    retry_backoff_max_seconds: float = Field(300.0, ge=0, description="Cap of the retry backoff.")
+    deadline_seconds: float = Field(
+        900.0, gt=0, alias="job_deadline_seconds", description="Max run time of one attempt."
+    )
+    joint_deadline_seconds: float = Field(1800.0, gt=0, description="Max run time of a joint attempt.")
+    visibility_timeout_seconds: float | None = Field(
+        None, gt=0, description="Redis redelivery timeout; default 2 x the longest deadline + lease."
+    )
+    progress_sql_interval_seconds: float = Field(5.0, gt=0, description="Progress to SQL every this long.")
+
+
+class SchedulingSettings(SettingsGroup):
+    """Which class (queue) a job goes to by cost, and how waiting jobs are promoted."""
+
+    interactive_max_cost: int = Field(8192, ge=1, description="Cost (tokens x steps) of the short class.")
+    standard_max_cost: int = Field(131072, ge=1, description="Cost bound of the standard class.")
+    aging_seconds: float = Field(120.0, gt=0, description="Queued longer than this: promoted to interactive.")
+    aging_max_promoted: int = Field(4, ge=1, description="Aged jobs waiting in interactive at once.")
+
+
+class WorkerSettings(SettingsGroup):
+    """The worker process: the queues it consumes, its heartbeat, its threads; test-only faults."""
+
+    heartbeat_seconds: float = Field(
+        2.0, gt=0, alias="worker_heartbeat_seconds", description="Worker registry heartbeat."
+    )
+    switch_interval_ms: float = Field(
+        0.5, gt=0, le=100, alias="worker_switch_interval_ms",
+        description="Worker: Python's thread switch interval (sys.setswitchinterval). The engine thread "
+        "holds the GIL between torch calls; at Python's 5 ms a task thread claiming an interactive job "
+        "waits up to that long at every hand-over (bench.mix under bulk load, back to back on a loaded host: "
+        "p95 wait 508 ms at 5, 15 ms at 0.5).",
+    )
+    queues: str = Field(
+        ",".join(DEFAULT_WORKER_QUEUES), alias="worker_queues",
+        description="Queues a worker consumes, in order.",
+    )
+    fault_injection: bool = Field(False, description="TESTS ONLY: honour params.fault in the worker.")
+    fault_stall_seconds: float = Field(30.0, ge=0, description="TESTS ONLY: how long a 'stall' fault waits.")
+
+
+class BeatSettings(SettingsGroup):
+    """The beat process: its maintenance tasks and their intervals (webhooks has its own sweep)."""
+
+    reconcile_interval_seconds: float = Field(5.0, gt=0, description="Beat: re-enqueue lost messages.")
+    reconcile_grace_seconds: float = Field(2.0, ge=0, description="Age before a queued row counts as lost.")
+    reaper_interval_seconds: float = Field(10.0, gt=0, description="Beat: requeue expired leases.")
+    expiry_interval_seconds: float = Field(300.0, gt=0, description="Beat: expire old results.")
+    threads: int = Field(
+        4, ge=1, alias="light_worker_threads",
+        description="Threads of the beat process (maintenance tasks + webhook deliveries).",
+    )
+
+
+# --- security and admission control (scheduler/access/api_keys.py, scheduler/access/admission.py) ---
+
+
+class SecuritySettings(SettingsGroup):
+    """API-key authentication (scheduler/access/api_keys.py)."""
+
+    auth: Literal["enabled", "disabled"] = Field(
+        "enabled", description="API-key authentication; 'disabled' only for local development."
+    )
+    auth_cache_seconds: float = Field(
+        5.0, ge=0, description="How long an API process caches a looked-up key (revocation bound)."
+    )
+
+
+class AdmissionSettings(SettingsGroup):
+    """Admission control (scheduler/access/admission.py): per-key rate, per-tenant and per-queue caps."""
+
+    rate_limit_per_second: float = Field(
+        50.0, ge=0, description="Per-key token-bucket refill rate (requests/s); 0 disables the limit."
+    )
+    rate_limit_burst: int = Field(100, ge=1, description="Per-key token-bucket size (requests).")
+    tenant_max_active_jobs: int = Field(
+        1000, ge=1, description="Per-tenant cap on queued + running jobs; more submits get 429."
+    )
+    tenant_count_cache_seconds: float = Field(
+        1.0, ge=0, description="How long an API process trusts its tenant active-job count while far "
+        "below the cap (near the cap it always counts in SQL); 0 counts every submit.",
+    )
+    queue_max_depth: dict[str, int] = Field(
+        default_factory=lambda: {QueueName.INTERACTIVE.value: 1000, QueueName.STANDARD.value: 5000,
+                                 QueueName.BULK.value: 20000, QueueName.JOINT.value: 500},
+        description="Per-queue cap on waiting messages; a submit routed to a full queue gets 429.",
+    )
+
+
+# --- decisions, thinking, batches, webhooks (issue 5) ------------------------------------------
+
+
+class DecisionSettings(SettingsGroup):
+    """Decision jobs (one or more questions over a context) and joint jobs."""
+
+    max_questions: int = Field(
+        64, ge=1, alias="decide_max_questions", description="Questions in one decision job."
+    )
+    max_choices: int = Field(16, ge=2, alias="decide_max_choices", description="Choices of one question.")
+    max_context_chars: int = Field(
+        200_000, ge=1, alias="decide_max_context_chars", description="Characters of a decision context."
+    )
+    rationale_tokens: int = Field(
+        24, ge=1, alias="decide_rationale_tokens", description="Length of a rationale's free-text slot."
+    )
+    rationale_max_chars: int = Field(
+        400, ge=1, alias="decide_rationale_max_chars", description="A longer rationale is invalid."
+    )
+    retry_temperature: float = Field(
+        0.7, ge=0, alias="decide_retry_temperature",
+        description="The one retry after an invalid rationale samples at least this hot.",
+    )
+    joint_default_step_budget: int = Field(4096, ge=1, description="Default step budget of a joint job.")
+
+
+class ThinkingSettings(SettingsGroup):
+    """Generate jobs with thinking on: whether it is the default, and their defaults and deadline."""
+
+    default: bool = Field(
+        False, alias="default_thinking", description="params.thinking when a generate job omits it."
+    )
+    default_max_new_tokens: int = Field(
+        512, ge=1, alias="thinking_default_max_new_tokens", description="max_new_tokens default, thinking."
+    )
+    default_step_budget: int = Field(
+        4096, ge=1, alias="thinking_default_step_budget", description="Step budget default, thinking."
+    )
+    deadline_seconds: float = Field(
+        1800.0, gt=0, alias="thinking_deadline_seconds", description="Max run time of a thinking attempt."
+    )
+
+
+class BatchSettings(SettingsGroup):
+    """Batches (POST /v1/batches, OpenAI batch files)."""
+
+    max_jobs: int = Field(10_000, ge=1, alias="batch_max_jobs", description="Job specs in one batch.")
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, alias="batch_max_body_bytes",
+        description="Body limit of POST /v1/batches (JSON or JSONL upload).",
+    )
+    max_concurrent_uploads: int = Field(
+        2, ge=1, alias="batch_max_concurrent_uploads",
+        description="POST /v1/batches bodies one API process reads and parses at once (each costs a few "
+        "times its size in memory while parsed); a request that finds none free within "
+        "batch_upload_wait_seconds gets 503 uploads_busy with Retry-After.",
+    )
+    upload_wait_seconds: float = Field(
+        10.0, ge=0, alias="batch_upload_wait_seconds",
+        description="How long POST /v1/batches waits for a free upload slot.",
+    )
+
+
+class WebhookSettings(SettingsGroup):
+    """Webhook deliveries: retries, timeout, which non-public targets are allowed, the beat's sweep."""
+
+    max_attempts: int = Field(
+        5, ge=1, alias="webhook_max_attempts", description="Deliveries tried before a webhook is given up."
+    )
+    backoff_base_seconds: float = Field(
+        1.0, ge=0, alias="webhook_backoff_base_seconds", description="Webhook retry n waits base*2^(n-1)."
+    )
+    backoff_max_seconds: float = Field(
+        300.0, ge=0, alias="webhook_backoff_max_seconds", description="Cap of the webhook backoff."
+    )
+    timeout_seconds: float = Field(
+        5.0, gt=0, alias="webhook_timeout_seconds", description="Timeout of one webhook POST."
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, alias="webhook_allowed_hosts",
+        description="Webhook URL hosts (names or addresses, comma-separated or a JSON "
+        "list) delivered to although they resolve to loopback, private, link-local or other non-public "
+        "addresses, which are refused otherwise.",
+    )
+    allowed_networks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, alias="webhook_allowed_networks",
+        description="CIDR networks (comma-separated or a JSON list, e.g. 10.8.0.0/16) "
+        "webhook targets may resolve into although they are not public.",
+    )
+    sweep_interval_seconds: float = Field(
+        10.0, gt=0, alias="webhook_sweep_interval_seconds",
+        description="Beat: record missed webhook deliveries and re-publish lost ones.",
+    )
+
+    @field_validator("allowed_hosts", "allowed_networks", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        """A JSON list or comma-separated text (environment) -> a list of stripped items."""
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, (list, tuple)):
+            return [str(item).strip() for item in value if str(item).strip()]
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, value: list[str]) -> list[str]:
+        return [host.lower().rstrip(".").strip("[]") for host in value]
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        return [str(ipaddress.ip_network(item, strict=False)) for item in value]  # ValueError: refused
+
+
+# --- CLI client, logging, metrics --------------------------------------------------------------
+
+
+class ClientSettings(SettingsGroup):
+    """The CLI client (cloverq submit / jobs / cancel)."""
+
+    api_url: str = Field(
+        "http://127.0.0.1:8000",
+        description="Where the CLI client finds the API; unset: the stack `cloverq up` recorded.",
+    )
+    api_key: str | None = Field(
+        None, description="CLI client key; unset: data_dir/dev_api_key, else the recorded stack's dev key.")
+    stack_file: Path | None = Field(
+        None, description="Where `cloverq up` records its URL and data dir so the CLI finds them from any "
+        "folder; default $XDG_STATE_HOME/cloverq/stack.json (~/.local/state/cloverq/stack.json).",
+    )
+
+
+class ObservabilitySettings(SettingsGroup):
+    """Logs, metrics (scheduler/observability/metrics.py), traces (tracing.py) and the readiness probe."""
+
+    log_level: str = "INFO"
+    log_payloads: bool = Field(False, description="Log prompts, contexts and outputs (off by default).")
+    prometheus_multiproc_dir: Path | None = Field(
+        None,
+        json_schema_extra={"env": "PROMETHEUS_MULTIPROC_DIR"},
+        description="prometheus-client multiprocess dir; set when one host runs several API processes.",
+    )
+    worker_metrics_interval: float = Field(
+        5.0, gt=0, description="Seconds between a worker's metric snapshots (tokens/s, memory, experts)."
+    )
+    readiness_timeout_seconds: float = Field(
+        2.0, gt=0, description="/readyz answers within this: a database or Redis check that has not "
+        "answered by then counts as failed (503).",
+    )
+    tracing_enabled: bool = Field(
+        False, description="OpenTelemetry traces (docs/observability.md): one trace per job across the API, "
+        "worker and beat, exported over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT (default "
+        "http://localhost:4318); OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES apply. Off: no exporter.",
+    )
+    tracing_sample_ratio: float | None = Field(
+        None, ge=0, le=1, description="Share of new traces recorded (parent-based: a client's sampled "
+        "traceparent is followed). Unset: OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG, default all.",
+    )
+    tracing_queue_size: int = Field(
+        2048, ge=1, description="Finished spans a process buffers for export; beyond it (a collector "
+        "down or slow) spans are dropped and counted (cloverq_trace_spans_dropped_total), never waited on.",
+    )
+    tracing_ui_url: str | None = Field(
+        None, description="Dashboard: a job's trace links to this http(s) URL with {trace_id} replaced "
+        "(a Grafana Explore, Jaeger or vendor trace page); unset: the trace id is shown without a link.",
+    )
+
+    @field_validator("tracing_ui_url")
+    @classmethod
+    def _trace_ui_template(cls, value: str | None) -> str | None:
+        """Only an http(s) URL with the placeholder: the dashboard renders it as a link (never a
+        ``javascript:`` one)."""
+        if value is not None and (not value.startswith(("http://", "https://")) or "{trace_id}" not in value):
+            raise ValueError("tracing_ui_url must be an http(s) URL containing {trace_id}")
+        return value
+
+
+# --- the settings ------------------------------------------------------------------------------
+
+
+class Settings(BaseSettings):
+    """Configuration of one cloverq deployment."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    data_dir: Path = Field(Path(".cloverq"), description="State of the embedded default.")
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    canary: CanarySettings = Field(default_factory=CanarySettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    jobs: JobSettings = Field(default_factory=JobSettings)
+    scheduling: SchedulingSettings = Field(default_factory=SchedulingSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    beat: BeatSettings = Field(default_factory=BeatSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    decisions: DecisionSettings = Field(default_factory=DecisionSettings)
+    thinking: ThinkingSettings = Field(default_factory=ThinkingSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
+    webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
+    client: ClientSettings = Field(default_factory=ClientSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Keywords first, then the environment under the flat names (no .env file, no secrets dir)."""
+        return init_settings, FlatEnvSource(settings_cls)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_names(cls, data: Any) -> Any:
+        """Flat names (keywords, ``model_validate``) -> their groups; a flat value wins over a nested one."""
+        return nest(data) if isinstance(data, Mapping) else data
+
+    def replaced(self, **changes: Any) -> Settings:
+        """A validated copy with ``changes`` (flat names, or whole groups by group name)."""
+        unknown = set(changes) - set(flat_fields()) - set(type(self).model_fields)
+        if unknown:
+            raise TypeError(f"not a setting: {', '.join(sorted(unknown))}")
+        return type(self).model_validate({**self.model_dump(), **changes})
+
+    def flat_value(self, flat_name: str) -> Any:
+        """The value of the setting with this flat name (``engine_max_batch`` -> ``engine.max_batch``)."""
+        entry = flat_fields()[flat_name]
+        owner = self if entry.group is None else getattr(self, entry.group)
+        return getattr(owner, entry.name)
+
+    def to_env(self) -> dict[str, str]:
+        """Environment variables that reproduce these settings in a subprocess (unset values left out)."""
+        env: dict[str, str] = {}
+        for entry in flat_fields().values():
+            value = self.flat_value(entry.flat)
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, (dict, list, tuple)):
+                text = json.dumps(value)
+            else:
+                text = str(value)
+            env[entry.env] = text
+        return env
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The database to use: ``database.url`` or SQLite under ``data_dir``."""
+        if self.database.url:
+            return self.database.url
+        return f"sqlite:///{(self.data_dir / 'cloverq.db').resolve()}"
+
+    @property
+    def resolved_redis_url(self) -> str:
+        """The Redis to use: ``redis.url`` or the embedded server started by ``cloverq up``."""
+        if self.redis.url:
+            return self.redis.url
+        return f"redis://127.0.0.1:{self.redis.embedded_port}/0"
+
+    @property
+    def broker_visibility_timeout_seconds(self) -> float:
+        """Redis redelivery timeout: above the longest deadline, so no running job is redelivered.
+
+        ``jobs.visibility_timeout_seconds`` overrides it (the chaos tests set it below a job's run
+        time to show that a redelivered running job is fenced off and runs once).
+        """
+        if self.jobs.visibility_timeout_seconds is not None:
+            return self.jobs.visibility_timeout_seconds
+        longest = max(self.jobs.deadline_seconds, self.jobs.joint_deadline_seconds,
+                      self.thinking.deadline_seconds)
+        return 2 * longest + self.jobs.lease_seconds
+
+    @property
+    def resolved_engine_max_len(self) -> int:
+        """Per-sequence KV length of the engine: ``engine.max_len``, or room for the largest request
+        the API accepts (the chat template's tokens included; whole blocks of any size dividing 64)."""
+        if self.engine.max_len is not None:
+            return self.engine.max_len
+        needed = self.limits.max_prompt_tokens + CHAT_TEMPLATE_SLACK_TOKENS + self.limits.max_new_tokens_limit
+        return -(-needed // 64) * 64
+
+    @property
+    def resolved_torch_threads(self) -> int:
+        """Threads torch uses for one worker's ops: ``engine.torch_threads`` or the CPU cores."""
+        return self.engine.torch_threads or os.cpu_count() or 1
+
+    @property
+    def resolved_model_dir(self) -> Path:
+        """The checkpoint to serve: ``model.dir`` or the demo checkpoint under ``data_dir`` (an
+        absolute path, so a process started elsewhere finds the same folder)."""
+        return (self.model.dir or (self.data_dir / "models" / "demo")).expanduser().absolute()
+
+    @property
+    def resolved_model_root(self) -> Path:
+        """The model store root: ``model.root`` or ``data_dir/model-store``."""
+        return (self.model.root or (self.data_dir / "model-store")).expanduser().absolute()
+
+
+# --- flat names --------------------------------------------------------------------------------
+
+
+class FlatField(NamedTuple):
+    """One setting under its flat name: where it lives in ``Settings`` and its environment variable."""
+
+    flat: str  # keyword and environment suffix: engine_max_batch
+    group: str | None  # engine (None: a top-level field such as data_dir)
+    name: str  # max_batch
+    field: FieldInfo
+    env: str  # CLOVERQ_ENGINE_MAX_BATCH
+
+    @property
+    def path(self) -> str:
+        """The nested attribute path: ``engine.max_batch``."""
+        return self.name if self.group is None else f"{self.group}.{self.name}"
+
+
+def _entry(flat: str, group: str | None, name: str, field: FieldInfo) -> FlatField:
+    extra = field.json_schema_extra
+    own_env = extra.get("env") if isinstance(extra, dict) else None
+    env = own_env if isinstance(own_env, str) else f"{ENV_PREFIX}{flat.upper()}"
+    return FlatField(flat, group, name, field, env)
+
+
+@cache
+def flat_fields() -> dict[str, FlatField]:
+    """Every setting by flat name, in declaration order (derived from the field declarations)."""
+    table: dict[str, FlatField] = {}
+    for group, group_field in Settings.model_fields.items():
+        model = group_field.annotation
+        if isinstance(model, type) and issubclass(model, SettingsGroup):
+            entries = [_entry(field.alias or name, group, name, field)
+                       for name, field in model.model_fields.items()]
+        else:
+            entries = [_entry(group, None, group, group_field)]
+        for entry in entries:
+            if entry.flat in table or (entry.group is not None and entry.flat in Settings.model_fields):
+                raise TypeError(f"flat setting name {entry.flat!r} is not unique")
+            table[entry.flat] = entry
+    return table
+
+
+def settings_groups() -> dict[str, type[SettingsGroup]]:
+    """The nested groups of ``Settings`` by attribute name, in declaration order."""
+    return {name: field.annotation for name, field in Settings.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, SettingsGroup)}
+
+
+def nest(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with every flat group member moved into its group (``engine_max_batch`` ->
+    ``engine: {max_batch: ...}``); a flat value wins over the same setting given nested."""
+    table = flat_fields()
+    nested: dict[str, Any] = {}
+    flat: list[tuple[FlatField, Any]] = []
+    for key, value in values.items():
+        entry = table.get(key)
+        if entry is None or entry.group is None:
+            nested[key] = value
+        else:
+            flat.append((entry, value))
+    for entry, value in flat:
+        assert entry.group is not None
+        group = nested.get(entry.group)
+        if isinstance(group, BaseModel):
+            group = group.model_dump()
+        group = dict(group) if isinstance(group, Mapping) else {}
+        group[entry.name] = value
+        nested[entry.group] = group
+    return nested
+
+
+class FlatEnvSource(EnvSettingsSource):
+    """The environment, read under each setting's flat name (``CLOVERQ_ENGINE_MAX_BATCH``)."""
+
+    def __call__(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        for entry in flat_fields().values():
+            raw = self.env_vars.get(entry.env if self.case_sensitive else entry.env.lower())
+            if raw is None:
+                continue
+            value: Any = raw
+            if self.field_is_complex(entry.field):
+                try:
+                    value = self.decode_complex_value(entry.flat, entry.field, raw)
+                except ValueError as exc:
+                    raise SettingsError(f'error parsing value for field "{entry.flat}" from source '
+                                        f'"{type(self).__name__}"') from exc
+            target = data if entry.group is None else data.setdefault(entry.group, {})
+            target[entry.name] = value
+        return data
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

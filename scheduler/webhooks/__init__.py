@@ -1,0 +1,1 @@
+"""Webhooks: the signed outbox deliveries (``delivery``) and their Celery tasks (``tasks``)."""

@@ -1,0 +1,69 @@
+"""The demo corpus: deterministic, splits disjoint, every question group's answers consistent."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.training.contracts import HELD_OUT_PHRASING, TRAIN_PHRASINGS, draw_facts, render_contract
+from worker.training.corpus import decision_cases, generation_cases, in_split
+from worker.training.questions import NA, NO, YES, violates
+
+
+def test_the_same_split_seed_and_index_give_the_same_cases() -> None:
+    assert decision_cases("train", 3, 20) == decision_cases("train", 3, 20)
+    assert generation_cases("eval", 3, 20) == generation_cases("eval", 3, 20)
+    assert decision_cases("train", 3, 20) != decision_cases("train", 4, 20)
+
+
+def test_evaluation_contracts_never_share_facts_or_text_with_training() -> None:
+    train = decision_cases("train", 0, 300) + decision_cases("train", 1, 300)
+    evaluation = decision_cases("eval", 0, 150) + decision_cases("heldout", 0, 150)
+    assert {c.context for c in train}.isdisjoint({c.context for c in evaluation})
+    # by construction: the fact space is split, so no seed of training can draw an evaluation contract
+    import random
+
+    rng = random.Random(5)
+    facts = [draw_facts(rng) for _ in range(400)]
+    assert all(in_split(f, "train") != in_split(f, "eval") for f in facts)
+    assert any(in_split(f, "eval") for f in facts) and any(in_split(f, "train") for f in facts)
+
+
+def test_held_out_phrasings_never_appear_in_training_text() -> None:
+    import random
+
+    facts = draw_facts(random.Random(0))
+    held = render_contract(facts, random.Random(1), (HELD_OUT_PHRASING,)).splitlines()
+    train_lines = {
+        line.split(". ", 1)[-1] for c in decision_cases("train", 0, 400) for line in c.context.splitlines()
+    }
+    assert HELD_OUT_PHRASING not in TRAIN_PHRASINGS
+    assert all(line.split(". ", 1)[-1] not in train_lines for line in held)
+
+
+@pytest.mark.parametrize("split", ["train", "eval", "heldout"])
+def test_every_group_is_answered_consistently_and_within_its_choices(split: str) -> None:
+    cases = decision_cases(split, 0, 200)  # type: ignore[arg-type]
+    groups = [g for c in cases for g in c.groups]
+    assert {g.kind for g in groups} == {"liability", "termination", "renewal", "confidentiality", "law",
+                                        "payment", "assignment"}  # fmt: skip
+    for group in groups:
+        first, second = group.questions
+        assert first.answer in first.choices and second.answer in second.choices
+        assert not violates(group.rule, first.answer, second.answer), group
+    answers = [q.answer for g in groups for q in g.questions]
+    assert {YES, NO, NA} <= set(answers)  # every answer kind occurs
+
+
+def test_violations_follow_each_rule() -> None:
+    assert violates("gate", NO, YES) and violates("gate", YES, NA) and not violates("gate", NO, NA)
+    assert violates("exclusive", YES, YES) and not violates("exclusive", NO, NO)
+    assert violates("implies", YES, NO) and not violates("implies", NO, NO)
+    assert violates("opposite", YES, YES) and not violates("opposite", NO, YES)
+
+
+def test_generation_cases_carry_a_thinking_target_when_thinking() -> None:
+    cases = generation_cases("train", 0, 80)
+    thinking = [c for c in cases if c.thinking]
+    assert thinking and len(thinking) < len(cases)
+    assert all(c.target.startswith("<think>\n") and c.target.endswith(c.answer) for c in thinking)
+    assert all(c.target == c.answer for c in cases if not c.thinking)

@@ -1,0 +1,135 @@
+"""The demo trainer: rows as the engine builds them; a short run is bit-for-bit repeatable and
+resumes to the same bytes; the shipped trained checkpoint loads with its special tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.decisions.planner import plan_decision
+from worker.engine.types import SamplingParams
+from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
+from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+from worker.model.tokenizer import Tokenizer
+from worker.sampler.layout import build_layout
+from worker.sampler.sequence import SequenceState
+from worker.training.corpus import decision_case
+from worker.training.rows import decision_rows
+from worker.training.trainer import (
+    RESUME_FILE,
+    TrainConfig,
+    _noisy_batch,
+    served_decision,
+    slot_blocks,
+    train_demo,
+)
+
+
+def test_decision_rows_are_the_planner_prompts_with_the_true_choices_in_the_slots() -> None:
+    tokenizer = Tokenizer.from_dir(TRAINED_CLOVER_DEMO)
+    case = decision_case("train", 0, 3)
+    rows = decision_rows(case, "joint", tokenizer, block=4)
+    plan = plan_decision(case.spec("joint"), tokenizer, request_id="t", params=SamplingParams(),  # type: ignore[arg-type]
+                         rationale_tokens=0, slot_class="x")  # fmt: skip
+    prompt = list(plan.requests[0].prompt_ids)
+    [row] = rows
+    assert list(row.ids[: len(prompt)]) == prompt and not any(row.predicted[: len(prompt)])
+    region = tokenizer.decode(list(row.ids[len(prompt) :]), skip_special_tokens=True)
+    assert all(f'"choice": "{a}"' in region for a in case.answers)
+    assert sum(row.predicted) >= len(case.answers) and len(row.ids) % 4 == 0
+    assert len(decision_rows(case, "independent", tokenizer, block=4)) == len(case.answers)
+
+
+def test_served_slots_noise_a_decision_row_as_the_engine_feeds_each_block_of_its_slot() -> None:
+    """The engine masks a choice slot whole; a slot crossing a block boundary is only scored in
+    its first block and stays MASK tokens in the committed prefix while its last block decides it.
+    The training row of each of those blocks (``served_slots``) is exactly the engine's pass input
+    (the first recipe showed the slot's earlier tokens in clear and masked a random share)."""
+    tokenizer = Tokenizer.from_dir(TRAINED_CLOVER_DEMO)
+    mask = tokenizer.token_id("<|mask|>")
+    assert mask is not None
+    crossing = 0
+    for index in range(40):
+        case = decision_case("train", 0, index)
+        plan = plan_decision(case.spec("independent"), tokenizer, request_id="t",  # type: ignore[arg-type]
+                             params=SamplingParams(), rationale_tokens=0, slot_class="x")  # fmt: skip
+        for row, request in zip(
+            decision_rows(case, "independent", tokenizer, block=4), plan.requests, strict=True
+        ):
+            [(start, length)] = row.units
+            assert all(row.predicted[start : start + length])
+            blocks = slot_blocks(row, 4)
+            if len(blocks) < 2:
+                continue
+            crossing += 1
+            request.params = SamplingParams(max_new_tokens=1, steps_per_block=4, strategy="static")
+            layout = build_layout(request, 4, 512, 4096)
+            state = SequenceState.start(request, layout, block_size=4, mask_token_id=mask,
+                                        eos_token_ids=frozenset(tokenizer.eos_token_ids))  # fmt: skip
+            for n in blocks:
+                assert state.block_index == n
+                engine = state.pass_input()
+                targets, hidden = served_decision(row, 4, n)
+                for seed in range(200):  # a draw of the trainer's that picks block n
+                    noisy, _, masked, commit, _ = _noisy_batch(
+                        [row], 4, mask, torch.Generator().manual_seed(seed), served_slots=True
+                    )
+                    if int(commit[0]) == n * 4:
+                        break
+                assert int(commit[0]) == n * 4 and masked[0].nonzero().flatten().tolist() == targets
+                # the engine's input of this block: the slot's earlier positions still masks
+                assert (
+                    noisy[0, engine.start_pos : engine.start_pos + len(engine.tokens)].tolist()
+                    == engine.tokens
+                )
+                assert all(noisy[0, p] == mask for p in hidden) and len(hidden) == sum(
+                    state.deferred[p - layout.region_start] for p in range(start, n * 4)
+                )
+                if n == blocks[-1]:  # the deciding block: every remaining slot position masked
+                    assert masked[0, n * 4 : n * 4 + engine.block_len].tolist() == engine.masked
+                    assert hidden
+                else:  # a deferred block: only scored, with the slot's later blocks out of view
+                    r0 = layout.region_start
+                    assert targets == [p for p in range(max(n * 4, r0), n * 4 + 4) if state.deferred[p - r0]]
+                    assert engine.quota == 0
+                    for group in engine.groups:  # the runner's scores of the deferred positions
+                        group.scores = [0.0] * len(group.candidates)
+                    state.apply_pass(engine.tokens[-4:], [False] * 4, [(0, 0.0)] * len(engine.groups))
+    assert crossing >= 10
+
+
+def test_a_short_run_repeats_bit_for_bit_and_resumes_to_the_same_bytes(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    config = TrainConfig(steps=4, batch=2, save_every=2)
+    straight = tmp_path / "straight"
+    train_demo(straight, config)
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_at_3(step: int, loss: float) -> None:
+        if step == 3:
+            raise Interrupt
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(Interrupt):
+        train_demo(resumed, config, progress=stop_at_3)
+    assert (resumed / RESUME_FILE).is_file()  # the resume point of step 2
+    result = train_demo(resumed, config)
+    assert result.finished and result.steps == 4 and not (resumed / RESUME_FILE).exists()
+    for name in (SINGLE_NAME, "tokenizer.json", "config.json", "training.json", "manifest.json"):
+        assert (straight / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def test_the_shipped_trained_demo_loads_with_its_special_tokens() -> None:
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    tok = lm.tokenizer
+    assert lm.config.family == "clover" and lm.config.mask_token_id == tok.token_id("<|mask|>")
+    assert tok.eos_token_ids[0] == tok.token_id("<|im_end|>") and tok.pad_token_id == tok.token_id("<|pad|>")
+    assert tok.think_start_id is not None and tok.think_end_id is not None
+    text = tok.render_chat([{"role": "user", "content": "Hi"}], enable_thinking=False)
+    im_start = tok.token_id("<|im_start|>")
+    assert im_start is not None and tok.encode(text).count(im_start) == 2
+    assert (TRAINED_CLOVER_DEMO / SINGLE_NAME).stat().st_size < 4_000_000

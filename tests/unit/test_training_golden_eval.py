@@ -1,0 +1,39 @@
+"""Golden checks and evaluation tallies (pure logic): what passes, what is a difference."""
+
+from __future__ import annotations
+
+from worker.training.corpus import decision_case, generation_case
+from worker.training.evaluation import DecisionTally, GenerationTally
+from worker.training.golden import differences, golden_inputs, record
+
+
+def test_a_recorded_case_passes_its_own_result_and_reports_each_change() -> None:
+    inputs = golden_inputs(decisions=1, generations=1)
+    decide = next(c for c in inputs if c["body"]["kind"] == "decide")
+    n = len(decide["body"]["input"]["questions"])
+    result = {"answers": [{"id": f"q{i}", "choice": "no"} for i in range(n)]}
+    case = record(decide, result)
+    assert differences(case, result) == []
+    changed = {"answers": [{"id": "q0", "choice": "maybe"}, *result["answers"][1:]]}
+    assert len(differences(case, changed)) == 2  # not a choice, and not the recorded answers
+    assert differences(case, None) == ["the job did not succeed"]
+    generate = next(c for c in inputs if c["body"]["kind"] == "generate")
+    gen_case = record(generate, {"token_ids": [5, 6, 7], "text": "Within 30 days."})
+    assert differences(gen_case, {"token_ids": [5, 6, 7], "text": "Within 30 days."}) == []
+    assert differences(gen_case, {"token_ids": [5, 9, 7], "text": "Within 30 days."}) == [
+        "tokens differ from position 1 (3 vs 3)"
+    ]
+
+
+def test_decision_tally_counts_accuracy_groups_and_violations() -> None:
+    case = decision_case("eval", 0, 0)
+    tally = DecisionTally()
+    tally.add(case, list(case.answers))
+    assert tally.as_dict()["accuracy"] == 1.0 and tally.violations == 0
+    wrong = DecisionTally()
+    wrong.add(case, None, retries=1)
+    assert wrong.as_dict()["accuracy"] == 0.0 and wrong.failed_jobs == 1 and wrong.invalid_output_retries == 1
+    gen = generation_case("eval", 0, 0)
+    gt = GenerationTally()
+    gt.add(gen, gen.answer + "\n", tokens=8, passes=4)
+    assert gt.as_dict()["score"] == 1.0 and gt.as_dict()["tokens_per_pass"] == 2.0

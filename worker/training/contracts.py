@@ -1,0 +1,249 @@
+"""Synthetic contracts for the trained demo: the facts of one contract and its clauses in words.
+
+A contract is a ``ContractFacts`` (who the parties are, the term and renewal, termination for
+convenience and its notice, the liability cap, governing law, payment days, confidentiality,
+assignment) drawn from a seeded ``random.Random``; ``render_contract`` writes it as numbered
+clauses, each clause type phrased in one of ``PHRASINGS`` ways. Phrasing ``HELD_OUT_PHRASING`` of
+every clause type is never used for training, so an evaluation set written only with it shows
+whether the model reads the clause or matches a template.
+
+Plain Python (no torch): the corpus is product code (``cloverq model train-demo`` trains on it,
+``cloverq model eval`` evaluates on it) and its tests run in milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import astuple, dataclass
+
+PHRASINGS = 4  # ways each clause type is written
+HELD_OUT_PHRASING = 3  # never in training: the "held-out phrasings" evaluation set
+TRAIN_PHRASINGS: tuple[int, ...] = tuple(p for p in range(PHRASINGS) if p != HELD_OUT_PHRASING)
+
+ROLES: tuple[tuple[str, str], ...] = (
+    ("Supplier", "Buyer"),
+    ("Licensor", "Licensee"),
+    ("Provider", "Customer"),
+    ("Seller", "Purchaser"),
+)
+NAMES: tuple[str, ...] = (
+    "Acme Ltd",
+    "Birch plc",
+    "Cobalt GmbH",
+    "Delta SA",
+    "Ember Inc",
+    "Fjord AS",
+    "Garnet BV",
+    "Harbor LLC",
+)
+TERM_YEARS: tuple[int, ...] = (1, 2, 3, 5)
+RENEWAL_YEARS: tuple[int, ...] = (1, 2)
+NOTICE_DAYS: tuple[int, ...] = (15, 30, 45, 60, 90)
+CAP_AMOUNTS: tuple[int, ...] = (250_000, 500_000, 1_000_000, 2_000_000, 5_000_000)
+LAWS: tuple[str, ...] = ("France", "Spain", "Norway", "Italy", "Germany", "Ireland")
+PAYMENT_DAYS: tuple[int, ...] = (14, 30, 45, 60)
+SURVIVAL_YEARS: tuple[int, ...] = (1, 2, 3, 5)
+ASSIGNMENT: tuple[str, ...] = ("consent", "free", "affiliates")  # how the Supplier may assign
+
+
+@dataclass(frozen=True)
+class ContractFacts:
+    """Everything a question about the contract can be answered from (``None``: no such clause)."""
+
+    roles: tuple[str, str]  # (first party's role, second party's role), e.g. Supplier / Buyer
+    names: tuple[str, str]
+    term_years: int
+    renewal_years: int | None  # None: no automatic renewal
+    notice_days: int | None  # the second party may terminate for convenience on this notice; None: no
+    cap: int | None  # the first party's liability cap; None: unlimited
+    law: str
+    payment_days: int
+    survival_years: int | None  # None: no confidentiality clause
+    assignment: str  # one of ASSIGNMENT
+
+    def digest(self) -> int:
+        """A stable hash of the facts (``hash()`` is salted per process): splits the fact space."""
+        return int.from_bytes(hashlib.sha256(repr(astuple(self)).encode()).digest()[:8], "big")
+
+
+def draw_facts(rng: random.Random) -> ContractFacts:
+    roles = rng.choice(ROLES)
+    a, b = rng.sample(NAMES, 2)
+    return ContractFacts(
+        roles=roles,
+        names=(a, b),
+        term_years=rng.choice(TERM_YEARS),
+        renewal_years=rng.choice(RENEWAL_YEARS) if rng.random() < 0.5 else None,
+        notice_days=rng.choice(NOTICE_DAYS) if rng.random() < 0.5 else None,
+        cap=rng.choice(CAP_AMOUNTS) if rng.random() < 0.6 else None,
+        law=rng.choice(LAWS),
+        payment_days=rng.choice(PAYMENT_DAYS),
+        survival_years=rng.choice(SURVIVAL_YEARS) if rng.random() < 0.7 else None,
+        assignment=rng.choice(ASSIGNMENT),
+    )
+
+
+def money(amount: int) -> str:
+    return f"EUR {amount:,}"
+
+
+def years(n: int) -> str:
+    return "one year" if n == 1 else f"{n} years"
+
+
+# --- the clauses, each in PHRASINGS ways ------------------------------------------------------------
+def _parties(f: ContractFacts, p: int) -> str:
+    (ra, rb), (na, nb) = f.roles, f.names
+    return (
+        f"This agreement is made between {na} (the {ra}) and {nb} (the {rb}).",
+        f"Parties: {na}, the {ra}, and {nb}, the {rb}.",
+        f"{na} acts as the {ra} and {nb} acts as the {rb} under this agreement.",
+        f"The {ra} is {na}; the {rb} is {nb}.",
+    )[p]
+
+
+def _term(f: ContractFacts, p: int) -> str:
+    t = years(f.term_years)
+    if f.renewal_years is None:
+        return (
+            f"The agreement runs for {t} and then ends.",
+            f"Term: {t}, with no automatic renewal.",
+            f"This agreement lasts {t} and does not renew by itself.",
+            f"The initial term is {t}; it expires without renewal.",
+        )[p]
+    r = years(f.renewal_years)
+    return (
+        f"The agreement runs for {t} and then renews automatically for periods of {r}.",
+        f"Term: {t}, renewing automatically for further terms of {r}.",
+        f"This agreement lasts {t} and renews by itself for {r} at a time.",
+        f"The initial term is {t}; thereafter it is extended automatically by {r} each time.",
+    )[p]
+
+
+def _termination(f: ContractFacts, p: int) -> str:
+    rb = f.roles[1]
+    if f.notice_days is None:
+        return (
+            f"The {rb} may not terminate this agreement for convenience.",
+            f"Termination for convenience: not permitted for the {rb}.",
+            f"The {rb} has no right to end the agreement without cause.",
+            f"No termination without cause is available to the {rb}.",
+        )[p]
+    d = f.notice_days
+    return (
+        f"The {rb} may terminate this agreement for convenience on {d} days notice.",
+        f"Termination for convenience: the {rb}, with {d} days written notice.",
+        f"The {rb} may end the agreement without cause by giving {d} days notice.",
+        f"Upon {d} days prior notice the {rb} can end this agreement without cause.",
+    )[p]
+
+
+def _liability(f: ContractFacts, p: int) -> str:
+    ra = f.roles[0]
+    if f.cap is None:
+        return (
+            f"The liability of the {ra} is not limited.",
+            f"Liability: the {ra} has unlimited liability.",
+            f"No cap applies to the liability of the {ra}.",
+            f"The {ra} shall be liable without any limit.",
+        )[p]
+    m = money(f.cap)
+    return (
+        f"The liability of the {ra} is limited to {m}.",
+        f"Liability: the {ra} is liable up to {m} in total.",
+        f"The total liability of the {ra} shall not exceed {m}.",
+        f"The {ra} shall be liable for no more than {m}.",
+    )[p]
+
+
+def _law(f: ContractFacts, p: int) -> str:
+    return (
+        f"This agreement is governed by the laws of {f.law}.",
+        f"Governing law: {f.law}.",
+        f"The laws of {f.law} apply to this agreement.",
+        f"This agreement shall be construed under {f.law} law.",
+    )[p]
+
+
+def _payment(f: ContractFacts, p: int) -> str:
+    rb, d = f.roles[1], f.payment_days
+    return (
+        f"The {rb} shall pay each invoice within {d} days.",
+        f"Payment: invoices are due {d} days after receipt.",
+        f"The {rb} must settle every invoice no later than {d} days after it is issued.",
+        f"Each invoice is payable by the {rb} {d} days from its date.",
+    )[p]
+
+
+def _confidentiality(f: ContractFacts, p: int) -> str:
+    if f.survival_years is None:
+        return (
+            "The agreement has no confidentiality obligations.",
+            "Confidentiality: none.",
+            "Neither party owes any duty of confidentiality.",
+            "No confidentiality terms are included in this agreement.",
+        )[p]
+    s = years(f.survival_years)
+    return (
+        f"Both parties keep information confidential for {s} after termination.",
+        f"Confidentiality: both parties, surviving {s} after termination.",
+        f"Each party shall protect confidential information until {s} after the agreement ends.",
+        f"Confidential information stays protected for a period of {s} following termination.",
+    )[p]
+
+
+def _assignment(f: ContractFacts, p: int) -> str:
+    ra, rb = f.roles
+    if f.assignment == "consent":
+        return (
+            f"The {ra} may not assign this agreement without the consent of the {rb}.",
+            f"Assignment: only with the written consent of the {rb}.",
+            f"Any assignment by the {ra} requires the prior consent of the {rb}.",
+            f"The {ra} needs the approval of the {rb} before transferring this agreement.",
+        )[p]
+    if f.assignment == "free":
+        return (
+            f"The {ra} may assign this agreement freely.",
+            "Assignment: permitted without consent.",
+            f"The {ra} may transfer this agreement to anyone without consent.",
+            f"No approval is needed for the {ra} to transfer this agreement.",
+        )[p]
+    return (
+        f"The {ra} may assign this agreement to its affiliates only; "
+        f"otherwise the consent of the {rb} is required.",
+        f"Assignment: to affiliates without consent, to others only with the consent of the {rb}.",
+        f"The {ra} may transfer this agreement to an affiliate; "
+        f"any other assignment needs the consent of the {rb}.",
+        f"Transfers to affiliates are free for the {ra}; other transfers need approval of the {rb}.",
+    )[p]
+
+
+CLAUSES = {  # the clause types after the parties line, in the order a contract may list them
+    "term": _term,
+    "termination": _termination,
+    "liability": _liability,
+    "law": _law,
+    "payment": _payment,
+    "confidentiality": _confidentiality,
+    "assignment": _assignment,
+}
+
+
+CLAUSES_PER_CONTRACT = 4  # after the parties line: short contracts keep CPU training affordable
+
+
+def render_contract(
+    facts: ContractFacts, rng: random.Random, phrasings: tuple[int, ...], required: tuple[str, ...] = ()
+) -> str:
+    """The contract text: the parties line, then ``CLAUSES_PER_CONTRACT`` clauses (the ``required``
+    ones and others drawn at random) in a shuffled order, numbered, each in a phrasing drawn from
+    ``phrasings``."""
+    others = [name for name in CLAUSES if name not in required]
+    order = list(dict.fromkeys(required)) + rng.sample(
+        others, max(0, CLAUSES_PER_CONTRACT - len(set(required)))
+    )
+    rng.shuffle(order)
+    lines = [_parties(facts, rng.choice(phrasings))]
+    lines += [f"{i}. {CLAUSES[name](facts, rng.choice(phrasings))}" for i, name in enumerate(order, 1)]
+    return "\n".join(lines)

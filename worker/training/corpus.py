@@ -1,0 +1,169 @@
+"""The demo corpus: decision and generation cases over synthetic contracts, split by seed and facts.
+
+Three splits, disjoint by construction:
+
+- ``train``: contracts whose facts' digest is not ``0 mod FACT_BUCKETS``, clause phrasings
+  ``TRAIN_PHRASINGS``;
+- ``eval``: contracts whose facts' digest IS ``0 mod FACT_BUCKETS`` (no evaluation contract has
+  the facts of any training contract, whatever the seeds), the training phrasings;
+- ``heldout``: the evaluation facts written only in ``HELD_OUT_PHRASING``, a wording of every
+  clause that training never shows.
+
+Each case is drawn from its own ``random.Random(f"{split}/{seed}/{index}")`` (string seeds hash
+deterministically), so a case depends only on (split, seed, index).
+
+A ``DecisionCase`` is one contract and one or two ``QuestionGroup``s, asked as a ``decide`` job
+asks them (``spec(mode)``); a ``GenerationCase`` is a chat whose target is a one-line answer or
+a one-line clause summary, with thinking off or on (then the target starts with the reasoning in
+a think block, as a thinking model writes it).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+from worker.decisions.spec import DecisionMode, DecisionQuestion, DecisionSpec
+from worker.training.contracts import (
+    HELD_OUT_PHRASING,
+    TRAIN_PHRASINGS,
+    ContractFacts,
+    draw_facts,
+    money,
+    render_contract,
+    years,
+)
+from worker.training.questions import QuestionGroup, draw_groups
+
+GROUP_CLAUSES = {  # the clause a question group is about
+    "liability": "liability", "termination": "termination", "renewal": "term", "confidentiality":
+    "confidentiality", "law": "law", "payment": "payment", "assignment": "assignment",
+}  # fmt: skip
+
+Split = Literal["train", "eval", "heldout"]
+SPLITS: tuple[str, ...] = ("train", "eval", "heldout")
+FACT_BUCKETS = 8  # one bucket of the fact space is evaluation-only
+GenerationTask = Literal["answer", "summary"]
+
+
+def in_split(facts: ContractFacts, split: Split) -> bool:
+    evaluation = facts.digest() % FACT_BUCKETS == 0
+    return evaluation if split != "train" else not evaluation
+
+
+def phrasings_of(split: Split) -> tuple[int, ...]:
+    return (HELD_OUT_PHRASING,) if split == "heldout" else TRAIN_PHRASINGS
+
+
+def _facts(split: Split, seed: int, index: int, kind: str) -> tuple[ContractFacts, random.Random]:
+    rng = random.Random(f"{split}/{seed}/{kind}/{index}")
+    facts = draw_facts(rng)
+    while not in_split(facts, split):
+        facts = draw_facts(rng)
+    return facts, rng
+
+
+@dataclass(frozen=True)
+class DecisionCase:
+    context: str
+    groups: tuple[QuestionGroup, ...]
+
+    @property
+    def questions(self) -> tuple[DecisionQuestion, ...]:
+        flat = [q for g in self.groups for q in g.questions]
+        return tuple(
+            DecisionQuestion(id=f"q{i}", text=q.text, choices=q.choices) for i, q in enumerate(flat, 1)
+        )
+
+    @property
+    def answers(self) -> tuple[str, ...]:
+        return tuple(q.answer for g in self.groups for q in g.questions)
+
+    def spec(self, mode: DecisionMode) -> DecisionSpec:
+        return DecisionSpec(context=self.context, questions=self.questions, mode=mode)
+
+    def job_input(self, mode: DecisionMode) -> dict[str, object]:
+        """The body's ``input`` of a ``decide`` job asking this case."""
+        return {
+            "context": self.context,
+            "mode": mode,
+            "questions": [{"id": q.id, "text": q.text, "choices": list(q.choices)} for q in self.questions],
+        }
+
+
+def decision_case(split: Split, seed: int, index: int) -> DecisionCase:
+    facts, rng = _facts(split, seed, index, "decide")
+    groups = tuple(draw_groups(facts, rng, rng.choice((1, 2))))
+    text = render_contract(facts, rng, phrasings_of(split), tuple(GROUP_CLAUSES[g.kind] for g in groups))
+    return DecisionCase(context=text, groups=groups)
+
+
+def decision_cases(split: Split, seed: int, count: int, start: int = 0) -> list[DecisionCase]:
+    return [decision_case(split, seed, i) for i in range(start, start + count)]
+
+
+@dataclass(frozen=True)
+class GenerationCase:
+    task: GenerationTask
+    messages: tuple[dict[str, str], ...]
+    answer: str  # the expected one line
+    reasoning: str  # what a thinking-mode answer reasons first
+    thinking: bool
+
+    @property
+    def target(self) -> str:
+        """The assistant text the model is trained to write after the generation prompt."""
+        if self.thinking:  # the prompt of thinking mode carries no think block: the model opens it
+            return f"<think>\n{self.reasoning}\n</think>\n\n{self.answer}"
+        return self.answer
+
+
+def _summaries(f: ContractFacts) -> dict[str, tuple[str, str, str]]:
+    """Per clause: (question for a one-line answer, its answer, the clause's one-line summary)."""
+    (ra, rb), (na, nb) = f.roles, f.names
+    renew = f"renews for {years(f.renewal_years)} at a time" if f.renewal_years else "does not renew"
+    notice = f"{f.notice_days} days." if f.notice_days else f"The {rb} may not terminate for convenience."
+    return {
+        "parties": (f"Who is the {ra}?", f"{na}.", f"{na} is the {ra} and {nb} is the {rb}."),
+        "term": ("How long is the initial term?", f"{years(f.term_years).capitalize()}.",
+                 f"The agreement lasts {years(f.term_years)} and {renew}."),
+        "termination": (f"How much notice does the {rb} need to terminate for convenience?", notice,
+                        f"The {rb} may terminate for convenience on {f.notice_days} days notice."
+                        if f.notice_days else f"The {rb} may not terminate for convenience."),
+        "liability": ("What is the liability cap?", f"{money(f.cap)}." if f.cap else "There is no cap.",
+                      f"The liability of the {ra} is capped at {money(f.cap)}."
+                      if f.cap else f"The liability of the {ra} is unlimited."),
+        "law": ("Which law governs the agreement?", f"The laws of {f.law}.",
+                f"The laws of {f.law} govern it."),
+        "payment": ("When must invoices be paid?", f"Within {f.payment_days} days.",
+                    f"The {rb} pays invoices within {f.payment_days} days."),
+        "confidentiality": ("How long does confidentiality last after termination?",
+                            f"{years(f.survival_years).capitalize()}." if f.survival_years
+                            else "There is no confidentiality clause.",
+                            f"Confidentiality survives {years(f.survival_years)} after termination."
+                            if f.survival_years else "There are no confidentiality duties."),
+    }  # fmt: skip
+
+
+def generation_case(split: Split, seed: int, index: int) -> GenerationCase:
+    facts, rng = _facts(split, seed, index, "generate")
+    clause, (question, answer, summary) = rng.choice(sorted(_summaries(facts).items()))
+    text = render_contract(facts, rng, phrasings_of(split), () if clause == "parties" else (clause,))
+    task: GenerationTask = rng.choice(("answer", "summary"))
+    ask = (
+        f"Question: {question}\nAnswer in one line."
+        if task == "answer"
+        else (f"Summarise the {clause} clause in one line.")
+    )
+    return GenerationCase(
+        task=task,
+        messages=({"role": "user", "content": f"Contract:\n{text}\n\n{ask}"},),
+        answer=answer if task == "answer" else summary,
+        reasoning=f"The {clause} clause: {summary}",
+        thinking=rng.random() < 0.25,
+    )
+
+
+def generation_cases(split: Split, seed: int, count: int, start: int = 0) -> list[GenerationCase]:
+    return [generation_case(split, seed, i) for i in range(start, start + count)]

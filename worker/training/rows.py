@@ -1,0 +1,79 @@
+"""Cases -> token rows as the engine serves them, with the positions the model must predict.
+
+A decision row is what ``worker.decisions.planner.plan_decision`` submits (the same prompts and
+the same infill template) with the true choices written into the choice slots; only slot
+positions are predicted (the template's JSON is fixed in the engine, never decoded). A
+generation row is the chat template's prompt (``enable_thinking`` as the case says) then the
+target and ``<|im_end|>``; every position after the prompt is predicted. Rows are padded with
+EOS to a whole block, so a final partial block trains the model to stop.
+
+A decision row also lists its choice slots (``units``: absolute start and length): the engine
+masks a slot whole and commits it as one unit (``worker.sampler.sequence``), and while a slot that
+crosses a block boundary is undecided its positions in the earlier blocks stay *mask tokens* in
+the committed prefix (they are only scored there). The trainer's ``served_slots`` option noises
+decision rows that way (``worker.training.trainer._noisy_batch``); its EOS padding after the
+template is then not predicted either (a template region never decodes past its end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import get_args
+
+from worker.decisions.planner import plan_decision
+from worker.decisions.spec import DecisionMode
+from worker.decisions.templates import choice_sequences
+from worker.engine.types import SamplingParams
+from worker.model.tokenizer import Tokenizer
+from worker.training.corpus import DecisionCase, GenerationCase
+
+MODES: tuple[DecisionMode, ...] = get_args(DecisionMode)
+
+
+@dataclass(frozen=True)
+class Row:
+    ids: tuple[int, ...]
+    predicted: tuple[bool, ...]  # per position: a target of the denoising loss
+    units: tuple[tuple[int, int], ...] = ()  # decision rows: (start, length) of each choice slot
+
+
+def _padded(ids: list[int], predicted: list[bool], block: int, eos: int) -> Row:
+    extra = -len(ids) % block
+    return Row(tuple(ids + [eos] * extra), tuple(predicted + [True] * extra))
+
+
+def decision_rows(case: DecisionCase, mode: DecisionMode, tokenizer: Tokenizer, block: int) -> list[Row]:
+    """The rows of ``case`` asked in ``mode`` (one per question when independent)."""
+    spec = case.spec(mode)
+    plan = plan_decision(spec, tokenizer, request_id="train", params=SamplingParams(),  # type: ignore[arg-type]
+                         rationale_tokens=0, slot_class="train")  # fmt: skip
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_ids[0]
+    rows = []
+    for request, layout in zip(plan.requests, plan.templates, strict=True):
+        region = list(layout.template.token_ids)
+        predicted = [False] * len(region)
+        units = []
+        for answer in layout.answers:
+            question = spec.questions[answer.question_index]
+            sequences = choice_sequences(question, tokenizer, pad)  # type: ignore[arg-type]
+            chosen = sequences[question.choices.index(case.answers[answer.question_index])]
+            slot = layout.template.slots[answer.choice_slot]
+            region[slot.start : slot.start + slot.length] = chosen
+            predicted[slot.start : slot.start + slot.length] = [True] * slot.length
+            units.append((len(request.prompt_ids) + slot.start, slot.length))
+        prompt = list(request.prompt_ids)
+        row = _padded(prompt + region, [False] * len(prompt) + predicted, block, tokenizer.eos_token_ids[0])
+        rows.append(Row(row.ids, row.predicted, tuple(units)))
+    return rows
+
+
+def generation_prompt(case: GenerationCase, tokenizer: Tokenizer) -> list[int]:
+    """The prompt a ``generate`` job with ``messages`` and ``thinking`` builds (``worker.execution``)."""
+    return tokenizer.encode(tokenizer.render_chat(list(case.messages), enable_thinking=case.thinking))
+
+
+def generation_row(case: GenerationCase, tokenizer: Tokenizer, block: int) -> Row:
+    prompt = generation_prompt(case, tokenizer)
+    eos = tokenizer.eos_token_ids[0]
+    target = [*tokenizer.encode(case.target), eos]
+    return _padded(prompt + target, [False] * len(prompt) + [True] * len(target), block, eos)

@@ -1,0 +1,63 @@
+"""The trained demo's tokenizer: byte-level BPE learned with ``tokenizers`` on the training split.
+
+The texts are the corpus's rows as the engine sees them (decision prompts with their JSON answers,
+generation chats with their targets), rendered with a provisional tokenizer (the random demo's)
+and decoded back to text without the special tokens. The special tokens are added after training,
+with the ids last, as the random demo has them (``worker.model.demo_tokenizer``), so the mask,
+pad, chat and think markers are single ids whatever the merges are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from worker.model.demo import CHAT_TEMPLATE
+from worker.model.demo_tokenizer import IM_END, MASK, PAD, SPECIAL_TOKENS, build_demo_tokenizer
+from worker.model.tokenizer import Tokenizer
+from worker.training.corpus import decision_cases, generation_cases
+from worker.training.rows import MODES, decision_rows, generation_row
+
+TOKENIZER_CASES = 400  # of each kind: ~1 MB of text, enough for 500 ids
+
+
+def wrap(backend: HFTokenizer) -> Tokenizer:
+    """The project's ``Tokenizer`` over a demo-layout backend (the demo's chat template)."""
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = backend.token_to_id(t)
+        if token_id is None:
+            raise RuntimeError(f"the tokenizer lacks {t!r}")
+        ids[t] = token_id
+    return Tokenizer(backend, chat_template=CHAT_TEMPLATE, mask_token_id=ids[MASK],
+                     eos_token_ids=(ids[IM_END],), pad_token_id=ids[PAD])  # fmt: skip
+
+
+def corpus_texts(seed: int, cases: int = TOKENIZER_CASES) -> Iterator[str]:
+    provisional = wrap(build_demo_tokenizer(512))
+    for case in decision_cases("train", seed, cases):
+        for mode in MODES:
+            for row in decision_rows(case, mode, provisional, block=1):
+                yield provisional.decode(list(row.ids), skip_special_tokens=True)
+    for gen in generation_cases("train", seed, cases):
+        yield provisional.decode(
+            list(generation_row(gen, provisional, block=1).ids), skip_special_tokens=True
+        )
+
+
+def train_tokenizer(seed: int, total_vocab: int = 512, cases: int = TOKENIZER_CASES) -> HFTokenizer:
+    """A byte-level BPE of at most ``total_vocab`` ids (special tokens last) learned on the corpus."""
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=total_vocab - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_texts(seed, cases), trainer=trainer)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tokenizer
