@@ -10,10 +10,12 @@ Measures, on the same database and Redis:
    engine's own time (sequential jobs; client-observed with long polling and with fast polling,
    and server-side from the job's timestamps).
 
-``--tracing`` measures instead what OpenTelemetry tracing costs the submit path (issue 29): three
-API processes side by side, tracing off, on at sample ratio 0.1 and on at 1.0 (exporting over
-OTLP/HTTP to ``bench.otlp_sink``, a stand-in collector in its own process), loaded in alternating
-rounds; throughput and latency against the tracing-off one. Goals: <= 3% loss at 0.1, <= 10% at 1.0.
+``--tracing`` measures instead what OpenTelemetry tracing costs the submit path (issue 29): one
+API process (``bench.tracing_switch``) switched between tracing off, on at sample ratio 0.1 and on
+at 1.0 (exporting over OTLP/HTTP to ``bench.otlp_sink``, a stand-in collector in its own process),
+in blocks whose order rotates round by round, with a second tracing-off block per round as an A/A
+control; throughput, latency and server CPU per request against tracing off. Goals: <= 3% loss at
+0.1, <= 10% at 1.0. Use ``--rounds`` 8 or more (a multiple of 4 puts each setup in each place).
 
 Backends: ``--database-url`` / ``--redis-url``, defaulting to ``CLOVERQ_TEST_DATABASE_URL`` /
 ``CLOVERQ_TEST_REDIS_URL`` (as in CI: PostgreSQL gets a fresh database that is dropped at
@@ -37,6 +39,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -318,31 +321,52 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
         engine.dispose()
 
 
-TRACING_SETUPS: tuple[tuple[str, dict[str, str]], ...] = (
-    ("tracing off", {}),
-    ("tracing 0.1", {"CLOVERQ_TRACING_ENABLED": "true", "CLOVERQ_TRACING_SAMPLE_RATIO": "0.1"}),
-    ("tracing 1.0", {"CLOVERQ_TRACING_ENABLED": "true", "CLOVERQ_TRACING_SAMPLE_RATIO": "1.0"}),
+# (label, setup of bench.tracing_switch). "off again" is a second tracing-off block in each round:
+# its distance from "tracing off" is the noise that is left (an A/A control).
+TRACING_SETUPS: tuple[tuple[str, str], ...] = (
+    ("tracing off", "off"), ("tracing 0.1", "0.1"), ("tracing 1.0", "1.0"), ("off again A-A", "off"),
 )
+
+
+def rotated(items: list[Any], round_: int) -> list[Any]:
+    """``items`` starting at ``round_`` (mod len): each setup takes each place in the order in
+    turn, so a trend over the run (tables and queues growing, a background burst) does not
+    always land on the same setup."""
+    shift = round_ % len(items) if items else 0
+    return items[shift:] + items[:shift]
+
+
+def _control(port: int, line: str) -> None:
+    """One control line to bench.tracing_switch; it answers once the change is made."""
+    import socket
+
+    with socket.create_connection((HOST, port), timeout=30) as conn:
+        conn.sendall(line.encode() + b"\n")
+        reply = conn.makefile().readline().strip()
+    if reply != "ok":
+        raise RuntimeError(f"tracing switch answered {reply!r} to {line!r}")
 
 
 def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str,
                  redis_url: str) -> None:
-    """Submit throughput with tracing off, at ratio 0.1 and at 1.0: one API process each, same
-    backends, rounds alternated (off, 0.1, 1.0, off, ...) so background noise hits all alike."""
+    """Submit throughput and server CPU per request with tracing off, at ratio 0.1 and at 1.0, in
+    ONE API process whose tracing setup is switched between blocks (bench.tracing_switch: two
+    identical API processes differ by more than the effect measured here), in rounds whose order
+    rotates; each block's queued spans are exported before its CPU time is read."""
     from scheduler.access.api_keys import create_key
     from scheduler.infra.db import make_engine, migrate, session_factory
     from worker.model.demo import write_demo_checkpoint
 
     migrate(db_url)
     model_dir = write_demo_checkpoint(workdir / "model", seed=0, size="tiny")
-    sink_port = free_port()
-    base_env = {
+    sink_port, port, control_port = free_port(), free_port(), free_port()
+    env = {
         **os.environ,
         "CLOVERQ_DATABASE_URL": db_url, "CLOVERQ_REDIS_URL": redis_url,
         "CLOVERQ_DATA_DIR": str(workdir / "data"), "CLOVERQ_MODEL_DIR": str(model_dir),
         "CLOVERQ_AUTH": args.auth, "CLOVERQ_RATE_LIMIT_PER_SECOND": "0",
         "CLOVERQ_TENANT_MAX_ACTIVE_JOBS": str(10**9), "CLOVERQ_QUEUE_MAX_DEPTH": json.dumps(BIG_LIMITS),
-        "CLOVERQ_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
+        "CLOVERQ_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1", "CLOVERQ_TRACING_ENABLED": "false",
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{HOST}:{sink_port}",
     }
     engine = make_engine(db_url)
@@ -353,43 +377,56 @@ def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_
         headers = {"Authorization": f"Bearer {key}"}
     engine.dispose()
     python = sys.executable
-    sink = Service("otlp-sink", [python, "-m", "bench.otlp_sink", "--port", str(sink_port)], base_env,
-                   workdir)
-    services = [sink]
+    sink = Service("otlp-sink", [python, "-m", "bench.otlp_sink", "--port", str(sink_port)], env, workdir)
+    api = Service("api-switch", [python, "-m", "bench.tracing_switch", "--port", str(port),
+                                 "--control-port", str(control_port)], env, workdir)
+    request = build_request("POST", "/v1/jobs", f"{HOST}:{port}", SUBMIT_BODY, headers)
+
+    def block(setup: str, clients: int, total: int) -> LoadResult:
+        _control(control_port, f"use {setup}")
+        per_client = max(1, total // clients)
+        cpu_before = _cpu_seconds(api.proc.pid)
+        result = asyncio.run(run_load(HOST, port, lambda i, n: request, clients=clients,
+                                      requests_per_client=per_client))
+        _control(control_port, "flush")  # this block's spans exported: their CPU counted here
+        result.server_cpu_ms = (_cpu_seconds(api.proc.pid) - cpu_before) * 1000.0 / max(1, result.requests)
+        return result
+
     try:
         sink.wait_http(f"http://{HOST}:{sink_port}/")
-        apis: list[tuple[str, Service, int, bytes]] = []
-        for label, extra in TRACING_SETUPS:
-            port = free_port()
-            service = Service(label.replace(" ", "-"), [python, "-m", "cli", "api", "--port", str(port)],
-                              {**base_env, **extra}, workdir)
-            services.append(service)
-            service.wait_http(f"http://{HOST}:{port}/healthz")
-            request = build_request("POST", "/v1/jobs", f"{HOST}:{port}", SUBMIT_BODY, headers)
-            apis.append((label, service, port, request))
-        for _, service, port, request in apis:  # warm-up
-            _load(service, port, lambda i, n, r=request: r, 8, 400)
+        api.wait_http(f"http://{HOST}:{port}/healthz")
+        for _, setup in TRACING_SETUPS:  # warm-up
+            block(setup, 8, 400)
+        rounds = max(1, args.rounds)
         db_kind = "PostgreSQL" if db_url.startswith("postgresql") else "SQLite"
         print(f"\nbench.api --tracing — {db_kind}, Redis {redis_url}, auth {args.auth}, "
-              f"{os.cpu_count()} CPUs")
-        print(f"{'':<24} {'req/s':>9} {'vs off':>7}   {'p50 ms':>7} {'p99 ms':>7}   {'cpu ms':>6}   statuses")
+              f"{os.cpu_count()} CPUs, one API process switched between setups, {rounds} rounds")
+        print(f"{'':<22} {'req/s':>7} {'vs off':>7} {'(rounds min-max)':>17}   {'p50 ms':>7} {'p99 ms':>7}"
+              f"   {'cpu ms':>6} {'vs off':>7}   statuses")
         for clients in levels:
-            parts: dict[str, list[LoadResult]] = {label: [] for label, *_ in apis}
-            for _ in range(max(1, args.rounds)):
-                share = max(clients, args.requests // max(1, args.rounds))
-                for label, service, port, request in apis:
-                    parts[label].append(_load(service, port, lambda i, n, r=request: r, clients, share))
+            parts: dict[str, list[LoadResult]] = {label: [] for label, _ in TRACING_SETUPS}
+            share = max(clients, args.requests // rounds)
+            for round_ in range(rounds):
+                for label, setup in rotated(list(TRACING_SETUPS), round_):
+                    parts[label].append(block(setup, clients, share))
             merged = {label: LoadResult.merged(results) for label, results in parts.items()}
-            off = merged[apis[0][0]].throughput
+            off = merged[TRACING_SETUPS[0][0]]
             for label, result in merged.items():
-                ratio = result.throughput / off if off else float("nan")
-                print(f"{label + f' x{clients}':<24} {result.throughput:9.0f} {ratio:7.3f}   "
+                per_round = [part.throughput / base.throughput
+                             for part, base in zip(parts[label], parts[TRACING_SETUPS[0][0]], strict=True)]
+                print(f"{label + f' x{clients}':<22} {result.throughput:7.0f} "
+                      f"{result.throughput / off.throughput:7.3f} "
+                      f"{f'({min(per_round):.3f}-{max(per_round):.3f})':>17}   "
                       f"{result.percentile(50):7.2f} {result.percentile(99):7.2f}   "
-                      f"{result.server_cpu_ms:6.2f}   {_statuses(result)}")
-        print("\ngoals: throughput loss <= 3% at ratio 0.1, <= 10% at ratio 1.0 (vs tracing off)")
+                      f"{result.server_cpu_ms:6.2f} {off.server_cpu_ms / result.server_cpu_ms:7.3f}   "
+                      f"{_statuses(result)}")
+        print("\ngoals: throughput loss <= 3% at ratio 0.1, <= 10% at ratio 1.0 (vs tracing off). "
+              "'cpu ms vs off' is off's CPU per request over this one's (the throughput ratio if the "
+              "API's CPU is the bottleneck); 'off again A-A' is a second tracing-off block per round: "
+              "its distance from 1.000 is the noise that is left.")
     finally:
-        for service in reversed(services):
-            service.stop()
+        api.stop()
+        sink.stop()
 
 
 def _wait_worker(redis_url: str, worker: Service, timeout: float = 120.0) -> None:

@@ -63,6 +63,7 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 SHUTDOWN_SECONDS = 3.0  # at most this long exporting what is queued when a process stops
 
 _provider: TracerProvider | None = None
+_tracer: trace.Tracer | None = None  # _provider's tracer: the SDK builds a new one per get_tracer call
 _exporters: list[SpanExporter] = []  # the OTLP exporter of _provider (shut when shutdown overruns)
 _enabled = False
 _drop_sink: Callable[[str, int], None] | None = None
@@ -77,7 +78,7 @@ def enabled() -> bool:
 
 def tracer() -> trace.Tracer:
     """cloverq's tracer (a no-op one while tracing is off)."""
-    return _provider.get_tracer(TRACER_NAME) if _provider is not None else trace.get_tracer(TRACER_NAME)
+    return _tracer if _tracer is not None else trace.get_tracer(TRACER_NAME)
 
 
 def setup_tracing(settings: Settings, *, process: str, drops_to_redis: bool = False) -> bool:
@@ -88,7 +89,7 @@ def setup_tracing(settings: Settings, *, process: str, drops_to_redis: bool = Fa
     ``/metrics`` (worker, beat) also reports its dropped spans to Redis (:func:`set_drop_sink`).
     Idempotent; off creates nothing.
     """
-    global _provider, _enabled
+    global _provider, _tracer, _enabled
     if not settings.observability.tracing_enabled:
         return False
     if _provider is not None:
@@ -118,6 +119,7 @@ def setup_tracing(settings: Settings, *, process: str, drops_to_redis: bool = Fa
     if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         trace.set_tracer_provider(provider)
     _provider = provider
+    _tracer = provider.get_tracer(TRACER_NAME)
     _exporters.append(otlp)
     _enabled = True
     if drops_to_redis:
@@ -139,8 +141,8 @@ def shutdown_tracing(timeout_seconds: float = SHUTDOWN_SECONDS) -> None:
     exporter's retries, up to its 10 s timeout). Past the bound the exporter is shut, which ends
     its retries, and the spans still queued are lost. The process records no spans from here on
     (a later :func:`setup_tracing` starts afresh: tests)."""
-    global _enabled, _provider
-    provider, _provider, _enabled = _provider, None, False
+    global _enabled, _provider, _tracer
+    provider, _provider, _tracer, _enabled = _provider, None, None, False
     if provider is None:
         return
     closing = threading.Thread(target=provider.shutdown, name="cloverq-tracing-shutdown", daemon=True)

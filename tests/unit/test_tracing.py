@@ -67,6 +67,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(tracing, "_provider", provider)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer(tracing.TRACER_NAME))
     monkeypatch.setattr(tracing, "_enabled", True)
     yield exporter
     provider.shutdown()
