@@ -399,13 +399,15 @@ def test_rate_limit_bucket_refills(stack: Stack) -> None:
     stack.client.patch(
         "/v1/admin/limits",
         headers=bearer(admin),
-        json={"keys": {key_id: {"rate_per_second": 10, "rate_burst": 1}}},
+        # 1 token/s: the second request is refused however slowly the first one is answered (at
+        # 10 tokens/s a first answer slower than 0.1 s on a loaded machine refilled the bucket).
+        json={"keys": {key_id: {"rate_per_second": 1, "rate_burst": 1}}},
     )
     assert stack.client.get("/v1/jobs", headers=bearer(key)).status_code == 200
     refused = stack.client.get("/v1/jobs", headers=bearer(key))
     assert_error(refused, 429, "rate_limited")
-    assert refused.headers["retry-after"] == "1"  # 0.1 s rounded up to whole seconds
-    time.sleep(0.25)  # 10 tokens/s: one token is back
+    assert refused.headers["retry-after"] == "1"  # under 1 s rounded up to whole seconds
+    time.sleep(1.1)  # 1 token/s: one token is back
     assert stack.client.get("/v1/jobs", headers=bearer(key)).status_code == 200
     # Clearing the override (null) puts the key back on the defaults.
     cleared = stack.client.patch(
