@@ -10,25 +10,6 @@ from __future__ import annotations
 import random
 from typing import Any
 
-KEYWORDS_COVERED = (
-    "type",
-    "enum",
-    "const",
-    "anyOf",
-    "properties",
-    "required",
-    "additionalProperties",
-    "items",
-    "minItems",
-    "maxItems",
-    "minLength",
-    "maxLength",
-    "format",
-    "minimum",
-    "maximum",
-    "exclusiveMinimum",
-    "exclusiveMaximum",
-)
 _WORDS = ("name", "date", "amount", "party", "notice", "tags", "kind", "id", "note", "ok")
 
 
