@@ -13,7 +13,7 @@ from typing import IO, Any
 import click
 
 from cli.api_client import api_client, echo_json
-from cli.jobs import PRIORITY_CHOICES, _finish, _params
+from cli.jobs import _finish, _params, template_job_options
 from scheduler.jobs.models import JobStatus
 
 
@@ -48,13 +48,7 @@ def _schema(text: str, source: str) -> dict[str, Any]:
               help="The JSON Schema of the value to extract, as JSON (or --schema-file).")
 @click.option("--schema-file", type=click.File("r"), help="Read the JSON Schema from a file ('-': stdin).")
 @click.option("--instructions", help="What to look for, in words (after the document in the prompt).")
-@click.option("--block-size", type=int)
-@click.option("--steps-per-block", type=int)
-@click.option("--temperature", type=float)
-@click.option("--seed", type=int)
-@click.option("--step-budget", type=int)
-@click.option("--priority", type=click.Choice(PRIORITY_CHOICES))
-@click.option("--idempotency-key")
+@template_job_options
 @click.option("--wait", is_flag=True, help="Wait for the value and print the job.")
 @click.option("--data", "data_only", is_flag=True,
               help="With --wait: print only the value (result.data) as JSON; exit 1 if the job failed.")

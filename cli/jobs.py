@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -39,6 +39,25 @@ def register(group: click.Group) -> None:
 
 def _params(values: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def template_job_options(command: F) -> F:
+    """The options of the jobs whose output is a template the model fills (decide, extract): the
+    decoding knobs that apply to them, the priority and the idempotency key."""
+    for option in reversed((
+        click.option("--block-size", type=int),
+        click.option("--steps-per-block", type=int),
+        click.option("--temperature", type=float),
+        click.option("--seed", type=int),
+        click.option("--step-budget", type=int),
+        click.option("--priority", type=click.Choice(PRIORITY_CHOICES)),
+        click.option("--idempotency-key"),
+    )):
+        command = option(command)
+    return command
 
 
 def _finish(job: Job) -> None:
@@ -224,13 +243,7 @@ def _questions(questions_json: str | None, question: tuple[str, ...],
               help='Questions as JSON: [{"id", "text", "choices"}] (or @FILE).')
 @click.option("--mode", type=click.Choice(["independent", "joint"]), default="independent", show_default=True)
 @click.option("--rationale", is_flag=True, help="A short free-text rationale with every answer.")
-@click.option("--block-size", type=int)
-@click.option("--steps-per-block", type=int)
-@click.option("--temperature", type=float)
-@click.option("--seed", type=int)
-@click.option("--step-budget", type=int)
-@click.option("--priority", type=click.Choice(PRIORITY_CHOICES))
-@click.option("--idempotency-key")
+@template_job_options
 @click.option("--wait", is_flag=True, help="Wait for the answers and print the job.")
 def decide(context: str | None, context_file: Any, question: tuple[str, ...], choices: str | None,
            questions_json: str | None, mode: str, rationale: bool, priority: str | None,
