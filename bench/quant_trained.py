@@ -69,7 +69,7 @@ from worker.model.checkpoint import SINGLE_NAME, LoadedModel, load_checkpoint
 from worker.model.demo import write_demo_checkpoint
 from worker.model.quantize import quantize_model
 from worker.model.tokenizer import Tokenizer
-from worker.training.trainer import denoise, save_hf
+from worker.training.trainer import denoise, optimizer_and_schedule, save_hf
 
 NEW_TOKENS = 64  # per prompt: 4 x 64 = 256 generated tokens
 PROMPT_CUTS = (14, 17, 22, 29)  # prompt lengths (tokens): mid-header and mid-first-clause, mixed blocks
@@ -122,11 +122,7 @@ def train(model: Any, data: torch.Tensor, weights: torch.Tensor, args: argparse.
     gen = torch.Generator().manual_seed(args.seed)
     block, mask_id = model.config.block_size, model.config.mask_token_id
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / args.steps)))
-    )
+    opt, schedule = optimizer_and_schedule(params, lr=args.lr, steps=args.steps)
     losses: list[float] = []
     began = time.monotonic()
     model.train()

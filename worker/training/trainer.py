@@ -155,6 +155,18 @@ def _noisy_batch(
     return noisy, clean, masked, commit, valid
 
 
+def optimizer_and_schedule(params: list[torch.nn.Parameter], *, lr: float,
+                           steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (weight decay 0.01) with a linear warm-up over the first 5% of ``steps``, then a
+    cosine from ``lr`` down to 10% of it: the demo training's schedule (also bench.quant_trained's)."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    )
+    return opt, schedule
+
+
 def save_hf(model: Any, folder: Path) -> None:
     """Write ``model``'s weights into checkpoint ``folder`` in the published layout (per-expert
     tensors: the inverse of ``checkpoint.hf_targets``) and refresh its manifest."""
@@ -223,11 +235,7 @@ def train_demo(
     mask_id = lm.config.mask_token_id
     assert mask_id is not None
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.01)
-    warmup = max(1, config.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / config.steps)))
-    )
+    opt, schedule = optimizer_and_schedule(params, lr=config.lr, steps=config.steps)
     losses: list[float] = []
     step = 0
     if resume.is_file():
