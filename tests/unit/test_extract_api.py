@@ -17,6 +17,7 @@ from scheduler.infra.settings import Settings
 from scheduler.jobs.extract_prompt import extract_messages, render_fields
 from scheduler.jobs.models import QueueName
 from scheduler.jobs.routing import estimate_cost, route_job
+from tests.unit.schema_cases import OUTSIDE_THE_SUBSET
 
 ADAPTER: TypeAdapter[Any] = TypeAdapter(JobCreate)
 COUNTER = PromptTokenCounter(None)  # byte bound
@@ -74,13 +75,7 @@ def test_params_outside_the_kind_are_refused(params: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     ("schema", "code", "keyword", "path"),
-    [
-        ({"type": "string", "pattern": "^a$"}, "unsupported_schema_keyword", "pattern", "#/pattern"),
-        ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, "unsupported_schema_keyword", "$ref",
-         "#/properties/a/$ref"),
-        ({"type": "string", "minLength": 5, "maxLength": 2}, "invalid_schema", None, "#"),
-        ({"type": "integer", "minimum": "one"}, "invalid_schema", None, "#/minimum"),
-    ],
+    OUTSIDE_THE_SUBSET,
 )
 def test_a_schema_outside_the_subset_is_a_400_at_input_schema(
     schema: dict[str, Any], code: str, keyword: str | None, path: str

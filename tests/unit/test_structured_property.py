@@ -51,7 +51,7 @@ def _keywords(schema: object) -> set[str]:
 
 def test_the_generator_covers_every_supported_keyword_and_depth_four() -> None:
     seen = set().union(*(_keywords(s) for s in SCHEMAS))
-    assert KEYWORDS <= seen  # every keyword the subset accepts
+    assert seen >= KEYWORDS  # every keyword the subset accepts
     assert seen <= KEYWORDS | ANNOTATIONS  # and none it refuses
 
     def depth(s: object) -> int:
