@@ -23,6 +23,7 @@ from api.body_limit import BodyLimitMiddleware
 from api.errors import install_error_handlers
 from api.job_follow import close_stream_redis, waiter_redis
 from api.job_waiter import JobWaiter
+from api.planes import PlaneGuard
 from api.prompt_tokens import PromptTokenCounter
 from api.routes import (
     admin,
@@ -85,7 +86,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await app.state.job_waiter.close()
             with anyio.move_on_after(SHUTDOWN_STEP_SECONDS) as stream_scope:
                 await close_stream_redis(app)
-            if waiter_scope.cancelled_caught or stream_scope.cancelled_caught:
+            # The keys' last uses noted since the last flush (scheduler/access/api_keys.py).
+            with anyio.move_on_after(SHUTDOWN_STEP_SECONDS) as keys_scope:
+                await anyio.to_thread.run_sync(app.state.security.authenticator.close, abandon_on_cancel=True)
+            if waiter_scope.cancelled_caught or stream_scope.cancelled_caught or keys_scope.cancelled_caught:
                 log.warning("api.shutdown_step_abandoned", seconds=SHUTDOWN_STEP_SECONDS)
             # app.state.redis stays open: it is the process' shared client (scheduler/infra/redis_client.py).
             engine.dispose()
@@ -116,6 +120,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     uploads = ("/v1/batches", *openai_batches.FILE_PATHS)  # batch bodies and OpenAI batch files
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.limits.max_body_bytes,
                        path_limits=dict.fromkeys(uploads, settings.batches.max_body_bytes))
+    # Each request on its plane's listener and inside the plane's allow-list (api/planes.py).
+    app.add_middleware(PlaneGuard, planes=settings.planes)
     install_observability(app)  # outermost middleware: request id + HTTP metrics for every answer
     app.include_router(dashboard.router)  # the operator dashboard (it reads /metrics' gauges)
     app.include_router(health.router)

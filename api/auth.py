@@ -25,8 +25,13 @@ ever taken twice. With ``CLOVERQ_AUTH=disabled`` every request is a development 
 tenant ``default`` with all scopes (and no rate limit: there is no key to meter).
 
 Failures are :class:`api.errors.ApiError` (the API's JSON error shape, stable ``code``): 401
-``unauthorized`` (no, malformed, unknown or revoked key), 403 ``forbidden`` (missing scope), 429
-``rate_limited`` with ``Retry-After``. The order is 401, then 429, then 403.
+``unauthorized`` (no, malformed, unknown, revoked or expired key: a rotated key past its overlap),
+403 ``network_not_allowed`` (the caller's address is outside the key's ``allowed_networks``; no
+token is taken, so a leaked key used from elsewhere cannot drain its owner's bucket), 403
+``forbidden`` (missing scope), 429 ``rate_limited`` with ``Retry-After``. The order is 401, then
+the network 403, then 429, then the scope 403. Each accepted request notes the key's last use
+(time and address) in memory; the authenticator writes it in the background, at most once a
+minute per process.
 """
 
 from __future__ import annotations
@@ -44,13 +49,26 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from api.client_address import request_client_address
 from api.errors import ApiError
+from api.planes import NETWORK_NOT_ALLOWED, plane_of_path
 from scheduler.access import api_keys
 from scheduler.access.admission import Admission, RateDecision
-from scheduler.access.api_keys import ALL_SCOPES, SCOPE_ADMIN, KeyAuthenticator, NotCached, parse_key
+from scheduler.access.api_keys import (
+    ALL_SCOPES,
+    SCOPE_ADMIN,
+    KeyAuthenticator,
+    KeyInfo,
+    KeyRefusal,
+    NotCached,
+    parse_key,
+)
+from scheduler.access.networks import allowed
 from scheduler.infra.db import DatabaseTimeouts, make_engine
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings
+from scheduler.observability.audit import audit
+from scheduler.observability.metrics import record_network_refusal
 
 log = structlog.get_logger(__name__)
 
@@ -270,19 +288,41 @@ async def _authenticate(request: Request, credentials: HTTPAuthorizationCredenti
         raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
     key = credentials.credentials.strip()
     authenticator = _app_security(request).authenticator
-    cached = authenticator.authenticate_cached(key)
-    info = (await run_in_threadpool(authenticator.authenticate, key)
-            if isinstance(cached, NotCached) else cached)
-    if info is None:
+    cached = authenticator.check_cached(key)
+    info = await run_in_threadpool(authenticator.check, key) if isinstance(cached, NotCached) else cached
+    if not isinstance(info, KeyInfo):
         # The key id (not secret) helps an operator spot a revoked key still in use; a string
         # that is not even key-shaped is not echoed at all.
         parsed = parse_key(key)
-        log.warning("auth.refused", reason="invalid_key", key_id=parsed[0] if parsed else None,
-                    path=request.url.path)
+        key_id = parsed[0] if parsed else None
+        if info is KeyRefusal.EXPIRED:
+            log.warning("auth.refused", reason="expired_key", key_id=key_id, path=request.url.path)
+            raise _unauthorized("This API key has expired: it was rotated and its overlap ended; "
+                                "use its successor.")
+        log.warning("auth.refused", reason="invalid_key", key_id=key_id, path=request.url.path)
         raise _unauthorized("Invalid or revoked API key.")
+    address = request_client_address(request)
+    if info.allowed_networks and not allowed(address, info.allowed_networks):
+        raise _network_refused(request, info, str(address) if address is not None else "an unknown address")
+    authenticator.note_use(info.key_id, str(address) if address is not None else None)
     caller = Caller(tenant=info.tenant, scopes=info.scopes, key_id=info.key_id)
     request.state.caller = caller
     return caller
+
+
+def _network_refused(request: Request, info: KeyInfo, shown: str) -> ApiError:
+    """The 403 of a key used from outside its ``allowed_networks``: logged, metered, audited."""
+    path = request.url.path
+    plane = plane_of_path(path).value
+    record_network_refusal(plane=plane, reason="key")
+    log.warning("auth.refused", reason=NETWORK_NOT_ALLOWED, key_id=info.key_id, tenant=info.tenant,
+                client_address=shown, path=path)
+    audit("network.refused", actor_tenant=info.tenant, actor_key_id=info.key_id, via="api",
+          target=info.key_id, client_address=shown, reason="key", plane=plane, path=path)
+    return ApiError(403, NETWORK_NOT_ALLOWED,
+                    f"This API key may not be used from {shown}: the address is outside its "
+                    "allowed networks.",
+                    {"client_address": shown})
 
 
 # --- taking the token (also api.admission's, for the submit path) ---------------------------------

@@ -4,7 +4,9 @@ settings, and its errors turned into clean CLI errors. There is no HTTP code in 
 Where they look, first found wins (:func:`resolve_target`):
 
 - the URL: ``--url``, ``CLOVERQ_API_URL``, the stack ``cloverq up`` recorded
-  (``cli/stack_record.py``: works from any folder), else http://127.0.0.1:8000;
+  (``cli/stack_record.py``: works from any folder), else http://127.0.0.1:8000; the admin and ops
+  planes' (``cloverq top``, readiness) from ``CLOVERQ_ADMIN_API_URL`` / ``CLOVERQ_OPS_API_URL``, else
+  the record's when the URL is the recorded stack's, else the same URL;
 - the key: ``--key``, ``CLOVERQ_API_KEY``, the dev key ``cloverq up`` left in
   ``data_dir/dev_api_key`` (``CLOVERQ_DATA_DIR``, default ``./.cloverq``), else the recorded
   stack's dev key. A refusal says which of these was sent, or that none was and how to give one.
@@ -39,6 +41,8 @@ class Target:
     key: str | None
     key_source: str | None
     url_source: str
+    admin_url: str | None = None  # the admin plane's, where the API serves it on its own port
+    ops_url: str | None = None
 
     def describe_key(self) -> str:
         return f"the key from {self.key_source}" if self.key_source else "no key"
@@ -55,18 +59,21 @@ def resolve_target(settings: Settings, url: str | None = None, key: str | None =
         url_source, base = f"the running `cloverq up` ({record_path(settings)})", record.api_url
     else:
         url_source, base = "the default", settings.client.api_url
+    this_stack = record if record is not None and base == record.api_url else None
+    planes = {"admin_url": settings.client.admin_api_url or (this_stack.admin_url if this_stack else None),
+              "ops_url": settings.client.ops_api_url or (this_stack.ops_url if this_stack else None)}
     if key:
-        return Target(base, key, "--key", url_source)
+        return Target(base, key, "--key", url_source, **planes)
     if settings.client.api_key:
-        return Target(base, settings.client.api_key, "CLOVERQ_API_KEY", url_source)
+        return Target(base, settings.client.api_key, "CLOVERQ_API_KEY", url_source, **planes)
     local = settings.data_dir / DEV_KEY_FILE
     if local.is_file():
-        return Target(base, local.read_text().strip(), str(local.resolve()), url_source)
+        return Target(base, local.read_text().strip(), str(local.resolve()), url_source, **planes)
     if record is not None and "data_dir" not in settings.model_fields_set:
         recorded = record.data_dir / DEV_KEY_FILE
         if recorded.is_file():
-            return Target(base, recorded.read_text().strip(), str(recorded), url_source)
-    return Target(base, None, None, url_source)
+            return Target(base, recorded.read_text().strip(), str(recorded), url_source, **planes)
+    return Target(base, None, None, url_source, **planes)
 
 
 def api_key(settings: Settings) -> str | None:
@@ -96,7 +103,8 @@ def api_client(url: str | None = None, key: str | None = None, *, timeout: float
     """A :class:`client.Client` for the configured API; API and connection errors become
     ``click.ClickException`` s that say what went wrong and where."""
     target = resolve_target(get_settings(), url, key)
-    with Client(target.url, target.key, timeout=timeout) as cq:
+    with Client(target.url, target.key, timeout=timeout, admin_url=target.admin_url,
+                ops_url=target.ops_url) as cq:
         try:
             yield cq
         except CloverqError as exc:

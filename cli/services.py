@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -28,7 +29,8 @@ from cli.stack_record import remove_record, write_record
 from cli.supervisor import Child, RestartBudget, Supervisor
 from client import Client, RetryPolicy
 from scheduler.infra.queue_names import JOB_QUEUES
-from scheduler.infra.settings import Settings, WorkerSettings, flat_fields, get_settings
+from scheduler.infra.settings import FILE_SUFFIX, Settings, WorkerSettings, flat_fields, get_settings
+from scheduler.infra.tls_check import exit_on_tls_failure
 
 ALL_QUEUES = ",".join(JOB_QUEUES)  # the one embedded worker of `cloverq up` serves every job queue
 
@@ -51,6 +53,7 @@ def migrate() -> None:
 
     settings = get_settings()
     shown = _redact_url(settings.resolved_database_url)
+    exit_on_tls_failure(settings, redis=False)  # a wrong CA or an expired certificate: one line
     try:
         run_migrations(settings.resolved_database_url)
     except OperationalError as exc:
@@ -59,40 +62,53 @@ def migrate() -> None:
 
 
 @click.command()
-@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind.")
-@click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--workers", default=1, show_default=True, type=int, help="uvicorn worker processes.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface the public listener binds.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Port of the public plane.")
+@click.option("--admin-port", type=int, default=None,
+              help="Serve the admin plane (/v1/admin, dashboard) on its own port (default "
+              "CLOVERQ_ADMIN_PORT; bound on CLOVERQ_ADMIN_HOST, loopback unless set).")
+@click.option("--ops-port", type=int, default=None,
+              help="Serve the ops plane (/metrics, /livez, /healthz, /readyz) on its own port "
+              "(default CLOVERQ_OPS_PORT; bound on CLOVERQ_OPS_HOST, loopback unless set).")
+@click.option("--workers", default=1, show_default=True, type=int,
+              help="uvicorn worker processes (one-port mode only; split planes scale by replicas).")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @click.option("--keep-alive", "keep_alive", default=75, show_default=True, type=int,
               help="Seconds an idle keep-alive connection is held open; keep it above clients' idle expiry.")
 @click.option("--fd", type=int, default=None,
               help="Serve on this inherited, listening TCP socket instead of binding --host/--port "
               "(one process; cloverq up binds the port itself so a taken port fails before anything starts).")
-def api(host: str, port: int, workers: int, access_log: bool, keep_alive: int, fd: int | None) -> None:
-    """Serve the HTTP API (uvicorn)."""
+@click.option("--admin-fd", type=int, default=None, help="The admin listener's inherited socket (as --fd).")
+@click.option("--ops-fd", type=int, default=None, help="The ops listener's inherited socket (as --fd).")
+def api(host: str, port: int, admin_port: int | None, ops_port: int | None, workers: int, access_log: bool,
+        keep_alive: int, fd: int | None, admin_fd: int | None, ops_fd: int | None) -> None:
+    """Serve the HTTP API (uvicorn): one port for every plane, or a port per plane (docs/security.md)."""
     import uvicorn
 
     from scheduler.observability.logging import configure_logging
 
-    settings = get_settings()
+    settings = _with_plane_ports(get_settings(), admin_port, ops_port)
+    exit_on_tls_failure(settings)  # a wrong CA or an expired certificate: one line, exit 78
     configure_logging(settings)
     if fd is not None and workers > 1:
         raise click.UsageError("--fd serves from one process: drop --workers")
+    if settings.planes.split and workers > 1:
+        raise click.UsageError("split planes serve from one process: run more API replicas, not --workers")
     if workers > 1:  # several processes on this host: merge their metrics via the mmap dir
         from scheduler.observability.metrics import enable_multiprocess
 
         enable_multiprocess(settings)
     from api.http_protocol import JsonHttpToolsProtocol
+    from api.listeners import plan_listeners, serve_listeners
 
     options: dict[str, Any] = dict(
-        factory=True,
         # Bounded request heads, and uvicorn's own 400s in the JSON error shape (api/http_protocol.py).
         http=JsonHttpToolsProtocol,
-        host=host,
-        port=port,
-        workers=workers,
         access_log=access_log,
         log_config=None,
+        # The client address is cloverq's to work out (planes.trusted_proxies, api/planes.py): uvicorn's
+        # own X-Forwarded-For rewrite (on for 127.0.0.1 by default) would let a local caller spoof it.
+        proxy_headers=False,
         timeout_graceful_shutdown=10,
         # uvicorn's default (5 s) equals httpx's pool keep-alive expiry (5 s): a client reuses an
         # idle connection just as the server's timer closes it (both ends counted from about the
@@ -101,14 +117,45 @@ def api(host: str, port: int, workers: int, access_log: bool, keep_alive: int, f
         # its clients' expiry (httpx 5 s, nginx/load balancers 60 s): idle connections then close
         # from the client side.
         timeout_keep_alive=keep_alive,
+    )
+    specs = plan_listeners(settings.planes, host=host, port=port)
+    if settings.planes.split:
+        from api.app import create_app
+
+        inherited = {"public": fd, "admin": admin_fd, "ops": ops_fd}
+        sockets = [socket.socket(fileno=inherited[spec.name]) if inherited[spec.name] is not None else None
+                   for spec in specs]
+        for spec in specs:
+            log_listener(spec.name, spec.url(), sorted(spec.planes))
+        if not serve_listeners(create_app(settings), specs, options, sockets):
+            sys.exit(3)  # uvicorn's STARTUP_FAILURE
+        return
+    options.update(
+        factory=True, host=host, port=port, workers=workers,
         # A spawned API process re-imports the CLI (slow on a loaded machine): give it time to answer
         # uvicorn's start-up health check, or the supervisor kills and respawns it forever.
         timeout_worker_healthcheck=120,
+        **(specs[0].tls.uvicorn_options() if specs[0].tls is not None else {}),
     )
     if fd is None:
         uvicorn.run("api.app:create_app", **options)
     else:
         _serve_inherited_socket(uvicorn.Config("api.app:create_app", **options), fd)
+
+
+def _with_plane_ports(settings: Settings, admin_port: int | None, ops_port: int | None) -> Settings:
+    """``settings`` with the admin and ops ports given on the command line (None: the setting's)."""
+    if admin_port is None and ops_port is None:
+        return settings
+    return settings.replaced(admin_port=settings.planes.admin_port if admin_port is None else admin_port,
+                             ops_port=settings.planes.ops_port if ops_port is None else ops_port)
+
+
+def log_listener(name: str, url: str, planes: list[str]) -> None:
+    """One line per listener at start, so an operator sees which port serves what."""
+    import structlog
+
+    structlog.get_logger("cloverq.api").info("api.listener", listener=name, url=url, planes=planes)
 
 
 def _serve_inherited_socket(config: Any, fd: int) -> None:
@@ -178,12 +225,17 @@ class _StopRequested:
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface the API binds.")
 @click.option("--port", default=8000, show_default=True, type=int, help="API port.")
+@click.option("--admin-port", type=int, default=None,
+              help="Split the API's planes: the admin plane (/v1/admin, dashboard) on this loopback port.")
+@click.option("--ops-port", type=int, default=None,
+              help="Split the API's planes: the ops plane (/metrics, /livez, /readyz) on this loopback port.")
 @click.option("--ready-timeout", default=300.0, show_default=True, type=float,
               help="Seconds to wait for the stack to become ready.")
 @click.option("--trace", is_flag=True, default=False,
               help="Turn tracing on in every process (CLOVERQ_TRACING_ENABLED=1): OpenTelemetry spans "
                    "over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT (default http://localhost:4318).")
-def up(host: str, port: int, ready_timeout: float, trace: bool) -> None:
+def up(host: str, port: int, admin_port: int | None, ops_port: int | None, ready_timeout: float,
+       trace: bool) -> None:
     """Run everything on this machine: Redis, migrations, demo model, API, worker, beat.
 
     State lives under CLOVERQ_DATA_DIR (default ./.cloverq). Ctrl-C or SIGTERM stops every
@@ -192,11 +244,16 @@ def up(host: str, port: int, ready_timeout: float, trace: bool) -> None:
     settings = get_settings()
     if trace:  # the children read it from the environment _child_env writes
         settings = settings.replaced(tracing_enabled=True)
+    settings = _with_plane_ports(settings, admin_port, ops_port)  # the API child reads them from the env
+    from api.listeners import plan_listeners
+    from api.planes import Plane
+
+    specs = plan_listeners(settings.planes, host=host, port=port)
     data_dir = settings.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     # First of all: a port another stack holds must stop us before we start anything (issue 16:
     # the other stack's /readyz answered, and "cloverq is up" was printed for it).
-    listener = _listen(host, port)
+    listeners = {spec.name: _listen(spec.host, spec.port) for spec in specs}
     stop = _StopRequested()
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -216,20 +273,27 @@ def up(host: str, port: int, ready_timeout: float, trace: bool) -> None:
         python = sys.executable
         supervisor.start("worker", [python, "-m", "cli", "worker"], env=env, stop_timeout=60.0)
         supervisor.start("beat", [python, "-m", "cli", "beat"], env=env, stop_timeout=10.0)
-        supervisor.start("api", [python, "-m", "cli", "api", "--fd", str(listener.fileno())],
-                         env=env, stop_timeout=15.0, pass_fds=(listener.fileno(),))
-        listener.close()  # the API holds it now
-        base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        api_argv = [python, "-m", "cli", "api", "--fd", str(listeners["public"].fileno())]
+        for spec in specs[1:]:  # the admin and ops listeners when the planes are split
+            fd = listeners[spec.name].fileno()
+            api_argv += [f"--{spec.name}-port", str(spec.port), f"--{spec.name}-fd", str(fd)]
+        supervisor.start("api", api_argv, env=env, stop_timeout=15.0,
+                         pass_fds=tuple(listener.fileno() for listener in listeners.values()))
+        for listener in listeners.values():
+            listener.close()  # the API holds them now
+        base_url = specs[0].url()
+        urls = {plane: next(spec.url() for spec in specs if plane in spec.planes) for plane in Plane}
         _say(f"waiting for readiness (logs in {supervisor.log_dir}) ...")
-        if not _wait_ready(base_url, supervisor, stop.event, ready_timeout):
+        if not _wait_ready(urls[Plane.OPS], supervisor, stop.event, ready_timeout):
             if stop.event.is_set():
                 return
             raise click.ClickException(
                 f"the stack did not become ready within {ready_timeout:g}s; logs: {supervisor.log_dir}"
             )
-        recorded = write_record(settings, api_url=base_url, data_dir=data_dir)
-        login = _dashboard_login_link(child_settings, base_url, dev_key)
-        _print_banner(base_url, dev_key, settings, recorded, login)
+        recorded = write_record(settings, api_url=base_url, data_dir=data_dir, admin_url=urls[Plane.ADMIN],
+                                ops_url=urls[Plane.OPS])
+        login = _dashboard_login_link(child_settings, urls[Plane.ADMIN], dev_key)
+        _print_banner(base_url, dev_key, settings, recorded, login, urls)
         budget = RestartBudget()
         while not stop.event.wait(0.5):
             dead = supervisor.first_dead()
@@ -244,7 +308,8 @@ def up(host: str, port: int, ready_timeout: float, trace: bool) -> None:
                 continue
             raise click.ClickException(child_failure(dead, supervisor.log_dir))
     finally:
-        listener.close()
+        for listener in listeners.values():
+            listener.close()
         remove_record(settings)
         _say("stopping ...")
         supervisor.stop_all()
@@ -324,7 +389,12 @@ def _child_env(settings: Settings, data_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     table = flat_fields()
     for name, value in _settings_overrides(settings, data_dir).items():
-        env[table[name].env] = str(value)
+        variable = table[name].env
+        if variable + FILE_SUFFIX in env:
+            if str(settings.flat_value(name)) == str(value):
+                continue  # the children read the same file (a secret stays out of their environment)
+            del env[variable + FILE_SUFFIX]  # the override wins; both set would be an error
+        env[variable] = str(value)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -452,12 +522,16 @@ def _cli_hint() -> list[str]:
 
 
 def _print_banner(base_url: str, dev_key: str | None, settings: Settings, recorded: Path,
-                  login: str | None = None) -> None:
+                  login: str | None = None, urls: Mapping[Any, str] | None = None) -> None:
+    from api.planes import Plane
+
+    urls = urls or dict.fromkeys(Plane, base_url)
     auth_header = "" if dev_key is None else f" \\\n  -H 'Authorization: Bearer {dev_key}'"
     lines = [
         "",
         f"cloverq is up: {base_url}   (API docs: {base_url}/docs)",
-        f"operator dashboard: {base_url}/dashboard   (admin key; `cloverq top` in a terminal)",
+        f"operator dashboard: {urls[Plane.ADMIN]}/dashboard   (admin key; `cloverq top` in a terminal)",
+        *_planes_lines(base_url, urls),
     ]
     if login is not None:
         lines += [f"  signed in, once, within 10 minutes: {login}"]
@@ -481,6 +555,17 @@ def _print_banner(base_url: str, dev_key: str | None, settings: Settings, record
     ]
     click.echo("\n".join(lines), err=False)
     sys.stdout.flush()
+
+
+def _planes_lines(base_url: str, urls: Mapping[Any, str]) -> list[str]:
+    """Say which port serves which plane: one port is for development only."""
+    from api.planes import Plane
+
+    if all(url == base_url for url in urls.values()):
+        return [f"planes: ONE PORT serves public, admin and ops ({base_url}): development mode; "
+                "split them with --admin-port/--ops-port (docs/security.md)"]
+    return [f"planes: public {urls[Plane.PUBLIC]}   admin {urls[Plane.ADMIN]}   ops {urls[Plane.OPS]} "
+            "(/metrics, /livez, /readyz)"]
 
 
 def _redact_url(url: str) -> str:

@@ -3,7 +3,8 @@ where its state (the dev key) lives, so ``cloverq submit`` / ``jobs`` / ``top`` 
 folder, not only the one ``up`` was started in (issue 33).
 
 One small JSON file per user (``client.stack_file``, default
-``$XDG_STATE_HOME/cloverq/stack.json``): ``{"api_url", "data_dir", "pid"}``. It holds no secret:
+``$XDG_STATE_HOME/cloverq/stack.json``): ``{"api_url", "admin_url", "ops_url", "data_dir", "pid"}``
+(the admin and ops URLs differ from ``api_url`` when ``up`` split the API's planes). It holds no secret:
 the dev key stays in ``data_dir/dev_api_key`` (mode 0600), read from there. ``up`` removes the
 record when it stops; a record whose process is gone (a killed ``up``) is ignored.
 """
@@ -27,6 +28,8 @@ class StackRecord:
     api_url: str
     data_dir: Path
     pid: int
+    admin_url: str | None = None
+    ops_url: str | None = None
 
 
 def record_path(settings: Settings) -> Path:
@@ -40,11 +43,13 @@ def record_path(settings: Settings) -> Path:
     return base / "cloverq" / RECORD_NAME
 
 
-def write_record(settings: Settings, *, api_url: str, data_dir: Path) -> Path:
+def write_record(settings: Settings, *, api_url: str, data_dir: Path, admin_url: str | None = None,
+                 ops_url: str | None = None) -> Path:
     """Record this process as the running stack (replacing an earlier record); returns the path."""
     path = record_path(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"api_url": api_url, "data_dir": str(data_dir.resolve()), "pid": os.getpid()}
+    body = {"api_url": api_url, "admin_url": admin_url or api_url, "ops_url": ops_url or api_url,
+            "data_dir": str(data_dir.resolve()), "pid": os.getpid()}
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(body) + "\n")
     temporary.replace(path)  # a reader never sees half a record
@@ -69,7 +74,7 @@ def _parse(path: Path) -> StackRecord | None:
     try:
         body = json.loads(path.read_text())
         return StackRecord(api_url=str(body["api_url"]), data_dir=Path(body["data_dir"]),
-                           pid=int(body["pid"]))
+                           pid=int(body["pid"]), admin_url=body.get("admin_url"), ops_url=body.get("ops_url"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

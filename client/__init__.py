@@ -7,7 +7,7 @@ package against ``/v1`` (or ``/openai/v1`` for its Batch API).
 
     from client import Client
 
-    with Client("http://127.0.0.1:8000", api_key="cq_...") as cq:
+    with Client("http://127.0.0.1:8000", api_key="cloverq_...") as cq:
         job = cq.submit("Write a haiku about queues.", max_new_tokens=32)
         for piece in cq.stream_text(job.id):      # one piece per committed block
             print(piece, end="", flush=True)

@@ -47,8 +47,12 @@ class AsyncClient:
 
     def __init__(self, base_url: str = DEFAULT_BASE_URL, api_key: str | None = None, *,
                  timeout: float = 30.0, retry: RetryPolicy | None = None,
+                 admin_url: str | None = None, ops_url: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        # Where the admin and ops planes answer when the API serves them on ports of their own.
+        self.admin_url = (admin_url or base_url).rstrip("/")
+        self.ops_url = (ops_url or base_url).rstrip("/")
         self.retry = retry or RetryPolicy()
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers(api_key), timeout=timeout,
                                   transport=transport)
@@ -246,12 +250,12 @@ class AsyncClient:
     # --- operations ----------------------------------------------------------------------------
     async def overview(self) -> dict[str, Any]:
         """``GET /v1/admin/overview`` (an admin key): counts, queues, workers, throughput."""
-        data: dict[str, Any] = await self._json("GET", "/v1/admin/overview")
+        data: dict[str, Any] = await self._json("GET", f"{self.admin_url}/v1/admin/overview")
         return data
 
     async def ready(self) -> tuple[bool, dict[str, Any]]:
         """``GET /readyz``: (ready, checks); a 503 is an answer here, not an error."""
-        response = await self._http.get("/readyz")
+        response = await self._http.get(f"{self.ops_url}/readyz")
         try:
             body = response.json()
         except ValueError:

@@ -46,8 +46,12 @@ class Client:
 
     def __init__(self, base_url: str = DEFAULT_BASE_URL, api_key: str | None = None, *,
                  timeout: float = 30.0, retry: RetryPolicy | None = None,
+                 admin_url: str | None = None, ops_url: str | None = None,
                  transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        # Where the admin and ops planes answer when the API serves them on ports of their own.
+        self.admin_url = (admin_url or base_url).rstrip("/")
+        self.ops_url = (ops_url or base_url).rstrip("/")
         self.retry = retry or RetryPolicy()
         self._http = httpx.Client(base_url=self.base_url, headers=headers(api_key), timeout=timeout,
                                   transport=transport)
@@ -244,12 +248,12 @@ class Client:
     # --- operations ----------------------------------------------------------------------------
     def overview(self) -> dict[str, Any]:
         """``GET /v1/admin/overview`` (an admin key): counts, queues, workers, throughput."""
-        data: dict[str, Any] = self._json("GET", "/v1/admin/overview")
+        data: dict[str, Any] = self._json("GET", f"{self.admin_url}/v1/admin/overview")
         return data
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """``GET /readyz``: (ready, checks); a 503 is an answer here, not an error."""
-        response = self._http.get("/readyz")
+        response = self._http.get(f"{self.ops_url}/readyz")
         try:
             body = response.json()
         except ValueError:

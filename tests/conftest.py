@@ -353,6 +353,48 @@ def redis_client(redis_url: str) -> redis_lib.Redis:
     return redis_lib.Redis.from_url(redis_url, decode_responses=True)
 
 
+# --- TLS ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A throwaway PKI for this session (``tests/tls_certs.py``: CA, server, client, an unrelated
+    CA, an expired server certificate); skipped when the ``openssl`` tool is absent."""
+    from tests.tls_certs import make_pki, openssl_missing
+
+    missing = openssl_missing()
+    if missing:
+        pytest.skip(missing)
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="session")
+def tls_redis(pki: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A ``redis-server`` serving TLS only (``pki.server_cert``), for this session
+    (``tests/tls_servers.py``): ``tls_redis.url(db)`` is its ``rediss://`` URL, CA included."""
+    from tests.tls_servers import redis_tls_missing, tls_redis_server
+
+    missing = redis_tls_missing()
+    if missing:
+        pytest.skip(missing)
+    with tls_redis_server(tmp_path_factory.mktemp("tls-redis"), cert=pki.server_cert, key=pki.server_key,
+                          ca_cert=pki.ca_cert) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tls_postgres(pki: Any) -> Iterator[Any]:
+    """A PostgreSQL cluster with ``ssl=on`` accepting TCP over TLS only (``pki.server_cert``), for
+    this session (``tests/tls_servers.py``): ``tls_postgres.url()`` is its ``verify-full`` URL."""
+    from tests.tls_servers import postgres_missing, tls_postgres_server
+
+    missing = postgres_missing()
+    if missing:
+        pytest.skip(missing)
+    with tls_postgres_server(cert=pki.server_cert, key=pki.server_key, ca_cert=pki.ca_cert) as server:
+        yield server
+
+
 # --- model --------------------------------------------------------------------------------------
 
 

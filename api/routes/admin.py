@@ -3,7 +3,8 @@
 - workers: the live worker processes, their state and model version (worker registry);
 - queues: depth, cap and drain state; drain / resume (``scheduler.fleet.drain``);
 - limits: rate limits and caps, changed at runtime (Redis; every API process sees them);
-- keys: create / list / revoke API keys (the key is shown once, in the create response).
+- keys: create / list / revoke / rotate API keys and set their networks (a key is shown once, in
+  the create or rotate response).
 
 Drains and limit changes are committed to SQL before Redis is written
 (``scheduler.fleet.operator_state``), so they survive a Redis restart.
@@ -17,6 +18,8 @@ import threading
 from collections import Counter
 from typing import Annotated, Any
 
+import redis
+import structlog
 from celery import Celery
 from fastapi import APIRouter, Body, Query, Request
 
@@ -29,7 +32,10 @@ from api.schemas.admin import (
     KeyCreated,
     KeyId,
     KeyList,
+    KeyNetworksUpdate,
     KeyOut,
+    KeyRotate,
+    KeyRotated,
     LimitsOut,
     LimitsUpdate,
     QueueAction,
@@ -42,7 +48,15 @@ from api.schemas.admin import (
 )
 from api.schemas.errors import error_responses
 from scheduler.access.admission import effective_limits, mark_revoked, queue_depths
-from scheduler.access.api_keys import create_key, list_keys, revoke_key
+from scheduler.access.api_keys import (
+    KeyNotFound,
+    KeyNotRotatable,
+    create_key,
+    list_keys,
+    revoke_key,
+    rotate_key,
+    set_key_networks,
+)
 from scheduler.fleet import drain, operator_state
 from scheduler.fleet.workers import WorkerInfo, list_workers
 from scheduler.infra.celery_app import create_celery_app
@@ -50,6 +64,8 @@ from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings
 from scheduler.jobs.models import QueueName
 from scheduler.observability.audit import audit
+
+log = structlog.get_logger(__name__)
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 429, 503),
                    route_class=LimitedJsonRoute)
@@ -191,10 +207,59 @@ def get_keys(
 @router.post("/keys", response_model=KeyCreated, status_code=201, responses=error_responses(422))
 def post_key(body: Annotated[KeyCreate, Body()], caller: AdminCaller, session: SessionDep) -> KeyCreated:
     """Create a key; the response is the only place its secret ever appears."""
-    created = create_key(session, tenant=body.tenant, scopes=body.scopes, label=body.label)
+    created = create_key(session, tenant=body.tenant, scopes=body.scopes, label=body.label,
+                         allowed_networks=body.allowed_networks)
     _audit(caller, "key.create", target=created.info.key_id, tenant=body.tenant,
-           scopes=sorted(created.info.scopes))
+           scopes=sorted(created.info.scopes), allowed_networks=created.info.networks)
     return KeyCreated(key=created.key, **key_out(created.info))
+
+
+def _key_not_found(key_id: str) -> ApiError:
+    return ApiError(404, "key_not_found", f"No key with id '{key_id}'.", {"key_id": key_id})
+
+
+@router.patch("/keys/{key_id}", response_model=KeyOut, responses=error_responses(404, 422))
+def patch_key(key_id: KeyId, body: Annotated[KeyNetworksUpdate, Body()], caller: AdminCaller,
+              session: SessionDep, request: Request) -> KeyOut:
+    """Replace a key's ``allowed_networks`` (empty or null: any address). This process applies it
+    at once; other API processes within their key cache time (``auth_cache_seconds``)."""
+    try:
+        info = set_key_networks(session, key_id=key_id, allowed_networks=body.allowed_networks)
+    except KeyNotFound:
+        raise _key_not_found(key_id) from None
+    security_of(request).authenticator.forget(key_id)
+    _audit(caller, "key.set_networks", target=key_id, tenant=info.tenant, allowed_networks=info.networks)
+    return KeyOut(**key_out(info))
+
+
+@router.post("/keys/{key_id}/rotate", response_model=KeyRotated, status_code=201,
+             responses=error_responses(404, 409, 422))
+def post_rotate_key(key_id: KeyId, body: Annotated[KeyRotate, Body()], caller: AdminCaller,
+                    session: SessionDep, settings: SettingsDep, request: Request) -> KeyRotated:
+    """Rotate a key: a successor with the same tenant, scopes, label and networks works at once
+    (its key is shown only in this response); the old key keeps working for ``overlap_seconds``,
+    then is refused (401). A revoked, expired or already rotated key answers 409
+    ``key_not_rotatable``."""
+    try:
+        rotated = rotate_key(session, key_id=key_id, overlap_seconds=body.overlap_seconds)
+    except KeyNotFound:
+        raise _key_not_found(key_id) from None
+    except KeyNotRotatable as exc:
+        raise ApiError(409, "key_not_rotatable", f"Key '{key_id}' cannot be rotated: it is {exc.reason}.",
+                       {"key_id": key_id, "reason": exc.reason}) from None
+    security_of(request).authenticator.forget(key_id)
+    if body.overlap_seconds == 0:  # ended and revoked now: every API process refuses it at once
+        try:
+            mark_revoked(_registry(settings), [key_id])
+        except redis.RedisError as exc:  # the successor exists: its key must reach the caller
+            log.warning("key.rotate_mark_failed", key_id=key_id, error=type(exc).__name__)
+    successor = rotated.successor
+    expires_at = rotated.previous.expires_at
+    _audit(caller, "key.rotate", target=key_id, tenant=successor.info.tenant, previous_key_id=key_id,
+           new_key_id=successor.info.key_id, overlap_seconds=body.overlap_seconds,
+           previous_expires_at=expires_at.isoformat() if expires_at else None)
+    return KeyRotated(key=successor.key, previous=KeyOut(**key_out(rotated.previous)),
+                      **key_out(successor.info))
 
 
 @router.post("/keys/{key_id}/revoke", response_model=KeyOut, responses=error_responses(404, 422))
@@ -203,7 +268,7 @@ def post_revoke_key(key_id: KeyId, caller: AdminCaller, session: SessionDep, set
     """Revoke a key: every API process refuses it from now on."""
     info = revoke_key(session, key_id=key_id)
     if info is None:
-        raise ApiError(404, "key_not_found", f"No key with id '{key_id}'.", {"key_id": key_id})
+        raise _key_not_found(key_id)
     mark_revoked(_registry(settings), [key_id])
     security_of(request).authenticator.forget(key_id)
     _audit(caller, "key.revoke", target=key_id, tenant=info.tenant)

@@ -1,4 +1,4 @@
-"""``/healthz`` (alive, touches nothing) and ``/readyz`` (can work actually run?).
+"""``/healthz`` = ``/livez`` (alive, touches nothing) and ``/readyz`` (can work actually run?).
 
 ``/readyz`` answers within ``readiness_timeout_seconds`` whatever its dependencies do: each check
 runs in a worker thread and one that has not answered by the deadline counts as failed, so a
@@ -27,9 +27,11 @@ router = APIRouter(tags=["health"])
 DependencyResult = tuple[dict[str, ReadinessCheck], dict[str, int]]
 
 
+@router.get("/livez", response_model=Health)
 @router.get("/healthz", response_model=Health)
 async def healthz() -> Health:
-    """The process is alive. Cheap by design: load balancers call it often."""
+    """The process is alive (``/livez``, the liveness probe's name, is the same). Cheap by design:
+    load balancers call it often."""
     return Health()
 
 

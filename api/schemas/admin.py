@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from api.schemas.common import storable_text
+from scheduler.access.api_keys import MAX_ALLOWED_NETWORKS, MAX_ROTATION_OVERLAP_SECONDS
+from scheduler.access.networks import normalised_networks
 from scheduler.jobs.models import QueueName
 
 TenantName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
@@ -15,6 +17,19 @@ KeyId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{12}$")]
 Scope = Literal["submit", "read", "admin"]
 _DEFAULT_SCOPES: tuple[Scope, ...] = ("read", "submit")
 KeyLabel = Annotated[str, StringConstraints(max_length=200), AfterValidator(storable_text)]
+
+
+def _canonical_networks(value: list[str]) -> list[str]:
+    """CIDRs in canonical form, de-duplicated (a ValueError becomes the 422)."""
+    return list(dict.fromkeys(normalised_networks(value)))
+
+
+Networks = Annotated[
+    list[Annotated[str, StringConstraints(min_length=1, max_length=64)]],
+    Field(max_length=MAX_ALLOWED_NETWORKS, description="CIDR networks the key may be used from "
+          "(e.g. 10.0.0.0/8, 2001:db8::/32, 127.0.0.2/32); empty or null: any address."),
+    AfterValidator(_canonical_networks),
+]
 
 
 class _Strict(BaseModel):
@@ -100,6 +115,20 @@ class KeyCreate(_Strict):
     tenant: TenantName
     scopes: list[Scope] = Field(default_factory=lambda: list(_DEFAULT_SCOPES), min_length=1, max_length=3)
     label: KeyLabel | None = None
+    allowed_networks: Networks | None = None
+
+
+class KeyNetworksUpdate(_Strict):
+    """The key's new ``allowed_networks`` (replacing the old list); empty or null: any address."""
+
+    allowed_networks: Networks | None
+
+
+class KeyRotate(_Strict):
+    overlap_seconds: int = Field(
+        86400, ge=0, le=MAX_ROTATION_OVERLAP_SECONDS,
+        description="How long the old key keeps working beside its successor (0: it ends now; at most "
+        "30 days).")
 
 
 class KeyOut(BaseModel):
@@ -110,10 +139,24 @@ class KeyOut(BaseModel):
     created_at: datetime
     revoked: bool
     revoked_at: datetime | None
+    state: Literal["active", "rotating", "expired", "revoked"] = Field(
+        description="rotating: rotated, still working until expires_at.")
+    expires_at: datetime | None = Field(description="Refused from then on (the end of a rotation's overlap).")
+    rotated_from: str | None = Field(description="The key this one succeeded in a rotation.")
+    allowed_networks: list[str] = Field(description="CIDRs it may be used from; empty: any address.")
+    last_used_at: datetime | None = Field(
+        description="Its last use, as recorded (API processes write it at most once a minute each).")
+    last_used_address: str | None
 
 
 class KeyCreated(KeyOut):
     key: str = Field(description="The API key. Shown only in this response; store it now.")
+
+
+class KeyRotated(KeyCreated):
+    """The successor (its key shown only here) and the old key, now with its ``expires_at``."""
+
+    previous: KeyOut
 
 
 class KeyList(BaseModel):
@@ -130,4 +173,10 @@ def key_out(info: Any) -> dict[str, Any]:
         "created_at": info.created_at,
         "revoked": info.revoked,
         "revoked_at": info.revoked_at,
+        "state": info.state(),
+        "expires_at": info.expires_at,
+        "rotated_from": info.rotated_from,
+        "allowed_networks": info.networks,
+        "last_used_at": info.last_used_at,
+        "last_used_address": info.last_used_address,
     }

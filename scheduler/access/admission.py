@@ -538,7 +538,8 @@ def queue_depths(client: redis.Redis, queues: Iterable[str]) -> dict[str, int]:
 
 
 def mark_revoked(client: redis.Redis, key_ids: Iterable[str]) -> None:
-    """Tell every API process at once that these keys are revoked (read by the rate script)."""
+    """Tell every API process at once that these keys are refused (read by the rate script): a
+    revoked key, or one rotated with no overlap (``scheduler.access.api_keys.rotate_key``)."""
     ids = list(key_ids)
     if ids:
         client.sadd(REVOKED_SET, *ids)

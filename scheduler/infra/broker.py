@@ -14,7 +14,8 @@ job's message: a message carrying ``ADMITTED_HEADER`` is pushed in one MULTI wit
 its reservations, so the job is counted once, first as a reservation, then in the list.
 
 Selected in ``scheduler.infra.celery_app`` through Celery's ``broker_transport`` for ``redis://``
-URLs; everything else about the transport (priority lists, visibility timeout, BRPOP) is
+and ``rediss://`` URLs (TLS comes from ``broker_use_ssl``, which the app sets from the URL's
+query); everything else about the transport (priority lists, visibility timeout, BRPOP) is
 kombu's own.
 """
 

@@ -18,6 +18,7 @@ from kombu import Queue
 from scheduler.infra.beat_schedule import beat_schedule
 from scheduler.infra.broker import TRANSPORT_PATH
 from scheduler.infra.queue_names import ALL_QUEUES, QueueName
+from scheduler.infra.redis_client import redis_ssl_options
 from scheduler.infra.settings import Settings, get_settings
 
 RUN_JOB_TASK = "cloverq.run_job"
@@ -27,7 +28,13 @@ def create_celery_app(settings: Settings) -> Celery:
     """A Celery app configured for ``settings`` (tasks register via ``shared_task`` on import)."""
     url = settings.resolved_redis_url
     app = Celery("cloverq", broker=url, set_as_current=False)
-    if url.startswith("redis://"):  # TLS (rediss://) and sockets keep kombu's stock transport
+    tls = redis_ssl_options(url)
+    if tls is not None:
+        # rediss://: the URL's TLS options, verification on by default, for the broker and any
+        # Redis result backend (kombu alone would connect to a rediss:// server unverified).
+        app.conf.broker_use_ssl = tls
+        app.conf.redis_backend_use_ssl = tls
+    if url.startswith(("redis://", "rediss://")):  # unix sockets keep kombu's stock transport
         app.conf.broker_transport = TRANSPORT_PATH
     app.conf.update(
         task_acks_late=True,

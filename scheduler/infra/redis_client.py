@@ -13,13 +13,25 @@ synchronous blocks on Redis on purpose (no ``BLPOP``, no blocking ``XREAD``): th
 waits (pub/sub, ``XREAD BLOCK``) use its asyncio client (``api/job_follow.py``
 ``stream_redis``). The pool is never closed: it lives as long as the process (redis-py
 replaces its connections after a fork).
+
+TLS: a ``rediss://`` URL connects over TLS and verifies the server's certificate (redis-py's
+default, ``ssl_cert_reqs=required``), against the CA file named in the URL's query
+(``rediss://host:6380/0?ssl_ca_certs=/etc/cloverq/ca.pem``; without it, the system's CAs) and
+for the URL's host name. The same query carries a client certificate (``ssl_certfile``,
+``ssl_keyfile``) for a server with ``tls-auth-clients yes``. Every client of cloverq reads that
+one URL: this module's, the API's asyncio clients (``api/job_follow.py``) and the Celery broker,
+which gets the same options through :func:`redis_ssl_options` (kombu would otherwise not verify
+a ``rediss://`` server at all). docs/security.md "TLS to Redis and PostgreSQL".
 """
 
 from __future__ import annotations
 
+import ssl
 import threading
+from typing import Any
 
 import redis
+from redis.connection import parse_url
 
 SOCKET_TIMEOUT_SECONDS = 2.0  # one command's reply (the API's per-request rate-limit check rides on it)
 CONNECT_TIMEOUT_SECONDS = 1.0
@@ -43,3 +55,28 @@ def get_redis(url: str) -> redis.Redis:
                 )
                 _clients[url] = client
     return client
+
+
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+
+
+def is_tls_url(url: str) -> bool:
+    """Whether ``url`` connects over TLS (``rediss://``)."""
+    return url.split("://", 1)[0].lower() == "rediss"
+
+
+def redis_ssl_options(url: str) -> dict[str, Any] | None:
+    """The TLS options of a ``rediss://`` URL as redis-py reads them from its query (``ssl_*``),
+    with ``ssl_cert_reqs`` an :mod:`ssl` constant and ``CERT_REQUIRED`` unless the URL says
+    otherwise: what Celery's ``broker_use_ssl`` / ``redis_backend_use_ssl`` need so the broker
+    verifies the server exactly as :func:`get_redis` does. None for a URL without TLS."""
+    if not is_tls_url(url):
+        return None
+    options = {key: value for key, value in parse_url(url).items() if key.startswith("ssl_")}
+    reqs = options.get("ssl_cert_reqs", "required")
+    if isinstance(reqs, str):
+        if reqs.lower() not in _CERT_REQS:
+            raise ValueError(f"ssl_cert_reqs={reqs!r} in the Redis URL: use none, optional or required")
+        reqs = _CERT_REQS[reqs.lower()]
+    options["ssl_cert_reqs"] = reqs
+    return options

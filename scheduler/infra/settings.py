@@ -16,6 +16,7 @@ Settings are grouped by concern into nested models, and code reads them nested
     security        API-key authentication           admission       rate limits and caps
     decisions       decision jobs                    thinking        thinking generate jobs
     batches         batch jobs                       webhooks        webhook deliveries
+    planes          API listeners, allow-lists, TLS
     client          the CLI client                   observability   logs, metrics, readiness
 
 Every field keeps its **flat name**, the name it had before the grouping: the field's pydantic
@@ -502,13 +503,7 @@ class WebhookSettings(SettingsGroup):
     @field_validator("allowed_hosts", "allowed_networks", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
-        """A JSON list or comma-separated text (environment) -> a list of stripped items."""
-        if isinstance(value, str):
-            text = value.strip()
-            value = json.loads(text) if text.startswith("[") else text.split(",")
-        if isinstance(value, (list, tuple)):
-            return [str(item).strip() for item in value if str(item).strip()]
-        return value
+        return split_list(value)
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -518,7 +513,101 @@ class WebhookSettings(SettingsGroup):
     @field_validator("allowed_networks")
     @classmethod
     def _networks(cls, value: list[str]) -> list[str]:
-        return [str(ipaddress.ip_network(item, strict=False)) for item in value]  # ValueError: refused
+        return cidr_list(value)
+
+
+def split_list(value: Any) -> Any:
+    """A JSON list or comma-separated text (environment) -> a list of stripped items."""
+    if isinstance(value, str):
+        text = value.strip()
+        value = json.loads(text) if text.startswith("[") else text.split(",")
+    if isinstance(value, (list, tuple)):
+        return [str(item).strip() for item in value if str(item).strip()]
+    return value
+
+
+def cidr_list(value: list[str]) -> list[str]:
+    """CIDR texts in canonical form (host bits allowed); a ValueError refuses the setting."""
+    return [str(ipaddress.ip_network(item, strict=False)) for item in value]
+
+
+# --- the API's listeners: planes, allow-lists, TLS ----------------------------------------------
+
+
+NetworkList = Annotated[list[str], NoDecode]
+
+
+class PlaneSettings(SettingsGroup):
+    """Where the API's three planes listen, who may reach each, and their TLS (docs/security.md).
+
+    Public plane: jobs, batches, decisions, the OpenAI routes, events. Admin plane: ``/v1/admin``
+    and the dashboard. Ops plane: ``/metrics``, ``/livez``, ``/healthz``, ``/readyz``. With
+    neither ``admin_port`` nor ``ops_port`` set, one listener serves all three (one-port mode, for
+    development); with them set, each plane has its own listener and the others answer 404 for
+    its paths.
+    """
+
+    admin_port: int | None = Field(
+        None, ge=0, le=65535, description="Port of the admin plane's own listener (unset: the admin "
+        "plane is served on the public port).")
+    admin_host: str = Field("127.0.0.1", description="Interface the admin listener binds (loopback: "
+                            "reachable only from this host or through a proxy of yours).")
+    ops_port: int | None = Field(
+        None, ge=0, le=65535, description="Port of the ops plane's own listener (unset: the ops plane is "
+        "served on the admin port when there is one, else on the public port).")
+    ops_host: str = Field("127.0.0.1", description="Interface the ops listener binds.")
+    public_allowed_networks: NetworkList = Field(
+        default_factory=list, description="CIDR networks (comma-separated or a JSON list) allowed to "
+        "call the public plane; empty: any address.")
+    admin_allowed_networks: NetworkList = Field(
+        default_factory=list, description="CIDR networks allowed to call the admin plane; empty: any.")
+    ops_allowed_networks: NetworkList = Field(
+        default_factory=list, description="CIDR networks allowed to call the ops plane; empty: any.")
+    trusted_proxies: NetworkList = Field(
+        default_factory=list, description="CIDR networks of proxies whose X-Forwarded-For / Forwarded "
+        "headers are believed (the right-most hop that is not a trusted proxy is the client); empty: "
+        "the socket's peer is always the client.")
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate (chain) of the public listener; with tls_key_file the API "
+        "serves HTTPS. Also the admin and ops listeners' unless they have their own.")
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
+    admin_tls_cert_file: Path | None = Field(None, description="PEM certificate of the admin listener.")
+    admin_tls_key_file: Path | None = Field(None, description="PEM private key of admin_tls_cert_file.")
+    admin_tls_client_ca_file: Path | None = Field(
+        None, description="PEM CA bundle: the admin listener then requires a client certificate it "
+        "signed (mutual TLS); a client without one is refused in the TLS handshake.")
+    ops_tls_cert_file: Path | None = Field(None, description="PEM certificate of the ops listener.")
+    ops_tls_key_file: Path | None = Field(None, description="PEM private key of ops_tls_cert_file.")
+
+    @field_validator("public_allowed_networks", "admin_allowed_networks", "ops_allowed_networks",
+                     "trusted_proxies", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        return split_list(value)
+
+    @field_validator("public_allowed_networks", "admin_allowed_networks", "ops_allowed_networks",
+                     "trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        return cidr_list(value)
+
+    @model_validator(mode="after")
+    def _pairs(self) -> PlaneSettings:
+        pairs = (("tls_cert_file", "tls_key_file"), ("admin_tls_cert_file", "admin_tls_key_file"),
+                 ("ops_tls_cert_file", "ops_tls_key_file"))
+        for cert, key in pairs:
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                raise ValueError(f"{cert} and {key} go together: set both or neither")
+        if self.admin_tls_client_ca_file is not None and self.admin_tls_cert_file is None \
+                and self.tls_cert_file is None:
+            raise ValueError("admin_tls_client_ca_file needs the admin listener to serve TLS "
+                             "(admin_tls_cert_file or tls_cert_file)")
+        return self
+
+    @property
+    def split(self) -> bool:
+        """Whether the admin or ops plane has a listener of its own."""
+        return self.admin_port is not None or self.ops_port is not None
 
 
 # --- CLI client, logging, metrics --------------------------------------------------------------
@@ -531,6 +620,12 @@ class ClientSettings(SettingsGroup):
         "http://127.0.0.1:8000",
         description="Where the CLI client finds the API; unset: the stack `cloverq up` recorded.",
     )
+    admin_api_url: str | None = Field(
+        None, description="Where the CLI client finds the admin plane (`cloverq top`) when the API serves it "
+        "on a port of its own; unset: the recorded stack's, else api_url.")
+    ops_api_url: str | None = Field(
+        None, description="Where the CLI client finds the ops plane (/readyz); unset: the recorded stack's, "
+        "else api_url.")
     api_key: str | None = Field(
         None, description="CLI client key; unset: data_dir/dev_api_key, else the recorded stack's dev key.")
     stack_file: Path | None = Field(
@@ -609,6 +704,7 @@ class Settings(BaseSettings):
     thinking: ThinkingSettings = Field(default_factory=ThinkingSettings)
     batches: BatchSettings = Field(default_factory=BatchSettings)
     webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
+    planes: PlaneSettings = Field(default_factory=PlaneSettings)
     client: ClientSettings = Field(default_factory=ClientSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
 
@@ -784,13 +880,54 @@ def nest(values: Mapping[str, Any]) -> dict[str, Any]:
     return nested
 
 
+FILE_SUFFIX = "_FILE"  # CLOVERQ_DATABASE_URL_FILE=/path: the setting's value is that file's content
+
+
+def read_setting_file(variable: str, path: str) -> str:
+    """The value a ``*_FILE`` variable points at: the file's content without its trailing newline
+    (``echo secret > file`` and Kubernetes secret mounts both end with one). Errors name the
+    variable and the path, never the content."""
+    if not path:
+        raise SettingsError(f"{variable} is empty: give the path of the file holding the value")
+    try:
+        return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise SettingsError(f"{variable}={path}: cannot read the file ({reason})") from None
+
+
 class FlatEnvSource(EnvSettingsSource):
-    """The environment, read under each setting's flat name (``CLOVERQ_ENGINE_MAX_BATCH``)."""
+    """The environment, read under each setting's flat name (``CLOVERQ_ENGINE_MAX_BATCH``).
+
+    Any setting can come from a file instead (secrets mounted by Kubernetes or Docker): its
+    variable plus ``_FILE`` (``CLOVERQ_DATABASE_URL_FILE=/run/secrets/db-url``) names a file whose
+    content, trailing newline stripped, is the value, parsed as the variable's would be. Giving
+    both the variable and its ``_FILE`` form is an error (neither silently wins). A ``*_FILE``
+    name that is itself a setting's variable (``CLOVERQ_STACK_FILE``) stays that setting.
+    """
+
+    def _raw(self, entry: FlatField, settings_env: frozenset[str]) -> str | None:
+        """The value of ``entry`` from its variable or its ``_FILE`` variable (None: neither)."""
+        def get(name: str) -> str | None:
+            return self.env_vars.get(name if self.case_sensitive else name.lower())
+
+        raw = get(entry.env)
+        file_variable = entry.env + FILE_SUFFIX
+        if file_variable.lower() in settings_env:
+            return raw
+        path = get(file_variable)
+        if path is None:
+            return raw
+        if raw is not None:
+            raise SettingsError(f"both {entry.env} and {file_variable} are set: give the value one way")
+        return read_setting_file(file_variable, path)
 
     def __call__(self) -> dict[str, Any]:
         data: dict[str, Any] = {}
-        for entry in flat_fields().values():
-            raw = self.env_vars.get(entry.env if self.case_sensitive else entry.env.lower())
+        table = flat_fields()
+        settings_env = frozenset(entry.env.lower() for entry in table.values())
+        for entry in table.values():
+            raw = self._raw(entry, settings_env)
             if raw is None:
                 continue
             value: Any = raw

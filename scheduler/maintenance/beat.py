@@ -16,6 +16,7 @@ from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.process import run_then_exit
 from scheduler.infra.queue_names import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from scheduler.infra.settings import Settings, get_settings
+from scheduler.infra.tls_check import exit_on_tls_failure
 from scheduler.observability.logging import configure_celery_logging
 from scheduler.observability.tracing import setup_tracing
 
@@ -36,6 +37,7 @@ def beat_argv(settings: Settings) -> list[str]:
 def run_beat(settings: Settings | None = None) -> None:
     """Run the beat process in the foreground until SIGTERM/SIGINT (used by ``cloverq beat``)."""
     settings = settings or get_settings()
+    exit_on_tls_failure(settings)  # a wrong CA or an expired certificate: one line, exit 78
     configure_celery_logging(settings)  # JSON lines like every other process
     # republishes and webhook deliveries join their job's trace
     setup_tracing(settings, process="beat", drops_to_redis=True)

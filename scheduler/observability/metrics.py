@@ -93,6 +93,11 @@ FAMILIES: dict[str, FamilySpec] = {
         "counter", ("reason",), "Finished spans this process did not deliver to the collector: queue_full "
         "(the bounded export queue was full) or export_failed (the collector refused or did not answer).",
     ),
+    "cloverq_network_refusals_total": FamilySpec(
+        "counter", ("plane", "reason"), "Requests refused for their caller's network address (403 "
+        "network_not_allowed): reason plane (outside the plane's allow-list) or key (outside the API "
+        "key's allowed_networks); plane is public, admin or ops.",
+    ),
     # --- recorded by workers into Redis ---------------------------------------------------
     "cloverq_process_trace_spans_dropped_total": FamilySpec(
         "counter", ("process", "reason"), "Finished spans worker and beat processes did not deliver to "
@@ -275,6 +280,18 @@ TRACE_SPANS_DROPPED = Counter(
     _prom_name("cloverq_trace_spans_dropped_total"), _dropped_spec.help, _dropped_spec.labels,
     registry=PROCESS_REGISTRY,
 )
+
+
+_refusals_spec = FAMILIES["cloverq_network_refusals_total"]
+NETWORK_REFUSALS = Counter(
+    _prom_name("cloverq_network_refusals_total"), _refusals_spec.help, _refusals_spec.labels,
+    registry=PROCESS_REGISTRY,
+)
+
+
+def record_network_refusal(*, plane: str, reason: str) -> None:
+    """Count one request refused for its caller's address (in-process; no I/O)."""
+    NETWORK_REFUSALS.labels(plane=plane, reason=reason).inc()
 
 
 def record_spans_dropped(*, reason: str, count: int = 1) -> None:

@@ -5,15 +5,15 @@
 :func:`redact_secrets` from this module and runs it on every structlog event and stdlib record.
 This processor covers what a key-name check cannot see:
 
-- an API key (``cq_<id>_<secret>``) or a ``Bearer`` token inside any string value, e.g. an
-  exception message or a stdlib record that formatted a header;
+- an API key (``cloverq_<id>_<secret>``, or a legacy ``cq_<id>_<secret>``) or a ``Bearer`` token
+  inside any string value, e.g. an exception message or a stdlib record that formatted a header;
 - the password of a URL (``postgresql://user:PASSWORD@host``, ``redis://:PASSWORD@host``), also
   one holding an unencoded ``@`` (up to the token's last ``@``), and of a percent-encoded URL in
   a query string (``?webhook_url=https%3A%2F%2Fuser%3APASSWORD%40host``: uvicorn's access log
   writes the raw target, issue 16);
 - secret-named keys nested inside dicts and lists (e.g. ``headers={"Authorization": ...}``).
 
-Key ids stay visible (``cq_<id>_[redacted]``): they are not secret and make audit lines useful.
+Key ids stay visible (``cloverq_<id>_[redacted]``): they are not secret and make audit lines useful.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ _MAX_DEPTH = 6
 
 def redact_text(text: str) -> str:
     """``text`` with API keys, bearer tokens and URL passwords masked."""
-    if "cq_" in text:
-        text = KEY_SEARCH_PATTERN.sub(lambda m: m.group(0)[:15] + REDACTED, text)
+    if "cq_" in text or "cloverq_" in text:
+        text = KEY_SEARCH_PATTERN.sub(lambda m: f"{m.group('visible')}_{REDACTED}", text)
     if "earer" in text or "EARER" in text:
         text = _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     if "://" in text:

@@ -164,6 +164,8 @@ def _relabel_as_second_version(stack: Stack, job_id: str) -> str:
 def test_dashboard_lists_jobs_and_opens_a_detail(stack: Stack, tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
 
+    assert "planes: ONE PORT serves public, admin and ops" in stack.log()  # up's default says so
+
     prompts = ["Summarise the contract.", "List three risks.", "Write a haiku about queues."]
     bodies = [
         {"kind": "generate", "input": {"prompt": p}, "params": {"max_new_tokens": 8 * (i + 1)}}

@@ -1,9 +1,11 @@
 """``cloverq up`` end to end: start it like the README does, drive it over HTTP, stop it.
 
 The stack runs in a fresh temp dir with its defaults (SQLite, the embedded redis-server, the
-demo checkpoint, API + worker + beat), on free ports. Checks: submit -> poll -> succeeded
-with generated tokens, cancel, client mistakes as 4xx JSON, then SIGTERM and every process
-``up`` started is gone.
+demo checkpoint, API + worker + beat), on free ports, with the API's planes split
+(``--admin-port``/``--ops-port``; the dashboard's browser test runs ``up`` in one-port mode).
+Checks: each plane on its own port only, submit -> poll -> succeeded with generated tokens,
+decisions, cancel, client mistakes as 4xx JSON, then SIGTERM and every process ``up`` started is
+gone.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ def _alive(pid: int) -> bool:
 class Stack:
     process: subprocess.Popen[bytes]
     base_url: str
+    admin_url: str
+    ops_url: str
     api_key: str
     output: Path
 
@@ -80,14 +84,15 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("up")
-    port = _free_port()
+    port, admin_port, ops_port = _free_port(), _free_port(), _free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("CLOVERQ_")}
     env.update({"CLOVERQ_EMBEDDED_REDIS_PORT": str(_free_port()), "CLOVERQ_LOG_LEVEL": "WARNING",
                 "PYTHONUNBUFFERED": "1"})
     output = workdir / "up.out"
     with output.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "cli", "up", "--port", str(port)],
+            [sys.executable, "-m", "cli", "up", "--port", str(port), "--admin-port", str(admin_port),
+             "--ops-port", str(ops_port)],
             cwd=workdir, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )
     deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -105,8 +110,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         pytest.fail(f"cloverq up was not ready in {STARTUP_TIMEOUT}s:\n{output.read_text()[-4000:]}")
     assert key_match is not None
     assert (workdir / ".cloverq" / "cloverq.db").is_file()  # state under ./.cloverq by default
-    yield Stack(process=process, base_url=f"http://127.0.0.1:{port}", api_key=key_match.group(1),
-                output=output)
+    yield Stack(process=process, base_url=f"http://127.0.0.1:{port}", admin_url=f"http://127.0.0.1:{admin_port}",
+                ops_url=f"http://127.0.0.1:{ops_port}", api_key=key_match.group(1), output=output)
     if process.poll() is None:  # the last test stops it; this is only the safety net
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
@@ -129,11 +134,23 @@ def _wait_status(client: httpx.Client, job_id: str, statuses: set[str]) -> dict[
     pytest.fail(f"job {job_id} did not reach {statuses}: {job}")
 
 
-def test_ready_and_documented(client: httpx.Client) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
-    ready = client.get("/readyz")
+def test_ready_and_documented(client: httpx.Client, stack: Stack) -> None:
+    assert client.get(f"{stack.ops_url}/livez").json() == {"status": "ok"}
+    ready = client.get(f"{stack.ops_url}/readyz")
     assert ready.status_code == 200, ready.text
     assert client.get("/docs").status_code == 200
+    assert f"planes: public {stack.base_url}   admin {stack.admin_url}   ops {stack.ops_url}" in stack.text()
+
+
+def test_each_plane_answers_on_its_own_port_only(client: httpx.Client, stack: Stack) -> None:
+    """The dev key is an admin key: on the public port the admin paths are still 404."""
+    for path in ("/v1/admin/overview", "/dashboard", "/metrics", "/readyz", "/livez"):
+        assert client.get(path).status_code == 404, path
+    overview = client.get(f"{stack.admin_url}/v1/admin/overview")
+    assert overview.status_code == 200, overview.text
+    assert client.get(f"{stack.admin_url}/v1/jobs").status_code == 404
+    assert "cloverq_jobs_submitted_total" in client.get(f"{stack.ops_url}/metrics").text
+    assert client.get(f"{stack.ops_url}/v1/admin/overview").status_code == 404
 
 
 def test_submit_poll_succeeded_with_generated_tokens(client: httpx.Client) -> None:
@@ -182,19 +199,20 @@ def test_clover_demo_answers_thinking_and_both_decision_modes(client: httpx.Clie
         assert all(0.0 <= a["confidence"] <= 1.0 for a in answers)
 
 
-def test_cancel(client: httpx.Client) -> None:
+def test_cancel(client: httpx.Client, stack: Stack) -> None:
     """The trained demo answers "A long story" in a block or two, faster than a cancel arrives, so
     the job is held in its drained queue (the dev key is an admin key) and cancelled there."""
     body = {"kind": "generate", "input": {"prompt": "A long story"},
             "params": {"max_new_tokens": 1024, "steps_per_block": 16}}
-    assert client.post("/v1/admin/queues/standard/drain").status_code == 200
+    admin = f"{stack.admin_url}/v1/admin/queues/standard"
+    assert client.post(f"{admin}/drain").status_code == 200
     try:
         submitted = client.post("/v1/jobs", json=body).json()
         assert submitted["queue"] == "standard", submitted
         response = client.post(f"/v1/jobs/{submitted['id']}/cancel")
         assert response.status_code == 200
     finally:
-        assert client.post("/v1/admin/queues/standard/resume").status_code == 200
+        assert client.post(f"{admin}/resume").status_code == 200
     job = _wait_status(client, submitted["id"], {"cancelled", "succeeded", "failed"})
     assert job["status"] == "cancelled", job
     assert job["result"] is None

@@ -40,7 +40,7 @@ def test_keys_create_list_revoke_round_trip(make_settings: Callable[..., Any]) -
     )
     assert created.returncode == 0, created.stderr
     key = created.stdout.strip().splitlines()[-1]
-    assert key.startswith("cq_") and " " not in key  # the key, alone on the last line
+    assert key.startswith("cloverq_") and " " not in key  # the key, alone on the last line
     key_id = key.split("_")[1]
 
     # Every key change leaves an audit line on stderr, naming the key id, never the secret.

@@ -22,7 +22,7 @@ from api.auth import meter_refused_request, security_of
 from api.deps import AdminCaller, AdmittedSubmitCaller, ReadCaller, SubmitCaller
 from api.errors import ApiError, install_error_handlers
 from scheduler.access.admission import RateDecision
-from scheduler.access.api_keys import KeyInfo
+from scheduler.access.api_keys import KeyInfo, KeyRefusal
 from scheduler.infra.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,8 +68,11 @@ class _Authenticator:
         self.info = KeyInfo(key_id="k1", tenant="acme", scopes=scopes, label=None,
                             created_at=datetime.now(UTC), revoked=False, revoked_at=None)
 
-    def authenticate_cached(self, key: str) -> KeyInfo | None:
-        return self.info if key == "good" else None
+    def check_cached(self, key: str) -> KeyInfo | KeyRefusal:
+        return self.info if key == "good" else KeyRefusal.INVALID
+
+    def note_use(self, key_id: str, address: str | None) -> None:
+        pass
 
     def forget(self, key_id: str) -> None:
         pass

@@ -67,6 +67,21 @@ def test_from_another_folder_the_cli_uses_the_recorded_url_and_key(elsewhere: Pa
     assert target.key_source == str(data_dir / DEV_KEY_FILE)
 
 
+def test_the_recorded_admin_and_ops_urls_follow_the_recorded_stack_only(
+    elsewhere: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cloverq up --admin-port/--ops-port` records where its planes are: `cloverq top` (admin) and
+    readiness (ops) go there; a URL given instead of the record's takes neither."""
+    stack_record.write_record(Settings(), api_url="http://127.0.0.1:8400", data_dir=_stack(tmp_path),
+                              admin_url="http://127.0.0.1:8401", ops_url="http://127.0.0.1:8402")
+    target = resolve_target(Settings())
+    assert (target.admin_url, target.ops_url) == ("http://127.0.0.1:8401", "http://127.0.0.1:8402")
+    other = resolve_target(Settings(), "http://127.0.0.1:9000")
+    assert (other.admin_url, other.ops_url) == (None, None)
+    monkeypatch.setenv("CLOVERQ_ADMIN_API_URL", "http://127.0.0.1:9101")
+    assert resolve_target(Settings(), "http://127.0.0.1:9000").admin_url == "http://127.0.0.1:9101"
+
+
 def test_what_is_given_wins_over_the_record(
     elsewhere: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

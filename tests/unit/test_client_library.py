@@ -196,3 +196,26 @@ def test_extract_sends_an_extract_body_and_the_value_reads_typed() -> None:
         {"kind": "extract", "input": {"context": "A document.", "schema": schema}, "params": {"seed": 3}},
     ]
     assert job.data == {"ok": True} and job.result is not None and job.result.confidence == {"/ok": 0.75}
+
+
+def test_split_planes_send_admin_and_ops_calls_to_their_own_urls() -> None:
+    """With the API's planes on their own ports, the overview goes to the admin URL and readiness
+    to the ops URL; everything else stays on the public one (both clients)."""
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        return httpx.Response(200, json={"status": "ok"})
+
+    planes = {"admin_url": "http://api:8001", "ops_url": "http://api:8002/"}
+    with Client("http://api:8000", transport=httpx.MockTransport(handler), **planes) as cq:
+        cq.overview()
+        assert cq.ready()[0]
+
+    async def run() -> None:
+        async with AsyncClient("http://api:8000", transport=httpx.MockTransport(handler), **planes) as cq:
+            await cq.overview()
+            await cq.ready()
+
+    asyncio.run(run())
+    assert seen == ["http://api:8001/v1/admin/overview", "http://api:8002/readyz"] * 2

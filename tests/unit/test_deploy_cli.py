@@ -19,7 +19,7 @@ import click
 import pytest
 import yaml
 
-from scheduler.infra.settings import Settings, flat_fields
+from scheduler.infra.settings import FILE_SUFFIX, Settings, flat_fields
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
@@ -170,7 +170,9 @@ def _env_names_in_deploy() -> set[str]:
 
 
 def _settings_env_names() -> set[str]:
-    return {entry.env for entry in flat_fields().values()}
+    """Every setting's variable, and its ``_FILE`` form (the value read from a file)."""
+    names = {entry.env for entry in flat_fields().values()}
+    return names | {name + FILE_SUFFIX for name in names}
 
 
 # Variables that compose reads for interpolation only (never reach a cloverq process).
@@ -250,7 +252,7 @@ def _http_paths_in_deploy() -> list[tuple[str, str]]:
 
 def test_probe_and_scrape_paths_are_real_api_routes(api_app: Any) -> None:
     paths = _http_paths_in_deploy()
-    assert {p for _, p in paths} >= {"/healthz", "/metrics"}
+    assert {p for _, p in paths} >= {"/livez", "/metrics"}
     for where, path in paths:
         assert _is_get_route(api_app, path), f"{where}: GET {path} is not a route of the API"
 
@@ -260,7 +262,8 @@ def test_route_check_rejects_unknown_paths(api_app: Any) -> None:
 
 
 def test_api_container_port_matches_the_cli_port() -> None:
-    """The port the API binds (cloverq api --port) is the one probes and the Service target."""
+    """The ports the API binds (cloverq api --port/--admin-port/--ops-port) are the container's, in
+    that order (public, admin, ops), the ones probes and the Services target."""
     api_containers = [c for _, doc in _k8s_docs() if doc["kind"] == "Deployment"
                       for c in _pod_containers(doc) if c.get("command", [])[:2] == ["cloverq", "api"]]
     assert api_containers  # an API Deployment was parsed
@@ -271,6 +274,8 @@ def test_api_container_port_matches_the_cli_port() -> None:
             argv = container.get("command", [])
             if argv[:2] != ["cloverq", "api"]:
                 continue
-            port = int(argv[argv.index("--port") + 1])
-            assert [p["containerPort"] for p in container["ports"]] == [port], file_name
+            ports = [int(argv[argv.index(flag) + 1]) for flag in ("--port", "--admin-port", "--ops-port")]
+            assert [p["containerPort"] for p in container["ports"]] == ports, file_name
             assert argv[argv.index("--host") + 1] == "0.0.0.0", "a pod must listen beyond loopback"
+            env = {item["name"]: item.get("value") for item in container.get("env", [])}
+            assert env["CLOVERQ_ADMIN_HOST"] == env["CLOVERQ_OPS_HOST"] == "0.0.0.0", file_name

@@ -60,6 +60,7 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
 
 
 STANDARD_KINDS = {
+    "NetworkPolicy",
     "Namespace",
     "ConfigMap",
     "Secret",
@@ -230,17 +231,28 @@ def test_migrations_job_runs_cloverq_migrate() -> None:
 
 
 def test_api_service_routes_to_the_api_pods() -> None:
-    (service,) = [s for s in _of_kind("Service") if s["metadata"]["name"] != "otel-collector"]
+    """One Service per plane, each to its named port of the API pods; probes on the ops port; the
+    NetworkPolicy restricts the admin and ops ports and leaves the public one open."""
+    services = {s["metadata"]["name"]: s for s in _of_kind("Service")
+                if s["metadata"]["name"] != "otel-collector"}
+    assert set(services) == {"cloverq-api", "cloverq-api-admin", "cloverq-api-ops"}
     api = _deployment("cloverq-api")
     labels = api["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= labels.items()
     assert api["spec"]["selector"]["matchLabels"].items() <= labels.items()
     port_names = {p["name"] for p in _container(api)["ports"]}
-    for port in service["spec"]["ports"]:
-        assert port["targetPort"] in port_names
+    assert port_names == {"http", "admin", "ops"}
+    for name, plane in (("cloverq-api", "http"), ("cloverq-api-admin", "admin"), ("cloverq-api-ops", "ops")):
+        service = services[name]
+        assert service["spec"]["selector"].items() <= labels.items()
+        assert service["spec"]["type"] == "ClusterIP"
+        assert [port["targetPort"] for port in service["spec"]["ports"]] == [plane]
     container = _container(api)
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"]["port"] in port_names
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["port"] == "ops"
+    (policy,) = _of_kind("NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    rules = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
+    assert "from" not in rules[8000] and rules[8001]["from"] and rules[8002]["from"]
 
 
 def test_references_resolve_and_pods_run_as_non_root() -> None:

@@ -1,29 +1,44 @@
-"""API keys: format, hashing, scopes, authentication, the per-process cache, the dev key."""
+"""API keys: format, hashing, scopes, authentication, the per-process cache, the dev key; networks,
+rotation with overlap and last use (issue 28)."""
 
 from __future__ import annotations
 
 import hashlib
+import re
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from cli.keys import parse_duration
 from scheduler.access.api_keys import (
     ALL_SCOPES,
     DEV_KEY_FILE,
+    MAX_ROTATION_OVERLAP_SECONDS,
+    SCANNER_REGEX,
     ApiKey,
     InvalidKeyRequest,
     KeyAuthenticator,
+    KeyInfo,
+    KeyNotFound,
+    KeyNotRotatable,
+    KeyRefusal,
     create_key,
     ensure_dev_key,
     hash_key,
+    key_id_of,
     list_keys,
     parse_key,
     parse_scopes,
     revoke_key,
+    rotate_key,
+    set_key_networks,
 )
+from scheduler.observability.redaction import redact_text
 
 
 @pytest.fixture
@@ -48,7 +63,7 @@ def test_key_format_and_only_a_hash_is_stored(sessions: sessionmaker[Session]) -
         created = create_key(session, tenant="acme", scopes=["read"])
         row = session.scalars(select(ApiKey)).one()
     key_id, secret = parse_key(created.key) or ("", "")
-    assert created.key == f"cq_{key_id}_{secret}" and key_id == created.info.key_id
+    assert created.key == f"cloverq_{key_id}_{secret}" and key_id == created.info.key_id
     assert len(secret) >= 40  # 32 random bytes, url-safe base64
     assert row.key_hash == hashlib.sha256(f"{key_id}:{secret}".encode()).hexdigest()
     stored = " ".join(str(getattr(row, column.key)) for column in ApiKey.__table__.columns)
@@ -181,3 +196,150 @@ def test_dev_key_is_reused_while_valid_and_replaced_when_revoked(
     second = ensure_dev_key(sessions, data_dir=tmp_path)
     assert second != first
     assert (tmp_path / DEV_KEY_FILE).read_text().strip() == second
+
+
+# --- issue 28: prefix, networks, rotation with overlap, last use -----------------------------------
+
+
+class WallClock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_both_prefixes_parse_and_only_new_keys_match_the_scanner_regex() -> None:
+    secret = "A" * 43
+    assert parse_key(f"cloverq_0123456789ab_{secret}") == ("0123456789ab", secret)
+    assert parse_key(f"cq_0123456789ab_{secret}") == ("0123456789ab", secret)  # made before the prefix
+    assert parse_key(f"clover_0123456789ab_{secret}") is None
+    assert [key_id_of(text) for text in (f"cloverq_0123456789ab_{secret}", "cq_0123456789ab",
+                                         " 0123456789ab ")] == ["0123456789ab"] * 3
+    scanner = re.compile(SCANNER_REGEX)
+    assert scanner.search(f'API_KEY="cloverq_0123456789ab_{"x-_" * 14}y"') is not None
+    for text in (f"cq_0123456789ab_{secret}", f"mycloverq_0123456789ab_{secret}",
+                 f"cloverq_0123456789ab_{secret}B", "cloverq_jobs_submitted_total"):
+        assert scanner.search(text) is None, text
+    masked = redact_text(f"auth failed for cloverq_0123456789ab_{secret} and cq_ba9876543210_{secret}")
+    assert secret not in masked and "cloverq_0123456789ab_[redacted]" in masked
+    assert "cq_ba9876543210_[redacted]" in masked
+
+
+def test_networks_are_validated_normalised_and_parsed_once(sessions: sessionmaker[Session]) -> None:
+    with sessions() as session:
+        created = create_key(session, tenant="acme", scopes=["read"],
+                             allowed_networks=["10.1.2.3/8", "127.0.0.2", "10.0.0.0/8"])
+        with pytest.raises(InvalidKeyRequest, match="invalid network"):
+            create_key(session, tenant="acme", scopes=["read"], allowed_networks=["10.0.0.0/33"])
+        row = session.get(ApiKey, created.info.key_id)
+        assert row is not None and row.allowed_networks == "10.0.0.0/8 127.0.0.2/32"
+        assert created.info.networks == ["10.0.0.0/8", "127.0.0.2/32"]
+        assert all(not isinstance(n, str) for n in created.info.allowed_networks)  # parsed objects
+        assert set_key_networks(session, key_id=created.info.key_id, allowed_networks=[]).networks == []
+        with pytest.raises(KeyNotFound):
+            set_key_networks(session, key_id="000000000000", allowed_networks=["10.0.0.0/8"])
+        with pytest.raises(InvalidKeyRequest):
+            set_key_networks(session, key_id=created.info.key_id, allowed_networks=["nope"])
+
+
+def test_rotation_overlap_is_enforced_on_every_use_of_a_cached_key(sessions: sessionmaker[Session]) -> None:
+    wall = WallClock()
+    auth = KeyAuthenticator(sessions, cache_seconds=3600.0, clock=FakeClock(), wall_clock=wall)
+    with sessions() as session:
+        old = create_key(session, tenant="acme", scopes=["read", "submit"], label="ci",
+                         allowed_networks=["127.0.0.0/8"])
+        rotated = rotate_key(session, key_id=old.info.key_id, overlap_seconds=60)
+    new = rotated.successor
+    assert new.key.startswith("cloverq_") and new.info.rotated_from == old.info.key_id
+    assert (new.info.tenant, new.info.scopes, new.info.label, new.info.networks) == \
+        ("acme", {"read", "submit"}, "ci", ["127.0.0.0/8"])
+    assert rotated.previous.expires_at is not None and rotated.previous.state() == "rotating"
+    assert isinstance(auth.check(old.key), KeyInfo) and isinstance(auth.check(new.key), KeyInfo)
+    wall.now = rotated.previous.expires_at.timestamp() + 0.001  # the cached entry is still fresh
+    assert auth.check_cached(old.key) is KeyRefusal.EXPIRED and auth.check(old.key) is KeyRefusal.EXPIRED
+    assert auth.authenticate(old.key) is None and isinstance(auth.check_cached(new.key), KeyInfo)
+    forged = old.key[:-1] + ("A" if old.key[-1] != "A" else "B")
+    assert auth.check(forged) is KeyRefusal.INVALID  # "expired" is told only to the right secret
+
+
+def test_only_an_active_key_rotates_and_the_overlap_is_bounded(sessions: sessionmaker[Session]) -> None:
+    with sessions() as session:
+        key = create_key(session, tenant="acme", scopes=["read"]).info.key_id
+        for overlap in (-1, MAX_ROTATION_OVERLAP_SECONDS + 1):
+            with pytest.raises(InvalidKeyRequest, match="overlap"):
+                rotate_key(session, key_id=key, overlap_seconds=overlap)
+        with pytest.raises(KeyNotFound):
+            rotate_key(session, key_id="000000000000", overlap_seconds=0)
+        rotate_key(session, key_id=key, overlap_seconds=3600)
+        with pytest.raises(KeyNotRotatable, match="rotated already"):
+            rotate_key(session, key_id=key, overlap_seconds=0)  # one successor per key
+        ended = rotate_key(session, key_id=create_key(session, tenant="acme").info.key_id, overlap_seconds=0)
+        assert ended.previous.state() == "revoked" and ended.previous.expires_at is not None  # ends now
+        with pytest.raises(KeyNotRotatable, match="revoked"):
+            rotate_key(session, key_id=ended.previous.key_id, overlap_seconds=10)
+        expired = rotate_key(session, key_id=ended.successor.info.key_id, overlap_seconds=1).previous
+        session.execute(update(ApiKey).where(ApiKey.key_id == expired.key_id)
+                        .values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+        session.commit()
+        with pytest.raises(KeyNotRotatable, match="expired"):
+            rotate_key(session, key_id=expired.key_id, overlap_seconds=10)
+
+
+def test_last_use_is_written_in_the_background_at_most_once_per_interval(
+    sessions: sessionmaker[Session],
+) -> None:
+    from sqlalchemy import event
+
+    wall = WallClock()
+    auth = KeyAuthenticator(sessions, cache_seconds=5.0, wall_clock=wall, last_used_flush_seconds=3600)
+    with sessions() as session:
+        key_id = create_key(session, tenant="acme", scopes=["read"]).info.key_id
+    writes: list[str] = []
+    event.listen(sessions.kw["bind"], "before_cursor_execute",
+                 lambda _c, _cur, statement, *_: writes.append(statement) if "UPDATE" in statement else None)
+    def written() -> ApiKey:
+        with sessions() as session:
+            row = session.get(ApiKey, key_id)
+            assert row is not None
+            return row
+
+    first = wall.now
+    auth.note_use(key_id, "127.0.0.2")  # the first use starts a flush at once (a timer thread)
+    deadline = time.monotonic() + 10
+    while written().last_used_address is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for offset in (1.0, 2.0):
+        wall.now = first + offset
+        auth.note_use(key_id, "127.0.0.3")  # noted in memory; the next flush is an interval away
+    time.sleep(0.1)
+    row = written()
+    assert len(writes) == 1 and row.last_used_address == "127.0.0.2"
+    assert row.last_used_at is not None and abs(row.last_used_at.timestamp() - first) < 0.01
+    assert auth.flush_last_used() == 1  # what the timer would write an interval later
+    wall.now = first - 100  # another process' older use never moves the time back
+    auth.note_use(key_id, "127.0.0.9")
+    auth.flush_last_used()
+    with sessions() as session:
+        [info] = [k for k in list_keys(session) if k.key_id == key_id]
+    assert info.last_used_address == "127.0.0.3"
+    assert info.last_used_at is not None and abs(info.last_used_at.timestamp() - (first + 2)) < 0.01
+    auth.close()  # the timer scheduled an interval ahead goes; nothing is left to write
+    assert auth.flush_last_used() == 0
+
+
+def test_a_failed_last_use_flush_is_only_logged(sessions: sessionmaker[Session]) -> None:
+    def broken() -> Session:
+        raise RuntimeError("database down")
+
+    auth = KeyAuthenticator(broken, last_used_flush_seconds=3600)
+    auth._used["0123456789ab"] = (time.time(), None)  # as note_use leaves it, without the timer
+    assert auth.flush_last_used() == 0
+
+
+def test_overlap_durations() -> None:
+    assert [parse_duration(text) for text in ("0", "45", "30s", "15m", "24h", "7d", "1.5h")] == \
+        [0, 45, 30, 900, 86400, 604800, 5400]
+    for bad in ("", "h", "24x", "-1h", "1h30m"):
+        with pytest.raises(ValueError, match="duration"):
+            parse_duration(bad)
