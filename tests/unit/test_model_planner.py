@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
-from worker.model.planner import PlanInput, plan
+from worker.model.planner import GIB, PlanInput, format_plan, plan, sequences_at_once
 
 
 def _clover(**overrides: object) -> PlanInput:
@@ -103,3 +103,24 @@ def test_cli_plan_tensor_parallel_refusal_is_one_line(demo_checkpoint: Path) -> 
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 1
     assert "does not split into 3" in result.output and "Traceback" not in result.output
+
+
+def test_how_many_32k_contracts_fit_per_dtype_and_tensor_parallel_degree() -> None:
+    """Clover's shapes, bf16 weights of 65.2 GiB on 141 GiB cards with x1.4 headroom: per 32K-token
+    sequence 10 layers x 2 KV heads x 256 x 2 (K, V) x 2 bytes = 20 KiB per position, 640 MiB,
+    plus 125.6 MiB of recurrent state; beyond 2 ranks the 2 KV heads are replicated."""
+    state = 125.6 * 2**20
+    inp = PlanInput(total_params=35e9, active_params=3e9, dtype="bf16", context=32768, batch=1, layers=10,
+                    kv_heads=2, head_dim=256, attention_heads=16, state_bytes_per_sequence=state,
+                    prefix_cache_bytes=0.5 * GIB, gpu_memory_gib=141.0, headroom=1.4)
+    weights = 65.2
+    per_sequence = 20 * 1024 * 32768 + state
+    room = 141.0 * GIB / 1.4 - weights * GIB - 0.5 * GIB
+    assert sequences_at_once(inp, weights, 1) == int(room // per_sequence) == 46
+    room_2 = 2 * 141.0 * GIB / 1.4 - weights * GIB - 0.5 * GIB
+    assert sequences_at_once(inp, weights, 2) == int(room_2 // per_sequence)
+    replicated = 2 * 10 * 4 * 256 * 2 * 32768 + state  # TP 4: four ranks, one KV head each
+    room_4 = 4 * 141.0 * GIB / 1.4 - (weights + 0.5) * GIB
+    assert sequences_at_once(inp, weights, 4) == int(room_4 // replicated)
+    assert sequences_at_once(inp, 500.0, 1) == 0  # weights alone overflow the card: none, never negative
+    assert "sequences of 32,768 tokens at once on 141 GiB cards" in format_plan(plan(inp))

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker.engine.admission import Candidate, Occupancy, pick_admissions
+from worker.engine.prefill_chunks import plan_prefill
 from worker.engine.prefix_cache import PrefixCache, PrefixEntry, chain_hashes
 from worker.engine.runner import ModelRunner, PassTimings, RowOutcome, RowSpec
 from worker.engine.stats import EngineStats
@@ -52,6 +53,9 @@ class EngineConfig:
     # bytes of shared prompt prefixes kept between admission rounds (prefix_cache.py); 0 = no
     # prefix sharing at all, not even between the sequences of one round
     prefix_cache_bytes: int = 0
+    # prompt tokens one iteration may prefill (prefill_chunks.py): longer prompts prefill in
+    # whole-block chunks between passes; 0 = a prompt's whole blocks ride in its first pass
+    prefill_chunk_tokens: int = 0
 
     @property
     def slots(self) -> int:
@@ -132,6 +136,7 @@ class Engine:
         self._busy = 0.0
         self._forward_seconds = 0.0
         self._prefill_positions = 0  # prompt positions run through the model (prefixes included)
+        self._chunks = 0  # prompt chunks prefilled on their own (prefill_chunks.py)
         self._reused_positions = 0  # prompt positions copied from a shared prefix instead
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_WINDOW)
 
@@ -248,6 +253,7 @@ class Engine:
             forward_seconds=self._forward_seconds,
             router_counts=self.runner.router_counts.cpu().tolist(),
             prefill_positions=self._prefill_positions,
+            prefill_chunks=self._chunks,
             prefix_reused_positions=self._reused_positions,
             **self._prefix_stats(),
         )
@@ -291,15 +297,32 @@ class Engine:
         if abort:
             self._cancel_everything()
             return False
+        self._start_admitted(admitted, peers)
+        self._interrupt_active(time.monotonic())
+        if self._active:
+            self._step()
+        return True
+
+    def _start_admitted(self, admitted: list[_Active], peers: collections.Counter[bytes]) -> None:
         if admitted:
             self._share_prefixes(admitted, peers)
         now = time.monotonic()
         for a in admitted:
             a.admitted = now
-        self._interrupt_active(now)
-        if self._active:
-            self._step()
-        return True
+
+    def _admit_between_chunks(self, budget_left: int) -> list[_Active]:
+        """Admit what arrived while this iteration's prompt chunks ran, so a short job joins the
+        pass that follows them instead of waiting a whole iteration more. Those whose prompt does
+        not fit what the budget has left wait for the next iteration's plan."""
+        with self._cond:
+            if not self._waiting or self._abort:
+                return []
+            self._settle_waiting()
+            admitted = self._admit()
+            peers = self._prefix_peers(admitted)
+        self._start_admitted(admitted, peers)
+        return [a for a in admitted
+                if a.state.block_start - a.state.cached_len <= max(a.state.block_size, budget_left)]
 
     def _settle_waiting(self) -> None:
         """Resolve waiting requests that were cancelled or ran out of time before admission."""
@@ -462,17 +485,19 @@ class Engine:
         self._retire()
 
     def _step(self) -> None:
-        """One denoising pass over every active sequence."""
+        """One iteration: prompt chunks within the prefill budget, then one denoising pass over
+        every active sequence that joins it (``prefill_chunks.py``)."""
         began = time.perf_counter()
+        timings = PassTimings()
+        joining = self._prefill_chunks(timings)
         members: list[_Active] = []
         rows: list[RowSpec] = []
-        for a in self._active:
+        for a in joining:
             try:
                 rows.append(self._row(a))
                 members.append(a)
             except Exception as exc:  # a broken request state fails alone
                 self._fail(a, exc)
-        timings = PassTimings()
         outcomes: list[RowOutcome | BaseException] = []
         if rows:
             try:
@@ -509,6 +534,31 @@ class Engine:
             self._forward_seconds += timings.forward_seconds
             self._recent.append((elapsed, committed))
         self._retire()
+
+    def _prefill_chunks(self, timings: PassTimings) -> list[_Active]:
+        """Prefill this iteration's prompt chunks; returns the sequences that join the pass. A
+        chunk that fails is rolled back by the runner and fails its sequence alone."""
+        active = [a for a in self._active if not a.state.finished]
+        pending = [a.state.block_start - a.state.cached_len for a in active]
+        budget = self.config.prefill_chunk_tokens
+        plan = plan_prefill(pending, [a.state.block_size for a in active], budget)
+        for a, chunk in zip(active, plan.chunks, strict=True):
+            if chunk == 0:
+                continue
+            start, block = a.state.cached_len, a.state.block_size
+            try:
+                self.runner.run_prefill(a.slot, a.state.tokens[start:start + chunk], start, block, timings)
+            except Exception as exc:
+                log.exception("a prefill chunk of %s failed", a.state.request.request_id)
+                self._fail(a, exc)
+                continue
+            a.state.cached_len = start + chunk  # (counted in prefill_positions at admission)
+            self._chunks += 1
+        joining = [a for a, joins in zip(active, plan.joins, strict=True) if joins and not a.state.finished]
+        if any(plan.chunks):
+            spent = sum(plan.chunks) + sum(p for p, joins in zip(pending, plan.joins, strict=True) if joins)
+            joining += self._admit_between_chunks(budget - spent)
+        return joining
 
     def _row(self, a: _Active) -> RowSpec:
         p = a.state.request.params

@@ -27,6 +27,7 @@ class EngineStats:
     router_counts: list[list[int]] = field(default_factory=list)  # [L, E] tokens per expert
     # prompt prefill and the prefix cache (worker/engine/prefix_cache.py; zeros while it is off)
     prefill_positions: int = 0  # prompt positions run through the model, shared prefixes included
+    prefill_chunks: int = 0  # prompt chunks prefilled between passes (worker/engine/prefill_chunks.py)
     prefix_reused_positions: int = 0  # prompt positions copied from a shared prefix instead
     prefix_cache_hits: int = 0  # sequences started from a stored prefix
     prefix_cache_misses: int = 0  # sequences with whole prompt blocks that found none stored

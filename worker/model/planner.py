@@ -99,6 +99,22 @@ def plan(inp: PlanInput) -> Plan:
     return Plan(inp, kv_per_token, 2 * inp.active_params + attention_flops, tuple(rows))
 
 
+TP_DEGREES = (1, 2, 4, 8)
+
+
+def sequences_at_once(inp: PlanInput, weights_gib: float, tp: int) -> int:
+    """How many ``inp.context``-token sequences ``tp`` cards of ``inp.gpu_memory_gib`` hold at once
+    next to ``weights_gib`` of weights and the prefix store, within the headroom.
+
+    Weights, the recurrent state and the prefix store shard over the ranks (their total is the
+    same); K/V shard by KV head, and a rank holds at least one, so beyond ``kv_heads`` ranks the
+    K/V heads are replicated: the group holds ``max(kv_heads, tp)`` heads' worth per position."""
+    per_position = 2 * inp.layers * max(inp.kv_heads, tp) * inp.head_dim * BYTES_PER_PARAM[inp.kv_dtype]
+    per_sequence = per_position * inp.context + inp.state_bytes_per_sequence
+    room = tp * inp.gpu_memory_gib * GIB / inp.headroom - weights_gib * GIB - inp.prefix_cache_bytes
+    return max(0, math.floor(room / per_sequence))
+
+
 def _count(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
@@ -131,6 +147,12 @@ def format_plan(p: Plan) -> str:
             f"{r.weight_dtype:>8} {r.weights_gib:>12.1f} {r.kv_gib:>10.1f} {r.total_gib:>10.1f} "
             f"{r.with_headroom_gib:>10.1f} {r.gpus_80gib:>10d} {r.gpus_chosen:>12d}"
         )
+    lines += ["", f"sequences of {i.context:,} tokens at once on {i.gpu_memory_gib:g} GiB cards "
+              f"(within the headroom; tensor-parallel degree):",
+              f"{'weights':>8} " + " ".join(f"{f'TP {tp}':>7}" for tp in TP_DEGREES)]
+    for r in p.rows:
+        lines.append(f"{r.weight_dtype:>8} "
+                     + " ".join(f"{sequences_at_once(i, r.weights_gib, tp):>7d}" for tp in TP_DEGREES))
     return "\n".join(lines)
 
 

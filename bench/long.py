@@ -1,0 +1,214 @@
+"""Long prompts on a demo checkpoint (``python -m bench.long``), issue 26.
+
+  1. **Prefill cost by length**: a prompt of 1K, 4K, 16K and 32K tokens prefilled through the
+     engine's commit forward in chunks of ``--chunk`` tokens (what chunked prefill runs), for the
+     Clover hybrid (Gated DeltaNet in 3 of 4 layers: constant state) and, for contrast, SDAR (every
+     layer attention). Printed: time per prompt token, its ratio to the 1K figure (goal for Clover:
+     32K within 2x of 1K), and the process's peak resident memory after each length (lengths run
+     in increasing order, so each peak is that length's).
+  2. **Short jobs under long prefills**: 8-token jobs arriving every ``--short-every`` seconds on
+     an engine that is otherwise idle (the baseline), then while ``--long`` -token prompts arrive
+     one after another, with chunked prefill off and on (``--chunk`` tokens per iteration). Printed:
+     p50/p95 wait (submit to admission into the running batch: its first pass follows at once) and
+     latency (submit to result) of the short jobs, and the goal of issue 26: wait p95 under long
+     prefills <= 1.5x the idle wait p95 + one pass at the budget (the measured time of one
+     ``--chunk``-token prefill forward). Latency shows the price: each of a short job's passes
+     shares its iteration with up to one chunk.
+
+Everything runs in this one process on this machine (CPU unless ``--device``); the baseline of
+each ratio is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.runner import PassTimings
+from worker.engine.types import GenerationRequest, SamplingParams
+from worker.model.checkpoint import LoadedModel, load_checkpoint
+from worker.model.demo import write_demo_checkpoint
+
+LENGTHS = (1024, 4096, 16384, 32768)
+
+
+def _block(lm: LoadedModel) -> int:
+    block = lm.config.block_size
+    assert block is not None, "a demo checkpoint names its block size"
+    return block
+
+
+def _mask(lm: LoadedModel) -> int:
+    mask = lm.config.mask_token_id
+    assert mask is not None, "a demo checkpoint names its mask token"
+    return mask
+
+
+def _prompt(lm: LoadedModel, length: int, salt: int = 0) -> list[int]:
+    vocab, mask = lm.config.vocab_size, _mask(lm)
+    ids = [(13 * j + 7 * salt + 5) % vocab for j in range(length)]
+    return [t if t != mask else t + 1 for t in ids]
+
+
+def _engine(lm: LoadedModel, *, max_len: int, chunk: int, max_batch: int = 8) -> Engine:
+    engine = Engine(lm.model, EngineConfig(max_batch=max_batch, max_len=max_len, prefix_cache_bytes=0,
+                                           prefill_chunk_tokens=chunk),
+                    mask_token_id=_mask(lm), eos_token_ids=(), default_block_size=_block(lm))
+    return engine
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def prefill_costs(lm: LoadedModel, lengths: tuple[int, ...], chunk: int) -> list[tuple[int, float, float]]:
+    """(length, seconds per prompt token, peak RSS MiB) per length: one prompt prefilled chunk by
+    chunk into one engine slot (the engine thread is not started: the runner is driven directly)."""
+    block = _block(lm)
+    engine = _engine(lm, max_len=max(lengths) + 2 * block, chunk=chunk, max_batch=1)
+    rows = []
+    with torch.inference_mode():
+        for length in lengths:
+            prompt = _prompt(lm, length)
+            slot = engine.cache.allocate()
+            timings = PassTimings()
+            began = time.perf_counter()
+            for start in range(0, length, chunk):
+                engine.runner.run_prefill(slot, prompt[start:start + chunk], start, block, timings)
+            seconds = time.perf_counter() - began
+            engine.cache.free(slot)
+            rows.append((length, seconds / length, _peak_mib()))
+    return rows
+
+
+def chunk_seconds(lm: LoadedModel, chunk: int, context: int) -> float:
+    """Median time of one ``chunk``-token prefill forward after ``context`` committed tokens."""
+    block = _block(lm)
+    engine = _engine(lm, max_len=context + 4 * chunk, chunk=chunk, max_batch=1)
+    prompt = _prompt(lm, context + 3 * chunk, salt=3)
+    times = []
+    with torch.inference_mode():
+        slot = engine.cache.allocate()
+        for start in range(0, context, chunk):
+            engine.runner.run_prefill(slot, prompt[start:start + chunk], start, block, PassTimings())
+        for i in range(3):
+            began = time.perf_counter()
+            engine.runner.run_prefill(slot, prompt[context + i * chunk:context + (i + 1) * chunk],
+                                      context + i * chunk, block, PassTimings())
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def short_jobs(lm: LoadedModel, *, chunk: int, long_tokens: int, shorts: int, every: float,
+               with_long: bool) -> tuple[list[float], list[float]]:
+    """(waits, latencies) in seconds of ``shorts`` 8-token jobs, one every ``every`` s, with long
+    prompts arriving one after another meanwhile (``with_long``) or not. The wait is submit to
+    admission into the running batch (its first pass follows at once), the latency submit to
+    result, both on the engine's own clock."""
+    engine = _engine(lm, max_len=long_tokens + 64, chunk=chunk, max_batch=16)  # slots never the limit
+    engine.start()
+    stop = threading.Event()
+
+    def long_stream() -> None:
+        salt = 0
+        while not stop.is_set():
+            salt += 1
+            request = GenerationRequest(f"long{salt}", _prompt(lm, long_tokens, salt),
+                                        SamplingParams(max_new_tokens=_block(lm)))
+            engine.submit(request).result()
+
+    feeder = threading.Thread(target=long_stream, daemon=True) if with_long else None
+    try:
+        if feeder is not None:
+            feeder.start()
+            time.sleep(every)  # the first long prompt is prefilling
+        futures = []
+        for i in range(shorts):
+            params = SamplingParams(max_new_tokens=8)
+            futures.append(engine.submit(GenerationRequest(f"short{i}", _prompt(lm, 12, 1000 + i), params)))
+            time.sleep(every)
+        results = [future.result() for future in futures]
+    finally:
+        stop.set()
+        if feeder is not None:
+            feeder.join()
+        engine.stop()
+    return [r.queue_seconds for r in results], [r.queue_seconds + r.run_seconds for r in results]
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--chunk", type=int, default=512, help="Prefill tokens per iteration.")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    parser.add_argument("--long", type=int, default=4096,
+                        help="Tokens of the long prompts in part 2 (unchunked, a 16K-token prompt's one "
+                        "forward needed over 24 GB on the tiny demo: the OOM killer ended that run on a "
+                        "24 GB machine).")
+    parser.add_argument("--shorts", type=int, default=40, help="Short jobs per run in part 2.")
+    parser.add_argument("--short-every", type=float, default=0.1)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's).")
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())  # empty: skip part 1
+    models = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("clover", "sdar"):
+            folder = write_demo_checkpoint(Path(tmp) / arch, seed=0, size=args.size, arch=arch)
+            models[arch] = load_checkpoint(folder, device=args.device)
+    print(f"demo size {args.size}, device {args.device}, torch threads {torch.get_num_threads()}, "
+          f"chunk {args.chunk} tokens")
+
+    print("\n[1] prefill cost by prompt length (chunked commit forwards)")
+    print(f"{'family':>7} {'tokens':>7} {'us/token':>9} {'vs 1K':>6} {'peak RSS MiB':>13}")
+    for arch, lm in models.items() if lengths else ():
+        rows = prefill_costs(lm, lengths, args.chunk)
+        first = rows[0][1]
+        for length, per_token, peak in rows:
+            print(f"{arch:>7} {length:>7} {per_token * 1e6:>9.1f} {per_token / first:>5.2f}x {peak:>13.0f}")
+
+    lm = models["clover"]
+    one_pass = chunk_seconds(lm, args.chunk, args.long // 2)
+    print(f"\n[2] Clover: {args.shorts} 8-token jobs every {args.short_every * 1000:.0f} ms; long prompts "
+          f"of {args.long} tokens one after another; one {args.chunk}-token prefill forward: "
+          f"{one_pass * 1000:.1f} ms")
+    runs = {
+        "idle": short_jobs(lm, chunk=args.chunk, long_tokens=args.long, shorts=args.shorts,
+                           every=args.short_every, with_long=False),
+        "long prefills, unchunked": short_jobs(lm, chunk=0, long_tokens=args.long, shorts=args.shorts,
+                                               every=args.short_every, with_long=True),
+        "long prefills, chunked": short_jobs(lm, chunk=args.chunk, long_tokens=args.long, shorts=args.shorts,
+                                             every=args.short_every, with_long=True),
+    }
+    idle_wait = _p(runs["idle"][0], 0.95)
+    print(f"{'run':>25} {'wait p50 ms':>12} {'wait p95 ms':>12} {'latency p50 ms':>15} "
+          f"{'latency p95 ms':>15}")
+    for name, (waits, latencies) in runs.items():
+        print(f"{name:>25} {_p(waits, 0.5) * 1000:>12.1f} {_p(waits, 0.95) * 1000:>12.1f} "
+              f"{_p(latencies, 0.5) * 1000:>15.1f} {_p(latencies, 0.95) * 1000:>15.1f}")
+    goal = 1.5 * idle_wait + one_pass
+    chunked = _p(runs["long prefills, chunked"][0], 0.95)
+    unchunked = _p(runs["long prefills, unchunked"][0], 0.95)
+    print(f"goal: chunked wait p95 <= 1.5 x idle wait p95 + one pass = {goal * 1000:.1f} ms: "
+          f"{'met' if chunked <= goal else 'MISSED'} ({chunked * 1000:.1f} ms); unchunked wait p95 "
+          f"{unchunked * 1000:.1f} ms ({unchunked / max(chunked, 1e-9):.1f}x the chunked)")
+
+
+if __name__ == "__main__":
+    main()
