@@ -31,6 +31,7 @@ from api.routes import (
     admin_models,
     batches,
     dashboard,
+    data_purge,
     health,
     job_events,
     jobs,
@@ -128,6 +129,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(job_events.router)  # GET /v1/jobs/{id}/events (SSE)
     app.include_router(batches.router)
+    app.include_router(data_purge.router)  # DELETE /v1/jobs/{id}/data, /v1/batches/{id}/data
     # OpenAI-compatible: /v1/{chat/completions,completions,models,files} and all of it, the Batch
     # API included, under /openai/v1 (cloverq's own /v1/batches stays as it is).
     app.include_router(openai.router)

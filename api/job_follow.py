@@ -219,8 +219,9 @@ async def follow_job(
             return
         yield Followed("status", job=job)
         if is_final(job):  # what the stream still holds (a resumed reader), then the result
-            async for block in _replay(client, key, cursor):
-                yield block
+            if job.purged_at is None:  # a purged job's text is gone, whatever a late write left
+                async for block in _replay(client, key, cursor):
+                    yield block
             yield Followed("final", job=job)
             return
         seen = (job.status, job.attempt)

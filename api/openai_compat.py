@@ -81,6 +81,7 @@ class _Request(BaseModel):
     top_k: int | None = None
     thinking: bool | None = None
     priority: str | None = None
+    retention_seconds: int | None = None  # data retention (docs/security.md#retention)
 
 
 class ChatCompletionRequest(_Request):
@@ -320,6 +321,7 @@ def chat_job(req: ChatCompletionRequest) -> GenerateJobCreate:
         "params": _params(req, req.max_completion_tokens if req.max_completion_tokens is not None
                           else req.max_tokens, _thinking(req)),
         "priority": req.priority,
+        "retention_seconds": req.retention_seconds,
         "metadata": _metadata(req),
     }
     return _job({k: v for k, v in body.items() if v is not None}, max_tokens_name=name)
@@ -394,6 +396,7 @@ def completion_job(req: CompletionRequest) -> GenerateJobCreate:
         "input": {"prompt": completion_prompt(req)},
         "params": _params(req, req.max_tokens, req.thinking),
         "priority": req.priority,
+        "retention_seconds": req.retention_seconds,
         "metadata": _metadata(req),
     }
     return _job({k: v for k, v in body.items() if v is not None}, max_tokens_name="max_tokens")

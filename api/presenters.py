@@ -61,7 +61,9 @@ def _engine_ms(result: Mapping[str, Any] | None) -> dict[str, float | None]:
 
 def job_out(job: Job, hot_progress: Mapping[str, Any] | None = None) -> JobOut:
     """The public view of ``job``; the input and internal bookkeeping are not echoed."""
-    result = JobResult(**{name: job.result.get(name) for name in _RESULT_FIELDS}) if job.result else None
+    # A purged job's SQL result keeps only its figures (scheduler/maintenance/data_purge.py): no result.
+    shown = job.result if job.result and job.purged_at is None else None
+    result = JobResult(**{name: shown.get(name) for name in _RESULT_FIELDS}) if shown else None
     error = (
         JobErrorInfo(code=job.error_code, message=job.error_message)
         if job.error_code or job.error_message
@@ -96,4 +98,9 @@ def job_out(job: Job, hot_progress: Mapping[str, Any] | None = None) -> JobOut:
         timings=timings,
         cancel_requested=job.cancel_requested,
         trace_id=job.trace_id,
+        scheduled_for=job.scheduled_for,
+        webhook_events=job.webhook_events.split() if job.webhook_events is not None else None,
+        retention_seconds=job.retention_seconds,
+        purged_at=job.purged_at,
+        usage=(job.result or {}).get("usage") or None,
     )

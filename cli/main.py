@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "cli.extract",  # extract (a JSON Schema's value from a document)
     "cli.batch",  # batch submit / status / results / cancel
     "cli.keys",  # keys create / list / revoke
+    "cli.tenants",  # tenants weight / weights (fair share)
     "cli.top",  # live terminal view
     "cli.probe",  # probe worker [--ready]: exec probes for containers (deploy/)
 )

@@ -191,9 +191,13 @@ def clear_leftover_jobs(settings: Settings) -> int:
 
     queues = [str(q) for q in JOB_QUEUES]
     lanes = [*queues, *(f"{CANARY_LANE_PREFIX}{q}" for q in queues)]
-    redis_lib.Redis.from_url(settings.resolved_redis_url).delete(  # each lane's priority lists, dead set
+    client = redis_lib.Redis.from_url(settings.resolved_redis_url)
+    client.delete(  # each lane's priority lists, dead set
         *(lane + suffix for lane in lanes for suffix in PRIORITY_SUFFIXES),
         *(redis_keys.dead_messages(lane) for lane in lanes))
+    held = list(client.scan_iter(match=f"{redis_keys.PREFIX}:fair:*", count=1000))  # fair share's index
+    if held:
+        client.delete(*held)
     return cancelled
 
 

@@ -41,6 +41,7 @@ from scheduler.jobs.routing import deadline_seconds
 from scheduler.model_versions.canary_routing import queue_of_lane
 from scheduler.observability import tracing
 from scheduler.observability.metrics import RedisMetricsRecorder
+from scheduler.webhooks.job_events import notify_job_started, progress_hook
 from scheduler.webhooks.tasks import notify_job_finished
 from worker.engine.types import Progress
 from worker.execution import EngineContext, JobSpec, Outcome, run_kind
@@ -79,8 +80,11 @@ class JobRunner:
         draining: threading.Event,
         lane: Callable[[], str | None],
         faults: FaultInjector | None = None,
+        on_message: Callable[[str], None] | None = None,
     ) -> None:
-        """``lane``: "canary" or "stable" for the job lines and metrics; ``faults``: tests only."""
+        """``lane``: "canary" or "stable" for the job lines and metrics; ``faults``: tests only;
+        ``on_message``: told the queue of every message taken (fair share releases the next held
+        job into the room it left: ``scheduler/fairness/kicker.py``; it must not block)."""
         self.settings = settings
         self.sessions = sessions
         self.redis = redis_client
@@ -92,6 +96,7 @@ class JobRunner:
         self.joint_gate = joint_gate
         self.capacity_gate = capacity_gate
         self.faults = faults
+        self._on_message = on_message
         self._draining = draining
         self._lane = lane
         self._facts: dict[uuid.UUID, JobFacts] = {}
@@ -117,6 +122,8 @@ class JobRunner:
     def _run_job(self, job_id: str, *, queue: str | None) -> RunOutcome:
         lane = queue
         queue = queue_of_lane(queue) if queue is not None else None
+        if self._on_message is not None and lane is not None and lane == queue:  # a class list has room
+            self._on_message(queue)
         try:
             parsed = uuid.UUID(str(job_id))
         except ValueError:
@@ -196,6 +203,10 @@ class JobRunner:
             tenant = job.tenant
             facts = JobFacts(created_at=job.created_at, started_at=job.started_at, step_budget=step_budget,
                              request_id=job.request_id)
+            progress_webhook = progress_hook(job, interval=self.settings.webhooks.progress_interval_seconds)
+            waited = (job.started_at - job.available_at).total_seconds() if job.started_at else 0.0
+        self.metrics.safe(self.metrics.job_claimed, queue=spec.queue, tenant=tenant, wait_seconds=waited)
+        notify_job_started(job, sessions=self.sessions)  # only when its webhook_events name it
         tracing.annotate(tracing.job_attributes(kind=spec.kind, queue=spec.queue, attempt=spec.attempt,
                                                 model_version=model_version, tenant=tenant))
         structlog.contextvars.bind_contextvars(job_id=spec.job_id, kind=spec.kind, queue=spec.queue,
@@ -204,7 +215,8 @@ class JobRunner:
         self._facts[parsed] = facts
         lease = Lease(parsed, spec.attempt)
         cancel_event = threading.Event()
-        running = self.monitor.add(lease, cancel_event=cancel_event, step_budget=step_budget)
+        running = self.monitor.add(lease, cancel_event=cancel_event, step_budget=step_budget,
+                                   progress_webhook=progress_webhook)
         try:
             return self._execute(spec, lease, running)
         finally:

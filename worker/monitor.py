@@ -13,6 +13,8 @@ all running jobs so its cost does not grow with per-job round trips:
   lease was lost (reaped, re-claimed elsewhere) — their engine requests are stopped, the job
   was handed back — and the SQL ``cancel_requested`` flag (backup for a lost Redis signal);
 - every ``progress_sql_interval_seconds``: coarse progress to SQL (one executemany);
+- for jobs whose webhook asked for ``progress``: a ``job.progress`` outbox row at most once per
+  ``webhooks.progress_interval_seconds`` (``scheduler/webhooks/job_events.py``);
 - every ``worker_heartbeat_seconds``: the worker registry entry.
 """
 
@@ -36,6 +38,8 @@ from scheduler.infra.settings import Settings
 from scheduler.jobs import event_stream
 from scheduler.jobs.lifecycle import Lease, renew_leases, sql_safe_text, write_progress
 from scheduler.jobs.models import JobStatus
+from scheduler.webhooks.job_events import PROGRESS_FIELDS, notify_job_progress
+from scheduler.webhooks.progress import ProgressWebhook
 from worker.engine.types import Progress
 
 log = structlog.get_logger(__name__)
@@ -96,6 +100,8 @@ class RunningJob:
     text: TextTracker = field(default_factory=TextTracker)
     reasoning: TextTracker = field(default_factory=TextTracker)
     partial_text: str = ""  # the committed ids of ``latest``, decoded (for the hot status)
+    # Set when the job's webhook_events name "progress" (scheduler/webhooks/job_events.py).
+    progress_webhook: ProgressWebhook | None = None
 
 
 class JobMonitor:
@@ -124,8 +130,10 @@ class JobMonitor:
         self._thread: threading.Thread | None = None
 
     # --- called from task threads / the engine thread ------------------------------------------
-    def add(self, lease: Lease, *, cancel_event: threading.Event, step_budget: int | None) -> RunningJob:
-        job = RunningJob(lease=lease, cancel_event=cancel_event, step_budget=step_budget)
+    def add(self, lease: Lease, *, cancel_event: threading.Event, step_budget: int | None,
+            progress_webhook: ProgressWebhook | None = None) -> RunningJob:
+        job = RunningJob(lease=lease, cancel_event=cancel_event, step_budget=step_budget,
+                         progress_webhook=progress_webhook)
         # published next tick
         job.events.append(event_stream.status_event(JobStatus.RUNNING.value, lease.attempt))
         with self._lock:
@@ -235,6 +243,7 @@ class JobMonitor:
                     jobs = list(self._jobs.values())
                 self._watch_cancels(jobs)
                 self._push_progress(jobs)
+                self._progress_webhooks(jobs)
                 if now >= next_lease:
                     next_lease = now + lease_every
                     self._renew(jobs)
@@ -334,6 +343,21 @@ class JobMonitor:
             elif job.lease.job_id in check.cancel_requested:
                 job.cancel_seen = True
                 job.cancel_event.set()
+
+    def _progress_webhooks(self, jobs: list[RunningJob]) -> None:
+        """``job.progress`` for the jobs that asked, each at most once per interval (the throttle);
+        an outbox INSERT here, on the monitor thread, never on the engine's."""
+        now = time.time()
+        due = []
+        for job in jobs:
+            hook = job.progress_webhook
+            if hook is None or job.latest is None or job.lost:
+                continue
+            doc = self.snapshot(job)
+            sequence = hook.throttle.take(now, tuple(doc.get(name) for name in PROGRESS_FIELDS))
+            if sequence is not None:
+                due.append((job.lease.job_id, hook, sequence, doc))
+        notify_job_progress(due, sessions=self.sessions)
 
     def _progress_to_sql(self, jobs: list[RunningJob]) -> None:
         updates = []

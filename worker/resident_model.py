@@ -73,6 +73,7 @@ class ResidentModel:
             EngineConfig(max_batch=settings.engine.max_batch,
                          max_tokens_in_flight=settings.engine.max_tokens_in_flight,
                          prefix_cache_bytes=settings.engine.prefix_cache_bytes,
+                         prefill_chunk_tokens=settings.engine.prefill_chunk_tokens,
                          max_len=settings.resolved_engine_max_len,
                          slot_caps={JOINT_QUEUE: settings.engine.joint_slot_cap},
                          reserved_slots=self.reserve, reserved_classes=frozenset({INTERACTIVE_QUEUE})),

@@ -30,7 +30,10 @@ from typing import Any
 
 from opentelemetry.context import Context
 
+from scheduler.fairness import gate as fair_share
+from scheduler.fairness.kicker import ReleaseKicker
 from scheduler.fleet.workers import WorkerInfo, WorkerState
+from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.db import get_session_factory
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings
@@ -47,6 +50,8 @@ from worker.process_lifecycle import ProcessLifecycle
 from worker.queue_drain import DrainFollower
 from worker.resident_model import ResidentModel
 from worker.run_outcome import RunOutcome
+
+KICK_PASSES = 8  # release passes per kick (more requests wait for the next kick or the beat tick)
 
 
 class WorkerRuntime:
@@ -80,6 +85,9 @@ class WorkerRuntime:
         monitor = JobMonitor(settings=settings, sessions=self.sessions, redis_client=self.redis,
                              worker_id=self.worker_id, decode=self.model.decode, heartbeat=self._heartbeat)
         draining = threading.Event()
+        # Fair share: each message taken frees room in its class's list for the next held job, released
+        # by DRR on this background thread (scheduler/fairness/kicker.py), never on a task thread.
+        self.fair_release = ReleaseKicker(self._release_held) if fair_share.enabled(settings) else None
         self.lifecycle = ProcessLifecycle(
             settings=settings, worker_id=self.worker_id, queues=queues, info=self.info,
             redis_client=self.redis, model=self.model, monitor=monitor, metrics=self.metrics,
@@ -108,7 +116,12 @@ class WorkerRuntime:
             joint_gate=joint_gate if JOINT_QUEUE in queues else None,
             capacity_gate=capacity_gate if reserve else None,
             draining=draining, lane=lambda: self.info.stats.get("lane"), faults=fault_injector_for(settings),
+            on_message=self.fair_release.kick if self.fair_release is not None else None,
         )
+
+    def _release_held(self, queue: str) -> int:
+        releaser = fair_share.releaser(self.settings, get_celery_app(), self.redis, self.sessions)
+        return fair_share.release_quietly(releaser, queue, max_passes=KICK_PASSES)
 
     def _consumer_healed(self, queue: str) -> None:
         self.metrics.safe(self.metrics.consumer_healed, queue=queue)

@@ -140,6 +140,18 @@ function renderOverview(data) {
   replaceRows($("workers-table").tBodies[0], workers);
   const versions = Object.entries(data.model_versions || {}).map(([v, n]) => v + " × " + n);
   $("versions").textContent = versions.length ? "model versions: " + versions.join(", ") : "";
+  renderTenants(data);
+}
+
+// Per class and tenant: what fair share is sharing out (held: queued without a broker message yet).
+function renderTenants(data) {
+  const rows = (data.tenants || []).map((t) => el("tr", { "data-queue": t.queue, "data-tenant": t.tenant },
+    el("td", {}, t.queue), el("td", {}, t.tenant),
+    el("td", { class: "num" }, t.weight === null || t.weight === undefined ? "–" : t.weight),
+    el("td", { class: "num" }, t.queued), el("td", { class: "num" }, t.held), el("td", { class: "num" }, t.running),
+    el("td", { class: "num" }, t.queued ? fmtSeconds(t.oldest_wait_seconds) : "–")));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7, class: "muted" }, "no tenant has jobs waiting or running")));
+  replaceRows($("tenants-table").tBodies[0], rows);
 }
 
 // Model versions side by side (canary first): the figures the promotion gate weighs.

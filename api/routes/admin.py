@@ -3,6 +3,7 @@
 - workers: the live worker processes, their state and model version (worker registry);
 - queues: depth, cap and drain state; drain / resume (``scheduler.fleet.drain``);
 - limits: rate limits and caps, changed at runtime (Redis; every API process sees them);
+- tenants: a tenant's fair-share weight inside each class (``scheduler/fairness/weights.py``);
 - keys: create / list / revoke / rotate API keys and set their networks (a key is shown once, in
   the create or rotate response).
 
@@ -42,6 +43,8 @@ from api.schemas.admin import (
     QueueList,
     QueueOut,
     TenantName,
+    TenantWeight,
+    TenantWeightOut,
     WorkerList,
     WorkerOut,
     key_out,
@@ -57,6 +60,8 @@ from scheduler.access.api_keys import (
     rotate_key,
     set_key_networks,
 )
+from scheduler.access.retention import DEFAULT_FIELD, MAX_FIELD, override_field
+from scheduler.fairness.weights import DEFAULT_WEIGHT, weight_field
 from scheduler.fleet import drain, operator_state
 from scheduler.fleet.workers import WorkerInfo, list_workers
 from scheduler.infra.celery_app import create_celery_app
@@ -71,6 +76,8 @@ router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses
                    route_class=LimitedJsonRoute)
 
 _celery_lock = threading.Lock()
+# Per-tenant retention overrides: (LIMITS_KEY field, TenantLimit attribute).
+RETENTION_ATTRIBUTES = ((DEFAULT_FIELD, "retention_default_seconds"), (MAX_FIELD, "retention_max_seconds"))
 
 
 def _registry(settings: Settings) -> Any:
@@ -186,11 +193,28 @@ def _limit_changes(update: LimitsUpdate) -> dict[str, float | None]:
     for tenant, limit in (update.tenants or {}).items():
         if "max_active" in limit.model_fields_set:
             changes[f"tenant_max_active:{tenant}"] = limit.max_active
+        for field, attribute in RETENTION_ATTRIBUTES:
+            if attribute in limit.model_fields_set:
+                changes[override_field(field, tenant)] = getattr(limit, attribute)
+        if "weight" in limit.model_fields_set:
+            changes[weight_field(tenant)] = limit.weight
     for key_id, rate in (update.keys or {}).items():
         for name in ("rate_per_second", "rate_burst"):
             if name in rate.model_fields_set:
                 changes[f"{name}:{key_id}"] = getattr(rate, name)
     return changes
+
+
+@router.put("/tenants/{tenant}/weight", response_model=TenantWeightOut, responses=error_responses(422))
+def put_tenant_weight(tenant: TenantName, body: Annotated[TenantWeight, Body()], caller: AdminCaller,
+                      session: SessionDep, settings: SettingsDep) -> TenantWeightOut:
+    """Set (or, with null, drop) a tenant's fair-share weight: while several tenants wait in a
+    class, each gets capacity in proportion to its weight. Every releaser reads it at its next
+    pass; it survives a Redis restart like every limit override."""
+    operator_state.update_limits(session, _registry(settings), {weight_field(tenant): body.weight})
+    _audit(caller, "tenant.weight", target=tenant, weight=body.weight)
+    weight = body.weight if body.weight is not None else DEFAULT_WEIGHT
+    return TenantWeightOut(tenant=tenant, weight=weight, overridden=body.weight is not None)
 
 
 @router.get("/keys", response_model=KeyList)

@@ -28,14 +28,18 @@ from api.admission import admit_batch
 from api.auth import Caller
 from api.deps import ReadCaller, SessionDep, SettingsDep, SubmitCaller, TokenCounterDep, visible_tenant
 from api.errors import ApiError
+from api.job_options import check_schedule, stored_events
 from api.limit_messages import batch_too_large
 from api.limits import check_job_limits, check_metadata, check_webhook_url
 from api.prompt_tokens import PromptTokenCounter
+from api.retention import batch_retention
 from api.schemas.batches import BatchCreate, BatchOptions, BatchOut
 from api.schemas.errors import error_responses
 from api.schemas.jobs import JobCreate
 from scheduler.batches import service as batch_service
 from scheduler.infra.settings import Settings
+from scheduler.jobs.models import utcnow
+from scheduler.jobs.schedule import SCHEDULE_ERROR_CODE, is_delayed
 
 # 401 / 429: every route authenticates and is rate-limited per key (api.auth).
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(401, 429),
@@ -43,7 +47,10 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_respo
 
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-lines", "text/jsonl")
 MAX_REPORTED_ERRORS = 20
+SPEC_SCHEDULE_MESSAGE = "a batch's jobs start together: give not_before / delay_seconds on the batch"
 _SPEC = TypeAdapter(JobCreate)
+# BatchOptions besides webhook_url and metadata: JSON fields, or query / form fields of an upload.
+_EXTRA_OPTIONS = tuple(name for name in BatchOptions.model_fields if name not in ("webhook_url", "metadata"))
 
 _OPENAPI_BODY = {
     "requestBody": {
@@ -59,6 +66,8 @@ _OPENAPI_BODY = {
                         "file": {"type": "string", "format": "binary", "description": "JSONL job specs"},
                         "webhook_url": {"type": "string"},
                         "metadata": {"type": "string", "description": "a JSON object"},
+                        "retention_seconds": {"type": "integer", "minimum": 0,
+                                              "description": "data retention of the batch's jobs"},
                     },
                 }
             },
@@ -81,6 +90,9 @@ def _batch_out(summary: batch_service.BatchSummary) -> BatchOut:
         id=str(batch.id), status=summary.status.value, total=batch.total, finished=summary.finished,
         counts=summary.counts, created_at=batch.created_at, cancel_requested=batch.cancel_requested,
         webhook_url=batch.webhook_url, metadata=batch.meta, results_url=f"/v1/batches/{batch.id}/results",
+        retention_seconds=batch.retention_seconds, purged_at=batch.purged_at,
+        scheduled_for=batch.scheduled_for,
+        webhook_events=batch.webhook_events.split() if batch.webhook_events is not None else None,
     )
 
 
@@ -117,10 +129,15 @@ def _validate_specs(raw: list[Any], *, settings: Settings, counter: PromptTokenC
         except ApiError as exc:
             errors.append({"index": index, "code": exc.code, "message": exc.message})
         else:
+            if body.not_before is not None or body.delay_seconds is not None:
+                errors.append({"index": index, "code": SCHEDULE_ERROR_CODE, "message": SPEC_SCHEDULE_MESSAGE})
+                continue
             specs.append(batch_service.JobSpec(
                 kind=body.kind, input=body.input.model_dump(exclude_none=True), params=params,
                 priority=body.priority, metadata=body.metadata,
                 webhook_url=str(body.webhook_url) if body.webhook_url is not None else None,
+                retention_seconds=body.retention_seconds,  # the request's; resolved at store time
+                webhook_events=stored_events(body.webhook_events, batch=False),
             ))
         if len(errors) >= MAX_REPORTED_ERRORS:
             break
@@ -130,8 +147,11 @@ def _validate_specs(raw: list[Any], *, settings: Settings, counter: PromptTokenC
     return specs
 
 
-async def _read_batch(request: Request) -> tuple[list[Any], str | None, dict[str, Any] | None]:
-    """(raw specs, webhook_url, metadata) from JSON, raw JSONL or a multipart upload."""
+async def _read_batch(request: Request) -> tuple[
+    list[Any], str | None, dict[str, Any] | None, dict[str, Any]
+]:
+    """(raw specs, webhook_url, metadata, the other ``BatchOptions`` given) from JSON, raw JSONL or
+    a multipart upload (then the other options are query or form fields, validated as the JSON's)."""
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
         form = await request.form()
@@ -146,11 +166,13 @@ async def _read_batch(request: Request) -> tuple[list[Any], str | None, dict[str
         except json.JSONDecodeError as exc:
             raise _invalid(f"the metadata field is not JSON: {exc.msg}",
                            {"loc": ["body", "metadata"]}) from None
-        return _parse_jsonl(text), str(webhook) if webhook else None, parsed_metadata
+        extra = {name: form[name] for name in _EXTRA_OPTIONS if isinstance(form.get(name), str)}
+        return _parse_jsonl(text), str(webhook) if webhook else None, parsed_metadata, extra
     body = await request.body()
     if content_type in JSONL_TYPES:
         webhook = request.query_params.get("webhook_url")
-        return _parse_jsonl(body), webhook, None
+        extra = {name: request.query_params[name] for name in _EXTRA_OPTIONS if name in request.query_params}
+        return _parse_jsonl(body), webhook, None, extra
     if content_type != "application/json":
         raise ApiError(415, "unsupported_media_type",
                        "send application/json, application/x-ndjson or multipart/form-data",
@@ -164,14 +186,17 @@ async def _read_batch(request: Request) -> tuple[list[Any], str | None, dict[str
     unknown = set(data) - set(BatchCreate.model_fields)
     if unknown:
         raise _invalid(f"unknown fields: {sorted(unknown)}", {"loc": ["body"], "fields": sorted(unknown)})
-    return data["jobs"], data.get("webhook_url"), data.get("metadata")
+    return (data["jobs"], data.get("webhook_url"), data.get("metadata"),
+            {name: data[name] for name in _EXTRA_OPTIONS if name in data})
 
 
-def _validate_options(webhook_url: Any, metadata: Any, *, settings: Settings) -> BatchOptions:
+def _validate_options(webhook_url: Any, metadata: Any, *, settings: Settings,
+                      extra: dict[str, Any] | None = None) -> BatchOptions:
     try:
-        options = BatchOptions.model_validate({"webhook_url": webhook_url, "metadata": metadata})
+        given = {"webhook_url": webhook_url, "metadata": metadata, **(extra or {})}
+        options = BatchOptions.model_validate(given)
     except ValidationError as exc:
-        raise _invalid("invalid webhook_url or metadata",
+        raise _invalid("invalid batch options",
                        exc.errors(include_url=False, include_context=False)) from None
     check_metadata(options.metadata, settings=settings)
     webhook = str(options.webhook_url) if options.webhook_url is not None else None
@@ -207,11 +232,13 @@ async def create_batch(
                        headers={"Retry-After": "2"})
     try:
         try:
-            raw, webhook_url, metadata = await _read_batch(request)
+            raw, webhook_url, metadata, extra = await _read_batch(request)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise _invalid(f"the upload is not UTF-8 JSONL: {exc}", {"loc": ["body"]}) from None
-        options = _validate_options(webhook_url, metadata, settings=settings)
+        options = _validate_options(webhook_url, metadata, settings=settings, extra=extra)
         webhook = str(options.webhook_url) if options.webhook_url is not None else None
+        scheduled_for = check_schedule(options.not_before, options.delay_seconds, settings=settings)
+        events = stored_events(options.webhook_events, batch=True)
         specs = await anyio.to_thread.run_sync(
             lambda: _validate_specs(raw, settings=settings, counter=counter))
         raw.clear()  # the parsed documents: only the validated specs are kept (and stored)
@@ -220,17 +247,24 @@ async def create_batch(
     request_id = getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
 
     def store() -> tuple[batch_service.Batch, list[tuple[uuid.UUID, str]], batch_service.BatchSummary]:
-        job_ids = admit_batch(request, session, caller, settings=settings, specs=specs)  # 429 before storing
+        retention, kept = batch_retention(session, tenant=caller.tenant, specs=specs,  # 422 first
+                                          requested=options.retention_seconds, settings=settings)
+        job_ids = admit_batch(request, session, caller, settings=settings, specs=kept)  # 429 before storing
         batch, jobs = batch_service.create_batch(
-            session, tenant=caller.tenant, specs=specs, settings=settings, webhook_url=webhook,
-            metadata=options.metadata, request_id=request_id, job_ids=job_ids,
+            session, tenant=caller.tenant, specs=kept, settings=settings, webhook_url=webhook,
+            metadata=options.metadata, request_id=request_id, job_ids=job_ids, retention_seconds=retention,
+            scheduled_for=scheduled_for, webhook_events=events,
         )
         return batch, jobs, batch_service.summarize(session, batch)
 
     batch, jobs, summary = await anyio.to_thread.run_sync(store)
     state = request.app.state
-    background.add_task(batch_service.publish_batch, jobs, app=state.celery, redis_client=state.redis,
-                        request_id=request_id, tenant=caller.tenant)  # releases the jobs' reservations
+    if is_delayed(batch.scheduled_for, utcnow()):  # the beat's delayed tick publishes them when due
+        background.add_task(batch_service.hold_batch, jobs, redis_client=state.redis, tenant=caller.tenant)
+    else:
+        background.add_task(batch_service.publish_batch, jobs, app=state.celery, redis_client=state.redis,
+                            request_id=request_id, tenant=caller.tenant,  # releases the jobs' reservations
+                            settings=settings, sessions=state.session_factory)  # fair share: held, by DRR
     response.headers["Location"] = f"/v1/batches/{batch.id}"
     return _batch_out(summary)
 

@@ -29,6 +29,7 @@ from api.dashboard_login import redeem_login_code
 from api.deps import AdminCaller, RedisDep, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.schemas.errors import error_responses
+from api.tenant_queues import tenant_rows
 from api.version_compare import canaries, compare_versions
 from scheduler.batches import service as batch_service
 from scheduler.batches.service import Batch, BatchJob, BatchSummary
@@ -259,6 +260,8 @@ def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminCaller) 
             "tokens_per_second": float(sum(w["tokens_per_second"] or 0.0 for w in workers)),
         },
         "latency": _latency_by_queue(points),
+        # Per class and tenant: queued (held by fair share / listed), running, oldest wait, weight.
+        "tenants": tenant_rows(session, redis_client),
     }
 
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import uuid
 from contextlib import suppress
+from datetime import datetime
 from typing import Annotated, Any
 
 import structlog
@@ -31,11 +32,13 @@ from api.deps import (
     visible_tenant,
 )
 from api.errors import ApiError
+from api.job_options import check_schedule, schedule_request, stored_events
 from api.job_waiter import MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
 from api.json_input import LimitedJsonRoute
 from api.limits import check_job_limits
 from api.presenters import job_out
 from api.prompt_tokens import PromptTokenCounter
+from api.retention import job_retention
 from api.schemas.common import UtcDateTime
 from api.schemas.errors import error_responses
 from api.schemas.jobs import DecideJobCreate, ExtractJobCreate, GenerateJobCreate, JobCreate, JobList, JobOut
@@ -123,6 +126,7 @@ def _submit_blocking(
     # the admission below did not run (and its 401 / 429 wins).
     params = check_job_limits(body, settings=settings, counter=counter,
                               faults_enabled=settings.worker.fault_injection)
+    scheduled_for = check_schedule(body.not_before, body.delay_seconds, settings=settings)  # 422 first
     job_input = body.input.model_dump(exclude_none=True)
     job_id = uuid.uuid4()
     # The request's SERVER span (api/routes/metrics.py) is the job's submit span: the row stores its
@@ -130,7 +134,7 @@ def _submit_blocking(
     # own here: each span costs the submit path ~50 us of export encoding at sample ratio 1.
     tracing.annotate(tracing.job_attributes(job_id=job_id, tenant=caller.tenant, kind=str(body.kind)))
     job, created = _admit_and_store(body, request, caller, settings, params, job_input, job_id,
-                                    idempotency_key)
+                                    idempotency_key, scheduled_for)
     if tracing.enabled():
         tracing.annotate({**tracing.job_attributes(job_id=job.id, queue=job.queue),
                           "cloverq.job.created": int(created)})
@@ -146,10 +150,14 @@ def _admit_and_store(
     job_input: dict[str, Any],
     job_id: uuid.UUID,
     idempotency_key: str | None,
+    scheduled_for: datetime | None = None,
 ) -> tuple[JobOut, bool]:
     state = request.app.state
     marker = redis_keys.enqueued(job_id)
     with state.session_factory() as session:
+        # 422 before admission: a retention above the tenant's maximum reserves and stores nothing.
+        retention = job_retention(session, tenant=caller.tenant, requested=body.retention_seconds,
+                                  settings=settings)
         # 429 before storing; when admitted, the same Redis round trip sets the enqueued marker.
         with tracing.span("cloverq.admission"):
             marker_set = admit_submission(request, session, caller, settings=settings, kind=body.kind,
@@ -174,6 +182,10 @@ def _admit_and_store(
                 redis_client=state.redis,
                 job_id=job_id,
                 marker_set=marker_set,
+                scheduled_for=scheduled_for,  # delayed: no message now (scheduler/jobs/schedule.py)
+                schedule_request=schedule_request(body.not_before, body.delay_seconds),
+                webhook_events=stored_events(body.webhook_events, batch=False),
+                retention_seconds=retention,
             )
         except IdempotencyConflictError as exc:
             raise ApiError(

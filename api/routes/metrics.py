@@ -18,6 +18,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.tenant_queues import tenant_counts
 from scheduler.fleet.workers import consuming_classes, list_workers, unconsumed_classes
 from scheduler.infra.settings import Settings
 from scheduler.jobs.models import Job, JobStatus, QueueName
@@ -139,6 +140,15 @@ def queue_depths(session_factory: Any) -> dict[str, int]:
     return depths
 
 
+def tenant_queues(session_factory: Any) -> dict[tuple[str, str], tuple[int, float]]:
+    """Per ``(queue, tenant)``: jobs queued and how long the oldest due one has waited (SQL;
+    ``api/tenant_queues.py``)."""
+    with session_factory() as session:
+        counts = tenant_counts(session)
+    return {key: (int(figures["queued"]), float(figures["oldest_wait_seconds"]))
+            for key, figures in counts.items() if figures["queued"]}
+
+
 def workers_ready(redis_client: Any) -> Mapping[str, int]:
     """Ready workers per queue whose Celery consumer consumes it now (from the worker registry:
     each consumer read back by its worker; every known queue listed, 0 when none)."""
@@ -174,6 +184,7 @@ async def metrics(request: Request) -> Response:
             queue_depths=lambda: queue_depths(session_factory),
             workers_ready=lambda: workers_ready(redis_client),
             workers_unconsumed=lambda: workers_unconsumed(redis_client),
+            tenant_queues=lambda: tenant_queues(session_factory),
             multiproc_dir=settings.observability.prometheus_multiproc_dir,
             openmetrics="application/openmetrics-text" in request.headers.get("accept", ""),
         )

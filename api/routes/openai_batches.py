@@ -38,7 +38,9 @@ from api.deps import ReadCaller, SessionDep, SettingsDep, SubmitCaller, TokenCou
 from api.errors import ApiError, openai_error_body
 from api.presenters import job_out
 from api.prompt_tokens import PromptTokenCounter
+from api.retention import batch_retention
 from api.routes.batches import _validate_specs as validate_specs  # the checks of POST /v1/batches
+from api.schemas.common import MAX_RETENTION_SECONDS
 from scheduler.batches import openai_batches as store
 from scheduler.batches import service as batch_service
 from scheduler.batches.service import BatchStatus
@@ -183,6 +185,8 @@ class BatchCreateBody(BaseModel):
     completion_window: str
     metadata: dict[str, str] | None = Field(None, max_length=16)
     output_expires_after: dict[str, Any] | None = None  # accepted; rendered files do not expire
+    # cloverq's extension: data retention of the batch's jobs (docs/security.md#retention)
+    retention_seconds: int | None = Field(None, ge=0, le=MAX_RETENTION_SECONDS)
 
 
 def _line_request(endpoint: str, body: Any, settings: Settings) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -327,10 +331,12 @@ async def create_batch(request: Request, background: BackgroundTasks, session: S
     openai_id = store.new_batch_id()
 
     def persist() -> tuple[store.OpenAIBatch, list[Any]]:
-        job_ids = admit_batch(request, session, caller, settings=settings, specs=specs)  # 429 before storing
+        retention, kept = batch_retention(session, tenant=tenant, specs=specs,  # 422 before admission
+                                          requested=body.retention_seconds, settings=settings)
+        job_ids = admit_batch(request, session, caller, settings=settings, specs=kept)  # 429 before storing
         batch, jobs = batch_service.create_batch(
-            session, tenant=tenant, specs=specs, settings=settings, metadata={"openai_batch_id": openai_id},
-            request_id=request_id, job_ids=job_ids,
+            session, tenant=tenant, specs=kept, settings=settings, metadata={"openai_batch_id": openai_id},
+            request_id=request_id, job_ids=job_ids, retention_seconds=retention,
         )
         row = store.create_openai_batch(
             session, batch_id=openai_id, tenant=tenant, cloverq_batch_id=batch.id,
@@ -342,7 +348,8 @@ async def create_batch(request: Request, background: BackgroundTasks, session: S
     row, jobs = await anyio.to_thread.run_sync(persist)
     state = request.app.state
     background.add_task(batch_service.publish_batch, jobs, app=state.celery, redis_client=state.redis,
-                        request_id=request_id, tenant=tenant)  # releases the jobs' reservations
+                        request_id=request_id, tenant=tenant,  # releases the jobs' reservations
+                        settings=settings, sessions=state.session_factory)  # fair share: held, by DRR
     return await anyio.to_thread.run_sync(lambda: _batch_out(session, row))
 
 

@@ -7,9 +7,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from api.schemas.common import storable_text
+from api.schemas.common import MAX_RETENTION_SECONDS, storable_text
 from scheduler.access.api_keys import MAX_ALLOWED_NETWORKS, MAX_ROTATION_OVERLAP_SECONDS
 from scheduler.access.networks import normalised_networks
+from scheduler.fairness.weights import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT
 from scheduler.jobs.models import QueueName
 
 TenantName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
@@ -82,6 +83,12 @@ class LimitValues(BaseModel):
     rate_burst: int
     tenant_max_active: int = Field(description="Queued + running jobs per tenant.")
     queue_max_depth: dict[str, int]
+    retention_default_seconds: int | None = Field(
+        None, description="Retention of a job that sets none (null: until the result TTL); per tenant: "
+        "overrides retention_default:<tenant>.")
+    retention_max_seconds: int | None = Field(
+        None, description="Longest retention_seconds a job may ask for (at most the result TTL); per "
+        "tenant: overrides retention_max:<tenant>.")
 
 
 class LimitsOut(BaseModel):
@@ -97,6 +104,26 @@ class KeyRateLimit(_Strict):
 
 class TenantLimit(_Strict):
     max_active: int | None = Field(None, ge=1, le=1_000_000_000)
+    retention_default_seconds: int | None = Field(
+        None, ge=0, le=MAX_RETENTION_SECONDS, description="Retention of the tenant's jobs that set none.")
+    retention_max_seconds: int | None = Field(
+        None, ge=0, le=MAX_RETENTION_SECONDS, description="Longest retention_seconds its jobs may ask for.")
+    weight: float | None = Field(
+        None, ge=MIN_WEIGHT, le=MAX_WEIGHT, description="Fair-share weight inside each class (default 1): "
+        "while several tenants wait, each gets capacity in proportion to it (scheduler/fairness/).")
+
+
+class TenantWeight(_Strict):
+    """A tenant's fair-share weight; null drops the override (back to 1)."""
+
+    weight: float | None = Field(..., ge=MIN_WEIGHT, le=MAX_WEIGHT)
+
+
+class TenantWeightOut(BaseModel):
+    tenant: str
+    weight: float = Field(description="The weight in force (the override, else the default).")
+    overridden: bool
+    default: float = DEFAULT_WEIGHT
 
 
 class LimitsUpdate(_Strict):

@@ -34,6 +34,9 @@ MAX_STEP_BUDGET_BOUND = 1 << 24
 MAX_TOP_K = 1 << 20  # above every vocabulary: a larger top_k would mean "no top-k" anyway
 MAX_TEMPERATURE = 10.0
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
+# A static bound of retention_seconds (the tenant's maximum, at most the result TTL, is lower and
+# checked at submit: scheduler/access/retention.py); keeps every purge time a valid datetime.
+MAX_RETENTION_SECONDS = 10 * 365 * 24 * 3600
 
 
 def storable_text(text: str) -> str:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 from api.schemas.common import (
     MAX_BLOCK_SIZE,
     MAX_NEW_TOKENS_BOUND,
+    MAX_RETENTION_SECONDS,
     MAX_SEED,
     MAX_STEP_BUDGET_BOUND,
     MAX_STEPS_PER_BLOCK_BOUND,
@@ -25,11 +26,13 @@ from api.schemas.common import (
     MAX_TOP_K,
     Metadata,
     Text,
+    UtcDateTime,
 )
 from api.schemas.decisions import DecideInput, DecideParams
 from api.schemas.extract import ExtractInput, ExtractParams
 from scheduler.infra.queue_names import PRIORITY_CLASSES
 from scheduler.jobs.routing import PRIORITY_ALIASES
+from scheduler.webhooks.events import JOB_FILTERS
 
 MAX_MESSAGES = 256
 MAX_TOOL_CALLS = 128  # calls of one assistant turn
@@ -162,6 +165,14 @@ else:
     Priority = Literal[PRIORITY_NAMES]  # a Literal of every name (the OpenAPI enum)
 
 
+# The webhook events a job may name (scheduler/webhooks/events.py; a batch adds batch_completed).
+JOB_WEBHOOK_EVENTS: tuple[str, ...] = tuple(event.value for event in JOB_FILTERS)
+if TYPE_CHECKING:
+    JobWebhookEvent = str
+else:
+    JobWebhookEvent = Literal[JOB_WEBHOOK_EVENTS]
+
+
 class _JobCreateBase(_Strict):
     priority: Priority | None = Field(
         None, description="Requested class; may only lower the class the cost estimate gives."
@@ -174,6 +185,32 @@ class _JobCreateBase(_Strict):
         None, description="POSTed (signed) when the job is final; no credentials, and only public "
         "addresses unless settings.webhooks.allowed_hosts / webhook_allowed_networks name it.",
     )
+    webhook_events: Annotated[list[JobWebhookEvent], Field(min_length=1)] | None = Field(
+        None, description="The events the webhook wants (needs webhook_url): started (job.started), "
+        "progress (job.progress, at most one per settings.webhooks.progress_interval_seconds), succeeded, "
+        "failed, cancelled (job.finished with that status). Default: job.finished on any final status.",
+    )
+    not_before: UtcDateTime | None = Field(
+        None, description="Start no earlier than this (with a UTC offset); the job stays queued with "
+        "scheduled_for until then. At most settings.jobs.delay_past_tolerance_seconds in the past and "
+        "settings.jobs.delay_max_seconds ahead, else 422 invalid_schedule.",
+    )
+    delay_seconds: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="Start no earlier than this many seconds after submission (instead of not_before).",
+    )
+    retention_seconds: int | None = Field(
+        None, ge=0, le=MAX_RETENTION_SECONDS,
+        description="Purge the job's input, output, partial text, stream events and webhook bodies this "
+        "many seconds after it finishes (docs/security.md#retention); a tombstone stays. Default: the "
+        "tenant's; above the tenant's maximum: 422 retention_too_long.",
+    )
+
+    @model_validator(mode="after")
+    def _webhook_options(self) -> _JobCreateBase:
+        if self.webhook_events is not None and self.webhook_url is None:
+            raise ValueError("webhook_events needs a webhook_url")
+        return self
 
 
 class GenerateJobCreate(_JobCreateBase):
@@ -292,6 +329,18 @@ class JobOut(BaseModel):
         None, description="The job's OpenTelemetry trace (32 hex digits) when tracing recorded its submit; "
         "null otherwise (tracing off or not sampled).",
     )
+    scheduled_for: datetime | None = Field(
+        None, description="A delayed job's start (not_before / delay_seconds): it stays queued until then.")
+    webhook_events: list[str] | None = Field(
+        None, description="The webhook events the job asked for; null: the default (job.finished).")
+    retention_seconds: int | None = Field(
+        None, description="Seconds after it finishes that the job's data is kept; null: until it expires.")
+    purged_at: datetime | None = Field(
+        None, description="When the job's input, output, partial text, stream events and webhook bodies "
+        "were purged (retention, expiry or DELETE /v1/jobs/{id}/data); then result is null and only "
+        "this tombstone (status, timings, usage, metadata) remains. Null while the data is kept.")
+    usage: dict[str, Any] | None = Field(
+        None, description="The outcome's token and step counts (result.usage); kept when the data is purged.")
 
 
 class JobList(BaseModel):

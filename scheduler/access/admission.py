@@ -49,6 +49,8 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from scheduler.access.retention import RETENTION_FIELDS, deployment_policy
+from scheduler.fairness.weights import WEIGHT_FIELD
 from scheduler.infra import redis_keys
 from scheduler.infra.queue_names import JOB_QUEUES
 from scheduler.infra.redis_keys import (
@@ -66,7 +68,9 @@ _PRIORITY_SUFFIXES: tuple[str, ...] = ("", "\x06\x163", "\x06\x166", "\x06\x169"
 # Override fields accepted in LIMITS_KEY (a trailing ":" means "per <thing>": field + ":" + name).
 GLOBAL_FIELDS: frozenset[str] = frozenset({"rate_per_second", "rate_burst", "tenant_max_active"})
 PER_NAME_FIELDS: frozenset[str] = frozenset(
-    {"rate_per_second:", "rate_burst:", "tenant_max_active:", "queue_max_depth:"}
+    {"rate_per_second:", "rate_burst:", "tenant_max_active:", "queue_max_depth:",
+     f"{WEIGHT_FIELD}:",  # per tenant: its fair-share weight (scheduler/fairness/weights.py)
+     *(f"{name}:" for name in RETENTION_FIELDS)}  # per tenant, read at submit (scheduler/access/retention.py)
 )
 
 # The scripts are built from two Lua functions so that the API's submit path can run both rules
@@ -107,7 +111,8 @@ end
 
 # Check every queue's cap and reserve the jobs in one step. KEYS[lk]: the limits hash; from
 # ``k``: the tenant's reservations, the tenant's admission counter, then per queue its
-# reservations, its 4 lists and its dead messages (``scheduler.dead_messages``), then (when a
+# reservations, its 4 lists, its dead messages (``scheduler.dead_messages``) and its count of jobs
+# held by fair share (``scheduler.fairness.held``), then (when a
 # marker value is given) the job's enqueued marker. ARGV from ``a``:
 # tenant, queue count, reservation ttl ms, marker value ('' = none), marker ttl s, then per
 # queue: name, cap ('' = none), job count; then every job's member (its enqueued-marker key),
@@ -141,7 +146,7 @@ local function admit(lk, k, a)
   local total = 0
   for i = 1, nq do
     local qa = a + 5 + (i - 1) * 3
-    local qk = k + 2 + (i - 1) * 6
+    local qk = k + 2 + (i - 1) * 7
     local count = tonumber(ARGV[qa + 2])
     total = total + count
     redis.call('ZREMRANGEBYSCORE', KEYS[qk], '-inf', now)
@@ -149,6 +154,7 @@ local function admit(lk, k, a)
     local depth = redis.call('ZCARD', KEYS[qk])
     for j = 1, 4 do depth = depth + redis.call('LLEN', KEYS[qk + j]) end
     depth = math.max(0, depth - redis.call('ZCARD', KEYS[qk + 5]))  -- cancelled jobs' messages
+    depth = depth + math.max(0, tonumber(redis.call('GET', KEYS[qk + 6]) or '0'))  -- held, no message
     local cap = tonumber(lim[2 + i]) or tonumber(ARGV[qa + 1])
     if cap ~= nil and depth + count > cap then
       return {0, i, depth, math.floor(cap), tenant_override, 0, 0}
@@ -157,7 +163,7 @@ local function admit(lk, k, a)
   local member = a + 5 + nq * 3
   local expiry = now + ttl
   for i = 1, nq do
-    local qk = k + 2 + (i - 1) * 6
+    local qk = k + 2 + (i - 1) * 7
     local count = tonumber(ARGV[a + 5 + (i - 1) * 3 + 2])
     add_members(KEYS[qk], expiry, member, count)
     redis.call('PEXPIRE', KEYS[qk], ttl + 1000)
@@ -170,7 +176,7 @@ local function admit(lk, k, a)
   local admitted = redis.call('INCRBY', KEYS[k + 1], total)
   redis.call('EXPIRE', KEYS[k + 1], 86400)
   if ARGV[a + 3] ~= '' then
-    redis.call('SET', KEYS[k + 2 + nq * 6], ARGV[a + 3], 'EX', ARGV[a + 4])
+    redis.call('SET', KEYS[k + 2 + nq * 7], ARGV[a + 3], 'EX', ARGV[a + 4])
   end
   return {1, 0, 0, 0, tenant_override, pending, admitted}
 end
@@ -348,7 +354,7 @@ class Admission:
                            ENQUEUED_TTL_SECONDS]
         for queue, members in jobs.items():
             keys += [redis_keys.queue_reservations(queue), *(queue + suffix for suffix in _PRIORITY_SUFFIXES),
-                     redis_keys.dead_messages(queue)]
+                     redis_keys.dead_messages(queue), redis_keys.fair_held(queue)]
             cap = self._settings.admission.queue_max_depth.get(queue)
             args += [queue, "" if cap is None else cap, len(members)]
         for members in jobs.values():
@@ -478,8 +484,11 @@ def effective_limits(client: redis.Redis, settings: Settings) -> dict[str, Any]:
     overrides = {_text(field): float(value) for field, value in raw.items()}
     admission = settings.admission
     queues = dict(admission.queue_max_depth)
+    retention = deployment_policy(settings)  # per-tenant overrides: under "overrides"
     return {
         "defaults": {
+            "retention_default_seconds": retention.default_seconds,
+            "retention_max_seconds": retention.max_seconds,
             "rate_per_second": admission.rate_limit_per_second,
             "rate_burst": admission.rate_limit_burst,
             "tenant_max_active": admission.tenant_max_active_jobs,
@@ -487,6 +496,8 @@ def effective_limits(client: redis.Redis, settings: Settings) -> dict[str, Any]:
         },
         "overrides": {field: _number(value) for field, value in sorted(overrides.items())},
         "effective": {
+            "retention_default_seconds": retention.default_seconds,
+            "retention_max_seconds": retention.max_seconds,
             "rate_per_second": _number(overrides.get("rate_per_second", admission.rate_limit_per_second)),
             "rate_burst": int(overrides.get("rate_burst", admission.rate_limit_burst)),
             "tenant_max_active": int(overrides.get("tenant_max_active", admission.tenant_max_active_jobs)),
@@ -523,17 +534,21 @@ def write_limit_overrides(client: redis.Redis, updates: Mapping[str, float | Non
 
 
 def queue_depths(client: redis.Redis, queues: Iterable[str]) -> dict[str, int]:
-    """Live messages waiting in each Celery queue (all priority lists, less the messages of jobs
-    cancelled while queued: ``scheduler.dead_messages``), one pipelined round trip."""
+    """Live jobs waiting in each Celery queue (all priority lists, less the messages of jobs
+    cancelled while queued: ``scheduler.dead_messages``, plus the jobs fair share holds without a
+    message: ``scheduler.fairness.held``), one pipelined round trip."""
     names = list(queues)
     pipe = client.pipeline(transaction=False)
     for queue in names:
         for suffix in _PRIORITY_SUFFIXES:
             pipe.llen(queue + suffix)
         pipe.zcard(redis_keys.dead_messages(queue))
+        pipe.get(redis_keys.fair_held(queue))
     lengths = pipe.execute()
-    per = len(_PRIORITY_SUFFIXES) + 1
-    return {queue: max(0, int(sum(lengths[i * per:(i + 1) * per - 1])) - int(lengths[(i + 1) * per - 1]))
+    per = len(_PRIORITY_SUFFIXES) + 2
+    return {queue: max(0, int(sum(lengths[i * per:i * per + len(_PRIORITY_SUFFIXES)]))
+                       - int(lengths[i * per + len(_PRIORITY_SUFFIXES)]))
+            + max(0, int(lengths[(i + 1) * per - 1] or 0))
             for i, queue in enumerate(names)}
 
 

@@ -50,7 +50,8 @@ class OpenAIBatch(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(128), nullable=False, index=True)
-    batch_id: Mapped[uuid.UUID] = mapped_column(Uuid(as_uuid=True), nullable=False)
+    # indexed: the purge finds the OpenAI batch of a purged job's batch (0014_retention)
+    batch_id: Mapped[uuid.UUID] = mapped_column(Uuid(as_uuid=True), nullable=False, index=True)
     input_file_id: Mapped[str] = mapped_column(String(64), nullable=False)
     endpoint: Mapped[str] = mapped_column(String(64), nullable=False)
     completion_window: Mapped[str] = mapped_column(String(16), nullable=False)

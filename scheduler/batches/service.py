@@ -23,17 +23,21 @@ from opentelemetry.trace import SpanKind
 from sqlalchemy import Boolean, ForeignKey, Integer, String, Text, Uuid, func, insert, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
+from scheduler.fairness import gate as fair_share
 from scheduler.infra import redis_keys
 from scheduler.infra.broker import admitted_headers, releases_reservations
 from scheduler.infra.celery_app import RUN_JOB_TASK
+from scheduler.infra.db import get_session_factory
 from scheduler.infra.settings import Settings
 from scheduler.jobs.dead_messages import mark_dead
 from scheduler.jobs.models import Base, Job, JobStatus, JSONType, QueueName, UTCDateTime, utcnow
 from scheduler.jobs.routing import Route, route_job
+from scheduler.jobs.schedule import release_admission
 from scheduler.jobs.service import request_fingerprint
 from scheduler.model_versions.canary import current_route
 from scheduler.model_versions.canary_routing import route_version
 from scheduler.observability import tracing
+from scheduler.webhooks import events as webhook_filters
 from scheduler.webhooks.delivery import WebhookEvent
 
 log = structlog.get_logger(__name__)
@@ -51,10 +55,18 @@ class Batch(Base):
     tenant: Mapped[str] = mapped_column(String(128), nullable=False, index=True)
     total: Mapped[int] = mapped_column(Integer, nullable=False)
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The events the batch's webhook wants (scheduler/webhooks/events.py); NULL: default.
+    webhook_events: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # Every job of the batch starts no earlier than this (scheduler/jobs/schedule.py); NULL: now.
+    scheduled_for: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONType, nullable=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    # The retention its jobs got when they set none (scheduler/access/retention.py); when a tenant
+    # purged every job's data at once (DELETE /v1/batches/{id}/data).
+    retention_seconds: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    purged_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class BatchJob(Base):
@@ -79,6 +91,8 @@ class JobSpec:
     priority: str | None = None
     metadata: Mapping[str, Any] | None = None
     webhook_url: str | None = None
+    retention_seconds: int | None = None  # resolved against the tenant's policy (api/retention.py)
+    webhook_events: str | None = None  # stored form (scheduler/webhooks/events.py); with webhook_url
 
 
 class BatchStatus(enum.StrEnum):
@@ -121,8 +135,13 @@ def batch_route(spec: JobSpec, settings: Settings) -> Route:
 
 
 def _job_row(spec: JobSpec, *, tenant: str, batch_id: uuid.UUID, settings: Settings, now: datetime,
-             request_id: str | None, job_id: uuid.UUID | None = None) -> dict[str, Any]:
+             request_id: str | None, job_id: uuid.UUID | None = None,
+             batch_webhook: tuple[str | None, str | None] = (None, None),
+             scheduled_for: datetime | None = None) -> dict[str, Any]:
+    """``batch_webhook``: the batch's URL and the job part of its filter, for a spec without a URL of
+    its own (``scheduler/webhooks/events.py`` ``job_part``); ``scheduled_for``: the batch's start."""
     route = batch_route(spec, settings)
+    url, events = (spec.webhook_url, spec.webhook_events) if spec.webhook_url else batch_webhook
     metadata = dict(spec.metadata) if spec.metadata is not None else None
     return {
         "id": job_id or uuid.uuid4(), "tenant": tenant, "kind": str(spec.kind),
@@ -133,10 +152,13 @@ def _job_row(spec: JobSpec, *, tenant: str, batch_id: uuid.UUID, settings: Setti
         "max_attempts": settings.jobs.max_attempts, "cancel_requested": False, "idempotency_key": None,
         "request_fingerprint": request_fingerprint(
             kind=spec.kind, input=spec.input, params=spec.params, priority=spec.priority,
-            metadata=spec.metadata, webhook_url=spec.webhook_url,
+            metadata=spec.metadata, webhook_url=spec.webhook_url, webhook_events=spec.webhook_events,
         ),
-        "request_id": request_id, "webhook_url": spec.webhook_url, "batch_id": batch_id,
-        "created_at": now, "available_at": now, "updated_at": now,
+        "request_id": request_id, "webhook_url": url if events else spec.webhook_url,
+        "webhook_events": events, "batch_id": batch_id, "scheduled_for": scheduled_for,
+        "retention_seconds": spec.retention_seconds,
+        "created_at": now, "updated_at": now,
+        "available_at": max(now, scheduled_for) if scheduled_for else now,  # a delayed batch: its start
     }
 
 
@@ -150,11 +172,16 @@ def create_batch(
     metadata: Mapping[str, Any] | None = None,
     request_id: str | None = None,
     job_ids: Sequence[uuid.UUID] | None = None,
+    retention_seconds: int | None = None,
+    scheduled_for: datetime | None = None,
+    webhook_events: str | None = None,
 ) -> tuple[Batch, list[tuple[uuid.UUID, str]]]:
     """Store the batch and all its jobs in one transaction (committed here).
 
     ``job_ids``: the jobs' ids, one per spec, when the caller chose them (the API's admission
-    reserves them by id); default fresh uuid4s.
+    reserves them by id); default fresh uuid4s. ``scheduled_for``: no job starts before it (a
+    delayed batch: ``hold_batch`` instead of ``publish_batch``); ``webhook_events``: the batch's
+    filter (stored form); its job events go to the jobs without a webhook_url of their own.
     Returns the batch and ``(job_id, queue)`` in submission order, for ``publish_batch``.
     """
     if not specs:
@@ -167,9 +194,14 @@ def create_batch(
     batch = Batch(id=uuid.uuid4(), tenant=tenant, total=len(specs), webhook_url=webhook_url,
                   meta=dict(metadata) if metadata is not None else None, cancel_requested=False,
                   request_id=request_id, created_at=now)
+    batch.retention_seconds = retention_seconds  # its jobs' default; each spec carries its own
+    batch.scheduled_for, batch.webhook_events = scheduled_for, webhook_events
     ids: Sequence[uuid.UUID | None] = job_ids if job_ids is not None else [None] * len(specs)
+    inherited = (webhook_url, webhook_filters.job_part(webhook_events)) if webhook_url else (None, None)
     rows = [_job_row(spec, tenant=tenant, batch_id=batch.id, settings=settings, now=now,
-                     request_id=request_id, job_id=job_id) for spec, job_id in zip(specs, ids, strict=True)]
+                     request_id=request_id, job_id=job_id, batch_webhook=inherited,
+                     scheduled_for=scheduled_for)
+            for spec, job_id in zip(specs, ids, strict=True)]
     # A canary pins batch jobs too. Their messages go to the plain queue: a canary job's first
     # delivery is left queued by a stable worker and the reconciler moves it to its lane.
     canary = current_route(session, settings.model.served)
@@ -191,18 +223,40 @@ def create_batch(
     return batch, [(row["id"], row["queue"]) for row in rows]
 
 
+def hold_batch(jobs: Sequence[tuple[uuid.UUID, str]], *, redis_client: redis.Redis, tenant: str) -> None:
+    """What a delayed batch does instead of ``publish_batch``: no message now (the beat's delayed
+    tick publishes each job when due); the admission's reservations are released, SQL counts the
+    jobs from here on (``scheduler/jobs/schedule.py``)."""
+    try:
+        release_admission(redis_client, tenant=tenant, jobs=jobs)
+    except redis.RedisError as exc:  # they expire within a minute
+        log.warning("batch.admission_release_failed", jobs=len(jobs), error=type(exc).__name__)
+
+
 def publish_batch(
     jobs: Sequence[tuple[uuid.UUID, str]], *, app: Celery, redis_client: redis.Redis,
-    request_id: str | None = None, tenant: str | None = None,
+    request_id: str | None = None, tenant: str | None = None, settings: Settings | None = None,
+    sessions: sessionmaker[Session] | None = None,
 ) -> int:
     """Publish every job's message after the commit: enqueued markers first (one pipeline, as
     ``scheduler.jobs.enqueue.publish_job`` does, so a fast worker's retry is never hidden), then the
     messages over ONE producer connection. On a broker failure the unsent jobs' markers are
     removed and the reconciler publishes them. ``tenant``: the API's admission reserved the
     jobs for it (by enqueued-marker key); each message releases its job's reservations
-    (``scheduler.infra.broker``), unsent ones expire. Returns how many went out."""
+    (``scheduler.infra.broker``), unsent ones expire. Returns how many went out.
+
+    With ``settings`` whose ``scheduling.fair_share`` is on, the jobs are held instead and released
+    by deficit round robin as their class's window has room (``scheduler/fairness/gate.py``; its
+    reservations dropped, held jobs count in the depth); ``sessions``: for reading them back.
+    Returns how many were held then."""
     with tracing.span("cloverq.batch.publish", kind=SpanKind.PRODUCER,
                       attributes={"cloverq.batch.jobs": len(jobs)}):
+        if settings is not None and fair_share.enabled(settings):
+            # Each job's message then carries a publish span of its own, made by whichever process
+            # releases it, in the job's trace (scheduler/fairness/release.py).
+            readers = sessions or get_session_factory(settings.resolved_database_url)
+            return fair_share.hold_committed_batch(jobs, settings=settings, sessions=readers, app=app,
+                                                   redis_client=redis_client)
         return _publish_batch(jobs, app=app, redis_client=redis_client, request_id=request_id,
                               tenant=tenant)
 
@@ -329,6 +383,7 @@ def cancel_batch(
         session.execute(update(Job).where(Job.id.in_(running)).values(cancel_requested=True, updated_at=now))
     session.commit()
     if cancelled:  # their waiting messages leave the depth count now and the lists at the next tick
+        fair_share.forget_cancelled_batch(redis_client, tenant=batch.tenant, batch_id=batch.id)  # held ones
         try:
             mark_dead(redis_client, cancelled)
         except redis.RedisError as exc:  # the claim still refuses them; depth over-counts until taken
@@ -346,6 +401,9 @@ def batch_webhook(session: Session, batch_id: uuid.UUID) -> tuple[str, dict[str,
     batch = session.get(Batch, batch_id)
     if batch is None or not batch.webhook_url:
         return None
+    if not webhook_filters.wants(batch.webhook_events, webhook_filters.EventFilter.BATCH_COMPLETED,
+                                 batch=True):
+        return None  # its filter names only job events
     summary = summarize(session, batch)
     payload = {
         "event": WebhookEvent.BATCH_FINISHED.value,

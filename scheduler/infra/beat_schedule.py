@@ -22,7 +22,10 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
 
     return {
         "reconcile": entry("cloverq.reconcile", settings.beat.reconcile_interval_seconds),
+        "release-delayed": entry("cloverq.release_delayed", settings.beat.delayed_interval_seconds),
+        "release-fair": entry("cloverq.release_fair", settings.scheduling.fair_share_tick_seconds),
         "reap": entry("cloverq.reap", settings.beat.reaper_interval_seconds),
         "expire": entry("cloverq.expire", settings.beat.expiry_interval_seconds),
+        "purge-data": entry("cloverq.purge_data", settings.beat.purge_interval_seconds),
         "sweep-webhooks": entry("cloverq.sweep_webhooks", settings.webhooks.sweep_interval_seconds),
     }

@@ -56,7 +56,8 @@ def create_celery_app(settings: Settings) -> Celery:
         worker_send_task_events=False,
         task_send_sent_event=False,
         enable_utc=True,
-        imports=("scheduler.maintenance.tasks", "scheduler.webhooks.tasks"),
+        imports=("scheduler.maintenance.tasks", "scheduler.maintenance.delayed", "scheduler.fairness.tasks",
+                 "scheduler.webhooks.tasks"),
     )
     app.conf.beat_schedule = beat_schedule(settings)
     return app

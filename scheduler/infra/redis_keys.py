@@ -14,6 +14,13 @@ CANCEL_TTL_SECONDS = 24 * 3600
 
 WORKERS_SET = f"{PREFIX}:workers"
 
+# Where the beat's delayed-job tick left off: "<scheduled_for ISO>|<job id>" of the last delayed
+# job it released (scheduler/maintenance/delayed.py); lost with Redis, it restarts a window back.
+DELAYED_CURSOR = f"{PREFIX}:delayed:cursor"
+# Where the reconciler's scan of due queued rows left off: "<available_at ISO>|<job id>" of the last
+# row of a full page (scheduler/maintenance/tasks.py enqueue_due_jobs); gone: it starts over.
+RECONCILE_CURSOR = f"{PREFIX}:reconcile:cursor"
+
 # Operator state (scheduler/fleet/operator_state.py restores these from SQL after a Redis flush).
 DRAINED_SET = f"{PREFIX}:queues:drained"  # set of drained queue names (scheduler/fleet/drain.py)
 # hash of runtime limit overrides, field -> number (scheduler/access/admission.py)
@@ -34,6 +41,41 @@ def dead_messages(queue: str) -> str:
     """Sorted set of jobs cancelled while queued whose message is still in ``queue``'s lists
     (members: job ids; scores: expiry in ms). ``queue`` is the Celery queue (a lane included)."""
     return f"{PREFIX}:dead:{queue}"
+
+
+# Fair share inside a class (scheduler/fairness/): jobs held back from the class's broker list.
+# A held job's enqueued marker holds FAIR_HELD_MARKER + its queue instead of a lane name.
+FAIR_HELD_MARKER = "held:"
+
+
+def fair_flows(queue: str) -> str:
+    """Set of the flows (``<tenant>/<batch id or ->``) of ``queue`` that hold jobs."""
+    return f"{PREFIX}:fair:{queue}:flows"
+
+
+def fair_flow(queue: str, flow: str) -> str:
+    """Sorted set of one flow's held jobs (members ``<job id>|<cost>``; scores: submission order)."""
+    return f"{PREFIX}:fair:{queue}:flow:{flow}"
+
+
+def fair_held(queue: str) -> str:
+    """How many jobs ``queue`` holds (an integer; counted in the queue's depth by admission)."""
+    return f"{PREFIX}:fair:{queue}:held"
+
+
+def fair_drr(queue: str) -> str:
+    """The deficit round robin's state of ``queue`` (JSON: order, deficits)."""
+    return f"{PREFIX}:fair:{queue}:drr"
+
+
+def fair_lock(queue: str) -> str:
+    """Held by the one process releasing ``queue``'s held jobs at a time."""
+    return f"{PREFIX}:fair:{queue}:lock"
+
+
+def fair_again(queue: str) -> str:
+    """Set by whoever asks for a release while another process holds the lock: it releases again."""
+    return f"{PREFIX}:fair:{queue}:again"
 
 
 def queue_reservations(queue: str) -> str:

@@ -210,6 +210,13 @@ class EngineSettings(SettingsGroup):
         "that share whole blocks (a decision's questions, jobs over one document) prefill them once. "
         "0 turns prefix sharing off.",
     )
+    prefill_chunk_tokens: int = Field(
+        512, ge=0, alias="engine_prefill_chunk_tokens",
+        description="Worker: prompt tokens one engine iteration may prefill; a longer prompt prefills in "
+        "whole-block chunks between denoising passes, so running jobs (and short jobs admitted meanwhile) "
+        "never wait for a whole long prompt's forward (bench.long). 0: a prompt's whole blocks ride in its "
+        "first pass.",
+    )
     max_len: int | None = Field(
         None, ge=1, alias="engine_max_len",
         description="KV positions per sequence (prompt + generated region). Default: "
@@ -326,6 +333,24 @@ class JobSettings(SettingsGroup):
         None, gt=0, description="Redis redelivery timeout; default 2 x the longest deadline + lease."
     )
     progress_sql_interval_seconds: float = Field(5.0, gt=0, description="Progress to SQL every this long.")
+    delay_past_tolerance_seconds: float = Field(
+        60.0, ge=0, description="A job's not_before may lie this far in the past (clock skew); older: 422.",
+    )
+    delay_max_seconds: float = Field(
+        30 * 24 * 3600, gt=0, le=10 * 365 * 24 * 3600,
+        description="Latest start a job may ask for (not_before, delay_seconds).",
+    )
+    retention_default_seconds: int | None = Field(
+        None, ge=0, le=10 * 365 * 24 * 3600,
+        description="Data retention of a job that sets none (seconds after it finishes; its tenant's "
+        "override wins): then its input, output and stream events are purged (docs/security.md#retention). "
+        "None: kept until the result TTL.",
+    )
+    retention_max_seconds: int | None = Field(
+        None, ge=0, le=10 * 365 * 24 * 3600,
+        description="Longest retention_seconds a job may ask for (422 above; its tenant's override wins). "
+        "None: the result TTL, which bounds it anyway.",
+    )
 
 
 class SchedulingSettings(SettingsGroup):
@@ -335,6 +360,20 @@ class SchedulingSettings(SettingsGroup):
     standard_max_cost: int = Field(131072, ge=1, description="Cost bound of the standard class.")
     aging_seconds: float = Field(120.0, gt=0, description="Queued longer than this: promoted to interactive.")
     aging_max_promoted: int = Field(4, ge=1, description="Aged jobs waiting in interactive at once.")
+    fair_share: bool = Field(
+        True, description="Weighted fair share between tenants (and a tenant's batches) inside each class "
+        "(scheduler/fairness/): a class's broker list holds at most fair_share_window messages while jobs "
+        "wait; the rest stay queued in SQL and are released by deficit round robin. false: FIFO per class.",
+    )
+    fair_share_window: int = Field(
+        16, ge=1, description="Messages a class's broker list may hold while the class has held jobs: a "
+        "newly backlogged tenant waits behind at most this many (bench.fair). Each message a worker takes "
+        "releases the next held job within milliseconds, so this only has to cover that moment.",
+    )
+    fair_share_tick_seconds: float = Field(
+        1.0, gt=0, description="Beat: release held jobs into free window room (the backstop of the release "
+        "at submit and at each message a worker takes).",
+    )
 
 
 class WorkerSettings(SettingsGroup):
@@ -365,6 +404,13 @@ class BeatSettings(SettingsGroup):
     reconcile_grace_seconds: float = Field(2.0, ge=0, description="Age before a queued row counts as lost.")
     reaper_interval_seconds: float = Field(10.0, gt=0, description="Beat: requeue expired leases.")
     expiry_interval_seconds: float = Field(300.0, gt=0, description="Beat: expire old results.")
+    delayed_interval_seconds: float = Field(
+        1.0, gt=0, description="Beat: publish delayed jobs that came due (an index range scan per tick).",
+    )
+    purge_interval_seconds: float = Field(
+        10.0, gt=0, description="Beat: purge the data of jobs whose retention passed (or that expired).",
+    )
+    purge_batch: int = Field(500, ge=1, description="Jobs one purge tick schedules and purges at most.")
     threads: int = Field(
         4, ge=1, alias="light_worker_threads",
         description="Threads of the beat process (maintenance tasks + webhook deliveries).",
@@ -498,6 +544,10 @@ class WebhookSettings(SettingsGroup):
     sweep_interval_seconds: float = Field(
         10.0, gt=0, alias="webhook_sweep_interval_seconds",
         description="Beat: record missed webhook deliveries and re-publish lost ones.",
+    )
+    progress_interval_seconds: float = Field(
+        10.0, ge=0.1, alias="webhook_progress_interval_seconds",
+        description="At most one job.progress webhook per job per this long (webhook_events: progress).",
     )
 
     @field_validator("allowed_hosts", "allowed_networks", mode="before")

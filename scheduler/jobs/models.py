@@ -24,6 +24,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     Uuid,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
@@ -120,6 +121,13 @@ class JobKind(enum.StrEnum):
     EXTRACT = "extract"  # a document + a JSON Schema -> a value valid against it (issue 24)
 
 
+# The predicates of the purge tick's partial indexes: a purge is scheduled; a job whose purge is
+# not scheduled yet although it will need one (it has a retention, or it expired).
+PURGE_DUE_SQL = "purge_at IS NOT NULL"
+PURGE_PENDING_SQL = ("purged_at IS NULL AND purge_at IS NULL"
+                     " AND (retention_seconds IS NOT NULL OR status = 'expired')")
+
+
 class Job(Base):
     """One asynchronous request and everything known about it."""
 
@@ -162,23 +170,39 @@ class Job(Base):
     trace_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     trace_span_id: Mapped[str | None] = mapped_column(String(16), nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The events the webhook wants, space-separated (scheduler/webhooks/events.py); NULL: default.
+    webhook_events: Mapped[str | None] = mapped_column(String(128), nullable=True)
     batch_id: Mapped[uuid.UUID | None] = mapped_column(Uuid(as_uuid=True), nullable=True)
 
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
     available_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    # A delayed job's due time (scheduler/jobs/schedule.py); NULL: published at submit.
+    scheduled_for: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    # Data retention (scheduler/access/retention.py, scheduler/maintenance/retention_tick.py): seconds
+    # after finishing that the input and output are kept (NULL: until expiry); when the beat's purge
+    # tick is due to (re)purge them (NULL: nothing scheduled); when they were purged (the tombstone).
+    retention_seconds: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    purge_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    purged_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("tenant", "idempotency_key", name="uq_jobs_tenant_idempotency_key"),
         Index("ix_jobs_tenant_created", "tenant", "created_at", "id"),
         Index("ix_jobs_tenant_status_created", "tenant", "status", "created_at"),
         Index("ix_jobs_status_available", "status", "available_at"),
+        Index("ix_jobs_status_scheduled", "status", "scheduled_for"),
         Index("ix_jobs_status_lease", "status", "lease_deadline"),
         Index("ix_jobs_status_expires", "status", "expires_at"),
         Index("ix_jobs_batch", "batch_id"),
+        # Partial: only the rows the purge tick looks for (its queries repeat the predicates).
+        Index("ix_jobs_purge_due", "purge_at", postgresql_where=text(PURGE_DUE_SQL),
+              sqlite_where=text(PURGE_DUE_SQL)),
+        Index("ix_jobs_purge_pending", "finished_at", postgresql_where=text(PURGE_PENDING_SQL),
+              sqlite_where=text(PURGE_PENDING_SQL)),
     )
 
     @property

@@ -23,16 +23,17 @@ from sqlalchemy import Table, and_, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, make_transient_to_detached
 
+from scheduler.fairness.gate import forget_cancelled, publish_submitted, sessions_like
 from scheduler.infra import redis_keys
 from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.db import rowcount
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.jobs.dead_messages import mark_dead
-from scheduler.jobs.enqueue import try_publish_job
 from scheduler.jobs.finished_notice import publish_finished
 from scheduler.jobs.models import Job, JobStatus, as_utc, utcnow
 from scheduler.jobs.routing import route_job
+from scheduler.jobs.schedule import is_delayed, release_admission
 from scheduler.model_versions.canary import current_route
 from scheduler.model_versions.canary_routing import lane, route_version
 from scheduler.observability import tracing
@@ -59,14 +60,18 @@ class InvalidCursorError(ValueError):
 
 
 def request_fingerprint(
-    *, kind: str, input: Any, params: Any, priority: str | None, metadata: Any, webhook_url: str | None
+    *, kind: str, input: Any, params: Any, priority: str | None, metadata: Any, webhook_url: str | None,
+    schedule: str | None = None, webhook_events: str | None = None,
 ) -> str:
-    """sha256 of the canonical request, to tell an idempotent repeat from a conflicting reuse."""
-    canonical = json.dumps(
-        {"kind": kind, "input": input, "params": params, "priority": priority, "metadata": metadata,
-         "webhook_url": webhook_url},
-        sort_keys=True, separators=(",", ":"), default=str,
-    )
+    """sha256 of the canonical request, to tell an idempotent repeat from a conflicting reuse.
+    ``schedule`` / ``webhook_events`` count only when given, so older fingerprints stay valid."""
+    request: dict[str, Any] = {"kind": kind, "input": input, "params": params, "priority": priority,
+                               "metadata": metadata, "webhook_url": webhook_url}
+    if schedule is not None:
+        request["schedule"] = schedule
+    if webhook_events is not None:
+        request["webhook_events"] = webhook_events
+    canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -110,6 +115,10 @@ def submit_job(
     publish: bool = True,
     job_id: uuid.UUID | None = None,
     marker_set: bool = False,
+    scheduled_for: datetime | None = None,
+    schedule_request: str | None = None,
+    webhook_events: str | None = None,
+    retention_seconds: int | None = None,
 ) -> tuple[Job, bool]:
     """Create a queued job (committed), then publish its message. Returns ``(job, created)``.
 
@@ -120,11 +129,17 @@ def submit_job(
     new job's id when the caller chose it (default: a fresh uuid4); ``marker_set``: the caller
     already set that id's enqueued marker and its admission reservations (the API's admission
     does; the message releases them).
+    ``scheduled_for``: a delayed job's start (``scheduler/jobs/schedule.py``): still in the future
+    at the commit, its message is not sent (the beat's delayed tick sends it when due) and the
+    admission's reservations are released instead; ``schedule_request``: the client's
+    ``not_before`` / ``delay_seconds`` as given (the fingerprint's, not a time); ``webhook_events``:
+    the stored filter (``scheduler/webhooks/events.py``). ``retention_seconds``: the job's data
+    retention, already resolved against its tenant's policy (``scheduler/access/retention.py``).
     """
     settings = settings or get_settings()
     fingerprint = request_fingerprint(
         kind=kind, input=input, params=params, priority=priority, metadata=metadata,
-        webhook_url=webhook_url,
+        webhook_url=webhook_url, schedule=schedule_request, webhook_events=webhook_events,
     )
     if idempotency_key is not None:
         existing = _find_by_key(session, tenant=tenant, idempotency_key=idempotency_key)
@@ -157,11 +172,14 @@ def submit_job(
         request_fingerprint=fingerprint,
         request_id=request_id,
         webhook_url=webhook_url,
+        webhook_events=webhook_events,
         batch_id=batch_id,
         routed_version=routed_version,
         created_at=now,
-        available_at=now,
+        available_at=max(now, scheduled_for) if scheduled_for is not None else now,
+        scheduled_for=scheduled_for,
         updated_at=now,
+        retention_seconds=retention_seconds,
     )
     ids = tracing.recorded_ids() if tracing.enabled() else None  # the submit span: the job's trace
     if ids is not None:
@@ -186,18 +204,28 @@ def submit_job(
     make_transient_to_detached(job)
     session.add(job)
 
-    if publish:
-        try_publish_job(
-            job_id=job.id,
-            queue=job.queue,
+    if publish and is_delayed(scheduled_for, utcnow()):  # due later: the delayed tick publishes it
+        if marker_set:
+            _release_admission(redis_client or get_redis(settings.resolved_redis_url), job)
+    elif publish:  # at once, or held by fair share and released by DRR (scheduler/fairness/gate.py)
+        publish_submitted(
+            job,
+            settings=settings,
             app=celery or get_celery_app(),
             redis_client=redis_client or get_redis(settings.resolved_redis_url),
             request_id=request_id,
-            marker_set=marker_set,
-            tenant=tenant,  # whose admission reservations the message releases (marker_set)
-            lane=lane(job.queue, routed_version, canary),
+            marker_set=marker_set,  # its admission reservations: released by its message, or when held
+            job_lane=lane(job.queue, routed_version, canary),
+            sessions=sessions_like(session),
         )
     return job, True
+
+
+def _release_admission(client: redis.Redis, job: Job) -> None:
+    try:
+        release_admission(client, tenant=job.tenant, jobs=[(job.id, job.queue)])
+    except redis.RedisError as exc:  # see release_admission: they expire
+        log.warning("job.admission_release_failed", job_id=str(job.id), error=type(exc).__name__)
 
 
 def get_job(session: Session, *, job_id: uuid.UUID | str, tenant: str | None) -> Job | None:
@@ -312,6 +340,7 @@ def cancel_job(
             log.warning("job.cancel_signal_failed", job_id=str(job.id), error=repr(exc))
     elif cancelled_queued:  # finished here, never reached a worker: count it like a worker would
         client = redis_client or get_redis(settings.resolved_redis_url)
+        forget_cancelled(client, job)  # held by fair share: out of the index (it has no message)
         try:  # its waiting message no longer counts as depth and is skipped or purged
             mark_dead(client, [job.id])
         except redis.RedisError as exc:  # the claim still refuses it; the depth over-counts until taken

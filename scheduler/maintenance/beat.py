@@ -2,7 +2,8 @@
 
 ``cloverq beat`` runs a small Celery worker that consumes only the ``maintenance`` queue with
 an embedded beat scheduler (``-B``): it never touches the GPU and never loads a model. Run
-exactly one. Tasks: reconciler (+ aging), reaper, expiry — see ``scheduler/maintenance/tasks.py`` —
+exactly one. Tasks: reconciler (+ aging), reaper, expiry, data purge (retention) — see
+``scheduler/maintenance/tasks.py`` —, the delayed-job tick (``scheduler/maintenance/delayed.py``)
 and webhook deliveries (``webhooks`` queue) + their sweeper (``scheduler/webhooks/tasks.py``).
 """
 

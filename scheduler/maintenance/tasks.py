@@ -19,9 +19,13 @@ from typing import Any, cast
 import redis
 import structlog
 from celery import Celery, shared_task
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from scheduler.fairness import gate as fair_share
+from scheduler.fairness.aging import fair_aging_candidates, forget_promoted
+from scheduler.fairness.held import HeldJob, is_held_marker
+from scheduler.fairness.weights import read_weights
 from scheduler.fleet.operator_state import restore_quietly
 from scheduler.infra import redis_keys
 from scheduler.infra.celery_app import get_celery_app
@@ -30,8 +34,9 @@ from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.jobs.dead_messages import job_id_of_message, purge_dead_messages
 from scheduler.jobs.enqueue import try_publish_job
-from scheduler.jobs.models import FINAL_STATUSES, ErrorCode, Job, JobStatus, QueueName, utcnow
+from scheduler.jobs.models import FINAL_STATUSES, ErrorCode, Job, JobStatus, QueueName, as_utc, utcnow
 from scheduler.jobs.retry import backoff_seconds
+from scheduler.maintenance import retention_tick
 from scheduler.model_versions.canary import current_route
 from scheduler.model_versions.canary_reconcile import heal_pins
 from scheduler.model_versions.canary_routing import is_canary_lane, lane
@@ -39,7 +44,7 @@ from scheduler.observability.metrics import RedisMetricsRecorder
 
 log = structlog.get_logger(__name__)
 
-BATCH = 1000  # rows handled per tick; the next tick continues
+BATCH = 1000  # rows handled per tick; the reconciler's next tick continues after them (a cursor)
 
 # Kombu's Redis transport keeps a delivered, unacknowledged message here until it is acked or
 # the visibility timeout restores it (kombu's default key names; cloverq does not change them).
@@ -132,11 +137,14 @@ def release_lost_messages(
         pipe.llen(queue)
     for row in rows:
         pipe.ttl(redis_keys.enqueued(row.id))
+    for row in rows:  # a held job's marker (scheduler/fairness/held.py) stands for no message
+        pipe.get(redis_keys.enqueued(row.id))
     answers = pipe.execute()
     empty = {queue for queue, length in zip(queues, answers[:len(queues)], strict=True) if length == 0}
     oldest_fresh_ttl = redis_keys.ENQUEUED_TTL_SECONDS - settings.jobs.lease_seconds
-    suspects = [row.id for row, row_lane, ttl in zip(rows, lanes, answers[len(queues):], strict=True)
-                if row_lane in empty and 0 < ttl < oldest_fresh_ttl]
+    ttls, values = answers[len(queues):len(queues) + len(rows)], answers[len(queues) + len(rows):]
+    suspects = [row.id for row, row_lane, ttl, value in zip(rows, lanes, ttls, values, strict=True)
+                if row_lane in empty and 0 < ttl < oldest_fresh_ttl and not is_held_marker(value)]
     if not suspects:
         return 0
     held = {_job_id_of_delivery(raw) for raw in redis_client.hvals(KOMBU_UNACKED)}
@@ -156,13 +164,18 @@ def enqueue_due_jobs(
     ``scheduler.model_versions.canary_reconcile``). Returns how many."""
     now = now or utcnow()
     due_before = now - timedelta(seconds=settings.beat.reconcile_grace_seconds)
-    rows = session.execute(
-        select(Job.id, Job.queue, Job.request_id, Job.routed_version, Job.trace_id, Job.trace_span_id)
+    query = (
+        select(Job.id, Job.queue, Job.request_id, Job.routed_version, Job.trace_id, Job.trace_span_id,
+               Job.tenant, Job.batch_id, Job.cost, Job.created_at, Job.available_at)
         .where(Job.status == JobStatus.QUEUED.value, Job.available_at <= due_before,
                Job.cancel_requested.is_(False))
-        .order_by(Job.available_at)
-        .limit(BATCH)
-    ).all()
+    )
+    after = _reconcile_cursor(redis_client)
+    if after is not None:
+        at, job_id = after
+        query = query.where(or_(Job.available_at > at, and_(Job.available_at == at, Job.id > job_id)))
+    rows = session.execute(query.order_by(Job.available_at, Job.id).limit(BATCH)).all()
+    _set_reconcile_cursor(redis_client, rows[-1] if len(rows) == BATCH else None)
     canary = current_route(session, settings.model.served) if rows else None
     session.commit()
     if not rows:
@@ -172,18 +185,57 @@ def enqueue_due_jobs(
         pipe.get(redis_keys.enqueued(row.id))
     markers = pipe.execute()
     published = 0
+    fair = fair_share.enabled(settings)
+    recovered: list[HeldJob] = []  # held (again) rather than published: scheduler/fairness/gate.py
     for row, marker in zip(rows, markers, strict=True):
         expected = lane(row.queue, row.routed_version, canary)
         held = marker.decode() if isinstance(marker, bytes) else marker
+        if is_held_marker(held):  # held by fair share: healed if its index entry is gone
+            if fair:
+                recovered.append(fair_share.held_job(row))
+                continue
+            held = None  # fair share switched off: a held job has no message
         if held is not None and not (is_canary_lane(held) and held != expected):
+            continue
+        if fair and held is None:
+            recovered.append(fair_share.held_job(row))
             continue
         if try_publish_job(job_id=row.id, queue=row.queue, app=app, redis_client=redis_client,
                            request_id=row.request_id, lane=expected,
                            trace_ids=(row.trace_id, row.trace_span_id)):
             published += 1
+    if recovered:
+        published += fair_share.hold_recovered(recovered, settings=settings, app=app,
+                                               redis_client=redis_client)
     if published:
         log.info("reconciler.republished", jobs=published)
     return published
+
+
+def _reconcile_cursor(client: redis.Redis) -> tuple[datetime, uuid.UUID] | None:
+    """Where the last full page of :func:`enqueue_due_jobs` ended. Why pages: held fair-share jobs
+    stay queued rows without a message, so the oldest ``BATCH`` rows may all be held ones, and a
+    scan that always read the oldest would never reach a newer row whose message was lost. Each
+    tick reads the next page; a short page starts the next tick over. None: from the start."""
+    try:
+        raw = client.get(redis_keys.RECONCILE_CURSOR)
+        if raw is None:
+            return None
+        at, job_id = (raw.decode() if isinstance(raw, bytes) else str(raw)).split("|", 1)
+        return as_utc(datetime.fromisoformat(at)), uuid.UUID(job_id)
+    except (redis.RedisError, ValueError):
+        return None
+
+
+def _set_reconcile_cursor(client: redis.Redis, last: Any | None) -> None:
+    try:
+        if last is None:
+            client.delete(redis_keys.RECONCILE_CURSOR)
+        else:
+            client.set(redis_keys.RECONCILE_CURSOR, f"{as_utc(last.available_at).isoformat()}|{last.id}",
+                       ex=redis_keys.ENQUEUED_TTL_SECONDS)
+    except redis.RedisError as exc:  # the next tick starts over: slower, never wrong
+        log.warning("reconciler.cursor_failed", error=type(exc).__name__)
 
 
 @dataclass(frozen=True)
@@ -289,7 +341,10 @@ def promote_aged_jobs(
         session.commit()
         return 0
     cutoff = now - timedelta(seconds=settings.scheduling.aging_seconds)
-    oldest = [row.id for row in session.execute(
+    fair = fair_share.enabled(settings)  # then each tenant's oldest in turn (scheduler/fairness/aging.py)
+    candidates = fair_aging_candidates(session, sources=AGING_SOURCES, cutoff=cutoff, room=room,
+                                       weights=read_weights(redis_client)) if fair else []
+    oldest = [row.id for row in candidates] if fair else [row.id for row in session.execute(
         select(Job.id)
         .where(Job.status == JobStatus.QUEUED.value, Job.queue.in_(AGING_SOURCES),
                Job.available_at <= cutoff, Job.cancel_requested.is_(False))
@@ -307,6 +362,9 @@ def promote_aged_jobs(
     ).all()
     canary = current_route(session, settings.model.served)
     session.commit()
+    if fair:  # out of their old class's held index before their new message exists
+        moved_ids = {row.id for row in moved}
+        forget_promoted(redis_client, [row for row in candidates if row.id in moved_ids])
     promoted = sum(
         try_publish_job(job_id=row.id, queue=QueueName.INTERACTIVE.value, app=app,
                         redis_client=redis_client, request_id=row.request_id,
@@ -381,3 +439,12 @@ def expire_task() -> int:
     session, _client, _settings = _resources()
     with session:
         return expire_finished_jobs(session)
+
+
+@shared_task(name="cloverq.purge_data", **MAINTENANCE_TASK_OPTIONS)
+def purge_data_task() -> int:
+    """Data retention: purge the jobs whose retention passed, and expired ones' leftovers
+    (``scheduler/maintenance/retention_tick.py``)."""
+    session, client, settings = _resources()
+    with session:
+        return retention_tick.run_tick(session, redis_client=client, settings=settings).purged

@@ -195,8 +195,19 @@ FAMILIES: dict[str, FamilySpec] = {
         "gauge", ("worker",),
         "Bytes of shared prompt prefixes the worker's engine keeps (at most prefix_cache_bytes).",
     ),
+    "cloverq_tenant_queue_wait_seconds": FamilySpec(
+        "histogram", ("queue", "tenant"), "Time a tenant's job waited while due (available -> claimed), "
+        "recorded when a worker claims it; its rate by tenant is each tenant's served share of a class "
+        "(fair share, scheduler/fairness/).", WAIT_BUCKETS,
+    ),
     # --- computed at scrape time ----------------------------------------------------------
     "cloverq_queue_depth": FamilySpec("gauge", ("queue",), "Jobs waiting (status queued) per queue."),
+    "cloverq_tenant_queue_depth": FamilySpec(
+        "gauge", ("queue", "tenant"), "Jobs queued per class and tenant (SQL: held by fair share or waiting "
+        "in the broker list; delayed ones included)."),
+    "cloverq_tenant_oldest_wait_seconds": FamilySpec(
+        "gauge", ("queue", "tenant"), "Seconds the tenant's oldest due queued job of the class has waited "
+        "(SQL; 0 when none is due)."),
     "cloverq_workers_ready": FamilySpec(
         "gauge", ("queue",), "Ready workers whose Celery consumer consumes each queue (read back from it)."),
     "cloverq_workers_queue_unconsumed": FamilySpec(
@@ -224,6 +235,7 @@ REDIS_HISTOGRAMS: tuple[str, ...] = (
     "cloverq_job_tokens",
     "cloverq_version_job_run_seconds",
     "cloverq_version_job_steps_used",
+    "cloverq_tenant_queue_wait_seconds",
 )
 
 # The (version, track) a worker process serves now, for families recorded deep inside a job where
@@ -462,6 +474,13 @@ class RedisMetricsRecorder:
                     self._observe(pipe, name, _labels_field(pair), float(value))
         pipe.execute()
 
+    def job_claimed(self, *, queue: str, tenant: str, wait_seconds: float) -> None:
+        """A worker claimed a tenant's job after ``wait_seconds`` due (the per-tenant wait and share)."""
+        pipe = self._client.pipeline(transaction=False)
+        self._observe(pipe, "cloverq_tenant_queue_wait_seconds", _labels_field((queue, tenant)),
+                      max(0.0, wait_seconds))
+        pipe.execute()
+
     def job_retried(self, *, kind: str, queue: str, reason: str) -> None:
         self._client.hincrbyfloat(
             metrics_counter("cloverq_job_retries_total"), _labels_field((kind, queue, reason)), 1
@@ -565,6 +584,7 @@ class ClusterCollector(Collector):
     ``redis_client``: where workers record. ``queue_depths``/``workers_ready``: callables
     returning ``{queue: n}`` (the API passes SQL-/registry-backed ones); when absent the
     values come from worker snapshots (ready workers) or are not exported (depth).
+    ``tenant_queues``: ``{(queue, tenant): (queued, oldest due wait in s)}`` (SQL), or None.
     """
 
     def __init__(
@@ -574,9 +594,11 @@ class ClusterCollector(Collector):
         queue_depths: Callable[[], Mapping[str, int]] | None = None,
         workers_ready: Callable[[], Mapping[str, int]] | None = None,
         workers_unconsumed: Callable[[], Mapping[str, int]] | None = None,
+        tenant_queues: Callable[[], Mapping[tuple[str, str], tuple[int, float]]] | None = None,
     ) -> None:
         self._redis = redis_client
         self._queue_depths = queue_depths
+        self._tenant_queues = tenant_queues
         self._workers_ready = workers_ready
         self._workers_unconsumed = workers_unconsumed
 
@@ -597,6 +619,23 @@ class ClusterCollector(Collector):
             log.warning("metrics.queue_depth_unavailable", error=f"{type(exc).__name__}: {exc}")
         else:
             yield self._gauge_by_queue("cloverq_queue_depth", depths)
+        if self._tenant_queues is not None:
+            try:
+                yield from self._tenant_families(self._tenant_queues())
+            except Exception as exc:  # database down: skip the per-tenant gauges
+                log.warning("metrics.tenant_queues_unavailable", error=f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _tenant_families(by_tenant: Mapping[tuple[str, str], tuple[int, float]]) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("cloverq_tenant_queue_depth", FAMILIES["cloverq_tenant_queue_depth"].help,
+                                  labels=FAMILIES["cloverq_tenant_queue_depth"].labels)
+        oldest = GaugeMetricFamily("cloverq_tenant_oldest_wait_seconds",
+                                   FAMILIES["cloverq_tenant_oldest_wait_seconds"].help,
+                                   labels=FAMILIES["cloverq_tenant_oldest_wait_seconds"].labels)
+        for (queue, tenant), (queued, waited) in sorted(by_tenant.items()):
+            depth.add_metric([queue, tenant], float(queued))
+            oldest.add_metric([queue, tenant], float(waited))
+        yield from (depth, oldest)
 
     def _collect_redis(self) -> Iterator[Metric]:
         pipe = self._redis.pipeline(transaction=False)
@@ -725,6 +764,7 @@ def render_metrics(
     queue_depths: Callable[[], Mapping[str, int]] | None = None,
     workers_ready: Callable[[], Mapping[str, int]] | None = None,
     workers_unconsumed: Callable[[], Mapping[str, int]] | None = None,
+    tenant_queues: Callable[[], Mapping[tuple[str, str], tuple[int, float]]] | None = None,
     multiproc_dir: Path | None = None,
     openmetrics: bool = False,
 ) -> tuple[bytes, str]:
@@ -740,7 +780,7 @@ def render_metrics(
     if redis_client is not None:
         registry.register(
             ClusterCollector(redis_client, queue_depths=queue_depths, workers_ready=workers_ready,
-                             workers_unconsumed=workers_unconsumed)
+                             workers_unconsumed=workers_unconsumed, tenant_queues=tenant_queues)
         )
     if openmetrics:
         return openmetrics_latest(registry), OPENMETRICS_CONTENT_TYPE

@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 import structlog
-from sqlalchemy import Index, Integer, String, Text, UniqueConstraint, Uuid, func, select, update
+from sqlalchemy import Index, Integer, String, Text, UniqueConstraint, Uuid, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
@@ -49,6 +49,7 @@ from scheduler.infra.db import rowcount
 from scheduler.infra.settings import Settings
 from scheduler.jobs.models import Base, Job, JobStatus, JSONType, UTCDateTime, utcnow
 from scheduler.jobs.retry import LATE_JITTER, exponential_backoff
+from scheduler.webhooks.events import wants_final
 
 log = structlog.get_logger(__name__)
 
@@ -60,8 +61,12 @@ DEFAULT_TOLERANCE_SECONDS = 300
 
 
 class WebhookEvent(enum.StrEnum):
+    """What the receiver sees in ``X-Cloverq-Event`` (which filter sends which: ``events.py``)."""
+
     JOB_FINISHED = "job.finished"
     BATCH_FINISHED = "batch.finished"
+    JOB_STARTED = "job.started"  # only with webhook_events naming "started"
+    JOB_PROGRESS = "job.progress"  # only with "progress"
 
 
 class DeliveryStatus(enum.StrEnum):
@@ -90,6 +95,9 @@ class WebhookDelivery(Base):
     event: Mapped[str] = mapped_column(String(32), nullable=False)
     job_id: Mapped[uuid.UUID | None] = mapped_column(Uuid(as_uuid=True), nullable=True)
     batch_id: Mapped[uuid.UUID | None] = mapped_column(Uuid(as_uuid=True), nullable=True)
+    # 0 for every event but ``job.progress``, whose deliveries of one job are numbered (the
+    # throttle's time bucket, scheduler/webhooks/progress.py): unique per event, job and sequence.
+    sequence: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default=text("0"))
     url: Mapped[str] = mapped_column(Text, nullable=False)
     payload: Mapped[dict[str, Any]] = mapped_column(JSONType, nullable=False)
     status: Mapped[str] = mapped_column(String(16), nullable=False, default=DeliveryStatus.PENDING.value)
@@ -101,7 +109,7 @@ class WebhookDelivery(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
     __table_args__ = (
-        UniqueConstraint("event", "job_id", name="uq_webhook_deliveries_event_job"),
+        UniqueConstraint("event", "job_id", "sequence", name="uq_webhook_deliveries_event_job_sequence"),
         UniqueConstraint("event", "batch_id", name="uq_webhook_deliveries_event_batch"),
         Index("ix_webhook_deliveries_status_next", "status", "next_attempt_at"),
     )
@@ -202,7 +210,7 @@ def record_job_finished(
     batch's last). The caller commits, then publishes the returned ids."""
     ids: list[uuid.UUID] = []
     now = utcnow()
-    if job.webhook_url:
+    if job.webhook_url and wants_final(job.webhook_events, job.status):
         delivery_id = _insert_once(
             session,
             WebhookDelivery(

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import structlog
 from celery import Celery, Task, shared_task
 from opentelemetry.trace import SpanKind, StatusCode
-from sqlalchemy import exists, select
+from sqlalchemy import ColumnElement, exists, literal, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler.batches.service import Batch, batch_webhook
@@ -37,6 +38,7 @@ from scheduler.webhooks.delivery import (
     due_deliveries,
     record_job_finished,
 )
+from scheduler.webhooks.events import EventFilter
 
 log = structlog.get_logger(__name__)
 
@@ -100,7 +102,7 @@ def sweep(session: Session, *, app: Celery, settings: Settings) -> int:
                                    WebhookDelivery.job_id == Job.id)
     jobs = list(session.scalars(
         select(Job).where(Job.webhook_url.is_not(None), Job.status.in_(final), Job.finished_at >= since,
-                          ~delivered_job).limit(SWEEP_LIMIT)
+                          ~delivered_job, _wants_its_finish()).limit(SWEEP_LIMIT)
     ))
     delivered_batch = exists().where(WebhookDelivery.event == WebhookEvent.BATCH_FINISHED.value,
                                      WebhookDelivery.batch_id == Batch.id)
@@ -108,7 +110,9 @@ def sweep(session: Session, *, app: Celery, settings: Settings) -> int:
         (JobStatus.QUEUED.value, JobStatus.RUNNING.value)))
     batch_ids = list(session.scalars(
         select(Batch.id).where(Batch.webhook_url.is_not(None), Batch.created_at >= since - SWEEP_WINDOW,
-                               ~delivered_batch, ~unfinished).limit(SWEEP_LIMIT)
+                               ~delivered_batch, ~unfinished, _wants_named(
+                                   Batch.webhook_events, EventFilter.BATCH_COMPLETED.value))
+        .limit(SWEEP_LIMIT)
     ))
     # One final job of each finished batch stands for the batch (recording is unique per batch).
     for batch_id in batch_ids:
@@ -122,6 +126,19 @@ def sweep(session: Session, *, app: Celery, settings: Settings) -> int:
     if recorded or lost:
         log.info("webhook.sweep", recorded=recorded, republished=len(lost))
     return recorded + len(lost)
+
+
+def _wants_named(column: Any, name: Any) -> ColumnElement[bool]:
+    """SQL of ``events.wants``: no filter (the default, which wants every final event and
+    ``batch_completed``), or ``name`` among its space-separated names. The sweep must skip rows
+    whose filter declines their event, or they would fill its ``SWEEP_LIMIT`` on every tick."""
+    padded = literal(" ") + column + literal(" ")
+    return or_(column.is_(None), padded.like(literal("% ") + name + literal(" %")))
+
+
+def _wants_its_finish() -> ColumnElement[bool]:
+    """The final job's filter names its status (``succeeded`` / ``failed`` / ``cancelled``)."""
+    return _wants_named(Job.webhook_events, Job.status)
 
 
 @shared_task(name=DELIVER_WEBHOOK_TASK, bind=True, ignore_result=True)

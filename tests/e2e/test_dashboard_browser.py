@@ -164,7 +164,12 @@ def _relabel_as_second_version(stack: Stack, job_id: str) -> str:
 def test_dashboard_lists_jobs_and_opens_a_detail(stack: Stack, tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
 
-    assert "planes: ONE PORT serves public, admin and ops" in stack.log()  # up's default says so
+    # up's default says so, in the banner it prints once it saw the stack ready (the fixture may
+    # see /readyz answer a moment before that)
+    deadline = time.monotonic() + 30
+    while "cloverq is up" not in stack.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "planes: ONE PORT serves public, admin and ops" in stack.log()
 
     prompts = ["Summarise the contract.", "List three risks.", "Write a haiku about queues."]
     bodies = [

@@ -35,7 +35,10 @@ BATCH = 40
 @pytest.fixture
 def stack(make_settings: Callable[..., Settings]) -> Iterator[tuple[Settings, TestClient]]:
     caps = {"interactive": 1000, "standard": 1000, "bulk": CAP, "joint": 100}
-    settings = make_settings(auth="disabled", queue_max_depth=caps, tenant_max_active_jobs=10_000)
+    # A fair-share window of a whole batch: every message is listed at once, as these tests count
+    # (tests/integration/test_fairness_index.py covers held jobs, cancelled and counted).
+    settings = make_settings(auth="disabled", queue_max_depth=caps, tenant_max_active_jobs=10_000,
+                             fair_share_window=BATCH)
     clear_leftover_jobs(settings)
     with get_session_factory(settings.resolved_database_url)() as session:  # no leftover cap override
         clear_operator_state(session, redis_lib.Redis.from_url(settings.resolved_redis_url))

@@ -34,6 +34,7 @@ from scheduler.maintenance.tasks import (
     promote_aged_jobs,
     reap_expired_leases,
 )
+from tests.conftest import clear_leftover_jobs
 
 pytestmark = pytest.mark.integration
 
@@ -330,3 +331,29 @@ def test_redis_outage_degrades_cancel_and_progress_instead_of_failing(
     flagged = cancel_job(session, job_id=job.id, tenant=job.tenant, settings=settings, redis_client=dead)
     assert flagged is not None and flagged.cancel_requested  # the worker sees it at lease renewal
     assert read_progress(job.id, redis_client=dead) is None
+
+
+def test_the_reconciler_pages_past_rows_whose_messages_exist(
+    session: Session, settings: Settings, client: redis_lib.Redis, celery: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Held fair-share jobs stay queued rows without messages, so the oldest page of due rows can be
+    all of them for a long time; a newer row whose message was lost must still be republished. With
+    pages of 3 rows: six rows whose markers say a message exists, then one without: each tick reads
+    the next page, and the seventh is reached (the scan used to read the oldest page every tick)."""
+    from scheduler.maintenance import tasks as maintenance
+
+    clear_leftover_jobs(settings)
+    plain = settings.replaced(fair_share=False)
+    monkeypatch.setattr(maintenance, "BATCH", 3)
+    marked = [submit(session, plain, client, celery, publish=False) for _ in range(6)]
+    for job in marked:
+        client.set(redis_keys.enqueued(job.id), job.queue)
+    lost = submit(session, plain, client, celery, publish=False)
+    later = utcnow() + timedelta(seconds=settings.beat.reconcile_grace_seconds + 1)
+    for _ in range(4):
+        enqueue_due_jobs(session, app=celery, redis_client=client, settings=plain, now=later)
+        if client.get(redis_keys.enqueued(lost.id)) is not None:
+            break
+    assert client.get(redis_keys.enqueued(lost.id)) == lost.queue
+    assert client.llen(lost.queue) == 1  # only the lost one was sent

@@ -64,13 +64,21 @@ def test_migrate_from_another_directory_reaches_0001_without_drift(fresh_url: st
 
 
 LATER_JOBS_COLUMNS = {"routed_version",  # added by 0007_canary
-                      "trace_id", "trace_span_id"}  # added by 0011_job_trace
+                      "trace_id", "trace_span_id",  # added by 0011_job_trace
+                      "scheduled_for", "webhook_events",  # added by 0013_schedule_and_webhook_events
+                      "retention_seconds", "purge_at", "purged_at"}  # added by 0014_retention
+
+
+LATER_JOBS_INDEXES = {"ix_jobs_status_scheduled",  # added by 0013_schedule_and_webhook_events
+                      "ix_jobs_purge_due", "ix_jobs_purge_pending"}  # added by 0014_retention
 
 
 def _added_later(diff: object) -> bool:
-    """An ``add_column`` of a ``jobs`` column that a revision after 0001_jobs adds."""
-    return (isinstance(diff, tuple) and diff[0] == "add_column"
-            and getattr(diff[-1], "name", None) in LATER_JOBS_COLUMNS)
+    """An ``add_column`` (``add_index``) of a ``jobs`` column (index) that a revision after
+    0001_jobs adds."""
+    return isinstance(diff, tuple) and (
+        (diff[0] == "add_column" and getattr(diff[-1], "name", None) in LATER_JOBS_COLUMNS)
+        or (diff[0] == "add_index" and getattr(diff[-1], "name", None) in LATER_JOBS_INDEXES))
 
 
 def _touches_jobs(diff: object) -> bool:
