@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 
 import structlog
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.client_address import remember_client_address
@@ -101,7 +102,7 @@ class PlaneGuard:
             await error_response(404, "not_found", "Not Found", path=path)(scope, receive, send)
             return
         peer = scope.get("client")
-        hops = forwarded_hops(_header(scope, b"forwarded"), _header(scope, b"x-forwarded-for")) \
+        hops = forwarded_hops(_header(scope, "forwarded"), _header(scope, "x-forwarded-for")) \
             if self.trusted_proxies else []
         address = client_address(peer[0] if peer else None, hops, self.trusted_proxies)
         remember_client_address(scope, address)
@@ -119,7 +120,7 @@ class PlaneGuard:
         await self.app(scope, receive, send)
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def _header(scope: Scope, name: str) -> str | None:
     """All values of one request header, joined as HTTP joins a repeated list header."""
-    values = [value.decode("latin-1") for key, value in scope.get("headers", ()) if key == name]
+    values = Headers(scope=scope).getlist(name)
     return ", ".join(values) if values else None

@@ -35,7 +35,6 @@ else the nested name itself (``limits.max_prompt_tokens``). The flat name is
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 from collections.abc import Mapping
@@ -54,6 +53,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from scheduler.access.networks import normalised_networks
 from scheduler.infra.queue_names import DEFAULT_WORKER_QUEUES, QueueName
 
 # Positions the chat template adds around a prompt (max_prompt_tokens counts the prompt's text only).
@@ -563,7 +563,7 @@ class WebhookSettings(SettingsGroup):
     @field_validator("allowed_networks")
     @classmethod
     def _networks(cls, value: list[str]) -> list[str]:
-        return cidr_list(value)
+        return normalised_networks(value)  # a ValueError refuses the setting
 
 
 def split_list(value: Any) -> Any:
@@ -574,11 +574,6 @@ def split_list(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [str(item).strip() for item in value if str(item).strip()]
     return value
-
-
-def cidr_list(value: list[str]) -> list[str]:
-    """CIDR texts in canonical form (host bits allowed); a ValueError refuses the setting."""
-    return [str(ipaddress.ip_network(item, strict=False)) for item in value]
 
 
 # --- the API's listeners: planes, allow-lists, TLS ----------------------------------------------
@@ -639,7 +634,7 @@ class PlaneSettings(SettingsGroup):
                      "trusted_proxies")
     @classmethod
     def _networks(cls, value: list[str]) -> list[str]:
-        return cidr_list(value)
+        return normalised_networks(value)  # a ValueError refuses the setting
 
     @model_validator(mode="after")
     def _pairs(self) -> PlaneSettings:
