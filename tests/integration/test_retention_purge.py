@@ -39,7 +39,7 @@ from tests.integration.retention_traces import (
 
 pytestmark = pytest.mark.integration
 
-HOOK = "https://receiver.example/hook"
+HOOK = "http://127.0.0.1:9/hook"  # loopback: a sweep that ever sends it stays on this machine
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Api:
 
 @pytest.fixture
 def api(make_settings: Callable[..., Settings], demo_checkpoint: Path) -> Iterator[Api]:
-    settings = make_settings(model_dir=demo_checkpoint)
+    settings = make_settings(model_dir=demo_checkpoint, webhook_allowed_networks=["127.0.0.0/8"])  # HOOK
     sessions = session_factory(make_engine(settings.resolved_database_url))
     tenant = f"retention-{uuid.uuid4().hex[:8]}"
     with sessions() as session:
