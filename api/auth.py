@@ -8,9 +8,10 @@ dependency made by :func:`requires` (aliases in ``api.deps``: ``ReadCaller``, ``
     def get_job(job_id: str, caller: ReadCaller) -> JobOut: ...
 
 The dependency reads ``Authorization: Bearer <key>``, authenticates the key
-(``scheduler.access.api_keys``: lookup by id, constant-time compare of a sha256 digest; cached per
-process), takes one token from the key's rate-limit bucket (``scheduler.access.admission``; the same
-Redis round trip also reports a revocation) and checks the scope (``admin`` holds every scope).
+(``scheduler.access.key_authenticator``: lookup by id, constant-time compare of a sha256 digest;
+cached per process), takes one token from the key's rate-limit bucket
+(``scheduler.access.admission``; the same Redis round trip also reports a revocation) and checks
+the scope (``admin`` holds every scope).
 No route body checks a scope or meters itself.
 
 The submit hot path (``POST /v1/jobs`` and the OpenAI completions, which submit the same way)
@@ -54,15 +55,9 @@ from api.errors import ApiError
 from api.planes import NETWORK_NOT_ALLOWED, plane_of_path
 from scheduler.access import api_keys
 from scheduler.access.admission import Admission, RateDecision
-from scheduler.access.api_keys import (
-    ALL_SCOPES,
-    SCOPE_ADMIN,
-    KeyAuthenticator,
-    KeyInfo,
-    KeyRefusal,
-    NotCached,
-    parse_key,
-)
+from scheduler.access.api_keys import ALL_SCOPES, SCOPE_ADMIN, KeyInfo
+from scheduler.access.key_authenticator import KeyAuthenticator, KeyRefusal, NotCached
+from scheduler.access.key_format import parse_key
 from scheduler.access.networks import allowed
 from scheduler.infra.db import DatabaseTimeouts, make_engine
 from scheduler.infra.redis_client import get_redis

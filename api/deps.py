@@ -7,15 +7,18 @@ their own ``Settings``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Annotated
 
+from celery import Celery
 from fastapi import Depends, Request
 from redis import Redis
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from api.auth import Caller, Scope, requires
 from api.prompt_tokens import PromptTokenCounter
+from scheduler.infra.celery_app import create_celery_app
 from scheduler.infra.settings import Settings
 
 # The accessors are ``async`` on purpose: FastAPI runs sync dependencies in the thread pool,
@@ -32,6 +35,13 @@ def _session(request: Request) -> Iterator[Session]:
         yield session
 
 
+async def _session_factory(request: Request) -> sessionmaker[Session]:
+    """The app's session factory itself, for work that outlives the request's session (a streamed
+    body, a background task) or opens sessions of its own in a worker thread."""
+    factory: sessionmaker[Session] = request.app.state.session_factory
+    return factory
+
+
 async def _redis(request: Request) -> Redis:
     client: Redis = request.app.state.redis
     return client
@@ -42,8 +52,28 @@ async def _token_counter(request: Request) -> PromptTokenCounter:
     return counter
 
 
+_celery_lock = threading.Lock()
+
+
+def _celery(request: Request) -> Celery:
+    """The app's Celery app (remote control), built once from its settings where the app was made
+    without one (sync: that build runs in the thread pool, off the event loop)."""
+    state = request.app.state
+    app = getattr(state, "celery", None) or getattr(state, "admin_celery", None)
+    if app is None:
+        with _celery_lock:
+            app = getattr(state, "admin_celery", None)
+            if app is None:
+                app = create_celery_app(state.settings)
+                state.admin_celery = app
+    celery: Celery = app
+    return celery
+
+
 SettingsDep = Annotated[Settings, Depends(_settings)]
 SessionDep = Annotated[Session, Depends(_session)]
+SessionFactoryDep = Annotated[sessionmaker[Session], Depends(_session_factory)]
+CeleryDep = Annotated[Celery, Depends(_celery)]
 RedisDep = Annotated[Redis, Depends(_redis)]
 TokenCounterDep = Annotated[PromptTokenCounter, Depends(_token_counter)]
 # The caller of an authenticated route, with the privilege it needs (api.auth ``requires``):

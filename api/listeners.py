@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import uvicorn
 from starlette.types import ASGIApp
 
 from api.planes import ALL_PLANES, Plane, listener_app
@@ -100,20 +101,19 @@ def _tls(cert: Path | None, key: Path | None, client_ca: Path | None = None) -> 
     return TlsFiles(cert, key, client_ca) if cert is not None and key is not None else None
 
 
+class PlaneServer(uvicorn.Server):
+    """A ``Server`` that leaves signals to :func:`serve_listeners` (several share one process)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 def serve_listeners(app: ASGIApp, specs: Sequence[ListenerSpec], options: dict[str, Any],
                     sockets: Sequence[socket.socket | None]) -> bool:
     """Serve ``app`` on every listener in this process until SIGINT/SIGTERM; False if it never
     started. ``options``: uvicorn ``Config`` options shared by all (protocol, timeouts, logging);
     ``sockets``: a bound socket per spec (``cloverq up`` binds them itself) or None to bind here."""
-    import uvicorn
-
-    class PlaneServer(uvicorn.Server):
-        """A ``Server`` that leaves signals to :func:`serve_listeners` (several share one process)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
     servers = []
     for index, spec in enumerate(specs):
         config = uvicorn.Config(listener_app(app, spec.planes), **{

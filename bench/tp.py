@@ -37,7 +37,7 @@ import torch
 from worker.model.checkpoint import load_checkpoint, read_config, weight_files
 from worker.model.demo import write_demo_checkpoint
 from worker.model.manifest import check_manifest
-from worker.model.parallel.group import close_active, load_tensor_parallel
+from worker.model.parallel.launch import close_active, load_tensor_parallel
 from worker.model.parallel.plan import make_plan
 from worker.model.parallel.shard import build_shard, load_shard_weights
 

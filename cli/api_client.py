@@ -25,7 +25,7 @@ import httpx
 
 from cli.stack_record import read_record, record_path
 from client import Client, CloverqError, JobTimeout
-from scheduler.access.api_keys import DEV_KEY_FILE
+from scheduler.access.dev_key import DEV_KEY_FILE
 from scheduler.infra.settings import Settings, get_settings
 
 HOW_TO_GIVE_A_KEY = ("pass --key, set CLOVERQ_API_KEY, or run `cloverq up` (it records its dev key for "

@@ -92,7 +92,7 @@ def generate(
     from worker.engine.types import FinishReason, GenerationRequest, SamplingParams
     from worker.model.family import decoding_defaults
     from worker.model.hf_defaults import GenerationDefaults
-    from worker.model.quantize import load_model
+    from worker.model.loader import load_model
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")

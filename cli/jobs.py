@@ -20,7 +20,7 @@ from rich.table import Table
 
 from cli.api_client import api_client, echo_json
 from client import Client, CloverqError, Job, JobEvent, JobProgress
-from scheduler.access.api_keys import DEV_KEY_FILE
+from scheduler.access.dev_key import DEV_KEY_FILE
 from scheduler.infra.queue_names import PRIORITY_CLASSES
 from scheduler.jobs.models import JobStatus
 

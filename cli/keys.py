@@ -25,13 +25,13 @@ from scheduler.access.api_keys import (
     KeyNotFound,
     KeyNotRotatable,
     create_key,
-    key_id_of,
     list_keys,
     parse_scopes,
     revoke_key,
     rotate_key,
     set_key_networks,
 )
+from scheduler.access.key_format import key_id_of
 from scheduler.infra.db import make_engine, migrate, session_factory
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings

@@ -24,8 +24,13 @@ from scheduler.infra.settings import Settings, get_settings
 from scheduler.infra.tls_check import exit_on_tls_failure
 from scheduler.observability.logging import configure_logging
 from scheduler.observability.tracing import setup_tracing
+from worker import control_commands, tasks
 from worker.joint_gate import interactive_reserve
 from worker.runtime import WorkerRuntime, get_runtime, set_runtime
+
+# Imported for what importing them does: cloverq.run_job (a shared task, on every app) and the
+# drain-sync remote-control command (Celery's process-global Panel), before any worker starts.
+_REGISTERED = (tasks, control_commands)
 
 
 def worker_argv(settings: Settings, *, queues: Sequence[str], concurrency: int, hostname: str) -> list[str]:
@@ -117,9 +122,6 @@ def run_worker(
     app = get_celery_app()
     app.set_current()
     app.set_default()
-    import worker.control_commands
-    import worker.tasks  # noqa: F401  (registers cloverq.run_job on the app)
-
     configure_logging(settings)  # JSON lines; Celery keeps its hands off (setup_logging receiver)
     signals.setup_logging.connect(_keep_our_logging, weak=False)
     setup_tracing(settings, process="worker", drops_to_redis=True)  # off by default: creates nothing

@@ -378,6 +378,7 @@ def _link_file(
 
 def _check_servable(folder: Path) -> None:
     """``ModelStoreError`` when the loader would refuse ``folder``'s config (read_config's reason)."""
+    # deferred: torch (checkpoint imports it); the model store and the CLI that loads it stay torch-free
     from worker.model.checkpoint import CheckpointError, read_config
 
     try:

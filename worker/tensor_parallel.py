@@ -26,15 +26,14 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import structlog
 
 from scheduler.fleet.workers import WorkerState, heartbeat_ttl, publish_worker
 from worker.model.checkpoint import LoadedModel
-
-if TYPE_CHECKING:
-    from worker.model.parallel.group import TensorParallelModel
+from worker.model.parallel.launch import load_tensor_parallel
+from worker.model.parallel.proxies import TensorParallelModel
 
 log = structlog.get_logger(__name__)
 
@@ -43,8 +42,6 @@ EXIT_RANK_LOST = 75  # EX_TEMPFAIL: restart me
 
 def load_sharded(runtime: Any, path: Path) -> LoadedModel:
     """Load ``path`` over ``settings.engine.tensor_parallel`` ranks for ``runtime`` (a ``WorkerRuntime``)."""
-    from worker.model.parallel.group import load_tensor_parallel
-
     settings = runtime.settings
     world = settings.engine.tensor_parallel
     verify = False if settings.model.skip_verify else settings.model.verify_on_load

@@ -15,17 +15,15 @@ Model versions (list, activate, roll back) live in ``api/routes/admin_models.py`
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from typing import Annotated, Any
 
 import redis
 import structlog
-from celery import Celery
 from fastapi import APIRouter, Body, Query, Request
 
 from api.auth import Caller, security_of
-from api.deps import AdminCaller, SessionDep, SettingsDep
+from api.deps import AdminCaller, CeleryDep, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.json_input import LimitedJsonRoute
 from api.schemas.admin import (
@@ -64,7 +62,6 @@ from scheduler.access.retention import DEFAULT_FIELD, MAX_FIELD, override_field
 from scheduler.fairness.weights import DEFAULT_WEIGHT, weight_field
 from scheduler.fleet import drain, operator_state
 from scheduler.fleet.workers import WorkerInfo, list_workers
-from scheduler.infra.celery_app import create_celery_app
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings
 from scheduler.jobs.models import QueueName
@@ -75,26 +72,12 @@ log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 429, 503),
                    route_class=LimitedJsonRoute)
 
-_celery_lock = threading.Lock()
 # Per-tenant retention overrides: (LIMITS_KEY field, TenantLimit attribute).
 RETENTION_ATTRIBUTES = ((DEFAULT_FIELD, "retention_default_seconds"), (MAX_FIELD, "retention_max_seconds"))
 
 
 def _registry(settings: Settings) -> Any:
     return get_redis(settings.resolved_redis_url)  # the process' shared client (app.state.redis too)
-
-
-def _celery(request: Request, settings: Settings) -> Celery:
-    """A Celery app for remote control, built once per API app from its settings."""
-    state = request.app.state
-    app = getattr(state, "celery", None) or getattr(state, "admin_celery", None)
-    if app is None:
-        with _celery_lock:
-            app = getattr(state, "admin_celery", None)
-            if app is None:
-                app = create_celery_app(settings)
-                request.app.state.admin_celery = app
-    return app
 
 
 def _audit(caller: Caller, action: str, target: str | None = None, **details: Any) -> None:
@@ -126,7 +109,7 @@ def get_workers(caller: AdminCaller, settings: SettingsDep) -> WorkerList:
 
 
 @router.get("/queues", response_model=QueueList)
-def get_queues(caller: AdminCaller, settings: SettingsDep, request: Request) -> QueueList:
+def get_queues(caller: AdminCaller, settings: SettingsDep) -> QueueList:
     """Every job queue: waiting messages, depth cap, drain state."""
     client = _registry(settings)
     names = [queue.value for queue in QueueName]
@@ -142,24 +125,22 @@ def get_queues(caller: AdminCaller, settings: SettingsDep, request: Request) -> 
 
 @router.post("/queues/{queue}/drain", response_model=QueueAction, responses=error_responses(422))
 def drain_queue(queue: QueueName, caller: AdminCaller, session: SessionDep, settings: SettingsDep,
-                request: Request) -> QueueAction:
+                celery: CeleryDep) -> QueueAction:
     """Workers stop taking jobs from ``queue`` (running jobs finish; submits still queue)."""
     client = _registry(settings)
     destinations = [_node_name(w) for w in list_workers(client)]
-    nodes = operator_state.drain_queue(session, client, _celery(request, settings), queue.value,
-                                       destinations=destinations)
+    nodes = operator_state.drain_queue(session, client, celery, queue.value, destinations=destinations)
     _audit(caller, "queue.drain", target=queue.value, nodes=nodes)
     return QueueAction(queue=queue.value, drained=True, nodes=nodes)
 
 
 @router.post("/queues/{queue}/resume", response_model=QueueAction, responses=error_responses(422))
 def resume_queue(queue: QueueName, caller: AdminCaller, session: SessionDep, settings: SettingsDep,
-                 request: Request) -> QueueAction:
+                 celery: CeleryDep) -> QueueAction:
     """Workers configured for ``queue`` consume it again."""
     client = _registry(settings)
     destinations = [_node_name(w) for w in list_workers(client) if queue.value in w.queues]
-    nodes = operator_state.resume_queue(session, client, _celery(request, settings), queue.value,
-                                        destinations=destinations)
+    nodes = operator_state.resume_queue(session, client, celery, queue.value, destinations=destinations)
     _audit(caller, "queue.resume", target=queue.value, nodes=nodes)
     return QueueAction(queue=queue.value, drained=False, nodes=nodes)
 

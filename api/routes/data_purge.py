@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import uuid
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from api.deps import SessionDep, SubmitCaller, visible_tenant
+from api.deps import RedisDep, SessionDep, SettingsDep, SubmitCaller, visible_tenant
 from api.errors import ApiError
 from api.json_input import LimitedJsonRoute
 from api.presenters import job_out
@@ -39,7 +39,8 @@ def _not_finished(code: str, what: str, details: dict[str, object]) -> ApiError:
 
 @router.delete("/v1/jobs/{job_id}/data", response_model=JobOut,
                responses=error_responses(401, 403, 404, 409, 503))
-def purge_job_data(job_id: str, request: Request, session: SessionDep, caller: SubmitCaller) -> JobOut:
+def purge_job_data(job_id: str, session: SessionDep, redis: RedisDep, settings: SettingsDep,
+                   caller: SubmitCaller) -> JobOut:
     """Purge a finished job's input, output, partial text, stream events and webhook bodies now;
     answers its tombstone (``purged_at`` set, ``result`` null). Idempotent."""
     try:
@@ -50,8 +51,7 @@ def purge_job_data(job_id: str, request: Request, session: SessionDep, caller: S
     if job is None:
         raise ApiError(404, "job_not_found", f"No job with id '{job_id}'.", {"job_id": job_id})
     try:
-        purge_job_now(session, request.app.state.redis, job,
-                      settle=settle_seconds(request.app.state.settings))
+        purge_job_now(session, redis, job, settle=settle_seconds(settings))
     except NotFinishedError:
         raise _not_finished("job_not_finished", f"Job {job.id} is {job.status}",
                             {"job_id": str(job.id), "status": job.status}) from None
@@ -64,15 +64,15 @@ def purge_job_data(job_id: str, request: Request, session: SessionDep, caller: S
 
 @router.delete("/v1/batches/{batch_id}/data", response_model=BatchOut,
                responses=error_responses(401, 403, 404, 409, 503))
-def purge_batch_data(batch_id: str, request: Request, session: SessionDep, caller: SubmitCaller) -> BatchOut:
+def purge_batch_data(batch_id: str, session: SessionDep, redis: RedisDep, settings: SettingsDep,
+                     caller: SubmitCaller) -> BatchOut:
     """Purge the data of every job of a finished batch now (all or nothing); answers the batch
     with ``purged_at`` set. Idempotent."""
     batch = batch_service.get_batch(session, batch_id=batch_id, tenant=visible_tenant(caller))
     if batch is None:
         raise ApiError(404, "batch_not_found", f"No batch with id '{batch_id}'.", {"batch_id": batch_id})
     try:
-        jobs = purge_batch_now(session, request.app.state.redis, batch,
-                               settle=settle_seconds(request.app.state.settings))
+        jobs = purge_batch_now(session, redis, batch, settle=settle_seconds(settings))
     except NotFinishedError as exc:
         raise _not_finished("batch_not_finished", f"Batch {batch.id} has {exc.active} queued or running "
                             "job(s)", {"batch_id": str(batch.id), "active_jobs": exc.active}) from None

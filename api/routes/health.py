@@ -15,10 +15,11 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from redis import Redis
 from sqlalchemy import text
 
+from api.deps import RedisDep, SessionFactoryDep, SettingsDep
 from api.schemas.health import Health, Readiness, ReadinessCheck
 from scheduler.fleet.workers import consuming_classes, ready_workers, unconsumed_classes
 
@@ -36,22 +37,22 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(request: Request, response: Response) -> Readiness:
+async def readyz(response: Response, settings: SettingsDep, session_factory: SessionFactoryDep,
+                 redis_client: RedisDep) -> Readiness:
     """Ready when the database and Redis answer, at least one worker is ready and no ready worker's
     consumer is off a queue it should consume (``consumers``), decided within the readiness
     deadline (a check still running then has failed). ``ready_workers`` counts, per queue, the
     ready workers whose Celery consumer consumes it now (read back from the consumer itself)."""
-    state = request.app.state
-    deadline: float = state.settings.observability.readiness_timeout_seconds
+    deadline: float = settings.observability.readiness_timeout_seconds
     checks: dict[str, ReadinessCheck] = {}
     per_queue: dict[str, int] = {}
 
     async def database() -> None:
-        checks.update(await _bounded(lambda: _check_database(state.session_factory), deadline,
+        checks.update(await _bounded(lambda: _check_database(session_factory), deadline,
                                      _timed_out(("database",), deadline)[0]))
 
     async def redis() -> None:
-        found, queues = await _bounded(lambda: _check_redis(state.redis), deadline,
+        found, queues = await _bounded(lambda: _check_redis(redis_client), deadline,
                                        _timed_out(("redis", "workers", "consumers"), deadline))
         checks.update(found)
         per_queue.update(queues)

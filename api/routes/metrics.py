@@ -18,9 +18,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.deps import RedisDep, SessionFactoryDep, SettingsDep
 from api.tenant_queues import tenant_counts
 from scheduler.fleet.workers import consuming_classes, list_workers, unconsumed_classes
-from scheduler.infra.settings import Settings
 from scheduler.jobs.models import Job, JobStatus, QueueName
 from scheduler.observability import tracing
 from scheduler.observability.logging import REQUEST_ID_HEADER, accept_request_id, bind_request_id, get_logger
@@ -171,13 +171,10 @@ def workers_unconsumed(redis_client: Any) -> Mapping[str, int]:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
+async def metrics(request: Request, settings: SettingsDep, redis_client: RedisDep,
+                  session_factory: SessionFactoryDep) -> Response:
     """Prometheus exposition: this process's HTTP/submit families + cluster-wide job and worker
     families read from Redis + queue depth from SQL (computed now, in a worker thread)."""
-    state = request.app.state
-    settings: Settings = state.settings
-    redis_client = state.redis
-    session_factory = state.session_factory
     body, content_type = await anyio.to_thread.run_sync(
         lambda: render_metrics(
             redis_client,

@@ -28,13 +28,22 @@ import anyio.to_thread
 from fastapi import APIRouter, BackgroundTasks, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from api import json_input
 from api import openai_compat as oa
 from api.admission import admit_batch
 from api.auth import Caller
-from api.deps import ReadCaller, SessionDep, SettingsDep, SubmitCaller, TokenCounterDep, visible_tenant
+from api.deps import (
+    ReadCaller,
+    RedisDep,
+    SessionDep,
+    SessionFactoryDep,
+    SettingsDep,
+    SubmitCaller,
+    TokenCounterDep,
+    visible_tenant,
+)
 from api.errors import ApiError, openai_error_body
 from api.presenters import job_out
 from api.prompt_tokens import PromptTokenCounter
@@ -124,8 +133,7 @@ def list_files(session: SessionDep, caller: ReadCaller,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
-def _rendered(request: Request, session: Session, caller: Caller, file_id: str
-              ) -> tuple[store.OpenAIBatch, str] | None:
+def _rendered(session: Session, caller: Caller, file_id: str) -> tuple[store.OpenAIBatch, str] | None:
     rendered = store.rendered_file(file_id)
     if rendered is None:
         return None
@@ -136,12 +144,13 @@ def _rendered(request: Request, session: Session, caller: Caller, file_id: str
     return row, kind
 
 
-def get_file(file_id: str, request: Request, session: SessionDep, caller: ReadCaller) -> dict[str, Any]:
+def get_file(file_id: str, session: SessionDep, sessions: SessionFactoryDep, caller: ReadCaller
+             ) -> dict[str, Any]:
     """OpenAI ``GET /files/{id}``."""
-    rendered = _rendered(request, session, caller, file_id)
+    rendered = _rendered(session, caller, file_id)
     if rendered is not None:
         row, kind = rendered
-        size = sum(len(line) for line in _output_lines(request, row, kind))
+        size = sum(len(line) for line in _output_lines(sessions, row, kind))
         return {"id": file_id, "object": "file", "bytes": size, "created_at": _unix(row.created_at),
                 "filename": f"{row.id}_{kind}.jsonl", "purpose": "batch_output", "status": "processed",
                 "expires_at": None, "status_details": None}
@@ -151,12 +160,13 @@ def get_file(file_id: str, request: Request, session: SessionDep, caller: ReadCa
     return _file_out(found)
 
 
-def file_content(file_id: str, request: Request, session: SessionDep, caller: ReadCaller) -> Response:
+def file_content(file_id: str, session: SessionDep, sessions: SessionFactoryDep, caller: ReadCaller
+                 ) -> Response:
     """OpenAI ``GET /files/{id}/content``: the uploaded bytes, or a batch's output / errors JSONL."""
-    rendered = _rendered(request, session, caller, file_id)
+    rendered = _rendered(session, caller, file_id)
     if rendered is not None:
         row, kind = rendered
-        return StreamingResponse(_output_lines(request, row, kind), media_type="application/jsonl")
+        return StreamingResponse(_output_lines(sessions, row, kind), media_type="application/jsonl")
     found = store.get_file(session, file_id=file_id, tenant=visible_tenant(caller))
     if found is None:
         raise _file_not_found(file_id)
@@ -376,15 +386,14 @@ def list_batches(session: SessionDep, caller: ReadCaller,
 
 
 def cancel_batch(
-    batch_id: str, request: Request, session: SessionDep, caller: SubmitCaller
+    batch_id: str, session: SessionDep, settings: SettingsDep, redis: RedisDep, caller: SubmitCaller
 ) -> dict[str, Any]:
     """OpenAI ``POST /batches/{id}/cancel``: queued jobs are cancelled at once, running ones stop
     within a pass (``scheduler.batches.service.cancel_batch``)."""
     row = _load(session, caller, batch_id)
     batch = batch_service.get_batch(session, batch_id=row.batch_id, tenant=None)
     assert batch is not None
-    batch_service.cancel_batch(session, batch=batch, settings=request.app.state.settings,
-                               redis_client=request.app.state.redis)
+    batch_service.cancel_batch(session, batch=batch, settings=settings, redis_client=redis)
     store.mark_cancelling(session, row)
     return _batch_out(session, row)
 
@@ -416,8 +425,7 @@ def _line(row: store.OpenAIBatch, seq: int, job: Job) -> tuple[str, dict[str, An
                                            "body": body}, "error": error}
 
 
-def _output_lines(request: Request, row: store.OpenAIBatch, kind: str) -> Iterator[bytes]:
-    sessions = request.app.state.session_factory
+def _output_lines(sessions: sessionmaker[Session], row: store.OpenAIBatch, kind: str) -> Iterator[bytes]:
     for seq, job in store.iter_batch_jobs(sessions, batch_id=row.batch_id):
         which, line = _line(row, seq, job)
         if which == kind:

@@ -10,13 +10,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from sqlalchemy import CursorResult, Engine, Result, create_engine, event, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
-if TYPE_CHECKING:
-    from scheduler.infra.settings import Settings
+from scheduler.infra.settings import Settings, get_settings
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"  # the repository root's migrations/
 
@@ -29,8 +28,9 @@ def rowcount(result: Result[Any]) -> int:
 
 def lift_statement_timeout(session: Session) -> None:
     """No statement bound for the rest of ``session``'s transaction (PostgreSQL ``SET LOCAL``):
-    for one statement over an unbounded set of rows (expiry, moving a canary's queued pins),
-    which must finish rather than fail the same way on every try."""
+    for one statement over an unbounded set of rows (moving a canary's queued pins), which must
+    finish rather than fail the same way on every try. Where the work can be split, split it
+    instead (expiry runs in bounded batches: ``scheduler/maintenance/tasks.py``)."""
     if session.get_bind().dialect.name == "postgresql":
         session.execute(text("SET LOCAL statement_timeout = 0"))
 
@@ -69,8 +69,6 @@ class DatabaseTimeouts:
 
 def process_timeouts() -> DatabaseTimeouts:
     """The bounds of this process's settings (what ``make_engine`` uses when given none)."""
-    from scheduler.infra.settings import get_settings
-
     return DatabaseTimeouts.from_settings(get_settings())
 
 
@@ -156,7 +154,7 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 
 def alembic_config(url: str) -> Any:
     """An Alembic ``Config`` for ``url`` that works from any working directory."""
-    from alembic.config import Config
+    from alembic.config import Config  # deferred: alembic (~0.1 s) is only for migrations, not every process
 
     config = Config(str(MIGRATIONS_DIR / "alembic.ini"))
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
@@ -166,7 +164,7 @@ def alembic_config(url: str) -> Any:
 
 def migrate(url: str, *, revision: str = "head") -> None:
     """Upgrade the database at ``url`` to ``revision`` (idempotent)."""
-    from alembic import command
+    from alembic import command  # deferred: alembic (~0.1 s) is only for migrations, not every process
 
     command.upgrade(alembic_config(url), revision)
 

@@ -32,10 +32,18 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    from scheduler.infra.settings import Settings
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import parse_url
+from redis.retry import Retry
+from sqlalchemy import make_url
+from sqlalchemy.exc import ArgumentError
+
+from scheduler.infra.db import DatabaseTimeouts, make_engine
+from scheduler.infra.redis_client import is_tls_url, redis_ssl_options
+from scheduler.infra.settings import Settings
 
 EXIT_CODE = 78  # EX_CONFIG (sysexits.h): a configuration error, not a crash
 REDIS_TIMEOUT_SECONDS = 5.0
@@ -121,16 +129,8 @@ def _readable(path: str) -> str | None:
 def check_redis_tls(url: str, *, timeout: float = REDIS_TIMEOUT_SECONDS) -> TlsFailure | None:
     """Connect once to the ``rediss://`` Redis at ``url`` as cloverq's clients do; the TLS
     failure, or None (no TLS, it verified, or it failed for a reason that is not TLS)."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    from scheduler.infra.redis_client import is_tls_url, redis_ssl_options
-
     if not is_tls_url(url):
         return None
-    from redis.connection import parse_url
-
     params = parse_url(url)
     host, port = str(params.get("host") or "localhost"), int(params.get("port") or 6379)
     address = f"{host}:{port}"
@@ -190,9 +190,6 @@ def _probe_redis_alert(host: str, port: int, options: dict[str, Any],
 
 def _postgres_tls_target(url: str) -> tuple[str, int, str, str | None] | None:
     """(host, port, sslmode, root certificate) of a PostgreSQL URL that uses TLS, else None."""
-    from sqlalchemy import make_url
-    from sqlalchemy.exc import ArgumentError
-
     try:
         parsed = make_url(url)
     except ArgumentError:  # not a URL: the service's own start says so
@@ -255,8 +252,6 @@ def check_postgres_tls(url: str, *, timeout: float = 5.0) -> TlsFailure | None:
         unreadable = _readable(root)
         if unreadable:
             return TlsFailure("postgresql", address, "ca_file", unreadable, root)
-    from scheduler.infra.db import DatabaseTimeouts, make_engine
-
     engine = make_engine(url, pool_size=1, timeouts=DatabaseTimeouts(connect=timeout))
     try:
         with engine.connect():

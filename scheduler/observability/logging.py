@@ -22,10 +22,12 @@ from collections.abc import Iterator, MutableMapping
 from typing import Any, TextIO
 
 import structlog
+from celery import signals
 from structlog.contextvars import bind_contextvars, bound_contextvars, get_contextvars
 from structlog.types import EventDict, Processor, WrappedLogger
 
 from scheduler.infra.settings import Settings
+from scheduler.observability.redaction import redact_secrets
 from scheduler.observability.tracing import add_trace_ids
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -131,23 +133,13 @@ def shared_processors(settings: Settings) -> list[Processor]:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _drop_color_message,
         drop_secrets,
+        redact_secrets,  # keys, bearer tokens and URL passwords inside any value
     ]
-    processors.extend(_extra_redaction_processors())
     if settings.observability.tracing_enabled:  # trace_id / span_id inside a recorded span
         processors.append(add_trace_ids)
     if not settings.observability.log_payloads:
         processors.append(drop_payloads)
     return processors
-
-
-def _extra_redaction_processors() -> list[Processor]:
-    """The security helper's redaction processor (``scheduler.observability.redaction``), once it exists."""
-    try:
-        from scheduler.observability import redaction
-    except ImportError:
-        return []
-    processor = getattr(redaction, "redact_secrets", None) or getattr(redaction, "processor", None)
-    return [processor] if callable(processor) else []
 
 
 def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> None:
@@ -199,8 +191,6 @@ def _leave_logging_alone(**_: Any) -> None:
 
 def configure_celery_logging(settings: Settings) -> None:
     """:func:`configure_logging` for a Celery process (worker, beat): Celery must not replace it."""
-    from celery import signals  # local: only Celery processes need it
-
     configure_logging(settings)
     signals.setup_logging.connect(_leave_logging_alone, weak=False)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from structlog.types import EventDict, WrappedLogger
 
-from scheduler.access.api_keys import KEY_SEARCH_PATTERN
+from scheduler.access.key_format import KEY_SEARCH_PATTERN
 
 REDACTED = "[redacted]"
 SECRET_NAMES: frozenset[str] = frozenset(

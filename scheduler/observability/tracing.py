@@ -39,8 +39,9 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings
-from scheduler.observability.metrics import record_spans_dropped
+from scheduler.observability.metrics import RedisMetricsRecorder, record_spans_dropped
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -94,6 +95,7 @@ def setup_tracing(settings: Settings, *, process: str, drops_to_redis: bool = Fa
         return False
     if _provider is not None:
         return True
+    # deferred: the OpenTelemetry SDK and OTLP exporter (~0.2 s), loaded only where tracing is on
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -123,9 +125,6 @@ def setup_tracing(settings: Settings, *, process: str, drops_to_redis: bool = Fa
     _exporters.append(otlp)
     _enabled = True
     if drops_to_redis:
-        from scheduler.infra.redis_client import get_redis
-        from scheduler.observability.metrics import RedisMetricsRecorder
-
         recorder = RedisMetricsRecorder(get_redis(settings.resolved_redis_url))
         set_drop_sink(lambda reason, count: recorder.trace_spans_dropped(process=process, reason=reason,
                                                                          count=count))
@@ -190,6 +189,7 @@ def _flush_drops() -> None:
 
 def _counting_exporter(inner: SpanExporter) -> SpanExporter:
     """``inner``, counting the spans of every batch it fails to deliver (``export_failed``)."""
+    # deferred: the OpenTelemetry SDK, loaded only where tracing is on (setup_tracing)
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     class CountingExporter(SpanExporter):
@@ -221,6 +221,7 @@ def _bounded_processor(exporter: SpanExporter, queue_size: int) -> Any:
     full one loses a span. It reports that only to an OpenTelemetry meter, which cloverq does
     not run, so the queue length is compared here first (a racy read is fine for a counter).
     """
+    # deferred: the OpenTelemetry SDK, loaded only where tracing is on (setup_tracing)
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     class CountingBatchSpanProcessor(BatchSpanProcessor):

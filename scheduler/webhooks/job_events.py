@@ -26,9 +26,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler.infra.celery_app import get_celery_app
 from scheduler.jobs.models import Job, utcnow
-from scheduler.webhooks.delivery import DeliveryStatus, WebhookDelivery, WebhookEvent, _insert_once
 from scheduler.webhooks.events import EventFilter, wants
+from scheduler.webhooks.outbox import insert_once
 from scheduler.webhooks.progress import ProgressThrottle, ProgressWebhook
+from scheduler.webhooks.tables import DeliveryStatus, WebhookDelivery, WebhookEvent
 from scheduler.webhooks.tasks import publish_delivery
 
 log = structlog.get_logger(__name__)
@@ -82,7 +83,7 @@ def _record(sessions: sessionmaker[Session], deliveries: Sequence[WebhookDeliver
     try:
         with sessions() as session:
             ids = [delivery_id for delivery in deliveries
-                   if (delivery_id := _insert_once(session, delivery)) is not None]
+                   if (delivery_id := insert_once(session, delivery)) is not None]
             session.commit()
         for delivery_id in ids:
             publish_delivery(delivery_id, app=app or get_celery_app())

@@ -30,15 +30,10 @@ from scheduler.infra.queue_names import WEBHOOKS_QUEUE
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.jobs.models import FINAL_STATUSES, Job, JobStatus, utcnow
 from scheduler.observability import tracing
-from scheduler.webhooks.delivery import (
-    DELIVER_WEBHOOK_TASK,
-    WebhookDelivery,
-    WebhookEvent,
-    deliver_once,
-    due_deliveries,
-    record_job_finished,
-)
+from scheduler.webhooks.delivery import DELIVER_WEBHOOK_TASK, deliver_once
 from scheduler.webhooks.events import EventFilter
+from scheduler.webhooks.outbox import due_deliveries, record_job_finished
+from scheduler.webhooks.tables import WebhookDelivery, WebhookEvent
 
 log = structlog.get_logger(__name__)
 

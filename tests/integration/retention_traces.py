@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from scheduler.infra import redis_keys
 from scheduler.jobs import event_stream
 from scheduler.jobs.models import Base, Job, JobStatus, utcnow
-from scheduler.webhooks.delivery import record_job_finished
+from scheduler.webhooks.outbox import record_job_finished
 
 
 def finish_like_a_worker(sessions: sessionmaker[Session], client: redis_lib.Redis, job_id: str | uuid.UUID,

@@ -23,7 +23,7 @@ from scheduler.jobs.models import Job, JobStatus, utcnow
 from scheduler.jobs.service import submit_job
 from scheduler.maintenance.delayed import read_cursor, release_due_delayed
 from scheduler.maintenance.tasks import enqueue_due_jobs
-from scheduler.webhooks.delivery import WebhookDelivery
+from scheduler.webhooks.tables import WebhookDelivery
 from scheduler.webhooks.tasks import sweep
 
 pytestmark = pytest.mark.integration

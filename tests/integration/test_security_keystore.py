@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.access.api_keys import KeyAuthenticator, create_key, list_keys, revoke_key
+from scheduler.access.api_keys import create_key, list_keys, revoke_key
+from scheduler.access.key_authenticator import KeyAuthenticator
 from scheduler.infra.db import make_engine, session_factory
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,8 @@ from sqlalchemy import select
 from api.app import create_app
 from scheduler.infra.db import get_session_factory
 from scheduler.infra.settings import Settings
-from scheduler.webhooks.delivery import EVENT_HEADER, WebhookDelivery
+from scheduler.webhooks.delivery import EVENT_HEADER
+from scheduler.webhooks.tables import WebhookDelivery
 from tests.conftest import ProcessLauncher, clear_leftover_jobs, wait_for
 from tests.integration.webhook_receiver import WebhookReceiver
 

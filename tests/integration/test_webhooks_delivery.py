@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from scheduler.infra.db import get_session_factory
 from scheduler.infra.settings import Settings
-from scheduler.webhooks.delivery import SIGNATURE_HEADER, DeliveryStatus, WebhookDelivery, verify_signature
+from scheduler.webhooks.signing import SIGNATURE_HEADER, verify_signature
+from scheduler.webhooks.tables import DeliveryStatus, WebhookDelivery
 from tests.conftest import ProcessLauncher, wait_for
 from tests.integration.webhook_receiver import WebhookReceiver
 

@@ -22,7 +22,8 @@ from api.auth import meter_refused_request, security_of
 from api.deps import AdminCaller, AdmittedSubmitCaller, ReadCaller, SubmitCaller
 from api.errors import ApiError, install_error_handlers
 from scheduler.access.admission import RateDecision
-from scheduler.access.api_keys import KeyInfo, KeyRefusal
+from scheduler.access.api_keys import KeyInfo
+from scheduler.access.key_authenticator import KeyRefusal
 from scheduler.infra.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from cli import stack_record
 from cli.api_client import click_error, resolve_target
 from cli.top import fetch_overview
 from client import CloverqError
-from scheduler.access.api_keys import DEV_KEY_FILE
+from scheduler.access.dev_key import DEV_KEY_FILE
 from scheduler.infra.settings import Settings
 
 

@@ -41,6 +41,7 @@ from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.model import fp8
 from worker.model.checkpoint import SINGLE_NAME, CheckpointError, LoadedModel, load_checkpoint
+from worker.model.loader import load_model
 from worker.model.manifest import write_manifest
 from worker.model.planner import weight_bytes
 from worker.model.quant_rules import int4_group, matrix_bytes, parse_mode
@@ -51,7 +52,6 @@ from worker.model.quantize import (
     QuantizedExperts,
     dequantize_int4,
     dequantize_int8,
-    load_model,
     model_bytes,
     pack_nibbles,
     quantize_int4,

@@ -17,27 +17,22 @@ from sqlalchemy.orm import Session, sessionmaker
 from cli.keys import parse_duration
 from scheduler.access.api_keys import (
     ALL_SCOPES,
-    DEV_KEY_FILE,
     MAX_ROTATION_OVERLAP_SECONDS,
-    SCANNER_REGEX,
     ApiKey,
     InvalidKeyRequest,
-    KeyAuthenticator,
     KeyInfo,
     KeyNotFound,
     KeyNotRotatable,
-    KeyRefusal,
     create_key,
-    ensure_dev_key,
-    hash_key,
-    key_id_of,
     list_keys,
-    parse_key,
     parse_scopes,
     revoke_key,
     rotate_key,
     set_key_networks,
 )
+from scheduler.access.dev_key import DEV_KEY_FILE, ensure_dev_key
+from scheduler.access.key_authenticator import KeyAuthenticator, KeyRefusal
+from scheduler.access.key_format import SCANNER_REGEX, hash_key, key_id_of, parse_key
 from scheduler.observability.redaction import redact_text
 
 

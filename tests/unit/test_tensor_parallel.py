@@ -20,8 +20,9 @@ import torch
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint, read_config, weight_files
-from worker.model.parallel.group import TensorParallelModel, close_active, load_tensor_parallel
+from worker.model.parallel.launch import close_active, load_tensor_parallel
 from worker.model.parallel.plan import ShardError, make_plan, rank_config
+from worker.model.parallel.proxies import TensorParallelModel
 from worker.model.parallel.shard import build_shard, load_shard_weights
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, wait_for
-from worker.model.parallel.group import TensorParallelError, close_active, load_tensor_parallel
+from worker.model.parallel.errors import TensorParallelError
+from worker.model.parallel.launch import close_active, load_tensor_parallel
 
 
 def test_a_killed_rank_breaks_the_group_and_calls_on_fatal_once(demo_checkpoint: Path) -> None:
@@ -47,7 +48,7 @@ def test_a_killed_rank_breaks_the_group_and_calls_on_fatal_once(demo_checkpoint:
 
 _RANK0 = """
 import os, sys
-from worker.model.parallel.group import load_tensor_parallel
+from worker.model.parallel.launch import load_tensor_parallel
 tp = load_tensor_parallel(sys.argv[1], world=2, threads=1, verify=False).model
 print(tp.group.procs[0].pid, flush=True)
 os._exit(0)  # rank 0 vanishes without closing anything

@@ -43,18 +43,20 @@ from worker.model.checkpoint import (
     read_config,
     weight_files,
 )
+from worker.model.loader import load_model
 from worker.model.manifest import write_manifest
-from worker.model.parallel.group import CheckpointSource, TensorParallelModel, close_active, launch
+from worker.model.parallel.launch import close_active, launch
 from worker.model.parallel.plan import MoeMode, make_plan
+from worker.model.parallel.proxies import TensorParallelModel
 from worker.model.parallel.quant import local_amax, quantize_shard, row_parallel_int8
 from worker.model.parallel.shard import Shard, build_shard, load_shard_weights
+from worker.model.parallel.sources import CheckpointSource
 from worker.model.planner import rank_weight_bytes
 from worker.model.quant_rules import parse_mode
 from worker.model.quantize import (
     Int4Linear,
     Int8Linear,
     QuantizedExperts,
-    load_model,
     model_bytes,
     quantize_model,
 )

@@ -6,7 +6,8 @@ import hashlib
 import hmac
 
 from scheduler.infra.settings import Settings
-from scheduler.webhooks.delivery import sign, signature_header, verify_signature, webhook_backoff_seconds
+from scheduler.webhooks.delivery import webhook_backoff_seconds
+from scheduler.webhooks.signing import sign, signature_header, verify_signature
 
 SECRET = "s3cret"
 BODY = b'{"event":"job.finished","job":{"id":"1"}}'

@@ -26,20 +26,17 @@ from api.errors import ApiError
 from api.limits import check_webhook_url
 from scheduler.infra.db import get_session_factory, migrate
 from scheduler.infra.settings import Settings
-from scheduler.webhooks import delivery
-from scheduler.webhooks.delivery import (
-    SIGNATURE_HEADER,
-    DeliveryStatus,
-    WebhookDelivery,
+from scheduler.webhooks import delivery, ssrf_guard
+from scheduler.webhooks.delivery import deliver_once
+from scheduler.webhooks.signing import SIGNATURE_HEADER, tenant_secret, verify_signature
+from scheduler.webhooks.ssrf_guard import (
     WebhookResolveError,
     WebhookTargetError,
     check_url,
-    deliver_once,
     refused_reason,
     resolve_target,
-    tenant_secret,
-    verify_signature,
 )
+from scheduler.webhooks.tables import DeliveryStatus, WebhookDelivery
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -317,7 +314,7 @@ def _refuse_posts(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_delivery_to_a_name_resolving_to_a_private_address_is_refused_before_connecting(
     sessions: Any, monkeypatch: pytest.MonkeyPatch, _loopback_only: Guard
 ) -> None:
-    monkeypatch.setattr(delivery, "_resolve", _resolver("10.0.0.1"))
+    monkeypatch.setattr(ssrf_guard, "_resolve", _resolver("10.0.0.1"))
     _refuse_posts(monkeypatch)
     delivery_id = _delivery(sessions, "https://hooks.example.com/x")
     step = deliver_once(sessions, delivery_id=delivery_id, settings=_settings(**DELIVERY_SETTINGS))
@@ -347,7 +344,7 @@ def test_a_resolver_failure_is_retried_not_given_up(sessions: Any, monkeypatch: 
     def fail(host: str, port: int) -> list[str]:
         raise WebhookResolveError(f"{host} does not resolve")
 
-    monkeypatch.setattr(delivery, "_resolve", fail)
+    monkeypatch.setattr(ssrf_guard, "_resolve", fail)
     delivery_id = _delivery(sessions, "https://hooks.example.com/x")
     step = deliver_once(sessions, delivery_id=delivery_id, settings=_settings(**DELIVERY_SETTINGS))
     assert step.status is DeliveryStatus.PENDING and step.retry_in_seconds is not None
@@ -373,7 +370,7 @@ def test_loopback_receiver_needs_the_allow_list(sessions: Any, receiver: Receive
 def test_a_name_is_delivered_to_the_address_that_was_checked(
     sessions: Any, receiver: Receiver, monkeypatch: pytest.MonkeyPatch, _loopback_only: Guard
 ) -> None:
-    monkeypatch.setattr(delivery, "_resolve", _resolver("127.0.0.1"))  # "hooks.test" -> loopback
+    monkeypatch.setattr(ssrf_guard, "_resolve", _resolver("127.0.0.1"))  # "hooks.test" -> loopback
     settings = _settings(webhook_allowed_hosts=["hooks.test"], **DELIVERY_SETTINGS)
     delivery_id = _delivery(sessions, f"http://hooks.test:{receiver.port}/pinned")
     step = deliver_once(sessions, delivery_id=delivery_id, settings=settings)
@@ -401,7 +398,7 @@ def test_the_next_checked_address_is_tried_only_when_connecting_fails(
     sessions: Any, receiver: Receiver, monkeypatch: pytest.MonkeyPatch, _loopback_only: Guard
 ) -> None:
     # The receiver listens on 127.0.0.1 only: connecting to ::1 fails, then 127.0.0.1 answers.
-    monkeypatch.setattr(delivery, "_resolve", _resolver("::1", "127.0.0.1"))
+    monkeypatch.setattr(ssrf_guard, "_resolve", _resolver("::1", "127.0.0.1"))
     settings = _settings(webhook_allowed_hosts=["hooks.test"], **DELIVERY_SETTINGS)
     delivery_id = _delivery(sessions, f"http://hooks.test:{receiver.port}/second")
     step = deliver_once(sessions, delivery_id=delivery_id, settings=settings)

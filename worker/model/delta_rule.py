@@ -165,7 +165,7 @@ def _fla_kernel(device: torch.device, dtype: torch.dtype) -> Any:
 
 def _probe_fla(device: torch.device) -> Any:
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # deferred: optional extra cloverq[cuda]
     except Exception:  # not installed / no triton: the torch form serves
         return None
 

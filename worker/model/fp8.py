@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 DEFAULT_BLOCK: tuple[int, int] = (128, 128)
@@ -73,8 +74,6 @@ def quantize(
 def read_scale(f: Any, name: str, found: dict[str, Any]) -> torch.Tensor | None:
     """``name``'s ``scale_inv`` from the open safetensors file ``f`` or, in a sharded checkpoint, from
     the file ``found`` (tensor name -> file) says holds it; ``None`` when the checkpoint has none."""
-    from safetensors import safe_open
-
     scale = scale_name(name)
     if scale not in found:
         return None

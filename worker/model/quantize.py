@@ -55,7 +55,7 @@ batch 1 on Clover (38.0 vs 56.7 ms) and 1.52x on SDAR (39.3 vs 59.5 ms), 1.07x /
 0.92x / 0.80x at batch 16; Clover's weights 380 MiB -> 98 MiB (int8) / 58 MiB (int4). bfloat16
 runs 0.11-0.45x float32 on this CPU (no native bfloat16 matmul).
 
-Quantization runs where the weights are (``load_model`` loads a checkpoint onto the host, quantizes
+Quantization runs where the weights are (``loader.load_model`` loads a checkpoint onto the host, quantizes
 there, then moves the int8/int4 model to the device: the full-precision copy never has to fit on
 the device). int4 codes are held in a portable nibble layout until ``prepare`` packs them for the
 device's kernel; do not move a prepared model across device types.
@@ -66,7 +66,6 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,7 +73,6 @@ from torch import nn
 
 from worker.model import moe
 from worker.model.quant_rules import (
-    DEFAULT_INT4_GROUP,
     QUANTIZED_EXPERTS,
     QUANTIZED_LINEARS,
     QuantMode,
@@ -505,79 +503,3 @@ def prepare(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, (Int4Linear, QuantizedExperts)):
             m.prepare()
-
-
-def load_model(
-    path: Path | str,
-    *,
-    device: torch.device | str = "cpu",
-    weight_dtype: QuantMode | str | None = None,
-    group_size: int | None = None,
-    **load_kwargs: Any,
-) -> Any:
-    """``checkpoint.load_checkpoint`` (``load_kwargs``: dtype, verify, ...), then, with ``weight_dtype``,
-    quantization: the checkpoint is read onto the host, quantized there and moved to ``device``, so
-    its full-precision copy never has to fit on the device. Returns the ``LoadedModel``."""
-    from worker.model.checkpoint import load_checkpoint
-
-    mode = parse_mode(weight_dtype, group_size)
-    if mode is None:
-        return load_checkpoint(path, device=device, **load_kwargs)
-    loaded = load_checkpoint(path, device="cpu", **load_kwargs)
-    quantize_model(loaded.model, mode, device=device)
-    return loaded
-
-
-# --- `cloverq model plan --check DIR`: measured bytes next to the planner's --------------------------
-_PLANNER_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@dataclass(frozen=True)
-class WeightCheck:
-    folder: Path
-    high_precision: str  # the planner's name of the loaded dtype
-    mode: QuantMode | None
-    predicted: Any  # planner.WeightBytes
-    measured: int  # parameter + buffer bytes of the loaded (and quantized) model
-    seconds: float
-
-    @property
-    def error(self) -> float:
-        return self.measured / self.predicted.total - 1.0
-
-    def lines(self) -> list[str]:
-        mib = 2**20
-        what = self.high_precision + (f" + {self.mode}" if self.mode else "")
-        p = self.predicted
-        return [
-            f"check: {self.folder} loaded on CPU in {self.seconds:.1f} s as {what}: measured "
-            f"{self.measured / mib:.2f} MiB of parameters and buffers, predicted {p.total / mib:.2f} MiB "
-            f"({100 * self.error:+.2f}%)",
-            f"       predicted: {p.quantized_params / 1e6:.2f} M quantized parameters in "
-            f"{p.quantized_bytes / mib:.2f} MiB, {p.high_precision_params / 1e6:.2f} M kept in "
-            f"{p.high_precision} in {p.high_precision_bytes / mib:.2f} MiB",
-        ]
-
-
-def check_checkpoint(
-    folder: Path | str,
-    *,
-    weight_dtype: QuantMode | str | None = None,
-    group_size: int | None = None,
-    dtype: torch.dtype | None = None,
-) -> WeightCheck:
-    """Load ``folder`` on the CPU (in ``dtype``, default the checkpoint's), quantize it as the worker
-    would, and compare its parameter + buffer bytes with ``planner.weight_bytes``."""
-    import time
-
-    from worker.model.planner import weight_bytes
-
-    mode = parse_mode(weight_dtype, group_size)
-    began = time.monotonic()
-    loaded = load_model(folder, device="cpu", weight_dtype=mode, dtype=dtype, verify=False)
-    seconds = time.monotonic() - began
-    hp = _PLANNER_DTYPES[next(loaded.model.parameters()).dtype]
-    kind = mode.kind if mode else hp
-    group = mode.group_size if mode else DEFAULT_INT4_GROUP
-    predicted = weight_bytes(loaded.config, kind, high_precision=hp, group_size=group)
-    return WeightCheck(Path(folder), hp, mode, predicted, model_bytes(loaded.model), seconds)

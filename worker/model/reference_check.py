@@ -40,6 +40,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from worker.model.checkpoint import PREVIEW_TENSORS, CheckpointError, build_empty_model, load_weights
 from worker.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig
@@ -159,7 +160,7 @@ def _folder_package(folder: Path) -> Iterator[str]:
 @contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """transformers' warnings (kernel fallbacks on CPU ...) off while the check runs."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # deferred: transformers, a heavy test extra
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -338,8 +339,8 @@ def check_reference(
         raise ReferenceCheckError(f"{config_path} is not a JSON object")
     model_ref, config_ref = remote_code_refs(raw, folder)
     try:
-        import transformers  # noqa: F401  (the remote code imports it; fail here, clearly)
-        from safetensors.torch import save_file
+        # deferred: transformers, a heavy test extra; the remote code imports it: fail here, clearly
+        import transformers  # noqa: F401
     except ImportError as exc:
         raise ReferenceCheckError(
             "transformers is not installed: it is a test extra (pip install 'cloverq[test]'), "

@@ -4,10 +4,19 @@
   whose model has exactly those shapes;
 - ``shard``: that rank's model (the family's own classes plus two all-reduce hooks per layer) and
   its weights, read as slices of the memory-mapped checkpoint;
-- ``group``: ranks 1..N-1 as processes of their own in one ``torch.distributed`` group, and the
-  proxies (model, cache) through which rank 0's engine drives them.
+- ``sources``: where a rank's weights come from (a checkpoint folder; a benchmark's random
+  weights), and the one way every rank builds its shard from a source;
 - ``quant``: ``CLOVERQ_WEIGHT_DTYPE`` per rank: each quantizes its shard with the one-device rules
-  (row-parallel int8 scales from the whole rows, one all-reduce at load).
+  (row-parallel int8 scales from the whole rows, one all-reduce at load);
+- ``launch``: ``load_tensor_parallel`` / ``launch``: rank 0 starts ranks 1..N-1, builds its own
+  shard and joins them in one ``torch.distributed`` group;
+- ``spawn``: ranks 1..N-1 as fresh interpreters joined to rank 0 by a pipe (``rank.py`` is their
+  ``__main__``), and the ``RankSpec`` each receives first;
+- ``pipe_codec``: the messages on those pipes (pickled, tensors as numpy arrays);
+- ``proxies``: rank 0's stand-ins for the model and its cache, which replay every forward and
+  cache operation on ranks 1..N-1 (``RankGroup``, ``TensorParallelModel``, ``TensorParallelCache``);
+- ``rank_server``: what ranks 1..N-1 run: load, join, then execute rank 0's messages in order;
+- ``errors``: ``TensorParallelError`` and the errors that leave the ranks in step.
 
 What is split: attention query heads with their K/V heads (replicated when there are fewer K/V
 heads than ranks), GDN value heads with the key heads they read and everything per head or per

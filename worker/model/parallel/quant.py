@@ -16,7 +16,7 @@ shard that is the same model as the single-device one's slice of it:
   largest smaller group dividing ``K / N`` or to int8, and logs it (once per shape).
 
 The shard is loaded on the host and quantized there, then moved to its device, as
-``quantize.load_model`` does: the full-precision shard never has to fit on the device.
+``loader.load_model`` does: the full-precision shard never has to fit on the device.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from worker.model.parallel.shard import Shard
@@ -108,3 +109,21 @@ def quantize_shard(
             amaxes[name] = amax.view(-1, n) if attr == "w_down" else amax
             at += rows
     return quantize_model(shard.model, mode, device=device, row_amax=amaxes)
+
+
+def load_device(device: torch.device, quant: QuantMode | None) -> torch.device:
+    """Where a rank loads its shard: the host when it is quantized there before moving."""
+    return torch.device("cpu") if quant is not None else device
+
+
+def quantize_in_group(shard: Shard, quant: QuantMode, device: torch.device) -> None:
+    """Quantize a loaded shard on every rank alike (one all-reduce: row-parallel int8 scales); every
+    rank of the group calls it once the group is up."""
+
+    def reduce_max(vector: torch.Tensor) -> torch.Tensor:
+        moved = vector.to(device)  # NCCL reduces device tensors
+        dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+        return moved.cpu()
+
+    report = quantize_shard(shard, quant, device=device, reduce_max=reduce_max)
+    log.info("rank %d of %d: %s", shard.plan.rank, shard.plan.world, report)
