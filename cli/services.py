@@ -190,7 +190,8 @@ def worker(celery_args: tuple[str, ...]) -> None:
 
 @click.command()
 def beat() -> None:
-    """Run the beat process (reconciler + aging, reaper, expiry). Run exactly one."""
+    """Run the beat process (reconciler + aging, reaper, expiry). Run one or more: the holder of a
+    Redis lease dispatches the periodic tasks, the others stand by to take over."""
     from scheduler.maintenance.beat import run_beat
 
     run_beat(get_settings())
@@ -466,7 +467,7 @@ def _ensure_demo_checkpoint(settings: Settings) -> None:
 def _dev_key(settings: Settings, data_dir: Path) -> str | None:
     if settings.security.auth == "disabled":
         return None
-    from scheduler.access.api_keys import ensure_dev_key
+    from scheduler.access.dev_key import ensure_dev_key
     from scheduler.infra.db import DatabaseTimeouts, make_engine, session_factory
 
     engine = make_engine(settings.resolved_database_url, timeouts=DatabaseTimeouts.from_settings(settings))

@@ -21,13 +21,17 @@ its ``LIMITS_KEY`` field) is the system of record and Redis the fast path:
 - every change is **committed to SQL first**, then written to Redis (:func:`drain_queue`,
   :func:`resume_queue`, :func:`update_limits`). When the Redis write fails, the call fails (the
   operator retries) and SQL is ahead of Redis until the next restore heals it, never behind;
-- :func:`restore_operator_state` makes Redis equal SQL: it reads the three Redis keys, then
-  SQL, and only when they differ rewrites the keys in one MULTI (readers never see half).
-  Beat runs it on every reconcile tick (``scheduler/maintenance/tasks.py`` ``reconcile_task``: two
-  small SELECTs and one pipelined Redis read when nothing changed), the API once at start-up.
-  Redis is read *before* SQL, so an admin change that commits in between shows up as a
-  difference and is written with its SQL value, never undone. Two changes racing one restore
-  can at worst leave Redis one tick behind SQL; the next tick repairs it.
+- :func:`restore_operator_state` makes Redis equal SQL: it WATCHes the three Redis keys, reads
+  them, then SQL, and only when they differ rewrites the keys in one MULTI/EXEC (readers never
+  see half). Beat runs it on every reconcile tick (``scheduler/maintenance/tasks.py``
+  ``reconcile_task``: two small SELECTs and one pipelined Redis read when nothing changed), the
+  API once at start-up. The write is a compare-and-set: every change writes Redis *after* its
+  SQL commit, so a change the restore's SQL read missed (committed after that read) writes Redis
+  after the WATCH, and the EXEC is refused; the restore reads both sides again and retries
+  (:data:`RESTORE_ATTEMPTS`). A change whose Redis write came before the WATCH committed before
+  the SQL read, so the restore writes its value. Either way a drain committed between the
+  restore's read and its write is never undone (issue 32: without the WATCH, the restore wrote
+  the SQL state it had read, deleting a flag set a moment later, until the next tick).
 
 Upgrades: migration ``0008_operator_state`` inserts the row ``('meta', 'adopt_redis')``. The
 first restore after it imports what Redis holds then into SQL (deleting the row in the same
@@ -170,19 +174,43 @@ def redis_operator_state(client: redis.Redis) -> OperatorState:
 # --- restore --------------------------------------------------------------------------------------
 
 
+RESTORE_ATTEMPTS = 5  # refused EXECs (an operator change in between) before a tick gives up
+
+
 def restore_operator_state(session: Session, client: redis.Redis) -> bool:
     """Make Redis hold exactly the operator state of SQL; returns whether it had to write.
 
-    Idempotent and cheap when nothing changed (see the module docstring for the order of the
-    reads). Raises ``redis.RedisError`` / ``SQLAlchemyError``; :func:`restore_quietly` is the
-    variant for callers that must go on regardless."""
-    in_redis = redis_operator_state(client)  # before SQL: a change committed meanwhile is seen
-    _adopt(session, in_redis)
-    wanted = sql_operator_state(session)
-    session.commit()  # end the read transaction (no snapshot held across ticks)
-    if wanted == in_redis:
-        return False
-    pipe = client.pipeline(transaction=True)
+    Idempotent and cheap when nothing changed. The write only happens if none of the three keys
+    changed since they were read (WATCH, then MULTI/EXEC; see the module docstring for why that
+    keeps every concurrent change); a refused write reads both sides again. After
+    :data:`RESTORE_ATTEMPTS` refusals (changes arriving faster than a restore's round trip) it
+    gives up with a warning and returns False: each of those changes wrote Redis itself, and the
+    next tick compares again. Raises ``redis.RedisError`` / ``SQLAlchemyError``;
+    :func:`restore_quietly` is the variant for callers that must go on regardless."""
+    for _ in range(RESTORE_ATTEMPTS):
+        with client.pipeline(transaction=True) as pipe:
+            pipe.watch(DRAINED_SET, LIMITS_KEY, REVOKED_SET)  # before both reads
+            in_redis = redis_operator_state(client)
+            _adopt(session, in_redis)
+            session.commit()  # no write transaction (SQLite: the database lock) held while reading on
+            wanted = sql_operator_state(session)
+            session.commit()  # end the read transaction (no snapshot held across ticks)
+            if wanted == in_redis:
+                return False
+            pipe.multi()
+            _write_state(pipe, wanted)
+            try:
+                pipe.execute()
+            except redis.WatchError:
+                continue  # a change wrote Redis after our reads: read both sides again
+        _log_restored(wanted, in_redis)
+        return True
+    log.warning("operator_state.restore_contended", attempts=RESTORE_ATTEMPTS)
+    return False
+
+
+def _write_state(pipe: Any, wanted: OperatorState) -> None:
+    """Queue the rewrite of the three keys to ``wanted`` on a MULTI pipeline."""
     pipe.delete(DRAINED_SET, LIMITS_KEY, REVOKED_SET)
     if wanted.drained:
         pipe.sadd(DRAINED_SET, *sorted(wanted.drained))
@@ -190,14 +218,15 @@ def restore_operator_state(session: Session, client: redis.Redis) -> bool:
         pipe.hset(LIMITS_KEY, mapping={name: repr(value) for name, value in sorted(wanted.limits.items())})
     if wanted.revoked:
         pipe.sadd(REVOKED_SET, *sorted(wanted.revoked))
-    pipe.execute()
+
+
+def _log_restored(wanted: OperatorState, in_redis: OperatorState) -> None:
     log.warning(
         "operator_state.restored",
         drained=sorted(wanted.drained), limits=len(wanted.limits), revoked=len(wanted.revoked),
         redis_had={"drained": sorted(in_redis.drained), "limits": len(in_redis.limits),
                    "revoked": len(in_redis.revoked)},
     )
-    return True
 
 
 def restore_quietly(session: Session, client: redis.Redis, *, where: str) -> bool:

@@ -21,6 +21,20 @@ DELAYED_CURSOR = f"{PREFIX}:delayed:cursor"
 # row of a full page (scheduler/maintenance/tasks.py enqueue_due_jobs); gone: it starts over.
 RECONCILE_CURSOR = f"{PREFIX}:reconcile:cursor"
 
+# The beat's leader lease (scheduler/infra/leader_lease.py, scheduler/maintenance/beat_leader.py):
+# "<fence> <name> <token>" of the beat process that dispatches the periodic tasks, with a TTL; the
+# fencing counter (INCR on every acquisition); each beat process's own state, with a TTL, and the
+# set naming them (read back by /metrics: cloverq_beat_leader).
+BEAT_LEADER_KEY = f"{PREFIX}:beat:leader"
+BEAT_FENCE_KEY = f"{PREFIX}:beat:fence"
+BEAT_MEMBERS_SET = f"{PREFIX}:beat:members"
+
+
+def beat_member(name: str) -> str:
+    """A beat process's state (JSON: leader or not, fence, tasks dispatched), expiring with it."""
+    return f"{PREFIX}:beat:member:{name}"
+
+
 # Operator state (scheduler/fleet/operator_state.py restores these from SQL after a Redis flush).
 DRAINED_SET = f"{PREFIX}:queues:drained"  # set of drained queue names (scheduler/fleet/drain.py)
 # hash of runtime limit overrides, field -> number (scheduler/access/admission.py)

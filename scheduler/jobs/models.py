@@ -126,6 +126,9 @@ class JobKind(enum.StrEnum):
 PURGE_DUE_SQL = "purge_at IS NOT NULL"
 PURGE_PENDING_SQL = ("purged_at IS NULL AND purge_at IS NULL"
                      " AND (retention_seconds IS NOT NULL OR status = 'expired')")
+# The predicate of the canary's partial index (0015_routed_version_index): only pinned jobs. Every
+# query on ``routed_version = ...`` / ``IN (...)`` implies it, so both backends use the index.
+ROUTED_SQL = "routed_version IS NOT NULL"
 
 
 class Job(Base):
@@ -203,6 +206,10 @@ class Job(Base):
               sqlite_where=text(PURGE_DUE_SQL)),
         Index("ix_jobs_purge_pending", "finished_at", postgresql_where=text(PURGE_PENDING_SQL),
               sqlite_where=text(PURGE_PENDING_SQL)),
+        # The canary gate's tally (scheduler/model_versions/canary_gate.py) and the pin healing:
+        # pinned jobs only, so unpinned traffic (the usual case) never pays for it.
+        Index("ix_jobs_routed_version", "routed_version", "status", "created_at",
+              postgresql_where=text(ROUTED_SQL), sqlite_where=text(ROUTED_SQL)),
     )
 
     @property

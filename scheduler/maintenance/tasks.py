@@ -29,7 +29,7 @@ from scheduler.fairness.weights import read_weights
 from scheduler.fleet.operator_state import restore_quietly
 from scheduler.infra import redis_keys
 from scheduler.infra.celery_app import get_celery_app
-from scheduler.infra.db import get_session_factory, lift_statement_timeout, rowcount
+from scheduler.infra.db import get_session_factory, rowcount
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.jobs.dead_messages import job_id_of_message, purge_dead_messages
@@ -45,6 +45,7 @@ from scheduler.observability.metrics import RedisMetricsRecorder
 log = structlog.get_logger(__name__)
 
 BATCH = 1000  # rows handled per tick; the reconciler's next tick continues after them (a cursor)
+EXPIRY_BATCH = 1000  # rows one expiry statement takes at most (settings.beat.expiry_batch)
 
 # Kombu's Redis transport keeps a delivered, unacknowledged message here until it is acked or
 # the visibility timeout restores it (kombu's default key names; cloverq does not change them).
@@ -377,18 +378,40 @@ def promote_aged_jobs(
     return promoted
 
 
-def expire_finished_jobs(session: Session, *, now: datetime | None = None) -> int:
-    """Expiry: finished jobs past their result TTL become ``expired``; payloads are dropped."""
+def expire_finished_jobs(
+    session: Session, *, now: datetime | None = None, batch_size: int = EXPIRY_BATCH
+) -> int:
+    """Expiry: finished jobs past their result TTL become ``expired``; payloads are dropped.
+
+    In batches of at most ``batch_size`` rows (``CLOVERQ_EXPIRY_BATCH``), each its own short
+    transaction under the ordinary statement timeout, until a batch finds fewer than it may take.
+    Why not one UPDATE over every due row (issue 32): on a backlog (results piled up while the beat
+    was down, a lowered TTL) that one statement either runs into the 30 s statement timeout and
+    rolls back the same way on every tick, so nothing ever expires, or, with the timeout lifted
+    for it (as it was), runs unbounded while it holds the row locks of the whole backlog. A batch
+    that commits is kept whatever happens to the next one.
+    ``SKIP LOCKED`` (PostgreSQL): rows another transaction holds (a second beat's expiry, the purge
+    tick) are left to the next tick instead of waited for. Returns how many jobs expired."""
     now = now or utcnow()
     finished = [s.value for s in FINAL_STATUSES if s is not JobStatus.EXPIRED]
-    lift_statement_timeout(session)  # one UPDATE over every due row: a backlog must finish once
-    expired = rowcount(session.execute(
-        update(Job)
-        .where(Job.status.in_(finished), Job.expires_at < now)
-        .values(status=JobStatus.EXPIRED.value, input=None, result=None, progress=None, updated_at=now)
-    ))
-    session.commit()
-    return expired
+    due = and_(Job.status.in_(finished), Job.expires_at < now)
+    batch = select(Job.id).where(due).limit(batch_size)
+    if session.get_bind().dialect.name == "postgresql":
+        # A locking CTE, not ``IN (LIMIT subquery)``: PostgreSQL may evaluate that subquery again
+        # on a rescan (seen: one "batch" of 20 updated 50 rows); a CTE with FOR UPDATE runs once.
+        chosen = batch.with_for_update(skip_locked=True).cte("expiring")
+        batch = select(chosen.c.id)
+    # SQLite: a plain uncorrelated subquery, run once (pysqlite counts no rows for WITH ... UPDATE).
+    expire = (update(Job).where(Job.id.in_(batch), due)
+              .values(status=JobStatus.EXPIRED.value, input=None, result=None, progress=None, updated_at=now)
+              .execution_options(synchronize_session=False))
+    expired = 0
+    while True:
+        done = rowcount(session.execute(expire))
+        session.commit()
+        expired += done
+        if done < batch_size:
+            return expired
 
 
 # --- Celery tasks (run by the light beat worker on the ``maintenance`` queue) -------------------
@@ -436,9 +459,9 @@ def reap_task() -> int:
 
 @shared_task(name="cloverq.expire", **MAINTENANCE_TASK_OPTIONS)
 def expire_task() -> int:
-    session, _client, _settings = _resources()
+    session, _client, settings = _resources()
     with session:
-        return expire_finished_jobs(session)
+        return expire_finished_jobs(session, batch_size=settings.beat.expiry_batch)
 
 
 @shared_task(name="cloverq.purge_data", **MAINTENANCE_TASK_OPTIONS)

@@ -51,7 +51,17 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
-from scheduler.infra.redis_keys import METRICS_WORKERS_SET, metrics_counter, metrics_histogram, metrics_worker
+from scheduler.infra.leader_lease import parse_value
+from scheduler.infra.redis_keys import (
+    BEAT_FENCE_KEY,
+    BEAT_LEADER_KEY,
+    BEAT_MEMBERS_SET,
+    METRICS_WORKERS_SET,
+    beat_member,
+    metrics_counter,
+    metrics_histogram,
+    metrics_worker,
+)
 from scheduler.infra.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -213,6 +223,13 @@ FAMILIES: dict[str, FamilySpec] = {
     "cloverq_workers_queue_unconsumed": FamilySpec(
         "gauge", ("queue",), "Ready workers that should consume the queue (configured, not drained, no gate "
         "full, not switching) but whose Celery consumer does not."),
+    "cloverq_beat_leader": FamilySpec(
+        "gauge", ("beat",), "1 for the beat process (host:pid) that holds the leader lease and dispatches "
+        "the periodic tasks, 0 for each standby (read from Redis at scrape time; a stopped beat drops out "
+        "within one lease). No series at 1: no beat dispatches anything."),
+    "cloverq_beat_leader_changes_total": FamilySpec(
+        "counter", (), "Times a beat process took the leader lease (the lease's fencing number: the first "
+        "leader counts 1, every takeover one more; starts again with an emptied Redis)."),
 }
 
 METRIC_NAMES: frozenset[str] = frozenset(FAMILIES)
@@ -559,6 +576,26 @@ def read_worker_snapshots(client: Any) -> list[dict[str, Any]]:
     return live
 
 
+def read_beat_leadership(client: Any) -> tuple[dict[str, bool], int]:
+    """Each live beat process -> whether it holds the leader lease, and the lease's fencing number
+    (``scheduler/maintenance/beat_leader.py`` publishes them; expired ones leave the index here)."""
+    names = sorted(_decode(n) for n in client.smembers(BEAT_MEMBERS_SET))
+    pipe = client.pipeline(transaction=False)
+    pipe.get(BEAT_LEADER_KEY)
+    pipe.get(BEAT_FENCE_KEY)
+    for name in names:
+        pipe.exists(beat_member(name))
+    lease, fence, *alive = pipe.execute()
+    holder = parse_value(lease)
+    stale = [name for name, up in zip(names, alive, strict=True) if not up]
+    if stale:
+        client.srem(BEAT_MEMBERS_SET, *stale)
+    beats = {name: False for name, up in zip(names, alive, strict=True) if up}
+    if holder is not None:
+        beats[holder.name] = True
+    return beats, int(_decode(fence)) if fence is not None else 0
+
+
 def read_version_invalid_retries(client: Any) -> dict[str, float]:
     """Invalid-output retries per model version name (both tracks summed), for the dashboard."""
     out: dict[str, float] = {}
@@ -653,6 +690,7 @@ class ClusterCollector(Collector):
         for name, data in zip(REDIS_HISTOGRAMS, histogram_data, strict=True):
             yield self._histogram(name, data)
         yield from self._worker_families(snapshots)
+        yield from self._beat_families(*read_beat_leadership(self._redis))
         yield self._gauge_by_queue("cloverq_workers_ready", ready)
         if self._workers_unconsumed is not None:
             yield self._gauge_by_queue("cloverq_workers_queue_unconsumed", self._workers_unconsumed())
@@ -683,6 +721,17 @@ class ClusterCollector(Collector):
                 sum_value=parts.get("sum", 0.0),
             )
         return family
+
+    @staticmethod
+    def _beat_families(beats: Mapping[str, bool], fence: int) -> Iterator[Metric]:
+        leader = GaugeMetricFamily("cloverq_beat_leader", FAMILIES["cloverq_beat_leader"].help,
+                                   labels=FAMILIES["cloverq_beat_leader"].labels)
+        for name, leads in sorted(beats.items()):
+            leader.add_metric([name], 1.0 if leads else 0.0)
+        changes = CounterMetricFamily(_prom_name("cloverq_beat_leader_changes_total"),
+                                      FAMILIES["cloverq_beat_leader_changes_total"].help, labels=())
+        changes.add_metric([], float(fence))
+        yield from (leader, changes)
 
     @staticmethod
     def _gauge_by_queue(name: str, by_queue: Mapping[str, int]) -> GaugeMetricFamily:

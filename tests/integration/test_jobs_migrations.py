@@ -70,7 +70,8 @@ LATER_JOBS_COLUMNS = {"routed_version",  # added by 0007_canary
 
 
 LATER_JOBS_INDEXES = {"ix_jobs_status_scheduled",  # added by 0013_schedule_and_webhook_events
-                      "ix_jobs_purge_due", "ix_jobs_purge_pending"}  # added by 0014_retention
+                      "ix_jobs_purge_due", "ix_jobs_purge_pending",  # added by 0014_retention
+                      "ix_jobs_routed_version"}  # added by 0015_routed_version_index
 
 
 def _added_later(diff: object) -> bool:
