@@ -143,7 +143,7 @@ def build_random_model(
 
 @dataclass(frozen=True)
 class RandomShards:
-    """Random weights for each rank of a tensor-parallel run (``worker.model.parallel.group.launch``).
+    """Random weights for each rank of a tensor-parallel run (``worker.model.parallel.launch.launch``).
 
     Every parameter is drawn from a generator seeded by its name, with the scale of the whole
     model's fan-in, so replicated tensors (embedding, norms, routers) are identical on every rank.
@@ -262,13 +262,19 @@ def run_engine(
     """One engine, ``batch`` requests submitted at once; returns (tokens, passes, forwards, s, fwd share)."""
     config = model.config
     max_len = prompt_tokens + new_tokens + 2 * block_size
-    engine = Engine(
-        model,
-        EngineConfig(max_batch=batch, max_tokens_in_flight=batch * max_len, max_len=max_len),
-        mask_token_id=config.mask_token_id if config.mask_token_id is not None else config.vocab_size - 1,
-        eos_token_ids=(),
-        default_block_size=block_size,
-    )
+
+    def make(positions: int) -> Engine:
+        return Engine(
+            model,
+            EngineConfig(max_batch=batch, max_tokens_in_flight=positions, max_len=max_len),
+            mask_token_id=config.mask_token_id if config.mask_token_id is not None else config.vocab_size - 1,
+            eos_token_ids=(),
+            default_block_size=block_size,
+        )
+
+    engine = make(batch * max_len)
+    if engine.state_positions:  # a hybrid model's recurrent state counts as positions of equal bytes
+        engine = make(batch * (max_len + engine.state_positions))
     engine.start()
     try:
         engine.warm_up()  # kernels for this block size, allocator warm
@@ -353,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.tensor_parallel > 1:
         from bench.gpu import RandomShards as Source  # by its module name: it travels to the ranks
-        from worker.model.parallel.group import launch
+        from worker.model.parallel.launch import launch
 
         model: Any = launch(Source(), config, world=args.tensor_parallel, device=device, dtype=dtype,
                             moe=args.moe)

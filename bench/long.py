@@ -28,16 +28,29 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.runner import PassTimings
 from worker.engine.types import GenerationRequest, SamplingParams
-from worker.model.checkpoint import LoadedModel, load_checkpoint
+from worker.model.checkpoint import load_checkpoint
+from worker.model.config import ModelConfig
 from worker.model.demo import write_demo_checkpoint
 
 LENGTHS = (1024, 4096, 16384, 32768)
+
+
+class LoadedModel(Protocol):
+    """What these measurements read of a model: a checkpoint's (``worker.model.checkpoint``) or
+    one built on the device with random weights (``bench.gpu_clover``)."""
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def config(self) -> ModelConfig: ...
 
 
 def _block(lm: LoadedModel) -> int:
@@ -55,7 +68,7 @@ def _mask(lm: LoadedModel) -> int:
 def _prompt(lm: LoadedModel, length: int, salt: int = 0) -> list[int]:
     vocab, mask = lm.config.vocab_size, _mask(lm)
     ids = [(13 * j + 7 * salt + 5) % vocab for j in range(length)]
-    return [t if t != mask else t + 1 for t in ids]
+    return [t if t != mask else (t + 1) % vocab for t in ids]
 
 
 def _engine(lm: LoadedModel, *, max_len: int, chunk: int, max_batch: int = 8) -> Engine:

@@ -48,3 +48,23 @@ def test_bench_runs_every_configuration_on_cpu(capsys: pytest.CaptureFixture[str
         assert tokens == batch * 8  # every sequence got its new tokens (EOS disabled)
         assert float(row[7]) > 0 and float(row[8]) > 0  # tokens/s, passes/s
     assert "measured device copy" in out
+
+
+def test_clover_bench_builds_the_35b_a3b_shape_and_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench.gpu_clover``: the real shape's parameter count, and the script end to end at a reduced
+    shape (prefill by length, short jobs, decoding) so it cannot rot between GPU runs."""
+    from bench import gpu_clover
+
+    total, active = gpu_clover.clover_config(tiny=False).param_counts()
+    assert 34e9 < total < 36e9 and 2.5e9 < active < 3.5e9
+    tiny = gpu_clover.clover_config(tiny=True)
+    model = gpu_clover.build_random_clover(tiny, device=torch.device("cpu"), dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == tiny.param_counts()[0]
+    args = ["--device", "cpu", "--dtype", "float32", "--tiny", "--lengths", "64,128", "--long", "128",
+            "--chunk", "64", "--batches", "1,2", "--new-tokens", "16", "--shorts", "3", "--short-every",
+            "0.01", "--prompt-tokens", "8"]  # fmt: skip
+    assert gpu_clover.main(args) == 0
+    out = capsys.readouterr().out
+    assert "[1] prefill" in out and "[2]" in out and "[3] decoding" in out
+    decode = [line.split() for line in out.split("[3]")[1].splitlines() if line[:5].strip().isdigit()]
+    assert [(int(r[0]), int(r[1])) for r in decode] == [(1, 16), (2, 32)]
