@@ -56,6 +56,7 @@ def admit_submission(
     idempotency_key: str | None = None,
     enqueued_marker: str | None = None,
     metered: bool = True,
+    prompt_tokens: int = 0,
 ) -> bool:
     """Raise a 429 ``ApiError`` (``queue_full`` / ``tenant_limit``) if the job must be refused.
 
@@ -63,13 +64,15 @@ def admit_submission(
     when the job is admitted (see ``Admission.check_batch``); returns whether it was set.
     ``metered=False``: the caller came through ``AdmittedSubmitCaller`` and its rate-limit
     token is not taken yet (``token_taken(request)`` is False), so it is taken here too, in the
-    same Redis round trip (401 revoked / 429 rate_limited).
+    same Redis round trip (401 revoked / 429 rate_limited). ``prompt_tokens``: the input's tokens
+    as counted at validation (the route's cost counts them, as ``submit_job``'s does).
     """
     repeat = idempotency_key is not None and _exists(session, tenant=caller.tenant, key=idempotency_key)
     route = None
     if not repeat:
         try:
-            route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
+            route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings,
+                              prompt_tokens=prompt_tokens)
         except InvalidPriorityError:
             route = None  # submit_job reports the bad priority with its own 4xx
     # The rate limit rides in the admission script when there is one to run for a keyed caller.

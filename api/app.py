@@ -66,8 +66,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         anyio.to_thread.current_default_thread_limiter().total_tokens = API_THREADS
+        # The checkpoint's tokenizer and context (config.json): prompts are counted and judged by them.
         app.state.token_counter = await anyio.to_thread.run_sync(
-            PromptTokenCounter.from_model_dir, settings.resolved_model_dir
+            lambda: PromptTokenCounter.from_model_dir(settings.resolved_model_dir, dtype=settings.model.dtype)
         )
         # Redis may have restarted empty since the last API start: put the drains and limits
         # recorded in SQL back before the first request is admitted (scheduler/fleet/operator_state.py).

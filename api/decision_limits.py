@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from api.block_steps import check_step_limits
+from api.context_checks import check_context_memory, context_limits
 from api.errors import ApiError
 from api.limit_messages import over_limit, prompt_too_long
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.decisions import DecideInput, DecideParams
-from scheduler.infra.settings import Settings
+from scheduler.fleet.context_limits import ContextLimits
+from scheduler.infra.settings import CHAT_TEMPLATE_SLACK_TOKENS, Settings
 
 # Test-only fault names of decisions (honoured only with settings.worker.fault_injection).
 DECIDE_FAULTS = ("invalid_rationale_once", "invalid_rationale_always")
@@ -50,9 +52,14 @@ def check_decide_limits(
     independent_texts = [input.context, max((q.text for q in input.questions), key=len)]
     texts = input.text_parts() if input.mode == "joint" else independent_texts
     prompt_tokens = counter.count(texts)
-    if prompt_tokens > settings.limits.max_prompt_tokens:
+    context = context_limits(settings, counter)
+    if prompt_tokens > context.prompt_tokens:
         raise _decision_too_long(input, prompt_tokens, counter.count(independent_texts), settings=settings,
-                                 exact=counter.exact)
+                                 exact=counter.exact, limits=context)
+    # one sequence (joint: every question; independent: the context and its longest question) must
+    # fit the engine's memory; the answers' few positions come on top (the worker checks those)
+    check_context_memory(prompt_tokens + CHAT_TEMPLATE_SLACK_TOKENS, context,
+                         subject=f"A sequence of this {input.mode} decision")
     stored = params.model_dump(exclude_none=True)
     if steps is not None:  # else the worker's model family default
         stored["steps_per_block"] = steps
@@ -62,11 +69,12 @@ def check_decide_limits(
 
 
 def _decision_too_long(
-    input: DecideInput, tokens: int, independent_tokens: int, *, settings: Settings, exact: bool
+    input: DecideInput, tokens: int, independent_tokens: int, *, settings: Settings, exact: bool,
+    limits: ContextLimits,
 ) -> ApiError:
     """``prompt_too_long`` for a decision, with what would fit: independent mode when the context
     and one question fit (a joint decision only), else parts of the document small enough."""
-    limit = settings.limits.max_prompt_tokens
+    limit = limits.prompt_tokens
     alternatives = []
     if input.mode == "joint" and independent_tokens <= limit:
         alternatives.append(f'mode "independent" (each question asked with the context alone: '
@@ -76,5 +84,5 @@ def _decision_too_long(
                         "(one decision job per part, e.g. a batch: POST /v1/batches)")
     article = "An" if input.mode == "independent" else "A"
     return prompt_too_long(f"{article} {input.mode} decision prompt", tokens, exact=exact, settings=settings,
-                           alternatives=alternatives,
+                           limits=limits, alternatives=alternatives,
                            extra={"mode": input.mode, "independent_prompt_tokens": independent_tokens})

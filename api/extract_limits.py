@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from api.block_steps import check_step_limits
+from api.context_checks import check_context_memory, context_limits
 from api.errors import ApiError
 from api.limit_messages import prompt_too_long
 from api.prompt_tokens import PromptTokenCounter
 from api.schema_check import check_schema
 from api.schemas.extract import ExtractInput, ExtractParams
-from scheduler.infra.settings import Settings
+from scheduler.infra.settings import CHAT_TEMPLATE_SLACK_TOKENS, Settings
 
 
 def check_extract_limits(
@@ -35,11 +36,15 @@ def check_extract_limits(
                        [{"loc": ["body", "params", "fault"], "message": "not allowed",
                          "type": "forbidden_field"}])
     prompt_tokens = counter.count(input.text_parts())
-    if prompt_tokens > settings.limits.max_prompt_tokens:
+    limits = context_limits(settings, counter)
+    if prompt_tokens > limits.prompt_tokens:
         raise prompt_too_long(
             "The extract prompt (document, instructions and fields)", prompt_tokens, exact=counter.exact,
-            settings=settings, alternatives=["split the document into parts and extract from each "
-                                             "(one extract job per part, e.g. a batch: POST /v1/batches)"])
+            settings=settings, limits=limits,
+            alternatives=["split the document into parts and extract from each "
+                          "(one extract job per part, e.g. a batch: POST /v1/batches)"])
+    # the prompt must fit the engine's memory; the canvas comes on top (the worker checks it)
+    check_context_memory(prompt_tokens + CHAT_TEMPLATE_SLACK_TOKENS, limits, subject="The extract prompt")
     stored = params.model_dump(exclude_none=True)
     if steps is not None:  # else the worker's model family default
         stored["steps_per_block"] = steps

@@ -18,6 +18,7 @@ from typing import Any
 
 from api.errors import ApiError, error_body
 from scheduler.access.admission import AdmissionRefused
+from scheduler.fleet.context_limits import ContextLimits
 from scheduler.infra.settings import Settings, flat_fields
 
 
@@ -48,18 +49,33 @@ def counted(tokens: int, exact: bool) -> str:
 
 def prompt_too_long(
     subject: str, tokens: int, *, exact: bool, settings: Settings, alternatives: list[str],
-    extra: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None, limits: ContextLimits | None = None,
 ) -> ApiError:
-    """422 ``prompt_too_long``: the count, the limit and its setting, then what the client can do
-    (``alternatives``, most useful first) before asking the operator to raise the limit."""
-    limit = settings.limits.max_prompt_tokens
-    env = setting_env("max_prompt_tokens")
-    options = [*alternatives, f"ask the operator to raise {env} (engine memory per sequence grows with it)"]
-    message = (f"{subject} has {counted(tokens, exact)}; the limit is {limit} tokens ({env}). "
+    """422 ``prompt_too_long``: the count, the limit and where it comes from, then what the client
+    can do (``alternatives``, most useful first) before asking the operator to raise the limit.
+
+    ``limits``: the deployment's on the served checkpoint (``scheduler.fleet.context_limits``);
+    when the checkpoint's context is the smaller bound, raising the setting cannot help, so the
+    message says so instead of offering it."""
+    limits = limits or ContextLimits.resolve(settings, None)
+    limit, env, context = limits.prompt_tokens, setting_env("max_prompt_tokens"), limits.checkpoint_positions
+    details: dict[str, Any] = {"prompt_tokens": tokens, "max_prompt_tokens": limit, "exact": exact,
+                               "setting": env}
+    if context is not None:
+        details |= {"checkpoint_max_positions": context,
+                    "limited_by": "checkpoint" if limits.prompt_limited_by_checkpoint else "setting"}
+    if limits.prompt_limited_by_checkpoint:
+        source = (f"the checkpoint's context, max_position_embeddings; {env} is "
+                  f"{limits.setting_prompt_tokens}")
+        options = alternatives
+    else:
+        reach = f" up to the checkpoint's {context}" if context is not None else ""
+        source = env
+        options = [*alternatives, f"ask the operator to raise {env}{reach} (engine memory per sequence grows "
+                   "with it)"]
+    message = (f"{subject} has {counted(tokens, exact)}; the limit is {limit} tokens ({source}). "
                f"Instead: {'; or '.join(options)}.")
-    details = {"prompt_tokens": tokens, "max_prompt_tokens": limit, "exact": exact, "setting": env,
-               **(extra or {})}
-    return ApiError(422, "prompt_too_long", message, details)
+    return ApiError(422, "prompt_too_long", message, {**details, **(extra or {})})
 
 
 def instead(alternatives: Sequence[str], env: str) -> str:

@@ -1,8 +1,9 @@
 """Deployment limits on a job request, checked against ``Settings`` before anything is stored.
 
 Static shape rules live in the pydantic models; the limits here depend on configuration, so
-they are checked per request and reported as 422 ``invalid_request`` (or ``prompt_too_long``)
-with the offending field in ``details``.
+they are checked per request and reported as 422 ``invalid_request`` (or ``prompt_too_long``, and
+from ``api/context_checks.py`` ``request_too_long`` / ``context_exceeds_memory``) with the
+offending field or the figures in ``details``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from api.block_steps import check_steps_fit_block
+from api.context_checks import check_context_memory, check_sequence_room, context_limits
 from api.decision_limits import check_decide_limits
 from api.errors import ApiError
 from api.extract_limits import check_extract_limits
@@ -19,7 +21,7 @@ from api.limit_messages import limit_detail, prompt_too_long, setting_env
 from api.prompt_tokens import PromptTokenCounter
 from api.schema_check import check_schema
 from api.schemas.jobs import DecideJobCreate, ExtractJobCreate, GenerateInput, GenerateJobCreate
-from scheduler.infra.settings import Settings
+from scheduler.infra.settings import CHAT_TEMPLATE_SLACK_TOKENS, Settings
 from scheduler.jobs.schema_subset import parse_options
 from scheduler.jobs.tool_spec import ToolError, parse_tools
 from scheduler.webhooks.delivery import WebhookTargetError, check_url
@@ -150,28 +152,19 @@ def check_generate_limits(
         )
 
     prompt_tokens = counter.count(body.input.text_parts())
-    if prompt_tokens > settings.limits.max_prompt_tokens:
+    limits = context_limits(settings, counter)
+    if prompt_tokens > limits.prompt_tokens:
         raise prompt_too_long("The prompt", prompt_tokens, exact=counter.exact, settings=settings,
+                              limits=limits,
                               alternatives=["shorten it, or split a long document into parts, one job each"])
 
     # The engine holds prompt + generated region (rounded up to whole blocks) per sequence; a
-    # request that cannot fit is refused here, not failed by the worker. Without a block size the
-    # checkpoint's applies; the default engine_max_len fits every accepted request then.
-    block = params.block_size or 1
-    positions = -(-(prompt_tokens + max_new_tokens) // block) * block
-    if positions > settings.resolved_engine_max_len:
-        room = settings.resolved_engine_max_len
-        fits = (room // block) * block - prompt_tokens
-        env = setting_env("engine_max_len")
-        instead = f"lower max_new_tokens to at most {fits}" if fits > 0 else "shorten the prompt"
-        raise ApiError(
-            422,
-            "request_too_long",
-            f"Prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) in blocks of {block} "
-            f"needs {positions} positions; the engine holds {room} ({env}). Instead: {instead}; or ask "
-            f"the operator to raise {env}.",
-            {"positions": positions, "engine_max_len": room, "setting": env},
-        )
+    # request that cannot fit, or whose K/V and state exceed the engine's whole budget, is refused
+    # here, not failed by the worker. Without a block size the checkpoint's applies; the default
+    # engine_max_len fits every accepted request then.
+    positions = check_sequence_room(prompt_tokens, max_new_tokens, params.block_size or 1, limits)
+    check_context_memory(positions + CHAT_TEMPLATE_SLACK_TOKENS, limits,
+                         subject="The prompt with its chat template and output")
 
     stored = params.model_dump(exclude_none=True)
     stored["max_new_tokens"] = max_new_tokens

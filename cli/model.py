@@ -15,6 +15,8 @@ from typing import Any
 
 import click
 
+from scheduler.fleet.sequence_memory import GDN_STATE_COPIES, gdn_state_bytes
+
 
 def model_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "this checkpoint cannot be used" (each carries a one-line reason)."""
@@ -237,7 +239,8 @@ def _verify_reference(folder: Path, *, seed: int, tolerance: float) -> None:
 # (16 q heads, 2 KV heads x 256); its 30 Gated DeltaNet layers hold, per sequence, 32 heads x 128 x
 # 128 float32 states and a 3-row ring of 8192 channels, in two copies.
 _DEFAULT_SHAPE = {"layers": 10, "attention_heads": 16, "kv_heads": 2, "head_dim": 256}
-_DEFAULT_STATE_BYTES = 2 * 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 4)
+_DEFAULT_STATE_BYTES = GDN_STATE_COPIES * gdn_state_bytes(
+    layers=30, value_heads=32, key_head_dim=128, value_head_dim=128, conv_channels=8192, conv_kernel=4)
 
 
 @click.command("plan")
@@ -309,6 +312,7 @@ def plan_command(
     """Weight and KV-cache memory, compute per token, and GPUs needed to serve a model."""
     from scheduler.infra.settings import get_settings
     from worker.model.planner import (
+        BYTES_PER_PARAM,
         PlanInput,
         format_plan,
         format_rank_weight_bytes,
@@ -335,7 +339,7 @@ def plan_command(
             "kv_heads": config.num_key_value_heads,
             "head_dim": config.head_dim,
         }
-        state_bytes = 2.0 * config.gdn_state_bytes()
+        state_bytes = float(config.sequence_memory(BYTES_PER_PARAM[kv_dtype]).state_bytes)
         if total_params is None:  # exact bytes per row: quantized matrices + what stays high precision
             weights = plan_weight_bytes(config, dtype, group_size=int(group_size))
         total_params = total_params or total
@@ -374,7 +378,7 @@ def _check_weights(folder: Path, weight_dtype: str | None, group_size: int, dtyp
     """``plan --check``: the checkpoint's measured bytes after load (and quantization) vs the plan's."""
     import torch
 
-    from worker.model.quantize import check_checkpoint
+    from worker.model.weight_check import check_checkpoint
 
     floats = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     result = check_checkpoint(existing_folder(folder), weight_dtype=weight_dtype, group_size=group_size,

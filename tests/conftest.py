@@ -58,6 +58,9 @@ FAST_JOB_SETTINGS: dict[str, Any] = {
     "reconcile_grace_seconds": 0.5,
     "reaper_interval_seconds": 0.5,
     "expiry_interval_seconds": 5.0,
+    # A beat killed by one test (SIGKILL) holds the leader lease this long: the next test's beat waits
+    # for it before dispatching (a clean stop releases it at once).
+    "beat_lease_seconds": 3.0,
     "retry_backoff_base_seconds": 0.2,
     "retry_backoff_max_seconds": 1.0,
     "progress_sql_interval_seconds": 0.5,
@@ -136,11 +139,29 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="cloverq-test-state-")
 
 
+def _fixture_functions(item: pytest.Item) -> list[Any]:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return [d.func for group in defs for d in group]
+
+
+def _starts_processes(fixture: Any) -> bool:
+    """A fixture of a test module (not this file: its ``launcher`` is named in the filter) whose
+    module imports ``ProcessLauncher``: a module-scoped stack of worker/beat processes."""
+    module = sys.modules.get(getattr(fixture, "__module__", ""))
+    return module is not None and module.__name__ != __name__ and hasattr(module, "ProcessLauncher")
+
+
 def in_backend_subset(item: pytest.Item) -> bool:
-    """Whether ``--backend-subset`` keeps ``item`` (see the option's help)."""
+    """Whether ``--backend-subset`` keeps ``item`` (see the option's help). A test that uses a
+    fixture of a module starting worker or beat processes itself (a module-scoped stack with
+    ``ProcessLauncher``, not through the ``launcher`` fixture) is left out too: those processes
+    are what the option excludes; the embedded default's SQLite with real processes is run by
+    the end-to-end test of ``cloverq up`` and by the ``db_backend_url`` tests."""
     names = set(getattr(item, "fixturenames", ()))
     path = item.nodeid.split("::", 1)[0]
-    return ("migrated_db" in names and not names & set(NOT_IN_BACKEND_SUBSET)
+    starts_processes = any(_starts_processes(fixture) for fixture in _fixture_functions(item))
+    return ("migrated_db" in names and not names & set(NOT_IN_BACKEND_SUBSET) and not starts_processes
             and xdist_scope(item.nodeid) != "serial" and path.startswith("tests/"))
 
 

@@ -12,22 +12,25 @@ It also stands in for the runtime in ``worker.tensor_parallel.load_sharded`` (wh
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import redis
 import structlog
 import torch
 
+from scheduler.fleet.checkpoint_context import read_checkpoint_context
+from scheduler.fleet.context_limits import ContextLimits
 from scheduler.fleet.workers import WorkerInfo
 from scheduler.infra.gc_freeze import thaw_heap
 from scheduler.infra.settings import Settings
 from scheduler.observability.metrics import set_process_version, version_label
+from worker.engine.engine import Engine, EngineConfig
 from worker.engine_protocol import ServingEngine
 from worker.execution import ChatTokenizer
 from worker.joint_gate import INTERACTIVE_QUEUE, JOINT_QUEUE
-
-if TYPE_CHECKING:
-    from worker.model.checkpoint import LoadedModel
+from worker.model.checkpoint import LoadedModel, read_config
+from worker.model.hf_defaults import GenerationDefaults, resolve_dtype
+from worker.model.loader import load_model
+from worker.tensor_parallel import load_sharded
 
 log = structlog.get_logger(__name__)
 
@@ -52,20 +55,15 @@ class ResidentModel:
     def load(self, path: Path) -> LoadedModel:
         """Load (and verify) the checkpoint at ``path``, start and warm up its engine, and make it
         the one jobs run on; returns the loaded checkpoint."""
-        from worker.engine.engine import Engine, EngineConfig
-        from worker.model.quantize import load_model
-
         settings = self.settings
         loaded: LoadedModel
         if settings.engine.tensor_parallel > 1:  # ranks 1..N-1 in processes of their own
-            from worker.tensor_parallel import load_sharded
-
             loaded = load_sharded(self, path)
         else:
             verify = False if settings.model.skip_verify else settings.model.verify_on_load
             loaded = load_model(path, device=settings.model.device, dtype=self.load_dtype(path),
                                 verify=verify, weight_dtype=settings.model.weight_dtype,
-                                group_size=settings.model.weight_group_size)  # int8/int4: quantize.py
+                                group_size=settings.model.weight_group_size)  # int8/int4: model/quantize.py
         loaded.model.eval()
         self._record_load(loaded)
         engine = Engine(
@@ -74,7 +72,7 @@ class ResidentModel:
                          max_tokens_in_flight=settings.engine.max_tokens_in_flight,
                          prefix_cache_bytes=settings.engine.prefix_cache_bytes,
                          prefill_chunk_tokens=settings.engine.prefill_chunk_tokens,
-                         max_len=settings.resolved_engine_max_len,
+                         max_len=self.context_limits(path).sequence_positions,
                          slot_caps={JOINT_QUEUE: settings.engine.joint_slot_cap},
                          reserved_slots=self.reserve, reserved_classes=frozenset({INTERACTIVE_QUEUE})),
             mask_token_id=loaded.tokenizer.mask_token_id,
@@ -101,11 +99,15 @@ class ResidentModel:
         self.engine = None
         thaw_heap()
 
+    def context_limits(self, path: Path) -> ContextLimits:
+        """The limits of this deployment on the checkpoint at ``path``, as the API computes them from
+        the same folder (``scheduler.fleet.context_limits``): the engine holds no sequence longer
+        than the checkpoint's context."""
+        checkpoint = read_checkpoint_context(path, dtype=self.settings.model.dtype)
+        return ContextLimits.resolve(self.settings, checkpoint)
+
     def load_dtype(self, path: Path) -> torch.dtype:
         """The dtype to load ``path`` in: CLOVERQ_DTYPE, else its config.json's, else float32."""
-        from worker.model.checkpoint import read_config
-        from worker.model.hf_defaults import resolve_dtype
-
         if self.settings.model.dtype:
             return resolve_dtype(None, self.settings.model.dtype)
         return resolve_dtype(read_config(path))
@@ -118,8 +120,6 @@ class ResidentModel:
     def _record_load(self, loaded: LoadedModel) -> None:
         """What the load cost and chose, in the log and the registry (``stats.model_verify``): the
         manifest check's bytes read against the checkpoint's size shows a quick check's saving."""
-        from worker.model.hf_defaults import GenerationDefaults
-
         report = loaded.verification
         verify = None if report is None else {
             "mode": report.mode, "files": report.files, "bytes_total": report.bytes_total,

@@ -119,6 +119,7 @@ def _validate_specs(raw: list[Any], *, settings: Settings, counter: PromptTokenC
     if len(raw) > settings.batches.max_jobs:
         raise batch_too_large(len(raw), settings)  # names the setting, says into how many to split
     specs, errors = [], []
+    counter = counter.for_request()  # a batch of jobs over one contract tokenizes it once
     for index, item in enumerate(raw):
         try:
             body = _SPEC.validate_python(item)
@@ -138,6 +139,7 @@ def _validate_specs(raw: list[Any], *, settings: Settings, counter: PromptTokenC
                 webhook_url=str(body.webhook_url) if body.webhook_url is not None else None,
                 retention_seconds=body.retention_seconds,  # the request's; resolved at store time
                 webhook_events=stored_events(body.webhook_events, batch=False),
+                prompt_tokens=counter.count(body.input.text_parts()),  # the routing cost (issue 26)
             ))
         if len(errors) >= MAX_REPORTED_ERRORS:
             break

@@ -124,8 +124,10 @@ def _submit_blocking(
 ) -> tuple[JobOut, bool]:
     # A refusal from here on spends the caller's token too: AdmittedSubmitCaller takes it if
     # the admission below did not run (and its 401 / 429 wins).
+    counter = counter.for_request()  # the limits and the routing cost count the same texts once
     params = check_job_limits(body, settings=settings, counter=counter,
                               faults_enabled=settings.worker.fault_injection)
+    prompt_tokens = counter.count(body.input.text_parts())  # the routing cost's prefill (issue 26)
     scheduled_for = check_schedule(body.not_before, body.delay_seconds, settings=settings)  # 422 first
     job_input = body.input.model_dump(exclude_none=True)
     job_id = uuid.uuid4()
@@ -134,7 +136,7 @@ def _submit_blocking(
     # own here: each span costs the submit path ~50 us of export encoding at sample ratio 1.
     tracing.annotate(tracing.job_attributes(job_id=job_id, tenant=caller.tenant, kind=str(body.kind)))
     job, created = _admit_and_store(body, request, caller, settings, params, job_input, job_id,
-                                    idempotency_key, scheduled_for)
+                                    idempotency_key, scheduled_for, prompt_tokens)
     if tracing.enabled():
         tracing.annotate({**tracing.job_attributes(job_id=job.id, queue=job.queue),
                           "cloverq.job.created": int(created)})
@@ -151,6 +153,7 @@ def _admit_and_store(
     job_id: uuid.UUID,
     idempotency_key: str | None,
     scheduled_for: datetime | None = None,
+    prompt_tokens: int = 0,
 ) -> tuple[JobOut, bool]:
     state = request.app.state
     marker = redis_keys.enqueued(job_id)
@@ -163,7 +166,7 @@ def _admit_and_store(
             marker_set = admit_submission(request, session, caller, settings=settings, kind=body.kind,
                                           input=job_input, params=params, priority=body.priority,
                                           idempotency_key=idempotency_key, enqueued_marker=marker,
-                                          metered=token_taken(request))
+                                          metered=token_taken(request), prompt_tokens=prompt_tokens)
         created = False
         try:
             job, created = job_service.submit_job(
@@ -186,6 +189,7 @@ def _admit_and_store(
                 schedule_request=schedule_request(body.not_before, body.delay_seconds),
                 webhook_events=stored_events(body.webhook_events, batch=False),
                 retention_seconds=retention,
+                prompt_tokens=prompt_tokens,
             )
         except IdempotencyConflictError as exc:
             raise ApiError(

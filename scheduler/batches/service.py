@@ -38,7 +38,7 @@ from scheduler.model_versions.canary import current_route
 from scheduler.model_versions.canary_routing import route_version
 from scheduler.observability import tracing
 from scheduler.webhooks import events as webhook_filters
-from scheduler.webhooks.delivery import WebhookEvent
+from scheduler.webhooks.tables import WebhookEvent
 
 log = structlog.get_logger(__name__)
 
@@ -93,6 +93,7 @@ class JobSpec:
     webhook_url: str | None = None
     retention_seconds: int | None = None  # resolved against the tenant's policy (api/retention.py)
     webhook_events: str | None = None  # stored form (scheduler/webhooks/events.py); with webhook_url
+    prompt_tokens: int = 0  # the input's tokens as the API counted them (the routing cost)
 
 
 class BatchStatus(enum.StrEnum):
@@ -128,7 +129,8 @@ def batch_route(spec: JobSpec, settings: Settings) -> Route:
     admission checks the caps of exactly these queues."""
     # A client may lower the class further, never raise it above bulk (route_job only lowers).
     route = route_job(kind=spec.kind, input=spec.input, params=spec.params,
-                      priority=spec.priority or BATCH_PRIORITY, settings=settings)
+                      priority=spec.priority or BATCH_PRIORITY, settings=settings,
+                      prompt_tokens=spec.prompt_tokens)
     if route.queue != QueueName.JOINT:
         route = Route(cost=route.cost, priority=QueueName.BULK, queue=QueueName.BULK)
     return route

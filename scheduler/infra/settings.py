@@ -251,7 +251,11 @@ class EngineSettings(SettingsGroup):
 class LimitSettings(SettingsGroup):
     """What one request may ask for, the defaults it gets, and the HTTP size limits of the API."""
 
-    max_prompt_tokens: int = Field(4096, ge=1)
+    max_prompt_tokens: int = Field(
+        16_384, ge=1, description="Prompt tokens a job may send; the checkpoint's context "
+        "(max_position_embeddings) caps it further (scheduler/fleet/context_limits.py). The default lets a "
+        "16K-token contract through; engine memory per sequence grows with it (engine_max_len).",
+    )
     max_new_tokens_limit: int = Field(2048, ge=1)
     default_max_new_tokens: int = Field(128, ge=1)
     default_steps_per_block: int | None = Field(
@@ -357,6 +361,12 @@ class SchedulingSettings(SettingsGroup):
     """Which class (queue) a job goes to by cost, and how waiting jobs are promoted."""
 
     interactive_max_cost: int = Field(8192, ge=1, description="Cost (tokens x steps) of the short class.")
+    prefill_token_cost: int = Field(
+        4, ge=0, description="Routing cost of one prompt token, in the cost's unit (token-predictions): a "
+        "long prompt holds its engine slot through prefill iterations and its K/V through every pass. 4: "
+        "prompts up to 2,048 tokens can be interactive (interactive_max_cost / 4), up to 32,768 standard; "
+        "a 3,941-token prompt with 8 new tokens is standard (issue 26). 0: prompts do not count.",
+    )
     standard_max_cost: int = Field(131072, ge=1, description="Cost bound of the standard class.")
     aging_seconds: float = Field(120.0, gt=0, description="Queued longer than this: promoted to interactive.")
     aging_max_promoted: int = Field(4, ge=1, description="Aged jobs waiting in interactive at once.")
@@ -404,6 +414,10 @@ class BeatSettings(SettingsGroup):
     reconcile_grace_seconds: float = Field(2.0, ge=0, description="Age before a queued row counts as lost.")
     reaper_interval_seconds: float = Field(10.0, gt=0, description="Beat: requeue expired leases.")
     expiry_interval_seconds: float = Field(300.0, gt=0, description="Beat: expire old results.")
+    expiry_batch: int = Field(
+        1000, ge=1, description="Jobs one expiry statement expires at most; a tick repeats it, each batch "
+        "its own short transaction under the statement timeout, until none is due.",
+    )
     delayed_interval_seconds: float = Field(
         1.0, gt=0, description="Beat: publish delayed jobs that came due (an index range scan per tick).",
     )
@@ -411,6 +425,11 @@ class BeatSettings(SettingsGroup):
         10.0, gt=0, description="Beat: purge the data of jobs whose retention passed (or that expired).",
     )
     purge_batch: int = Field(500, ge=1, description="Jobs one purge tick schedules and purges at most.")
+    lease_seconds: float = Field(
+        10.0, gt=0, alias="beat_lease_seconds",
+        description="Beat leader lease (Redis): any number of beat processes run, the holder dispatches the "
+        "periodic tasks and renews every third of it; a dead or hung leader is replaced within 4/3 of it.",
+    )
     threads: int = Field(
         4, ge=1, alias="light_worker_threads",
         description="Threads of the beat process (maintenance tasks + webhook deliveries).",

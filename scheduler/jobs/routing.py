@@ -6,9 +6,12 @@ blocks x steps per block (capped by a step budget), per question for decisions. 
 names no block size runs with the checkpoint's, unknown here: its cost is then generated tokens
 x steps (each block's passes times its positions, ignoring the round-up to whole blocks). An
 ``extract`` job decodes exactly its schema's canvas, so its generated tokens are the canvas's
-estimated positions (``scheduler/jobs/canvas_size.py``), not ``max_new_tokens``. Cheap jobs go to
-``interactive``, mid-sized to ``standard``, the rest to ``bulk``; joint-mode decisions go to
-their own ``joint`` queue (own workers, own deadline, capped engine slots).
+estimated positions (``scheduler/jobs/canvas_size.py``), not ``max_new_tokens``. The prompt
+counts too (issue 26): its tokens, as the API counted them with the checkpoint's tokenizer, at
+``prefill_token_cost`` each (a decision's context once: its questions share its prefill through
+the prefix cache). Cheap jobs go to ``interactive``, mid-sized to ``standard``, the rest to
+``bulk``; joint-mode decisions go to their own ``joint`` queue (own workers, own deadline, capped
+engine slots).
 
 A client may ask for a *lower* class than its cost earns (e.g. batch work it does not want to
 compete with interactive traffic) but never a higher one. Starvation is bounded by aging: the
@@ -75,12 +78,15 @@ def parse_priority(priority: str | None) -> QueueName | None:
 
 
 def estimate_cost(
-    *, kind: str, input: Mapping[str, Any] | None, params: Mapping[str, Any], settings: Settings
+    *, kind: str, input: Mapping[str, Any] | None, params: Mapping[str, Any], settings: Settings,
+    prompt_tokens: int = 0,
 ) -> int:
-    """Passes x block size (x questions): an upper bound of the token-predictions of the job.
+    """Passes x block size (x questions): an upper bound of the token-predictions of the job, plus
+    its ``prompt_tokens`` (every text of the input, counted by the API) at ``prefill_token_cost``.
 
     ``steps_per_block`` above ``block_size`` is refused by the API (``api.limits``); here such
     steps count as the block size, the most passes a block can take (a pass commits >= 1 mask).
+    A step budget caps the decoding only: the prompt is prefilled whatever the budget.
     """
     block = int(params.get("block_size") or 0)  # 0: the checkpoint's, unknown here
     # unset everywhere: the model family's default, unknown here; assume 4 passes per block
@@ -102,7 +108,7 @@ def estimate_cost(
     budget = params.get("step_budget")
     if budget is not None:  # at most ``budget`` passes of ``block`` positions (assumed when unknown)
         cost = min(cost, int(budget) * (block or BUDGET_BLOCK_ASSUMED))
-    return cost
+    return cost + max(0, prompt_tokens) * settings.scheduling.prefill_token_cost
 
 
 def decide_tokens_per_question(input: Mapping[str, Any], settings: Settings) -> int:
@@ -147,9 +153,11 @@ def route_job(
     params: Mapping[str, Any],
     priority: str | None,
     settings: Settings,
+    prompt_tokens: int = 0,
 ) -> Route:
-    """The cost, class and queue of a new job."""
-    cost = estimate_cost(kind=kind, input=input, params=params, settings=settings)
+    """The cost, class and queue of a new job (``prompt_tokens``: see ``estimate_cost``)."""
+    cost = estimate_cost(kind=kind, input=input, params=params, settings=settings,
+                         prompt_tokens=prompt_tokens)
     earned = class_for_cost(cost, settings)
     requested = parse_priority(priority)
     cls = max(earned, requested, key=lambda q: q.rank) if requested else earned

@@ -119,6 +119,7 @@ def submit_job(
     schedule_request: str | None = None,
     webhook_events: str | None = None,
     retention_seconds: int | None = None,
+    prompt_tokens: int = 0,
 ) -> tuple[Job, bool]:
     """Create a queued job (committed), then publish its message. Returns ``(job, created)``.
 
@@ -135,6 +136,7 @@ def submit_job(
     ``not_before`` / ``delay_seconds`` as given (the fingerprint's, not a time); ``webhook_events``:
     the stored filter (``scheduler/webhooks/events.py``). ``retention_seconds``: the job's data
     retention, already resolved against its tenant's policy (``scheduler/access/retention.py``).
+    ``prompt_tokens``: the input's tokens as the API counted them (the routing cost counts them).
     """
     settings = settings or get_settings()
     fingerprint = request_fingerprint(
@@ -146,7 +148,8 @@ def submit_job(
         if existing is not None:
             return _repeat(existing, fingerprint)
 
-    route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings)
+    route = route_job(kind=kind, input=input, params=params, priority=priority, settings=settings,
+                      prompt_tokens=prompt_tokens)
     job_id = job_id or uuid.uuid4()
     canary = current_route(session, settings.model.served)  # None without a canary: no pin
     routed_version = route_version(job_id, canary)

@@ -140,7 +140,7 @@ def test_unknown_jobs_are_404_job_not_found(client: TestClient, job_id: str) -> 
          "invalid_request"),
         ({"kind": "generate", "input": {"prompt": "x"}, "params": {"fault": "always_fail"}}, 422,
          "invalid_request"),
-        ({"kind": "generate", "input": {"prompt": "word " * 5000}}, 422, "prompt_too_long"),
+        ({"kind": "generate", "input": {"prompt": "word " * 6000}}, 422, "prompt_too_long"),  # 18,001 tokens
         ({"kind": "generate", "input": {"prompt": "nul \u0000"}}, 422, "invalid_request"),
     ],
 )

@@ -18,8 +18,9 @@ def test_every_field_is_in_a_group_or_top_level_under_one_flat_name() -> None:
     # + limits.max_schema_bytes and limits.max_schema_depth (issue 24), + limits.max_tools (issue 24),
     # + the planes group (issue 28: fifteen) and client.admin_api_url / client.ops_api_url (issue 28),
     # + retention default / max and the purge tick's interval and batch (issue 27: four),
-    # + the other issue 27 settings (fair share, delayed jobs, webhook progress) and prefill chunks
-    assert len(table) == 143
+    # + the other issue 27 settings (fair share, delayed jobs, webhook progress) and prefill chunks,
+    # + scheduling.prefill_token_cost (issue 26) and beat's expiry_batch and lease_seconds (issue 32)
+    assert len(table) == 146
     grouped = sum(len(group.model_fields) for group in settings_groups().values())
     assert grouped + [entry.group for entry in table.values()].count(None) == len(table)
     assert len({entry.env for entry in table.values()}) == len(table)

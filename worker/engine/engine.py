@@ -464,7 +464,7 @@ class Engine:
                 if base is not None:
                     self.cache.import_prefix(a.slot, base.state)
                     start = base.length
-                self.runner.run_prefill(a.slot, prompt[start:length], start, block, timings)
+                self._prefill_prefix(a.slot, prompt, start, length, block, timings)
                 entry = cache.put(key, prompt[:length], block, self.cache.export_prefix(a.slot, length))
                 cache.misses += 1
                 self._prefill_positions += length - start
@@ -476,6 +476,19 @@ class Engine:
             return None
         a.state.cached_len = length
         return entry
+
+    def _prefill_prefix(self, slot: int, prompt: Sequence[int], start: int, end: int, block: int,
+                        timings: PassTimings) -> None:
+        """Prefill a shared prefix's ``prompt[start:end]`` into ``slot``: in whole-block chunks of
+        the per-iteration budget when chunking is on, as a prompt's own prefill runs, so one forward
+        holds memory for a chunk, not for the whole context (a 16K-token contract's decision on the
+        tiny demo needed GBs in one forward). Exact for the same reason chunked prefill is."""
+        budget = self.config.prefill_chunk_tokens
+        step = max(budget // block * block, block) if budget > 0 else max(end - start, 1)
+        for at in range(start, end, step):
+            self.runner.run_prefill(slot, list(prompt[at:min(at + step, end)]), at, block, timings)
+            if step < end - start:
+                self._chunks += 1
 
     def _interrupt_active(self, now: float) -> None:
         for a in self._active:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from scheduler.fleet.sequence_memory import GDN_STATE_COPIES, SequenceMemory, gdn_state_bytes
+
 SDAR_MODEL_TYPES: frozenset[str] = frozenset({"qwen3_moe", "sdar_moe", "sdar"})
 CLOVER_MODEL_TYPES: frozenset[str] = frozenset({"clover_moe", "clover_moe_text"})
 # the causal Qwen3.5-MoE trunk: readable (to check our trunk against it) but not servable
@@ -150,10 +152,20 @@ class ModelConfig:
         )
 
     def gdn_state_bytes(self) -> int:
-        """Committed GDN state of one sequence across layers: float32 ``S`` plus the conv ring."""
-        per_layer = 4 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
-        ring = 4 * (self.linear_conv_kernel_dim - 1) * self.linear_conv_dim
-        return len(self.linear_layers) * (per_layer + ring)
+        """Committed GDN state of one sequence across layers (one copy): float32 ``S`` plus the conv ring."""
+        if not self.linear_layers:
+            return 0
+        return gdn_state_bytes(
+            layers=len(self.linear_layers), value_heads=self.linear_num_value_heads,
+            key_head_dim=self.linear_key_head_dim, value_head_dim=self.linear_value_head_dim,
+            conv_channels=self.linear_conv_dim, conv_kernel=self.linear_conv_kernel_dim)
+
+    def sequence_memory(self, kv_element_bytes: float) -> SequenceMemory:
+        """What one sequence holds in a worker (K/V per position of the attention layers, both
+        cached copies of the GDN state): the formula the planner and the API share."""
+        return SequenceMemory(attention_layers=len(self.attention_layers), kv_heads=self.num_key_value_heads,
+                              head_dim=self.head_dim, kv_element_bytes=kv_element_bytes,
+                              state_bytes=GDN_STATE_COPIES * self.gdn_state_bytes())
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a routed-expert feed-forward (Qwen3-MoE's rule)."""

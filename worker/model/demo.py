@@ -43,6 +43,9 @@ from worker.model.manifest import write_manifest
 DemoSize = Literal["tiny", "small"]
 DemoArch = Literal["clover", "sdar", "llada2"]
 DEMO_ARCHS: tuple[str, ...] = ("clover", "sdar", "llada2")
+# Clover-35B-A3B-Preview's context: the demos carry it so long prompts can be tried on them (issue 26;
+# RoPE angles are computed per position, nothing is sized by it; the engine's memory is set apart)
+DEMO_CONTEXT = 131_072
 
 _LLADA2_SHAPES: dict[str, dict[str, Any]] = {
     # a dense first layer, then MoE with 4 groups of 2 experts (2 groups kept), 1 shared expert
@@ -198,7 +201,7 @@ def demo_config(
         model_type=_MODEL_TYPES[arch],
         rms_norm_eps=1e-6,
         rope_theta=1_000_000.0,
-        max_position_embeddings=4096,
+        max_position_embeddings=DEMO_CONTEXT,
         tie_word_embeddings=False,
         mask_token_id=special_ids[MASK],
         eos_token_ids=(special_ids[IM_END],),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from scheduler.fleet.sequence_memory import GDN_STATE_COPIES
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import KVCache, PrefixState
 
@@ -49,7 +50,7 @@ class HybridCache(KVCache):
     @staticmethod
     def bytes_per_sequence(config: ModelConfig) -> int:
         """Both copies of every GDN layer's ring and state (held whatever the length)."""
-        return 2 * config.gdn_state_bytes()
+        return GDN_STATE_COPIES * config.gdn_state_bytes()
 
     def allocate(self) -> int:
         slot = super().allocate()

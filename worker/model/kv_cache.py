@@ -76,7 +76,7 @@ class KVCache:
     def bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
         """Memory of one cached position across all layers (K and V)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(config.attention_layers) * config.num_key_value_heads * config.head_dim * elem
+        return int(config.sequence_memory(elem).bytes_per_position())
 
     @staticmethod
     def bytes_per_sequence(config: ModelConfig) -> int:

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from scheduler.fleet.sequence_memory import SequenceMemory
+from worker.model.parallel.plan import make_plan, rank_config
 from worker.model.quant_rules import DEFAULT_INT4_GROUP, QuantMode, matrix_bytes
 
 if TYPE_CHECKING:
@@ -44,6 +46,14 @@ class PlanInput:
     # exact weight bytes per row dtype when known (``weight_bytes`` of a config: quantized matrices
     # plus what stays high precision); a dtype missing here is total_params x BYTES_PER_PARAM
     weight_bytes: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def memory(self) -> SequenceMemory:
+        """What one sequence holds (``scheduler.fleet.sequence_memory``: the API's submit check
+        counts with the same formula)."""
+        return SequenceMemory(attention_layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                              kv_element_bytes=BYTES_PER_PARAM[self.kv_dtype],
+                              state_bytes=int(self.state_bytes_per_sequence))
 
     def __post_init__(self) -> None:
         for name in (self.dtype, self.kv_dtype):
@@ -79,11 +89,10 @@ def _gpus(gib: float, per_gpu: float) -> int:
 
 
 def plan(inp: PlanInput) -> Plan:
-    kv_per_token = 2 * inp.layers * inp.kv_heads * inp.head_dim * BYTES_PER_PARAM[inp.kv_dtype]
+    kv_per_token = inp.memory.bytes_per_position()
     # Sequences hold their own copy of a shared prefix (the prefix cache saves prefill compute,
     # not slot memory), so the store's budget comes on top of every slot.
-    kv_gib = ((kv_per_token * inp.context + inp.state_bytes_per_sequence) * inp.batch
-              + inp.prefix_cache_bytes) / GIB
+    kv_gib = (inp.memory.sequence_bytes(inp.context) * inp.batch + inp.prefix_cache_bytes) / GIB
     attention_flops = 4 * inp.layers * inp.attention_heads * inp.head_dim * inp.context  # QK^T + AV
     dtypes = [inp.dtype] + [d for d in ("int8", "int4") if d != inp.dtype]
     rows = []
@@ -109,8 +118,7 @@ def sequences_at_once(inp: PlanInput, weights_gib: float, tp: int) -> int:
     Weights, the recurrent state and the prefix store shard over the ranks (their total is the
     same); K/V shard by KV head, and a rank holds at least one, so beyond ``kv_heads`` ranks the
     K/V heads are replicated: the group holds ``max(kv_heads, tp)`` heads' worth per position."""
-    per_position = 2 * inp.layers * max(inp.kv_heads, tp) * inp.head_dim * BYTES_PER_PARAM[inp.kv_dtype]
-    per_sequence = per_position * inp.context + inp.state_bytes_per_sequence
+    per_sequence = inp.memory.sequence_bytes(inp.context, tp)
     room = tp * inp.gpu_memory_gib * GIB / inp.headroom - weights_gib * GIB - inp.prefix_cache_bytes
     return max(0, math.floor(room / per_sequence))
 
@@ -252,8 +260,6 @@ def rank_weight_bytes(
     each rank does (int4 groups of the shard's own input widths, int8 where none divides them), the
     replicated rest (embedding, norms, routers) whole, the LM head on rank 0 only. Rank 0 holds the
     most."""
-    from worker.model.parallel.plan import make_plan, rank_config
-
     shard = weight_bytes(rank_config(config, make_plan(config, rank, world)), weight_dtype,
                          high_precision=high_precision, group_size=group_size)  # fmt: skip
     if rank == 0 or config.tie_word_embeddings:
