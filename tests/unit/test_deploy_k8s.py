@@ -215,10 +215,12 @@ def test_configured_deadlines_fit_the_worker_grace_periods() -> None:
         assert grace >= float(data[key]), (name, key)
 
 
-def test_beat_runs_exactly_one_replica_without_overlap() -> None:
+def test_beat_runs_a_leader_and_a_standby_replaced_one_at_a_time() -> None:
+    """Two beats (one leads by the lease, the other stands by); a rollout never stops both."""
     beat = _deployment("cloverq-beat")
-    assert beat["spec"]["replicas"] == 1
-    assert beat["spec"]["strategy"]["type"] == "Recreate"
+    assert beat["spec"]["replicas"] == 2
+    assert beat["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert beat["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
     assert _container(beat)["command"] == ["cloverq", "beat"]
     assert not any(s["spec"]["scaleTargetRef"]["name"] == "cloverq-beat" for s in _of_kind("ScaledObject"))
 
