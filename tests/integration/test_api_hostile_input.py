@@ -39,7 +39,9 @@ GOOD_SPEC = '{"kind":"generate","input":{"prompt":"hello"},"params":{"max_new_to
 HUGE_METADATA = {f"k{i}": "x" * 31_000 for i in range(32)}  # ~1 MB, what the fault run stored
 
 
-@pytest.fixture
+# One app per backend for the whole module (its start-up was ~1.7 s of each of 67 tests): every
+# test sends its own requests and compares the stored rows before and after them.
+@pytest.fixture(scope="module")
 def api_settings(
     make_settings: Callable[..., Settings], db_backend_url: str, demo_checkpoint: Path
 ) -> Settings:
@@ -48,7 +50,7 @@ def api_settings(
                          list_max_response_bytes=65_536)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(api_settings: Settings) -> Iterator[TestClient]:
     with TestClient(create_app(api_settings), raise_server_exceptions=False) as test_client:
         yield test_client

@@ -90,9 +90,19 @@ def test_metrics_after_real_jobs(api: TestClient, stack_settings: Settings, laun
     failed = _wait_final(api, failing.json()["id"])
     assert failed["status"] == "failed"
     api.get(f"/v1/jobs/{ok_ids[0]}")  # one templated route hit for the HTTP families
-    time.sleep(1.0)  # one more worker snapshot after the jobs
-
-    response = api.get("/metrics")
+    # The worker's counters reach /metrics with its next snapshot (every heartbeat): wait for
+    # the one that counts this test's jobs (under CI load a heartbeat can come late).
+    deadline = time.monotonic() + 20.0
+    while True:
+        response = api.get("/metrics")
+        family = _families(response.text).get("cloverq_jobs_finished_total")
+        counted = {
+            (s.labels["kind"], s.labels["status"]): s.value for s in _samples(family, "_total")
+        } if family is not None else {}
+        done = counted.get(("generate", "succeeded"), 0) >= 3 and counted.get(("generate", "failed"), 0) >= 1
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     families = _families(response.text)
