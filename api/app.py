@@ -8,6 +8,7 @@ limit, and mounts one router per resource. ``cloverq api`` serves it with uvicor
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from fastapi import FastAPI
 
 from api.auth import install_security, meter_refused_request
 from api.body_limit import BodyLimitMiddleware
+from api.drain import ApiDrain, register, unregister
 from api.errors import install_error_handlers
 from api.job_follow import close_stream_redis, waiter_redis
 from api.job_waiter import JobWaiter
@@ -78,9 +80,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await anyio.to_thread.run_sync(_restore_operator_state, app, abandon_on_cancel=True)
         freeze_startup_heap()  # short full GCs from here on (scheduler/infra/gc_freeze.py)
         app.state.job_waiter.start()  # subscribed before the first long poll arrives
+        # SIGTERM drains this app first (api/drain.py): its long polls wake to re-read their deadline.
+        app.state.drain.bind(asyncio.get_running_loop(), app.state.job_waiter.wake_all)
+        register(app.state.drain)
         try:
             yield
         finally:
+            unregister(app.state.drain)
             thaw_heap()
             # Bounded: a Redis connection that never answers must not hold the API's shutdown
             # (a TestClient teardown once waited 300 s here); what is left is dropped with the process.
@@ -112,6 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.celery = create_celery_app(settings)
     # GET /v1/jobs/{id}?wait=S; its subscription has its own small asyncio pool (api/job_follow.py).
     app.state.job_waiter = JobWaiter(lambda: waiter_redis(app))
+    app.state.drain = ApiDrain(settings.planes.drain_seconds)  # begun by SIGTERM (api/graceful_stop.py)
     install_security(app, settings, session_factory=app.state.session_factory, redis_client=app.state.redis)
     # Batch bodies parsed at once (each costs a few times its size while it is parsed).
     app.state.batch_uploads = anyio.Semaphore(settings.batches.max_concurrent_uploads)

@@ -51,7 +51,8 @@ from api.errors import error_body
 from scheduler.infra.settings import get_settings
 
 BAD_REQUEST_MESSAGE = "The request is not valid HTTP."
-HEALTH_PATHS = (b"/healthz", b"/livez", b"/readyz", b"/metrics")  # served from the health reserve
+# Served from the health reserve:
+HEALTH_PATHS = (b"/healthz", b"/livez", b"/readyz", b"/readyz/replica", b"/metrics")
 FD_MARGIN = 64  # descriptors kept for everything but client connections (SQL, Redis, files, logs)
 RETRY_AFTER_SECONDS = "1"
 EVICTABLE_AFTER_SECONDS = 1.0  # an idle connection younger than this may be a client about to send

@@ -31,10 +31,12 @@ from fastapi import FastAPI, Request
 from redis import Redis, RedisError
 from starlette.concurrency import run_in_threadpool
 
+from api.drain import ApiDrain
 from api.job_waiter import HEALTH_CHECK_SECONDS, MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
 from api.presenters import job_out
 from api.schemas.jobs import JobOut
 from scheduler.infra import redis_keys
+from scheduler.infra.redis_client import async_redis_from_url
 from scheduler.jobs import event_stream
 from scheduler.jobs import service as job_service
 from scheduler.jobs.models import JobStatus
@@ -66,7 +68,7 @@ class Followed:
 def _async_redis(app: FastAPI, attribute: str, max_connections: int) -> aioredis.Redis:
     client = getattr(app.state, attribute, None)
     if client is None:
-        client = aioredis.Redis.from_url(
+        client = async_redis_from_url(  # redis+sentinel:// too: it then follows the master
             app.state.settings.resolved_redis_url, decode_responses=True, socket_connect_timeout=1.0,
             max_connections=max_connections, health_check_interval=HEALTH_CHECK_SECONDS,
         )
@@ -179,6 +181,14 @@ def completion(text: str, final: str) -> tuple[int, str] | None:
     return common, final[common:]
 
 
+def _block_ms(drain: ApiDrain | None) -> int:
+    """How long the next ``XREAD`` may block: ``STREAM_BLOCK_MS``, less once a drain has begun
+    (up to its deadline; 0 when it has passed)."""
+    if drain is None or drain.deadline is None:
+        return STREAM_BLOCK_MS
+    return min(STREAM_BLOCK_MS, int((drain.deadline - time.monotonic()) * 1000))
+
+
 def _stream_entries(answer: Any) -> list[tuple[str, dict[str, Any]]]:
     """The entries of a one-stream ``XREAD`` answer, ``[[key, entries]]`` on our RESP2 clients
     (redis-py types the answer as a union with RESP3's ``{key: entries}``)."""
@@ -203,12 +213,15 @@ async def _replay(client: aioredis.Redis, key: str, cursor: str) -> AsyncIterato
 
 async def follow_job(
     request: Request, job_id: str, tenant: str | None, *, after: str | None = None,
-    first: JobOut | None = None, keepalive_seconds: float = KEEPALIVE_SECONDS,
+    first: JobOut | None = None, keepalive_seconds: float = KEEPALIVE_SECONDS, drain: ApiDrain | None = None,
 ) -> AsyncGenerator[Followed, None]:
     """What happens to ``job_id`` from now on: ``status`` first, ``block`` events as the worker
     commits them (from stream entry ``after`` on; default the stream's start, i.e. the job's
     whole output so far; for a job already final, what the stream still holds), ``status`` on
-    every change, ``final`` last. ``first``: the job as the caller just read it (saves a read)."""
+    every change, ``final`` last. ``first``: the job as the caller just read it (saves a read).
+
+    ``drain``: for a reader that can resume elsewhere (SSE's ``Last-Event-ID``), the replica's
+    drain: once its deadline passes the generator ends without ``final`` (``api/drain.py``)."""
     waiter: JobWaiter = request.app.state.job_waiter
     client = stream_redis(request.app)
     key = redis_keys.events(job_id)
@@ -231,13 +244,16 @@ async def follow_job(
         first_read = True
         while True:
             reread = False
+            block_ms = _block_ms(drain)
+            if block_ms <= 0:  # the replica stops: the reader resumes on another one
+                return
             try:
-                answer = await client.xread({key: cursor}, count=STREAM_BATCH, block=STREAM_BLOCK_MS)
+                answer = await client.xread({key: cursor}, count=STREAM_BATCH, block=block_ms)
             except (RedisError, OSError) as exc:  # no stream: SQL and the notice still answer
                 log.info("job_follow.stream_unavailable", job_id=job_id, error=type(exc).__name__)
                 answer = []
                 with suppress(TimeoutError):
-                    await asyncio.wait_for(finished.wait(), STREAM_BLOCK_MS / 1000)
+                    await asyncio.wait_for(finished.wait(), block_ms / 1000)
             entries = _stream_entries(answer)
             if first_read and not entries and cursor == event_stream.STREAM_START:
                 hot = _hot_block(job) if job.status == JobStatus.RUNNING else None

@@ -65,6 +65,13 @@ class JobWaiter:
         """Requests waiting now (for tests and the curious)."""
         return sum(len(events) for events in self._waiters.values())
 
+    def wake_all(self) -> None:
+        """Wake every waiting request, as a notice for its job would (the API's drain began: each
+        re-reads its job and its deadline, now capped by the drain's, ``api/drain.py``)."""
+        for events in self._waiters.values():
+            for event in events:
+                event.set()
+
     async def close(self) -> None:
         """Stop the subscription (API shutdown)."""
         if self._listener is not None:

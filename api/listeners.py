@@ -20,12 +20,12 @@ import ssl
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
 
+from api.graceful_stop import GracefulStop
 from api.planes import ALL_PLANES, Plane, listener_app
 from scheduler.infra.settings import PlaneSettings
 
@@ -121,12 +121,13 @@ def serve_listeners(app: ASGIApp, specs: Sequence[ListenerSpec], options: dict[s
             **(spec.tls.uvicorn_options() if spec.tls is not None else {})})
         servers.append(PlaneServer(config))
 
-    def stop(signum: int, _frame: FrameType | None) -> None:
+    def stop_now(signum: int) -> None:
         for server in servers:
             if server.should_exit and signum == signal.SIGINT:
                 server.force_exit = True
             server.should_exit = True
 
+    stop = GracefulStop(stop_now)  # SIGTERM drains first (api/drain.py)
     previous = {signum: signal.signal(signum, stop) for signum in HANDLED_SIGNALS}
     try:
         return asyncio.run(_serve_all(servers, sockets))

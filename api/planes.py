@@ -5,7 +5,8 @@ port only to the internal network. cloverq's API has three planes, told apart by
 
 * **public**: everything a client calls (jobs, batches, decisions, the OpenAI routes, events, docs);
 * **admin**: ``/v1/admin/...`` and the operator dashboard (``/dashboard...``);
-* **ops**: ``/metrics``, ``/livez``, ``/healthz``, ``/readyz`` (scrapers and probes).
+* **ops**: ``/metrics``, ``/livez``, ``/healthz``, ``/readyz``, ``/readyz/replica`` (scrapers and
+  probes).
 
 ``cloverq api`` serves them on one listener (one-port mode, development) or on a listener each
 (``admin_port``/``ops_port``, ``api/listeners.py``); a listener marks the requests it accepts with
@@ -52,7 +53,7 @@ class Plane(StrEnum):
 
 
 ALL_PLANES: frozenset[Plane] = frozenset(Plane)
-OPS_PATHS = frozenset({"/metrics", "/livez", "/healthz", "/readyz"})
+OPS_PATHS = frozenset({"/metrics", "/livez", "/healthz", "/readyz", "/readyz/replica"})
 ADMIN_ROOTS = ("/v1/admin", "/dashboard")
 
 

@@ -29,6 +29,7 @@ from cli.stack_record import remove_record, write_record
 from cli.supervisor import Child, RestartBudget, Supervisor
 from client import Client, RetryPolicy
 from scheduler.infra.queue_names import JOB_QUEUES
+from scheduler.infra.redis_client import redis_from_url
 from scheduler.infra.settings import FILE_SUFFIX, Settings, WorkerSettings, flat_fields, get_settings
 from scheduler.infra.tls_check import exit_on_tls_failure
 
@@ -109,7 +110,8 @@ def api(host: str, port: int, admin_port: int | None, ops_port: int | None, work
         # The client address is cloverq's to work out (planes.trusted_proxies, api/planes.py): uvicorn's
         # own X-Forwarded-For rewrite (on for 127.0.0.1 by default) would let a local caller spoof it.
         proxy_headers=False,
-        timeout_graceful_shutdown=10,
+        # After the drain (api/drain.py): what still runs then may take this long (OpenAI streams).
+        timeout_graceful_shutdown=settings.planes.stop_grace_seconds,
         # uvicorn's default (5 s) equals httpx's pool keep-alive expiry (5 s): a client reuses an
         # idle connection just as the server's timer closes it (both ends counted from about the
         # same response, the server's a little earlier), and the request fails with "Server
@@ -137,10 +139,10 @@ def api(host: str, port: int, admin_port: int | None, ops_port: int | None, work
         timeout_worker_healthcheck=120,
         **(specs[0].tls.uvicorn_options() if specs[0].tls is not None else {}),
     )
-    if fd is None:
+    if workers > 1:  # each process stops as uvicorn does, without a drain: scale by replicas instead
         uvicorn.run("api.app:create_app", **options)
     else:
-        _serve_inherited_socket(uvicorn.Config("api.app:create_app", **options), fd)
+        _serve_one_process(uvicorn.Config("api.app:create_app", **options), fd)
 
 
 def _with_plane_ports(settings: Settings, admin_port: int | None, ops_port: int | None) -> Settings:
@@ -158,18 +160,20 @@ def log_listener(name: str, url: str, planes: list[str]) -> None:
     structlog.get_logger("cloverq.api").info("api.listener", listener=name, url=url, planes=planes)
 
 
-def _serve_inherited_socket(config: Any, fd: int) -> None:
-    """Serve ``config`` on the listening socket ``fd`` (what ``uvicorn.run`` does for one process).
+def _serve_one_process(config: Any, fd: int | None) -> None:
+    """Serve ``config`` in this process (what ``uvicorn.run`` does for one), draining on SIGTERM
+    (``api/graceful_stop.py``); on the listening socket ``fd`` when given.
 
     Not uvicorn's own ``fd=``: it rebuilds the socket as AF_UNIX, so accepted TCP connections would
     miss TCP_NODELAY (asyncio sets it by family) and small responses would wait on Nagle.
     """
-    import uvicorn
+    from api.graceful_stop import DrainingServer
 
     config.load_app()
-    server = uvicorn.Server(config=config)
+    server = DrainingServer(config)
+    sockets = None if fd is None else [socket.socket(fileno=fd)]  # family and type read from the socket
     with contextlib.suppress(KeyboardInterrupt):
-        server.run(sockets=[socket.socket(fileno=fd)])  # family and type read from the socket
+        server.run(sockets=sockets)
     if not server.started:
         sys.exit(3)  # uvicorn's STARTUP_FAILURE
 
@@ -505,7 +509,7 @@ def _dashboard_login_link(settings: Settings, base_url: str, dev_key: str | None
     from api.dashboard_login import issue_login_code, login_link
 
     try:
-        client = redis.Redis.from_url(settings.resolved_redis_url)
+        client = redis_from_url(settings.resolved_redis_url)
         return login_link(base_url, issue_login_code(client, dev_key))
     except redis.RedisError as exc:
         _say(f"no dashboard sign-in link ({type(exc).__name__}); sign in with the dev key")

@@ -148,20 +148,28 @@ def list_query(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
+# The comment an API replica ends a job's event stream with when it stops (the server's
+# api/routes/job_events.py): the stream goes on from another replica after a reconnect.
+REPLICA_STOPPING = "replica stopping"
+
+
 class SSEParser:
-    """Incremental Server-Sent Events parser: feed lines, get :class:`JobEvent` s."""
+    """Incremental Server-Sent Events parser: feed lines, get :class:`JobEvent` s. ``stopping``:
+    the server said it is stopping (the stream ends; reconnect with ``last_id`` to go on)."""
 
     def __init__(self) -> None:
         self._event: str | None = None
         self._data: list[str] = []
         self._id: str | None = None
         self.last_id: str | None = None
+        self.stopping = False
 
     def feed(self, line: str) -> JobEvent | None:
         line = line.rstrip("\r")
         if not line:
             return self._dispatch()
         if line.startswith(":"):
+            self.stopping = self.stopping or line[1:].strip().startswith(REPLICA_STOPPING)
             return None
         name, _, value = line.partition(":")
         value = value[1:] if value.startswith(" ") else value

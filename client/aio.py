@@ -188,6 +188,9 @@ class AsyncClient:
                 await asyncio.sleep(self.retry.delay(failures, None))
                 failures += 1
                 continue
+            if parser.stopping:  # that replica stops: go on from another one, after the last event
+                parser.stopping = False
+                continue
             return  # the server ended the stream without a result (the job is gone)
 
     async def stream_text(self, job_id: str) -> AsyncIterator[str]:

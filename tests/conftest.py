@@ -575,8 +575,9 @@ class ProcessLauncher:
 
     def wait_ready(self, service: ServiceProcess, settings: Settings, *, timeout: float) -> None:
         from scheduler.fleet.workers import list_workers
+        from scheduler.infra.redis_client import redis_from_url
 
-        client = redis_lib.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+        client = redis_from_url(settings.resolved_redis_url, decode_responses=True)  # redis+sentinel:// too
 
         def ready() -> bool:
             if service.proc.poll() is not None:

@@ -1,4 +1,5 @@
-"""``/healthz`` = ``/livez`` (alive, touches nothing) and ``/readyz`` (can work actually run?).
+"""``/healthz`` = ``/livez`` (alive, touches nothing), ``/readyz`` (can work actually run?) and
+``/readyz/replica`` (does this replica take new requests? for load balancers: not stopping).
 
 ``/readyz`` answers within ``readiness_timeout_seconds`` whatever its dependencies do: each check
 runs in a worker thread and one that has not answered by the deadline counts as failed, so a
@@ -9,21 +10,24 @@ the database connect timeout or the Redis socket timeout.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from redis import Redis
 from sqlalchemy import text
 
 from api.deps import RedisDep, SessionFactoryDep, SettingsDep
+from api.drain import ApiDrain
 from api.schemas.health import Health, Readiness, ReadinessCheck
 from scheduler.fleet.workers import consuming_classes, ready_workers, unconsumed_classes
 
 router = APIRouter(tags=["health"])
+REPLICA_READY_PATH = "/readyz/replica"
 
 DependencyResult = tuple[dict[str, ReadinessCheck], dict[str, int]]
 
@@ -37,12 +41,14 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(response: Response, settings: SettingsDep, session_factory: SessionFactoryDep,
-                 redis_client: RedisDep) -> Readiness:
+async def readyz(request: Request, response: Response, settings: SettingsDep,
+                 session_factory: SessionFactoryDep, redis_client: RedisDep) -> Readiness:
     """Ready when the database and Redis answer, at least one worker is ready and no ready worker's
     consumer is off a queue it should consume (``consumers``), decided within the readiness
     deadline (a check still running then has failed). ``ready_workers`` counts, per queue, the
-    ready workers whose Celery consumer consumes it now (read back from the consumer itself)."""
+    ready workers whose Celery consumer consumes it now (read back from the consumer itself).
+    A replica that is stopping (``api/drain.py``) is not ready either (``draining``)."""
+    drain: ApiDrain = request.app.state.drain
     deadline: float = settings.observability.readiness_timeout_seconds
     checks: dict[str, ReadinessCheck] = {}
     per_queue: dict[str, int] = {}
@@ -61,10 +67,31 @@ async def readyz(response: Response, settings: SettingsDep, session_factory: Ses
         group.start_soon(database)
         group.start_soon(redis)
     ordered = {name: checks[name] for name in ("database", "redis", "workers", "consumers")}
+    if drain.draining:
+        ordered["draining"] = _draining(drain)
     ready = all(check.ok for check in ordered.values())
     if not ready:
         response.status_code = 503
     return Readiness(ready=ready, checks=ordered, ready_workers=per_queue)
+
+
+@router.get(REPLICA_READY_PATH, response_model=Readiness, responses={503: {"model": Readiness}})
+async def readyz_replica(request: Request, response: Response) -> Readiness:
+    """Whether this replica takes new requests: it is not stopping (``api/drain.py``). For load
+    balancers (HAProxy's health check, a Kubernetes readinessProbe). It reads no shared service on
+    purpose: a database or Redis blip, or no ready worker (jobs queue meanwhile), would take every
+    replica out at once, and each request answers for those itself (503 with ``Retry-After``)."""
+    drain: ApiDrain = request.app.state.drain
+    if drain.draining:
+        response.status_code = 503
+        response.headers["Retry-After"] = "1"
+        return Readiness(ready=False, checks={"draining": _draining(drain)})
+    return Readiness(ready=True, checks={"draining": ReadinessCheck(ok=True)})
+
+
+def _draining(drain: ApiDrain) -> ReadinessCheck:
+    left = max(0.0, (drain.deadline or 0.0) - time.monotonic())
+    return ReadinessCheck(ok=False, detail=f"stopping: listeners close in {left:.1f}s")
 
 
 def _timed_out(names: tuple[str, ...], deadline: float) -> DependencyResult:

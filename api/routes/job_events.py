@@ -18,7 +18,9 @@ Events, in order (``data`` is JSON):
 with ``Last-Event-ID`` (browsers' ``EventSource`` do) or ``?after=`` resumes after it; without
 one the job's output so far is replayed from its start. SQL stays the truth: the status and the
 result are read from it, and the ``result`` event is complete on its own. A comment line is
-sent every few seconds while nothing happens.
+sent every few seconds while nothing happens. A replica that stops ends its streams by the end
+of its drain (``api/drain.py``) without ``result``: reconnect with ``Last-Event-ID`` (through the
+load balancer, to another replica) and the stream goes on after the last event received.
 """
 
 from __future__ import annotations
@@ -130,8 +132,12 @@ async def job_events(
     async def body() -> AsyncIterator[str]:
         yield "retry: 1000\n\n"
         answer = reasoning = ""  # what the deltas sent so far add up to
-        async with aclosing(follow_job(request, parsed, tenant, after=resume, first=first)) as followed:
+        drain = request.app.state.drain  # a stopping replica ends the stream; the client resumes elsewhere
+        following = follow_job(request, parsed, tenant, after=resume, first=first, drain=drain)
+        ended = False
+        async with aclosing(following) as followed:
             async for item in followed:
+                ended = ended or item.kind == "final"
                 if item.kind == "block" and item.event is not None:
                     answer = rebuilt(answer, item.event.get("offset", 0), item.event.get("delta", ""))
                     reasoning = rebuilt(reasoning, item.event.get("reasoning_offset", 0),
@@ -143,5 +149,7 @@ async def job_events(
                 text = render(item)
                 if text:
                     yield text
+        if not ended and drain.draining:  # the replica stops (api/drain.py): reconnect with Last-Event-ID
+            yield sse_comment("replica stopping: reconnect with Last-Event-ID")
 
     return EventStreamResponse(body(), headers=SSE_HEADERS)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from contextlib import suppress
 from datetime import datetime
@@ -31,6 +32,7 @@ from api.deps import (
     TokenCounterDep,
     visible_tenant,
 )
+from api.drain import ApiDrain
 from api.errors import ApiError
 from api.job_options import check_schedule, schedule_request, stored_events
 from api.job_waiter import MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
@@ -225,7 +227,8 @@ async def get_job(
     wait: Annotated[float, Query(
         ge=0, le=MAX_WAIT_SECONDS,
         description="Long polling: answer as soon as the job is final, or after this many "
-                    f"seconds (at most {MAX_WAIT_SECONDS:g}) with its status then. 0: at once.",
+                    f"seconds (at most {MAX_WAIT_SECONDS:g}) with its status then. 0: at once. A replica "
+                    "that is stopping answers by the end of its drain (api/drain.py): poll again.",
     )] = 0,
 ) -> JobOut:
     """Status, live progress, result or error, timings, attempts and model version of a job."""
@@ -238,8 +241,8 @@ async def get_job(
             raise _job_not_found(job_id)
         return job
     waiter: JobWaiter = request.app.state.job_waiter
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
+    drain: ApiDrain = request.app.state.drain  # a stopping replica answers by its drain's deadline
+    deadline = time.monotonic() + wait
     recheck = RECHECK_SECONDS
     async with waiter.watch(parsed) as finished:
         while True:
@@ -247,7 +250,7 @@ async def get_job(
             job = await run_in_threadpool(_read_job, request, parsed, tenant, redis)
             if job is None:
                 raise _job_not_found(job_id)
-            remaining = deadline - loop.time()
+            remaining = drain.cap(deadline) - time.monotonic()
             if JobStatus(job.status).is_final or remaining <= 0:
                 return job
             with suppress(TimeoutError):

@@ -15,8 +15,8 @@ its reservations, so the job is counted once, first as a reservation, then in th
 
 Selected in ``scheduler.infra.celery_app`` through Celery's ``broker_transport`` for ``redis://``
 and ``rediss://`` URLs (TLS comes from ``broker_use_ssl``, which the app sets from the URL's
-query); everything else about the transport (priority lists, visibility timeout, BRPOP) is
-kombu's own.
+query), and through ``scheduler.infra.broker_sentinel`` for ``redis+sentinel://``; everything else
+about the transport (priority lists, visibility timeout, BRPOP) is kombu's own.
 """
 
 from __future__ import annotations
@@ -46,9 +46,13 @@ def admitted_headers(*, queue: str, tenant: str, job_id: object) -> dict[str, li
                               redis_keys.enqueued(job_id)]}
 
 
+# Transports whose channel is :class:`Channel` (this one, and its Sentinel twin in broker_sentinel).
+RELEASING_TRANSPORTS = (TRANSPORT_PATH, "scheduler.infra.broker_sentinel:Transport")
+
+
 def releases_reservations(app: Any) -> bool:
-    """Whether ``app`` publishes through :class:`Transport` (else a publisher releases itself)."""
-    return bool(getattr(app.conf, "broker_transport", None) == TRANSPORT_PATH)
+    """Whether ``app`` publishes through :class:`Channel` (else a publisher releases itself)."""
+    return getattr(app.conf, "broker_transport", None) in RELEASING_TRANSPORTS
 
 
 class QoS(kombu_redis.QoS):

@@ -17,8 +17,10 @@ from kombu import Queue
 
 from scheduler.infra.beat_schedule import beat_schedule
 from scheduler.infra.broker import TRANSPORT_PATH
+from scheduler.infra.broker_sentinel import SENTINEL_TRANSPORT_PATH
 from scheduler.infra.queue_names import ALL_QUEUES, QueueName
 from scheduler.infra.redis_client import redis_ssl_options
+from scheduler.infra.redis_sentinel import is_sentinel_url, kombu_broker
 from scheduler.infra.settings import Settings, get_settings
 
 RUN_JOB_TASK = "cloverq.run_job"
@@ -27,7 +29,11 @@ RUN_JOB_TASK = "cloverq.run_job"
 def create_celery_app(settings: Settings) -> Celery:
     """A Celery app configured for ``settings`` (tasks register via ``shared_task`` on import)."""
     url = settings.resolved_redis_url
-    app = Celery("cloverq", broker=url, set_as_current=False)
+    sentinel_options: dict[str, object] = {}
+    broker = url
+    if is_sentinel_url(url):  # kombu's Sentinel form: sentinel://...;sentinel://... + master_name
+        broker, sentinel_options = kombu_broker(url)
+    app = Celery("cloverq", broker=broker, set_as_current=False)
     tls = redis_ssl_options(url)
     if tls is not None:
         # rediss://: the URL's TLS options, verification on by default, for the broker and any
@@ -36,6 +42,8 @@ def create_celery_app(settings: Settings) -> Celery:
         app.conf.redis_backend_use_ssl = tls
     if url.startswith(("redis://", "rediss://")):  # unix sockets keep kombu's stock transport
         app.conf.broker_transport = TRANSPORT_PATH
+    elif sentinel_options:
+        app.conf.broker_transport = SENTINEL_TRANSPORT_PATH
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,
@@ -50,6 +58,7 @@ def create_celery_app(settings: Settings) -> Celery:
         broker_transport_options={
             "visibility_timeout": int(settings.broker_visibility_timeout_seconds),
             "queue_order_strategy": "priority",
+            **sentinel_options,
         },
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_hijack_root_logger=False,

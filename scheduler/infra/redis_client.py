@@ -22,6 +22,10 @@ for the URL's host name. The same query carries a client certificate (``ssl_cert
 one URL: this module's, the API's asyncio clients (``api/job_follow.py``) and the Celery broker,
 which gets the same options through :func:`redis_ssl_options` (kombu would otherwise not verify
 a ``rediss://`` server at all). docs/security.md "TLS to Redis and PostgreSQL".
+
+Sentinel: a ``redis+sentinel://`` URL names the sentinels instead of a server, and every client
+built here (:func:`redis_from_url`, :func:`async_redis_from_url`) then follows the master they
+name through a failover (``scheduler.infra.redis_sentinel``); so does the broker.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ import threading
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 from redis.connection import parse_url
+
+from scheduler.infra.redis_sentinel import async_sentinel_client, is_sentinel_url, sentinel_client
 
 SOCKET_TIMEOUT_SECONDS = 2.0  # one command's reply (the API's per-request rate-limit check rides on it)
 CONNECT_TIMEOUT_SECONDS = 1.0
@@ -48,13 +55,29 @@ def get_redis(url: str) -> redis.Redis:
         with _lock:  # two threads asking first must not build two pools
             client = _clients.get(url)
             if client is None:
-                client = redis.Redis.from_url(
+                client = redis_from_url(
                     url, socket_timeout=SOCKET_TIMEOUT_SECONDS,
                     socket_connect_timeout=CONNECT_TIMEOUT_SECONDS,
                     health_check_interval=HEALTH_CHECK_SECONDS, decode_responses=True,
                 )
                 _clients[url] = client
     return client
+
+
+def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
+    """A new client (and pool) for ``url``: ``redis://``, ``rediss://`` and ``unix://`` as
+    ``redis.Redis.from_url`` reads them, ``redis+sentinel://`` through its sentinels. For one-off
+    tools and tests; a process' long-lived users share :func:`get_redis`."""
+    if is_sentinel_url(url):
+        return sentinel_client(url, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def async_redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
+    """:func:`redis_from_url` for asyncio (create it in the event loop that will use it)."""
+    if is_sentinel_url(url):
+        return async_sentinel_client(url, **kwargs)
+    return aioredis.Redis.from_url(url, **kwargs)
 
 
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}

@@ -103,7 +103,9 @@ class RedisSettings(SettingsGroup):
     """Redis (broker, caches, streams): where it is."""
 
     url: str | None = Field(
-        None, alias="redis_url", description="Redis URL; default the embedded redis-server."
+        None, alias="redis_url", description="Redis URL (redis://, rediss://, unix://, or "
+        "redis+sentinel://HOST:26379,HOST:26379/SERVICE/DB to follow a Sentinel-managed master: "
+        "deploy/README.md); default the embedded redis-server."
     )
     embedded_port: int = Field(
         6390, alias="embedded_redis_port", description="Port of the embedded redis-server."
@@ -642,6 +644,16 @@ class PlaneSettings(SettingsGroup):
         "signed (mutual TLS); a client without one is refused in the TLS handshake.")
     ops_tls_cert_file: Path | None = Field(None, description="PEM certificate of the ops listener.")
     ops_tls_key_file: Path | None = Field(None, description="PEM private key of ops_tls_cert_file.")
+    drain_seconds: float = Field(
+        0.0, ge=0, le=300, alias="api_drain_seconds", description="cloverq api: after SIGTERM the replica "
+        "keeps serving this long while /readyz and /readyz/replica answer 503, so a load balancer takes it "
+        "out before its listeners close; long polls answer and event streams end by then (api/drain.py). "
+        "Behind a load balancer set it above the time it takes to mark a server down (HAProxy: inter x "
+        "fall); 0: close at once.")
+    stop_grace_seconds: float = Field(
+        10.0, gt=0, alias="api_stop_grace_seconds", description="cloverq api: after the listeners close, "
+        "how long requests still running (OpenAI streams and blocking answers) may go on before they are "
+        "cut; a cut OpenAI stream cancels its job.")
 
     @field_validator("public_allowed_networks", "admin_allowed_networks", "ops_allowed_networks",
                      "trusted_proxies", mode="before")

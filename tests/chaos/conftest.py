@@ -200,7 +200,7 @@ class ChaosStack:
     """Throwaway Redis + database, the API, beat and workers; helpers to break and check them."""
 
     settings: Settings
-    redis: ThrowawayRedis
+    redis: Any  # a ThrowawayRedis; any object with client() (test_chaos_sentinel: a SentinelSet)
     postgres: ThrowawayPostgres | None
     launcher: ProcessLauncher
     api: ServiceProcess
@@ -288,7 +288,7 @@ class ChaosStack:
         return writes
 
     def _id_param(self, value: uuid.UUID) -> Any:
-        return value if self.postgres is not None else value.hex
+        return value if self.engine.dialect.name == "postgresql" else value.hex  # SQLite keeps hex
 
     def wait_final(self, job_ids: list[str], *, timeout: float) -> dict[str, dict[str, Any]]:
         """Wait until every job is final (reading SQL); fail naming the stragglers otherwise."""

