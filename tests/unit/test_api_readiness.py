@@ -16,6 +16,7 @@ import redis
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from api.drain import ApiDrain
 from api.routes import health
 from scheduler.fleet.workers import WorkerInfo, WorkerState, heartbeat_age, stale_after
 from scheduler.infra.settings import Settings
@@ -39,6 +40,7 @@ def test_readyz_answers_503_within_its_deadline_while_the_database_hangs() -> No
     app.state.settings = Settings(readiness_timeout_seconds=0.3)
     app.state.session_factory = hanging_session
     app.state.redis = _RefusingRedis()
+    app.state.drain = ApiDrain(0.0)  # create_app gives every app one (a replica that is not stopping)
     try:
         with TestClient(app) as client:
             started = time.monotonic()
