@@ -63,7 +63,7 @@ from scheduler.infra.db import DatabaseTimeouts, make_engine
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.observability.audit import audit
-from scheduler.observability.metrics import record_network_refusal
+from scheduler.observability.process_metrics import record_network_refusal
 
 log = structlog.get_logger(__name__)
 

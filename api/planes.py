@@ -36,7 +36,7 @@ from api.errors import error_response
 from scheduler.access.networks import allowed, client_address, forwarded_hops, parse_networks
 from scheduler.infra.settings import PlaneSettings
 from scheduler.observability.audit import audit
-from scheduler.observability.metrics import record_network_refusal
+from scheduler.observability.process_metrics import record_network_refusal
 
 log = structlog.get_logger(__name__)
 

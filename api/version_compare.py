@@ -16,7 +16,7 @@ import numpy as np
 
 from scheduler.jobs.models import Job, JobStatus
 from scheduler.model_versions.registry import Activation
-from scheduler.observability.metrics import version_label
+from scheduler.observability.metric_families import version_label
 
 
 def _seconds(job: Job) -> float | None:

@@ -96,7 +96,7 @@ def api(host: str, port: int, admin_port: int | None, ops_port: int | None, work
     if settings.planes.split and workers > 1:
         raise click.UsageError("split planes serve from one process: run more API replicas, not --workers")
     if workers > 1:  # several processes on this host: merge their metrics via the mmap dir
-        from scheduler.observability.metrics import enable_multiprocess
+        from scheduler.observability.process_metrics import enable_multiprocess
 
         enable_multiprocess(settings)
     from api.http_protocol import JsonHttpToolsProtocol

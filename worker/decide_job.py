@@ -16,7 +16,7 @@ from scheduler.infra.redis_client import get_redis
 from scheduler.jobs.models import ErrorCode, JobStatus, QueueName
 from scheduler.jobs.retry import InputJobError
 from scheduler.observability.logging import get_logger
-from scheduler.observability.metrics import RedisMetricsRecorder
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder
 from worker.decisions import DecisionFaults, DecisionSpec, run_decision
 from worker.decisions.planner import DecisionPlan
 from worker.decisions.runner import DecisionOptions, DecisionOutcome

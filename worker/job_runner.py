@@ -40,7 +40,7 @@ from scheduler.jobs.retry import InputJobError
 from scheduler.jobs.routing import deadline_seconds
 from scheduler.model_versions.canary_routing import queue_of_lane
 from scheduler.observability import tracing
-from scheduler.observability.metrics import RedisMetricsRecorder
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder
 from scheduler.webhooks.job_events import notify_job_started, progress_hook
 from scheduler.webhooks.tasks import notify_job_finished
 from worker.engine.types import Progress

@@ -28,7 +28,7 @@ from scheduler.model_versions.registry import (
     register_version,
     store_path,
 )
-from scheduler.observability.metrics import set_process_version, version_label
+from scheduler.observability.metric_families import set_process_version, version_label
 from worker.consumers import ConsumerController
 from worker.model_switch import SWITCHING, JobAdmission, ModelFollower, SwitchTurn
 from worker.resident_model import ResidentModel

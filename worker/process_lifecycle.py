@@ -25,7 +25,7 @@ import torch
 from scheduler.fleet.workers import WorkerInfo, WorkerState, heartbeat_ttl, publish_worker, remove_worker
 from scheduler.infra.gc_freeze import freeze_startup_heap
 from scheduler.infra.settings import Settings
-from scheduler.observability.metrics import RedisMetricsRecorder, WorkerSnapshot
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder, WorkerSnapshot
 from worker.consumers import AmqpQueues, ConsumerController, ConsumerHandle
 from worker.model_switch import ModelFollower
 from worker.model_switcher import ModelSwitcher

@@ -22,7 +22,7 @@ from scheduler.fleet.context_limits import ContextLimits
 from scheduler.fleet.workers import WorkerInfo
 from scheduler.infra.gc_freeze import thaw_heap
 from scheduler.infra.settings import Settings
-from scheduler.observability.metrics import set_process_version, version_label
+from scheduler.observability.metric_families import set_process_version, version_label
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine_protocol import ServingEngine
 from worker.execution import ChatTokenizer

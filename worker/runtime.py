@@ -37,7 +37,7 @@ from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.db import get_session_factory
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings
-from scheduler.observability.metrics import RedisMetricsRecorder
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder
 from worker.consumers import AmqpQueues, CeleryConsumer, ConsumerController
 from worker.engine_protocol import ServingEngine
 from worker.fault_injection import fault_injector_for

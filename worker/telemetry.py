@@ -1,6 +1,7 @@
 """The worker's side of observability: its periodic metric snapshot and the per-job outcome.
 
-A worker serves no HTTP, so it records into Redis (``scheduler.observability.metrics.RedisMetricsRecorder``)
+A worker serves no HTTP, so it records into Redis
+(``scheduler.observability.metrics_recorder.RedisMetricsRecorder``)
 and any API process exports the values on ``/metrics``; this works with workers on many hosts.
 
 * :class:`TelemetryThread` publishes, every ``settings.observability.worker_metrics_interval`` seconds, the
@@ -24,7 +25,8 @@ from typing import Any
 import torch
 
 from scheduler.observability.logging import get_logger, log_job_finished
-from scheduler.observability.metrics import RedisMetricsRecorder, WorkerSnapshot, version_label
+from scheduler.observability.metric_families import version_label
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder, WorkerSnapshot
 from worker.engine.stats import EngineStats
 
 log = get_logger(__name__)

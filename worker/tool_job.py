@@ -30,7 +30,7 @@ from scheduler.jobs.retry import InputJobError
 from scheduler.jobs.schema_subset import SchemaError, parse_options
 from scheduler.jobs.tool_spec import Tool, ToolError, ToolSpec, parse_tools
 from scheduler.observability.logging import get_logger
-from scheduler.observability.metrics import RedisMetricsRecorder
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder
 from worker.decisions.runner import RETRY_SEED_OFFSET
 from worker.engine.types import GenerationRequest
 from worker.job_handler import EngineContext, JobSpec, Outcome, outcome_of

@@ -37,7 +37,7 @@ from scheduler.fleet.workers import list_workers
 from scheduler.infra import redis_keys
 from scheduler.jobs.models import Job, JobKind, JobStatus, QueueName
 from scheduler.model_versions.registry import list_active
-from scheduler.observability.metrics import read_version_invalid_retries, read_worker_snapshots
+from scheduler.observability.metrics_recorder import read_version_invalid_retries, read_worker_snapshots
 
 DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
 LATENCY_WINDOW = 500  # finished jobs used for latency percentiles and the charts

@@ -52,7 +52,7 @@ from scheduler.jobs.models import JobKind, JobStatus, QueueName
 from scheduler.jobs.routing import InvalidPriorityError
 from scheduler.jobs.service import IdempotencyConflictError, InvalidCursorError
 from scheduler.observability import tracing
-from scheduler.observability.metrics import record_submitted
+from scheduler.observability.process_metrics import record_submitted
 
 # Every route authenticates and is rate-limited per key (api.auth): 401 / 429 are possible anywhere.
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 429),

@@ -23,8 +23,9 @@ from api.tenant_queues import tenant_counts
 from scheduler.fleet.workers import consuming_classes, list_workers, unconsumed_classes
 from scheduler.jobs.models import Job, JobStatus, QueueName
 from scheduler.observability import tracing
+from scheduler.observability.cluster_metrics import render_metrics
 from scheduler.observability.logging import REQUEST_ID_HEADER, accept_request_id, bind_request_id, get_logger
-from scheduler.observability.metrics import record_http_request, render_metrics
+from scheduler.observability.process_metrics import record_http_request
 
 log = get_logger(__name__)
 router = APIRouter(tags=["observability"])

@@ -136,7 +136,8 @@ def model_switch_turn(model_name: str) -> str:
     return f"{PREFIX}:model:switch-turn:{model_name}"
 
 
-# Metrics shared by the API, beat and worker processes (scheduler/observability/metrics.py).
+# Metrics shared by the API, beat and worker processes (scheduler/observability/metrics_recorder.py
+# writes, cluster_metrics.py reads).
 METRICS_PREFIX = f"{PREFIX}:metrics"
 METRICS_WORKERS_SET = f"{METRICS_PREFIX}:workers"  # worker names with a metrics snapshot
 

@@ -711,7 +711,7 @@ class ClientSettings(SettingsGroup):
 
 
 class ObservabilitySettings(SettingsGroup):
-    """Logs, metrics (scheduler/observability/metrics.py), traces (tracing.py) and the readiness probe."""
+    """Logs, metrics (scheduler/observability/metric_families.py), traces (tracing.py), readiness."""
 
     log_level: str = "INFO"
     log_payloads: bool = Field(False, description="Log prompts, contexts and outputs (off by default).")

@@ -37,7 +37,7 @@ from scheduler.jobs.schedule import is_delayed, release_admission
 from scheduler.model_versions.canary import current_route
 from scheduler.model_versions.canary_routing import lane, route_version
 from scheduler.observability import tracing
-from scheduler.observability.metrics import RedisMetricsRecorder
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder
 
 MAX_LIST_LIMIT = 500
 

@@ -40,7 +40,7 @@ from scheduler.maintenance import retention_tick
 from scheduler.model_versions.canary import current_route
 from scheduler.model_versions.canary_reconcile import heal_pins
 from scheduler.model_versions.canary_routing import is_canary_lane, lane
-from scheduler.observability.metrics import RedisMetricsRecorder
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder
 
 log = structlog.get_logger(__name__)
 

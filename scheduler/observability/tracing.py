@@ -41,7 +41,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings
-from scheduler.observability.metrics import RedisMetricsRecorder, record_spans_dropped
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder
+from scheduler.observability.process_metrics import record_spans_dropped
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scheduler.infra.leader_lease import parse_value
 from scheduler.infra.redis_keys import BEAT_LEADER_KEY, BEAT_MEMBERS_SET, beat_member
 from scheduler.infra.settings import Settings
-from scheduler.observability.metrics import render_metrics
+from scheduler.observability.cluster_metrics import render_metrics
 from tests.conftest import ProcessLauncher, ServiceProcess, wait_for
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,7 @@
 """``/metrics`` after real jobs: a real Celery worker on the tiny demo model, real Redis and SQL.
 
-Checks every family of ``scheduler.observability.metrics.FAMILIES`` is exported, with the values the jobs
+Checks every family of ``scheduler.observability.metric_families.FAMILIES`` is exported, with the
+values the jobs
 must have produced; that the request id sent to the API reaches the worker's job summary log
 line; and the Redis-backed recorder/collector on its own (histogram buckets, snapshot expiry).
 """
@@ -21,7 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
 from scheduler.infra.settings import Settings
-from scheduler.observability.metrics import FAMILIES, RedisMetricsRecorder, WorkerSnapshot, render_metrics
+from scheduler.observability.cluster_metrics import render_metrics
+from scheduler.observability.metric_families import FAMILIES
+from scheduler.observability.metrics_recorder import RedisMetricsRecorder, WorkerSnapshot
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from scheduler.access.api_keys import ALL_SCOPES, create_key, list_keys
 from scheduler.infra.db import make_engine, session_factory
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.observability import audit as audit_module
-from scheduler.observability.metrics import PROCESS_REGISTRY
+from scheduler.observability.process_metrics import PROCESS_REGISTRY
 from tests.integration.api_server import ApiServer
 
 pytestmark = pytest.mark.integration

@@ -1,7 +1,8 @@
 """Alert rules and the Grafana dashboard only use metrics cloverq really exports.
 
 An alert on a misspelt metric never fires, and a dashboard panel on one stays empty; neither
-fails loudly. The names are checked against ``scheduler.observability.metrics.FAMILIES`` (the contract of the
+fails loudly. The names are checked against ``scheduler.observability.metric_families.FAMILIES``
+(the contract of the
 ``/metrics`` exporter). When Debian's ``prometheus`` package is installed, ``promtool`` also
 checks the rule syntax and runs the rule unit tests in ``deploy/prometheus/alerts_test.yml``
 (those tests skip, with the reason, where promtool is absent).
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from scheduler.observability.metrics import FAMILIES
+from scheduler.observability.metric_families import FAMILIES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.observability.metrics import FAMILIES, WorkerSnapshot, _bucket_index
+from scheduler.observability.metric_families import FAMILIES
+from scheduler.observability.metrics_recorder import WorkerSnapshot, _bucket_index
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,14 +38,14 @@ def test_expert_share_and_imbalance() -> None:
 
 
 _RECORD = (
-    "from scheduler.observability.metrics import record_submitted, record_http_request\n"
+    "from scheduler.observability.process_metrics import record_submitted, record_http_request\n"
     "record_submitted(kind='generate', queue='standard')\n"
     "record_http_request(route='/v1/jobs', method='POST', status=202, seconds=0.01)\n"
 )
 _RENDER = (
     "import sys\n"
     "from pathlib import Path\n"
-    "from scheduler.observability.metrics import render_metrics\n"
+    "from scheduler.observability.cluster_metrics import render_metrics\n"
     "body, _ = render_metrics(None, multiproc_dir=Path(sys.argv[1]))\n"
     "sys.stdout.write(body.decode())\n"
 )
@@ -80,7 +81,8 @@ def test_scrape_survives_redis_and_database_outages() -> None:
     """A dead Redis and a failing SQL query drop only their families; /metrics still answers."""
     import redis
 
-    from scheduler.observability.metrics import record_submitted, render_metrics
+    from scheduler.observability.cluster_metrics import render_metrics
+    from scheduler.observability.process_metrics import record_submitted
 
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, socket_timeout=0.2)
 

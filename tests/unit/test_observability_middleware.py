@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from api.routes.metrics import ObservabilityMiddleware
 from scheduler.observability.logging import current_request_id
-from scheduler.observability.metrics import HTTP_REQUEST_SECONDS, HTTP_REQUESTS
+from scheduler.observability.process_metrics import HTTP_REQUEST_SECONDS, HTTP_REQUESTS
 
 
 def _app() -> FastAPI:

@@ -167,7 +167,7 @@ def test_a_failed_prefix_prefill_only_costs_the_sharing(
 
 
 def test_worker_telemetry_exports_the_counters(tiny: LoadedModel) -> None:
-    from scheduler.observability.metrics import ClusterCollector
+    from scheduler.observability.cluster_metrics import ClusterCollector
     from worker.telemetry import snapshot_from_stats
 
     engine = _engine(tiny, BIG)

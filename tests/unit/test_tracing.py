@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from scheduler.observability import tracing
-from scheduler.observability.metrics import TRACE_SPANS_DROPPED
+from scheduler.observability.process_metrics import TRACE_SPANS_DROPPED
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,7 +178,7 @@ _DEAD_COLLECTOR = """
 import json, sys, time
 from scheduler.infra.settings import Settings
 from scheduler.observability import tracing
-from scheduler.observability.metrics import TRACE_SPANS_DROPPED
+from scheduler.observability.process_metrics import TRACE_SPANS_DROPPED
 assert tracing.setup_tracing(Settings(data_dir=sys.argv[1], tracing_enabled=True, tracing_queue_size=8),
                              process="api")
 started = time.perf_counter()
