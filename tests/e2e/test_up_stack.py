@@ -4,8 +4,8 @@ The stack runs in a fresh temp dir with its defaults (SQLite, the embedded redis
 demo checkpoint, API + worker + beat), on free ports, with the API's planes split
 (``--admin-port``/``--ops-port``; the dashboard's browser test runs ``up`` in one-port mode).
 Checks: each plane on its own port only, submit -> poll -> succeeded with generated tokens,
-decisions, cancel, client mistakes as 4xx JSON, then SIGTERM and every process ``up`` started is
-gone.
+decisions (a 16K-token contract too), cancel, client mistakes as 4xx JSON, then SIGTERM and
+every process ``up`` started is gone.
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.long_contract import QUESTIONS, contract
+from worker.model.tokenizer import Tokenizer
+
 pytestmark = pytest.mark.e2e
 
 STARTUP_TIMEOUT = 180.0
 JOB_TIMEOUT = 90.0
+LONG_CONTRACT_TOKENS = 16_000  # with its questions within `up`'s default 16,384-token prompt cap
 
 
 def _free_port() -> int:
@@ -197,6 +201,30 @@ def test_clover_demo_answers_thinking_and_both_decision_modes(client: httpx.Clie
         assert [a["id"] for a in answers] == ["terminate", "risk"]
         assert answers[0]["choice"] in {"yes", "no"} and answers[1]["choice"] in {"low", "medium", "high"}
         assert all(0.0 <= a["confidence"] <= 1.0 for a in answers)
+
+
+def test_a_16k_token_contract_is_decided_in_both_modes(client: httpx.Client, stack: Stack) -> None:
+    """Issue 26: a contract of about 16K tokens (within the default 16,384-token prompt cap) decided
+    through `cloverq up`'s defaults (chunked prefill, the prefix cache, the planner's memory), one
+    decision per mode; both succeed with an answer per question."""
+    tokenizer = Tokenizer.from_dir(stack.output.parent / ".cloverq" / "models" / "demo")  # what `up` serves
+    text = contract(lambda part: len(tokenizer.encode(part)), LONG_CONTRACT_TOKENS)
+    ids = []
+    for mode in ("independent", "joint"):
+        body = {"kind": "decide", "input": {"context": text, "questions": QUESTIONS, "mode": mode}}
+        response = client.post("/v1/jobs", json=body)
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["id"])
+    for job_id, mode in zip(ids, ("independent", "joint"), strict=True):
+        job = _wait_status(client, job_id, {"succeeded", "failed", "cancelled"})
+        assert job["status"] == "succeeded", job
+        result = job["result"]
+        assert isinstance(result, dict) and result["mode"] == mode
+        answers = result["answers"]
+        assert [a["id"] for a in answers] == [q["id"] for q in QUESTIONS]
+        assert all(a["choice"] in {"yes", "no"} and 0.0 <= a["confidence"] <= 1.0 for a in answers), answers
+        progress = job["progress"]
+        assert isinstance(progress, dict) and progress["prompt_tokens"] >= LONG_CONTRACT_TOKENS, progress
 
 
 def test_cancel(client: httpx.Client, stack: Stack) -> None:

@@ -1,7 +1,8 @@
 """Grouped-query attention with per-head q/k RMSNorm and RoPE, reading and appending the KV cache.
 
 The new positions of a forward attend to the row's committed cache entries plus the new
-positions the block-causal mask allows; the mask is built once per forward (see ``mask.py``).
+positions the block-causal mask allows; the mask is planned once per forward (``attend.py``:
+a dense bias, or for one row over a committed prefix, no mask over the prefix at all).
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.model.attend import AttentionPlan, attend
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import CacheFullError, KVCache
 from worker.model.norm import RMSNorm
@@ -36,6 +37,7 @@ class CacheView:
     write_pos: torch.Tensor  # [B, T] or [N] destination column
     write_rows: torch.Tensor | None  # None: every new position is written; else [N] row ...
     write_cols: torch.Tensor | None  # ... and [N] new-token index of each written position
+    committed: tuple[int, ...] = ()  # each row's committed length before the forward, on the host
 
     def rows_of(self, layer_cache: torch.Tensor) -> torch.Tensor:
         """The batch's rows of one layer's cache up to ``key_len``: ``[B, KVH, S, D]``."""
@@ -74,7 +76,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, hidden]
         cos: torch.Tensor,  # [B, T, 1, R] (rope_cos_sin; R = rotary dims, D unless partial)
         sin: torch.Tensor,  # [B, T, 1, R] signed sin (rope_cos_sin)
-        bias: torch.Tensor,  # [B, 1, G*T, S] additive mask (S = T without cache), see mask.py
+        plan: AttentionPlan,  # the forward's mask: dense [B, 1, G*T, S] bias or split (attend.py)
         view: CacheView | None,
     ) -> torch.Tensor:  # [B, T, hidden]
         b, t, _ = x.shape
@@ -91,10 +93,7 @@ class Attention(nn.Module):
             keys = view.rows_of(view.cache.k[self.layer]).to(q.dtype)  # [B, KVH, S, D] (no-op if same dtype)
             values = view.rows_of(view.cache.v[self.layer]).to(q.dtype)
 
-        # fold the G query heads of each KV head into the query axis: no K/V repeat
-        q = q.reshape(b, self.num_kv_heads, self.groups * t, self.head_dim)  # [B, KVH, G*T, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)  # [B, KVH, G*T, D]
-        out = out.view(b, self.num_heads, t, self.head_dim).transpose(1, 2)  # [B, T, H, D]
+        out = attend(q, keys, values, plan).transpose(1, 2)  # [B, T, H, D]
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -152,5 +151,6 @@ def build_cache_view(
         write_pos=write_pos,
         write_rows=rows,
         write_cols=write_cols,
+        committed=tuple(len_list),
     )
     return view, lengths, commit_list, count_list

@@ -4,15 +4,15 @@ Differences from the SDAR layer (``attention.py``): ``q_proj`` emits, per head, 
 rows then ``head_dim`` gate rows, and the attention output is multiplied by ``sigmoid(gate)``
 before ``o_proj``; q/k norms are zero-centred (``1 + w``); RoPE rotates only the leading
 ``rotary_dim`` dims of each head. The mask (token-causal commits, a bidirectional preview block
-over everything committed) is built once per forward by the model.
+over everything committed) is planned once per forward by the model (``attend.py``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.model.attend import AttentionPlan, attend
 from worker.model.attention import CacheView
 from worker.model.config import ModelConfig
 from worker.model.norm import OffsetRMSNorm
@@ -40,7 +40,7 @@ class GatedAttention(nn.Module):
         x: torch.Tensor,  # [B, T, hidden]
         cos: torch.Tensor,  # [B, T, 1, R] (R = rotary dims)
         sin: torch.Tensor,  # [B, T, 1, R] signed sin
-        bias: torch.Tensor,  # [B, 1, G*T, S] additive mask
+        plan: AttentionPlan,  # the forward's mask (attend.py)
         view: CacheView | None,
     ) -> torch.Tensor:  # [B, T, hidden]
         b, t, _ = x.shape
@@ -57,8 +57,6 @@ class GatedAttention(nn.Module):
             keys = view.rows_of(view.cache.k[self.kv_index]).to(q.dtype)  # [B, KVH, S, D]
             values = view.rows_of(view.cache.v[self.kv_index]).to(q.dtype)
 
-        q = q.reshape(b, self.num_kv_heads, self.groups * t, self.head_dim)  # [B, KVH, G*T, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)  # [B, KVH, G*T, D]
-        out = out.view(b, self.num_heads, t, self.head_dim).transpose(1, 2)  # [B, T, H, D]
+        out = attend(q, keys, values, plan).transpose(1, 2)  # [B, T, H, D]
         out = out.reshape(b, t, self.num_heads * self.head_dim) * torch.sigmoid(gate.reshape(b, t, -1))
         return self.o_proj(out)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.model.attend import AttentionPlan, plan_attention
 from worker.model.attention import CacheView, build_cache_view
 from worker.model.config import ModelConfig
 from worker.model.gated_attention import GatedAttention
 from worker.model.gated_deltanet import GatedDeltaNet, LinearStep
 from worker.model.hybrid_cache import HybridCache
-from worker.model.mask import block_causal_mask, cached_block_causal_mask, grouped_additive_bias
 from worker.model.moe import DenseMLP, SharedExpertMoE, SparseMoE
 from worker.model.norm import OffsetRMSNorm
 from worker.model.rope import rope_cos_sin
@@ -57,7 +57,7 @@ class HybridDecoderLayer(nn.Module):
         x: torch.Tensor,  # [B, T, H]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        bias: torch.Tensor,
+        plan: AttentionPlan,
         view: CacheView | None,
         step: LinearStep,
         token_weight: torch.Tensor | None,
@@ -67,7 +67,7 @@ class HybridDecoderLayer(nn.Module):
         if isinstance(self.mixer, GatedDeltaNet):
             x = x + self.mixer(h, step)
         else:
-            x = x + self.mixer(h, cos, sin, bias, view)
+            x = x + self.mixer(h, cos, sin, plan, view)
         h = self.post_attn_norm(x)
         if self.is_moe:
             return x + self.mlp(h, token_weight=token_weight, counts_out=counts_out)
@@ -123,18 +123,25 @@ class CloverHybridForBlockDiffusion(nn.Module):
         # forward (bidirectional block over all that is committed): one "block id" per token
         index = torch.arange(t, device=dev)[None, :]  # [1, T]
         ids = torch.where(index < commits[:, None], index, (counts - 1)[:, None])  # [B, T]
-        if view is None:
-            mask = block_causal_mask(ids, valid)  # [B, 1, T, T]
-        else:
-            assert lengths is not None
-            mask = cached_block_causal_mask(ids, valid, lengths, view.key_len)  # [B, 1, T, S]
-        bias = grouped_additive_bias(mask, self.config.kv_groups, self.embed.weight.dtype)
+        # one row over a committed prefix: no mask over the prefix, and a commit-only chunk (a
+        # prefill) is plain token-causal: no mask at all; else one dense bias (attend.py)
+        single = view is not None and len(view.committed) == 1
+        plan = plan_attention(
+            ids,
+            valid,
+            groups=self.config.kv_groups,
+            dtype=self.embed.weight.dtype,
+            lengths=lengths,
+            key_len=0 if view is None else view.key_len,
+            prefix=view.committed[0] if view is not None and single else None,
+            causal=single and commit_list[0] == count_list[0] == t,
+        )
         x = self.embed(input_ids)  # [B, T, H]
         cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
         token_weight = valid.reshape(-1).to(torch.float32)  # [B*T]
         for i, layer in enumerate(self.layers):
             counts_out = router_counts[i] if router_counts is not None else None
-            x = layer(x, cos, sin, bias, view, step, token_weight, counts_out)
+            x = layer(x, cos, sin, plan, view, step, token_weight, counts_out)
         if cache is not None and slots is not None and step.commit_tokens:
             cache.flip(slots.to(device=cache.device, dtype=torch.long))  # the new rings/states hold
         if view is not None and commit_lens is not None:

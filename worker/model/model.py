@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.model.attend import AttentionPlan, plan_attention
 from worker.model.attention import Attention, CacheView, build_cache_view
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import KVCache
-from worker.model.mask import block_causal_mask, cached_block_causal_mask, grouped_additive_bias
 from worker.model.moe import DenseMLP, SharedExpertMoE, SparseMoE
 from worker.model.norm import RMSNorm
 from worker.model.rope import rope_cos_sin
@@ -42,12 +42,12 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [B, T, H]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        bias: torch.Tensor,
+        plan: AttentionPlan,
         view: CacheView | None,
         token_weight: torch.Tensor | None,
         counts_out: torch.Tensor | None,
     ) -> torch.Tensor:  # [B, T, H]
-        x = x + self.attn(self.input_norm(x), cos, sin, bias, view)
+        x = x + self.attn(self.input_norm(x), cos, sin, plan, view)
         h = self.post_attn_norm(x)
         if self.is_moe:
             return x + self.mlp(h, token_weight=token_weight, counts_out=counts_out)
@@ -88,17 +88,23 @@ class CloverForBlockDiffusion(nn.Module):
         logits_index: torch.Tensor | None = None,  # [B, K] new-token indices to return logits for
     ) -> torch.Tensor:  # [B, T, V] float32 ([B, K, V] with logits_index)
         view, lengths, _, _ = build_cache_view(input_ids.shape[1], cache, slots, commit_lens, valid)
-        if view is None:
-            mask = block_causal_mask(block_ids, valid)  # [B, 1, T, T]
-        else:
-            mask = cached_block_causal_mask(block_ids, valid, lengths, view.key_len)  # [B, 1, T, S]
-        bias = grouped_additive_bias(mask, self.config.kv_groups, self.embed.weight.dtype)  # [B, 1, G*T, S]
+        # one row over a committed prefix (a prefill chunk, one sequence's pass): no mask over the
+        # prefix; else one block-causal bias [B, 1, G*T, S] for every layer (attend.py)
+        plan = plan_attention(
+            block_ids,
+            valid,
+            groups=self.config.kv_groups,
+            dtype=self.embed.weight.dtype,
+            lengths=lengths,
+            key_len=0 if view is None else view.key_len,
+            prefix=view.committed[0] if view is not None and len(view.committed) == 1 else None,
+        )
         x = self.embed(input_ids)  # [B, T, H]
         cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
         token_weight = valid.reshape(-1).to(torch.float32) if valid is not None else None  # [B*T]
         for i, layer in enumerate(self.layers):
             counts = router_counts[i] if router_counts is not None else None
-            x = layer(x, cos, sin, bias, view, token_weight, counts)
+            x = layer(x, cos, sin, plan, view, token_weight, counts)
         if view is not None and cache is not None and commit_lens is not None:  # a view has a cache
             cache.lengths.index_add_(0, view.slots, commit_lens.to(cache.lengths))  # K/V already stored
         if logits_index is not None:  # e.g. only the block being denoised, not a long prefill
