@@ -51,7 +51,7 @@ import torch
 
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import GenerationRequest, SamplingParams
-from worker.model import CloverForBlockDiffusion, ModelConfig
+from worker.model import BlockCausalForBlockDiffusion, ModelConfig
 from worker.model.checkpoint import _SkipParameterInit
 from worker.model.moe import SparseMoE
 from worker.model.parallel.plan import ShardPlan
@@ -119,7 +119,7 @@ def sdar_30b_a3b_config(args: argparse.Namespace) -> ModelConfig:
 @torch.no_grad()
 def build_random_model(
     config: ModelConfig, *, device: torch.device, dtype: torch.dtype
-) -> CloverForBlockDiffusion:
+) -> BlockCausalForBlockDiffusion:
     """Allocate the model straight on ``device`` in ``dtype`` and fill it with random weights.
 
     Built on the meta device first, so no full-precision copy ever exists (61 GB in bf16 would be
@@ -127,7 +127,7 @@ def build_random_model(
     1/sqrt(fan_in) projections, norm weights 1.
     """
     with torch.device("meta"):
-        model = CloverForBlockDiffusion(config)
+        model = BlockCausalForBlockDiffusion(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     for name, param in model.named_parameters():
@@ -156,7 +156,7 @@ class RandomShards:
               reduce: Callable[[torch.Tensor], None]) -> Shard:
         shard = build_shard(config, plan, device=device, dtype=dtype, reduce=reduce)
         with torch.device("meta"), _SkipParameterInit():  # shapes only: no (slow) init on meta
-            full = {n: p.shape for n, p in CloverForBlockDiffusion(config).named_parameters()}
+            full = {n: p.shape for n, p in BlockCausalForBlockDiffusion(config).named_parameters()}
         for name, param in shard.model.named_parameters():
             seed = self.seed * 1_000_003 + zlib.crc32(name.encode())
             generator = torch.Generator(device=device).manual_seed(seed)
@@ -178,7 +178,7 @@ def _modules(model: Any) -> torch.nn.Module:
     return shard.model if shard is not None else model
 
 
-def _expert_bytes(model: CloverForBlockDiffusion) -> tuple[float, float]:
+def _expert_bytes(model: BlockCausalForBlockDiffusion) -> tuple[float, float]:
     """(bytes of every non-expert weight, bytes of one expert of one layer)."""
     model = _modules(model)
     dense = 0.0
@@ -201,7 +201,9 @@ def _bytes(weights: torch.Tensor | torch.nn.Module) -> float:
 
 
 @torch.no_grad()
-def distinct_experts_per_layer(model: CloverForBlockDiffusion, tokens: int, *, device: torch.device) -> float:
+def distinct_experts_per_layer(
+    model: BlockCausalForBlockDiffusion, tokens: int, *, device: torch.device
+) -> float:
     """Mean number of distinct experts the router picks for ``tokens`` tokens (one pass's worth)."""
     counts: list[int] = []
 
@@ -250,7 +252,7 @@ def copy_bandwidth_gbps(device: torch.device, *, megabytes: int) -> float:
 
 
 def run_engine(
-    model: CloverForBlockDiffusion,
+    model: BlockCausalForBlockDiffusion,
     *,
     batch: int,
     block_size: int,

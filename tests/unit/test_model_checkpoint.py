@@ -168,12 +168,12 @@ def test_config_accepts_published_name_variants() -> None:
 def test_param_counts_match_the_built_model(pristine: Path, tied: bool) -> None:
     import dataclasses
 
+    from worker.model.block_causal_model import BlockCausalForBlockDiffusion
     from worker.model.checkpoint import read_config
-    from worker.model.model import CloverForBlockDiffusion
 
     config = dataclasses.replace(read_config(pristine), tie_word_embeddings=tied, attention_bias=True)
     with torch.device("meta"):
-        model = CloverForBlockDiffusion(config)
+        model = BlockCausalForBlockDiffusion(config)
     total, active = config.param_counts()
     assert total == sum(p.numel() for p in model.parameters())
     expert = 3 * config.hidden_size * config.moe_intermediate_size

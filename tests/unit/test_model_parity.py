@@ -14,9 +14,9 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers: a test extra (make test)")
 
+from worker.model.block_causal_model import BlockCausalForBlockDiffusion  # noqa: E402
 from worker.model.checkpoint import build_empty_model, load_weights, read_config, weight_files  # noqa: E402
 from worker.model.kv_cache import KVCache  # noqa: E402
-from worker.model.model import CloverForBlockDiffusion  # noqa: E402
 
 TOL = 1e-4
 
@@ -63,7 +63,7 @@ def _hf_model(shape: dict[str, object], seed: int) -> transformers.Qwen3MoeForCa
     return model
 
 
-def _ours(folder: Path) -> CloverForBlockDiffusion:
+def _ours(folder: Path) -> BlockCausalForBlockDiffusion:
     config = read_config(folder)
     model = build_empty_model(config, device="cpu", dtype=torch.float32)
     load_weights(model, weight_files(folder))

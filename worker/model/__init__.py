@@ -12,22 +12,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from worker.model.block_causal_model import BlockCausalForBlockDiffusion
     from worker.model.config import ConfigError, ModelConfig
     from worker.model.kv_cache import CacheFullError, KVCache
-    from worker.model.model import CloverForBlockDiffusion
 
 # Public name -> the submodule that defines it.
 _LAZY_EXPORTS: dict[str, str] = {
     "CacheFullError": "worker.model.kv_cache",
-    "CloverForBlockDiffusion": "worker.model.model",
+    "BlockCausalForBlockDiffusion": "worker.model.block_causal_model",
     "ConfigError": "worker.model.config",
     "KVCache": "worker.model.kv_cache",
     "ModelConfig": "worker.model.config",
 }
 
 __all__ = [
+    "BlockCausalForBlockDiffusion",
     "CacheFullError",
-    "CloverForBlockDiffusion",
     "ConfigError",
     "KVCache",
     "ModelConfig",

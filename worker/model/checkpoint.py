@@ -186,7 +186,7 @@ def _shared_targets(config: ModelConfig) -> dict[str, _Target]:
 
 
 def _sdar_targets(config: ModelConfig) -> dict[str, _Target]:
-    """Qwen3-MoE / SDAR-MoE names -> ``CloverForBlockDiffusion``."""
+    """Qwen3-MoE / SDAR-MoE names -> ``BlockCausalForBlockDiffusion``."""
     h, d = config.hidden_size, config.head_dim
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     t = _shared_targets(config)
@@ -206,7 +206,7 @@ def _sdar_targets(config: ModelConfig) -> dict[str, _Target]:
 
 
 def _llada2_targets(config: ModelConfig) -> dict[str, _Target]:
-    """LLaDA2-MoE / BailingMoeV2 names -> ``CloverForBlockDiffusion``.
+    """LLaDA2-MoE / BailingMoeV2 names -> ``BlockCausalForBlockDiffusion``.
 
     ``attention.query_key_value`` ``[(H + 2 KVH) * D, hidden]`` holds the query heads, then the key
     heads, then the value heads: it is split into our q/k/v projections here.

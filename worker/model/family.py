@@ -1,7 +1,7 @@
 """The model families and what differs between them, chosen once from the config.
 
 ``sdar``: Qwen3-MoE / SDAR-MoE, every layer attention under the block-causal mask
-(``model.CloverForBlockDiffusion``, a ``KVCache``). ``llada2``: LLaDA2-MoE (BailingMoeV2), the same
+(``model.BlockCausalForBlockDiffusion``, a ``KVCache``). ``llada2``: LLaDA2-MoE (BailingMoeV2), the same
 all-attention block-diffusion model with its own router and shared experts (same classes; the
 config selects the parts). ``clover``: the Qwen3.5-MoE hybrid trunk with block-diffusion preview
 operators (``hybrid_model.CloverHybridForBlockDiffusion``, a ``HybridCache``). All expose the same
@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import TypeAlias, TypedDict
 
 from worker.model import clover_decided
+from worker.model.block_causal_model import BlockCausalForBlockDiffusion
 from worker.model.clover_decided import DecodingDefaults
 from worker.model.config import ModelConfig
 from worker.model.hybrid_model import CloverHybridForBlockDiffusion
-from worker.model.model import CloverForBlockDiffusion
 
-DiffusionModel: TypeAlias = CloverForBlockDiffusion | CloverHybridForBlockDiffusion
+DiffusionModel: TypeAlias = BlockCausalForBlockDiffusion | CloverHybridForBlockDiffusion
 
 
 class _FamilyDecoding(TypedDict):
@@ -42,7 +42,7 @@ def build_model(config: ModelConfig) -> DiffusionModel:
     """The in-memory model of ``config``'s family (parameters uninitialised by the caller's mode)."""
     if config.family == "clover":
         return CloverHybridForBlockDiffusion(config)
-    return CloverForBlockDiffusion(config)
+    return BlockCausalForBlockDiffusion(config)
 
 
 def decoding_defaults(config: ModelConfig) -> DecodingDefaults:

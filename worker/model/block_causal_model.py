@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
-class CloverForBlockDiffusion(nn.Module):
+class BlockCausalForBlockDiffusion(nn.Module):
     """Embedding, decoder layers, final norm, LM head (tied to the embedding or not)."""
 
     def __init__(self, config: ModelConfig) -> None:
