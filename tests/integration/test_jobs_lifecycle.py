@@ -143,10 +143,11 @@ def test_cancel_a_queued_job_at_once(stack: Stack) -> None:
     assert after.status == JobStatus.CANCELLED and after.attempt == 0 and after.started_at is None
 
 
-def test_cancel_a_running_job_within_a_pass(stack: Stack) -> None:
-    # Long enough to be cancelled mid-decode: 2048 tokens at up to 64 passes per 4-token block.
+def _cancel_while_decoding(stack: Stack, seed: int) -> tuple[Job, float]:
+    """Submit a long job, cancel it once its progress is in SQL; return its final row and the
+    seconds from the cancel request to that row."""
     job = stack.submit(params={"max_new_tokens": 2048, "steps_per_block": 64, "strategy": "static",
-                               "seed": 5})
+                               "seed": seed})
     stack.wait_status(job.id, JobStatus.RUNNING, timeout=30)
 
     def decoding() -> bool:
@@ -170,10 +171,26 @@ def test_cancel_a_running_job_within_a_pass(stack: Stack) -> None:
     assert flagged is not None and flagged.cancel_requested
     asked = time.monotonic()
     done = stack.wait_status(job.id, JobStatus.CANCELLED, JobStatus.SUCCEEDED, timeout=20)
-    latency = time.monotonic() - asked
-    assert done.status == JobStatus.CANCELLED, done.error_message
+    return done, time.monotonic() - asked
+
+
+def test_cancel_a_running_job_within_a_pass(stack: Stack) -> None:
+    # Up to 2048 tokens at one 4-token block per 4 passes: tens of seconds here. The demo's random
+    # weights end a stream at EOS after a few hundred to ~1,400 tokens (where depends on the seed
+    # and on which jobs share its passes, which moves near-tie tokens), so one job can reach EOS
+    # in the pass that was running when the cancel arrived - a legitimate outcome (the cancel
+    # lost the race). Such a job is replaced by another seed; a cancel that never acts would
+    # leave every job succeeded and fail the test.
+    for seed in (5, 6, 7):
+        done, latency = _cancel_while_decoding(stack, seed)
+        if done.status == JobStatus.SUCCEEDED and (done.result or {}).get("finish_reason") == "eos":
+            assert latency < 10.0, f"the job ran on for {latency:.2f}s after its cancel"
+            continue
+        break
+    assert done.status == JobStatus.CANCELLED, (done.status, done.error_message, done.result and
+                                                done.result.get("finish_reason"))
     # Signal (<= one 0.1 s monitor tick) + one denoising pass + the SQL write + this poll; the
-    # bound is loose for loaded CI machines — the whole job would take minutes.
+    # bound is loose for loaded CI machines - the whole job would take much longer.
     assert latency < 10.0, f"cancel took {latency:.2f}s"
     assert done.result is not None and done.result["finish_reason"] == "cancelled"
     assert len(done.result["token_ids"]) < 2048
