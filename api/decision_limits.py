@@ -16,7 +16,8 @@ from api.limit_messages import over_limit, prompt_too_long
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.decisions import DecideInput, DecideParams
 from scheduler.fleet.context_limits import ContextLimits
-from scheduler.infra.settings import CHAT_TEMPLATE_SLACK_TOKENS, Settings
+from scheduler.infra.settings import Settings
+from scheduler.infra.settings_groups.limits import CHAT_TEMPLATE_SLACK_TOKENS
 
 # Test-only fault names of decisions (honoured only with settings.worker.fault_injection).
 DECIDE_FAULTS = ("invalid_rationale_once", "invalid_rationale_always")

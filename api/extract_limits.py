@@ -19,7 +19,8 @@ from api.limit_messages import prompt_too_long
 from api.prompt_tokens import PromptTokenCounter
 from api.schema_check import check_schema
 from api.schemas.extract import ExtractInput, ExtractParams
-from scheduler.infra.settings import CHAT_TEMPLATE_SLACK_TOKENS, Settings
+from scheduler.infra.settings import Settings
+from scheduler.infra.settings_groups.limits import CHAT_TEMPLATE_SLACK_TOKENS
 
 
 def check_extract_limits(

@@ -1,8 +1,12 @@
-"""Following one job from the API: its status changes and committed blocks as they happen.
+"""Reading and following one job from the API: its status, and its status changes and committed
+blocks as they happen.
 
-Used by ``GET /v1/jobs/{id}/events`` (``api/routes/job_events.py``) and by the OpenAI-compatible
-routes (``api/routes/openai.py``: ``stream: true`` and the blocking answer). Two sources, one
-truth:
+:class:`JobReader` is the one read of a job (``read``: SQL plus the hot status) and the one wait
+for it (``wait``: until it is final, or a deadline, woken by the jobs-finished notice), for
+``GET /v1/jobs/{id}`` (``api/routes/jobs.py``, with and without ``wait``), ``GET
+/v1/jobs/{id}/events`` (``api/routes/job_events.py``) and the OpenAI-compatible routes
+(``api/routes/openai.py``: ``stream: true`` and the blocking answer); routes get it as
+``api.deps.JobReaderDep``. :func:`follow_job` follows a job from two sources, one truth:
 
 - **SQL** (with the hot status, exactly what ``GET /v1/jobs/{id}`` shows) decides the status,
   the attempt and the result. It is re-read when the job's event stream says an attempt began
@@ -20,15 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from redis import Redis, RedisError
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from api.drain import ApiDrain
@@ -37,6 +42,7 @@ from api.presenters import job_out
 from api.schemas.jobs import JobOut
 from scheduler.infra import redis_keys
 from scheduler.infra.redis_client import async_redis_from_url
+from scheduler.infra.settings import Settings
 from scheduler.jobs import event_stream
 from scheduler.jobs import service as job_service
 from scheduler.jobs.models import JobStatus
@@ -100,53 +106,70 @@ async def close_stream_redis(app: FastAPI) -> None:
                 await client.aclose()
 
 
-def read_job(request: Request, job_id: str, tenant: str | None) -> JobOut | None:
-    """The job as ``GET /v1/jobs/{id}`` shows it (SQL plus the hot status while it runs); blocking."""
-    state = request.app.state
-    redis: Redis = state.redis
-    with state.session_factory() as session:
-        job = job_service.get_job(session, job_id=job_id, tenant=tenant)
-        if job is None:
-            return None
-        hot = None
-        if job.status == JobStatus.RUNNING:
-            try:
-                hot = job_service.read_progress(job.id, redis_client=redis)
-            except RedisError:
-                hot = None
-        return job_out(job, hot_progress=hot)
-
-
 def is_final(job: JobOut) -> bool:
     return JobStatus(job.status).is_final
 
 
-def cancel(request: Request, job_id: str, tenant: str | None) -> None:
-    """Cancel the job (a client that went away no longer wants it); blocking, never raises."""
-    state = request.app.state
-    try:
-        with state.session_factory() as session:
-            job_service.cancel_job(session, job_id=job_id, tenant=tenant, settings=state.settings,
-                                   redis_client=state.redis)
-        log.info("job.cancelled_on_disconnect", job_id=job_id)
-    except Exception as exc:  # the client is gone: nobody to tell; the job runs to its end
-        log.warning("job.cancel_on_disconnect_failed", job_id=job_id, error=type(exc).__name__)
+@dataclass(frozen=True, slots=True)
+class JobReader:
+    """One job as the API reads it and waits for it, from what the app set up (``api.deps``
+    ``JobReaderDep`` builds one per request). ``read`` and ``cancel`` block (call them in the
+    thread pool); ``wait`` holds no database connection or thread while it waits."""
 
+    sessions: sessionmaker[Session]
+    redis: Redis  # the process' sync client: the hot status, cancel signals
+    waiter: JobWaiter  # the jobs-finished notices
+    drain: ApiDrain  # this replica's drain (api/drain.py)
+    settings: Settings
+    streams: Callable[[], aioredis.Redis]  # the event streams' asyncio client (``stream_redis``)
 
-async def wait_final(request: Request, job_id: str, tenant: str | None) -> JobOut | None:
-    """The job once it is final (None if it disappears), woken by the jobs-finished notice and
-    re-checked on a doubling interval (``GET /v1/jobs/{id}?wait=`` without the deadline)."""
-    waiter: JobWaiter = request.app.state.job_waiter
-    recheck = RECHECK_SECONDS
-    async with waiter.watch(job_id) as finished:
-        while True:
-            finished.clear()
-            job = await run_in_threadpool(read_job, request, job_id, tenant)
-            if job is None or is_final(job):
-                return job
-            with suppress(TimeoutError):
-                await asyncio.wait_for(finished.wait(), recheck)
-            recheck = min(2 * recheck, MAX_RECHECK_SECONDS)
+    def read(self, job_id: str, tenant: str | None) -> JobOut | None:
+        """The job as ``GET /v1/jobs/{id}`` shows it (SQL plus the hot status while it runs)."""
+        with self.sessions() as session:
+            job = job_service.get_job(session, job_id=job_id, tenant=tenant)
+            if job is None:
+                return None
+            hot = None
+            if job.status == JobStatus.RUNNING:
+                try:
+                    hot = job_service.read_progress(job.id, redis_client=self.redis)
+                except RedisError:  # hot status is a nicety: fall back to the SQL snapshot
+                    hot = None
+            return job_out(job, hot_progress=hot)
+
+    def cancel(self, job_id: str, tenant: str | None) -> None:
+        """Cancel the job (a client that went away no longer wants it); never raises."""
+        try:
+            with self.sessions() as session:
+                job_service.cancel_job(session, job_id=job_id, tenant=tenant, settings=self.settings,
+                                       redis_client=self.redis)
+            log.info("job.cancelled_on_disconnect", job_id=job_id)
+        except Exception as exc:  # the client is gone: nobody to tell; the job runs to its end
+            log.warning("job.cancel_on_disconnect_failed", job_id=job_id, error=type(exc).__name__)
+
+    async def wait(self, job_id: str, tenant: str | None, *, deadline: float | None = None) -> JobOut | None:
+        """The job once it is final (None if it is not there or disappears), woken by the
+        jobs-finished notice and re-checked on a doubling interval (notices are the fast path).
+
+        ``deadline`` (``time.monotonic()``; the long poll's): the job as it is then if it is not
+        final by that time, or by the end of this replica's drain when that comes first. None:
+        wait until it is final."""
+        recheck = RECHECK_SECONDS
+        async with self.waiter.watch(job_id) as finished:
+            while True:
+                finished.clear()  # before the read: a notice arriving during it wakes the next wait
+                job = await run_in_threadpool(self.read, job_id, tenant)
+                if job is None or is_final(job):
+                    return job
+                timeout = recheck
+                if deadline is not None:
+                    remaining = self.drain.cap(deadline) - time.monotonic()
+                    if remaining <= 0:
+                        return job
+                    timeout = min(remaining, recheck)
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(finished.wait(), timeout)
+                recheck = min(2 * recheck, MAX_RECHECK_SECONDS)
 
 
 def _hot_block(job: JobOut) -> dict[str, Any] | None:
@@ -212,7 +235,7 @@ async def _replay(client: aioredis.Redis, key: str, cursor: str) -> AsyncIterato
 
 
 async def follow_job(
-    request: Request, job_id: str, tenant: str | None, *, after: str | None = None,
+    reader: JobReader, job_id: str, tenant: str | None, *, after: str | None = None,
     first: JobOut | None = None, keepalive_seconds: float = KEEPALIVE_SECONDS, drain: ApiDrain | None = None,
 ) -> AsyncGenerator[Followed, None]:
     """What happens to ``job_id`` from now on: ``status`` first, ``block`` events as the worker
@@ -222,12 +245,11 @@ async def follow_job(
 
     ``drain``: for a reader that can resume elsewhere (SSE's ``Last-Event-ID``), the replica's
     drain: once its deadline passes the generator ends without ``final`` (``api/drain.py``)."""
-    waiter: JobWaiter = request.app.state.job_waiter
-    client = stream_redis(request.app)
+    client = reader.streams()
     key = redis_keys.events(job_id)
     cursor = after or event_stream.STREAM_START
-    async with waiter.watch(job_id) as finished:
-        job = first or await run_in_threadpool(read_job, request, job_id, tenant)
+    async with reader.waiter.watch(job_id) as finished:
+        job = first or await run_in_threadpool(reader.read, job_id, tenant)
         if job is None:
             return
         yield Followed("status", job=job)
@@ -271,7 +293,7 @@ async def follow_job(
             now = time.monotonic()
             if reread or finished.is_set() or now >= next_read:
                 finished.clear()
-                fresh = await run_in_threadpool(read_job, request, job_id, tenant)
+                fresh = await run_in_threadpool(reader.read, job_id, tenant)
                 if fresh is None:
                     return
                 job = fresh

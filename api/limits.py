@@ -21,10 +21,11 @@ from api.limit_messages import limit_detail, prompt_too_long, setting_env
 from api.prompt_tokens import PromptTokenCounter
 from api.schema_check import check_schema
 from api.schemas.jobs import DecideJobCreate, ExtractJobCreate, GenerateInput, GenerateJobCreate
-from scheduler.infra.settings import CHAT_TEMPLATE_SLACK_TOKENS, Settings
+from scheduler.infra.settings import Settings
+from scheduler.infra.settings_groups.limits import CHAT_TEMPLATE_SLACK_TOKENS
 from scheduler.jobs.schema_subset import parse_options
 from scheduler.jobs.tool_spec import ToolError, parse_tools
-from scheduler.webhooks.delivery import WebhookTargetError, check_url
+from scheduler.webhooks.ssrf_guard import WebhookTargetError, check_url
 
 
 def _limit_error(field: str, value: int, limit: int, flat_name: str) -> ApiError:
@@ -59,7 +60,7 @@ def check_webhook_url(
     url: str | None, *, settings: Settings, loc: Sequence[str | int] = ("body", "webhook_url")
 ) -> None:
     """422 ``invalid_webhook_url`` for a URL the service would never deliver to (credentials,
-    loopback/private literal addresses, localhost names; see ``scheduler.webhooks.delivery.check_url``).
+    loopback/private literal addresses, localhost names; see ``scheduler.webhooks.ssrf_guard.check_url``).
     Names that resolve to refused addresses are refused again at every delivery."""
     if url is None:
         return

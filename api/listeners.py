@@ -27,7 +27,7 @@ from starlette.types import ASGIApp
 
 from api.graceful_stop import GracefulStop
 from api.planes import ALL_PLANES, Plane, listener_app
-from scheduler.infra.settings import PlaneSettings
+from scheduler.infra.settings_groups.planes import PlaneSettings
 
 STARTUP_POLL_SECONDS = 0.05
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.client_address import remember_client_address
 from api.errors import error_response
 from scheduler.access.networks import allowed, client_address, forwarded_hops, parse_networks
-from scheduler.infra.settings import PlaneSettings
+from scheduler.infra.settings_groups.planes import PlaneSettings
 from scheduler.observability.audit import audit
 from scheduler.observability.process_metrics import record_network_refusal
 

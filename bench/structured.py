@@ -65,7 +65,8 @@ from worker import tool_job
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.runner import ModelRunner
 from worker.engine.types import GenerationRequest, GenerationResult, SamplingParams
-from worker.execution import EngineContext, JobSpec, run_generate
+from worker.execution import run_generate
+from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import LoadedModel, load_checkpoint
 from worker.model.demo import write_demo_checkpoint
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO

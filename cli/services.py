@@ -30,7 +30,9 @@ from cli.supervisor import Child, RestartBudget, Supervisor
 from client import Client, RetryPolicy
 from scheduler.infra.queue_names import JOB_QUEUES
 from scheduler.infra.redis_client import redis_from_url
-from scheduler.infra.settings import FILE_SUFFIX, Settings, WorkerSettings, flat_fields, get_settings
+from scheduler.infra.settings import Settings, flat_fields, get_settings
+from scheduler.infra.settings_env import FILE_SUFFIX
+from scheduler.infra.settings_groups.processes import WorkerSettings
 from scheduler.infra.tls_check import exit_on_tls_failure
 
 ALL_QUEUES = ",".join(JOB_QUEUES)  # the one embedded worker of `cloverq up` serves every job queue

@@ -125,9 +125,9 @@ def build_llada2(folder: Path, *, seed: int = 0) -> Path:
     import transformers
     from safetensors.torch import save_file
 
-    from worker.model.checkpoint import hf_targets
     from worker.model.config import ModelConfig
     from worker.model.demo_tokenizer import IM_END, PAD
+    from worker.model.hf_names import hf_targets
 
     common = _common()
     config = ModelConfig(

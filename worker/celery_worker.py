@@ -25,7 +25,7 @@ from scheduler.infra.tls_check import exit_on_tls_failure
 from scheduler.observability.logging import configure_logging
 from scheduler.observability.tracing import setup_tracing
 from worker import control_commands, tasks
-from worker.joint_gate import interactive_reserve
+from worker.class_gates import interactive_reserve
 from worker.runtime import WorkerRuntime, get_runtime, set_runtime
 
 # Imported for what importing them does: cloverq.run_job (a shared task, on every app) and the

@@ -5,9 +5,9 @@ switch Celery consumers on and off separately, kept apart by precedence checks (
 unless an operator drained it", "re-add after a switch minus the drained queues", ...):
 
 - the configured queues (``celery worker --queues``);
-- the operator's drain flags (``scheduler.fleet.drain``; followed by ``worker/queue_drain.py``);
+- the operator's drain flags (``scheduler.fleet.queue_drain``; followed by ``worker/queue_drain.py``);
 - a model switch (``worker/model_switcher.py``): while it drains and loads, nothing;
-- the joint gate: at ``engine_joint_slot_cap`` joint jobs, no ``joint`` (``worker/joint_gate.py``);
+- the joint gate: at ``engine_joint_slot_cap`` joint jobs, no ``joint`` (``worker/class_gates.py``);
 - the capacity gate: at ``engine_max_batch`` non-interactive jobs, no ``standard``/``bulk`` (the
   threads beyond are the interactive reserve; ``joint`` is the joint gate's alone);
 - the canary lane: a worker serving the canary version consumes ``canary.<queue>`` instead of
@@ -50,7 +50,7 @@ from typing import Any, Protocol, TypedDict, Unpack
 import structlog
 
 from scheduler.model_versions.canary_routing import lane_names
-from worker.joint_gate import JOINT_QUEUE, PAUSABLE_AT_CAPACITY
+from worker.class_gates import JOINT_QUEUE, PAUSABLE_AT_CAPACITY
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +62,7 @@ class ConsumerState:
     """Everything that decides what this worker consumes (class queue names, not lanes)."""
 
     configured: tuple[str, ...]  # priority order, as `celery worker --queues` got them
-    drained: frozenset[str] = field(default_factory=frozenset)  # operator-drained (scheduler.fleet.drain)
+    drained: frozenset[str] = field(default_factory=frozenset)  # operator-drained (fleet/queue_drain.py)
     switching: bool = False  # a model switch drains and loads: take nothing
     joint_full: bool = False  # the joint gate is at its cap
     capacity_full: bool = False  # the non-interactive classes hold engine_max_batch threads

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery.worker.control import control_command
 
-from scheduler.fleet.drain import SYNC_DRAINS_COMMAND
+from scheduler.fleet.queue_drain import SYNC_DRAINS_COMMAND
 from worker.runtime import get_runtime
 
 

@@ -5,8 +5,8 @@ are dispatched through ``KIND_HANDLERS``: ``generate`` here, ``decide`` in ``wor
 ``extract`` in ``worker/extract_job.py`` (a schema's canvas, as ``response_schema`` here, through
 ``worker/structured_job.py``).
 What a handler receives and returns (``JobSpec``, ``EngineContext``, ``Outcome``) and the mapping
-both kinds share live in ``worker/job_handler.py``, below both, so ``decide_job`` no longer imports
-this module and this one imports it at the top; the names stay importable from here.
+both kinds share live in ``worker/job_handler.py``, below both, so ``decide_job`` does not import
+this module; import those names from there (this module re-exports nothing).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from scheduler.jobs.retry import InputJobError
 from worker.decide_job import run_decide
 from worker.engine.types import GenerationRequest
 from worker.extract_job import run_extract
-
-# Used here, and still imported from here by the runner, the tool job, fault injection and tests.
 from worker.job_handler import (
     ChatTokenizer,
     EngineContext,

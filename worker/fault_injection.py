@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from scheduler.infra.settings import Settings
 from scheduler.jobs.retry import InputJobError, TransientJobError
-from worker.execution import JobSpec
+from worker.job_handler import JobSpec
 
 FAULTS: tuple[str, ...] = ("transient", "transient_once", "stall_first_attempt", "input", "crash")
 

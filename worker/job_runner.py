@@ -43,11 +43,12 @@ from scheduler.observability import tracing
 from scheduler.observability.metrics_recorder import RedisMetricsRecorder
 from scheduler.webhooks.job_events import notify_job_started, progress_hook
 from scheduler.webhooks.tasks import notify_job_finished
+from worker.class_gates import INTERACTIVE_QUEUE, JOINT_QUEUE, ClassGate
 from worker.engine.types import Progress
-from worker.execution import EngineContext, JobSpec, Outcome, run_kind
+from worker.execution import run_kind
 from worker.fault_injection import FaultInjector
-from worker.joint_gate import INTERACTIVE_QUEUE, JOINT_QUEUE, JointGate
-from worker.model_switch import JobAdmission
+from worker.job_handler import EngineContext, JobSpec, Outcome
+from worker.model_switch_protocol import JobAdmission
 from worker.monitor import JobMonitor, RunningJob
 from worker.resident_model import ResidentModel
 from worker.run_outcome import RunOutcome
@@ -75,8 +76,8 @@ class JobRunner:
         monitor: JobMonitor,
         metrics: RedisMetricsRecorder,
         admission: JobAdmission,
-        joint_gate: JointGate | None,
-        capacity_gate: JointGate | None,
+        joint_gate: ClassGate | None,
+        capacity_gate: ClassGate | None,
         draining: threading.Event,
         lane: Callable[[], str | None],
         faults: FaultInjector | None = None,
@@ -135,7 +136,7 @@ class JobRunner:
             return self._hand_back(parsed, "job.handed_back_draining")
         gates = [g for g in (self.joint_gate if queue == JOINT_QUEUE else None,
                              self.capacity_gate if queue != INTERACTIVE_QUEUE else None) if g is not None]
-        entered: list[JointGate] = []
+        entered: list[ClassGate] = []
         for gate in gates:
             if not gate.try_enter():
                 for held in entered:

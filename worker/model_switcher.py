@@ -1,6 +1,6 @@
 """Serve ``served_model``'s version for this worker's track: load it at start, switch when it changes.
 
-The protocol (turns, drain, load, resume) is described in ``worker/model_switch.py``, which holds
+The protocol (turns, drain, load, resume) is described in ``worker/model_switch_protocol.py``, which holds
 its parts (``ModelFollower``, ``SwitchTurn``, ``JobAdmission``); this class carries it out on the
 worker's ``ResidentModel``. Consumers are not switched here: the switch only tells the consumer
 controller (``worker/consumers.py``) that it is switching or which lane it is on, and the
@@ -30,7 +30,7 @@ from scheduler.model_versions.registry import (
 )
 from scheduler.observability.metric_families import set_process_version, version_label
 from worker.consumers import ConsumerController
-from worker.model_switch import SWITCHING, JobAdmission, ModelFollower, SwitchTurn
+from worker.model_switch_protocol import SWITCHING, JobAdmission, ModelFollower, SwitchTurn
 from worker.resident_model import ResidentModel
 
 log = structlog.get_logger(__name__)
@@ -151,7 +151,7 @@ class ModelSwitcher:
     # --- switch -----------------------------------------------------------------------------------
     def switch_model(self, activation: Activation) -> bool:
         """Drain, load ``activation``'s version, warm up, take jobs again (module doc of
-        worker/model_switch.py). Returns False (still serving the old version) if it cannot load.
+        worker/model_switch_protocol.py). Returns False (still serving the old version) if it cannot load.
         ``activation.version`` is the version this worker's track serves (``ModelFollower``): on
         the canary lanes when it is the canary version."""
         target = self.store_path(activation.version)

@@ -27,7 +27,7 @@ from scheduler.infra.gc_freeze import freeze_startup_heap
 from scheduler.infra.settings import Settings
 from scheduler.observability.metrics_recorder import RedisMetricsRecorder, WorkerSnapshot
 from worker.consumers import AmqpQueues, ConsumerController, ConsumerHandle
-from worker.model_switch import ModelFollower
+from worker.model_switch_protocol import ModelFollower
 from worker.model_switcher import ModelSwitcher
 from worker.monitor import JobMonitor
 from worker.queue_drain import DrainFollower
@@ -77,7 +77,7 @@ class ProcessLifecycle:
         self.heartbeat()
         torch.set_num_threads(self.settings.resolved_torch_threads)  # before the model's first op
         began = time.monotonic()
-        if self.switcher is not None:  # follow the active version in SQL (worker/model_switch.py)
+        if self.switcher is not None:  # follow the active version in SQL (worker/model_switch_protocol.py)
             self.switcher.load_initial()
         else:
             loaded = self.model.load(self.settings.resolved_model_dir)

@@ -1,4 +1,4 @@
-"""This worker follows the operator's drain flags (``scheduler.fleet.drain``).
+"""This worker follows the operator's drain flags (``scheduler.fleet.queue_drain``).
 
 The admin API's broadcast reaches running workers at once; this follower makes the flag hold
 for a worker that starts while a queue is drained (the flags are read before the consumer
@@ -13,7 +13,7 @@ from __future__ import annotations
 import redis
 import structlog
 
-from scheduler.fleet.drain import drained_queues
+from scheduler.fleet.queue_drain import drained_queues
 from worker.consumers import ConsumerController
 
 log = structlog.get_logger(__name__)

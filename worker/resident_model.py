@@ -23,10 +23,10 @@ from scheduler.fleet.workers import WorkerInfo
 from scheduler.infra.gc_freeze import thaw_heap
 from scheduler.infra.settings import Settings
 from scheduler.observability.metric_families import set_process_version, version_label
+from worker.class_gates import INTERACTIVE_QUEUE, JOINT_QUEUE
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine_protocol import ServingEngine
-from worker.execution import ChatTokenizer
-from worker.joint_gate import INTERACTIVE_QUEUE, JOINT_QUEUE
+from worker.job_handler import ChatTokenizer
 from worker.model.checkpoint import LoadedModel, read_config
 from worker.model.hf_defaults import GenerationDefaults, resolve_dtype
 from worker.model.loader import load_model

@@ -10,7 +10,7 @@ Each part holds one concept and is typed against the others' small surfaces:
 - ``worker/job_runner.py`` ``JobRunner``: ``run_job``, what the Celery task calls from a pool
   thread: hand back, fenced claim -> engine -> fenced outcome;
 - ``worker/consumers.py`` ``ConsumerController``: the one place that decides (``consumed_queues``)
-  and changes which Celery queues this worker consumes; the gates (``worker/joint_gate.py``),
+  and changes which Celery queues this worker consumes; the gates (``worker/class_gates.py``),
   the drain follower (``worker/queue_drain.py``), the switcher and the lifecycle only tell it
   what changed;
 - ``worker/fault_injection.py``: test-only faults, handed to the runner only when
@@ -38,12 +38,12 @@ from scheduler.infra.db import get_session_factory
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings
 from scheduler.observability.metrics_recorder import RedisMetricsRecorder
+from worker.class_gates import JOINT_QUEUE, ClassGate, interactive_reserve
 from worker.consumers import AmqpQueues, CeleryConsumer, ConsumerController
 from worker.engine_protocol import ServingEngine
 from worker.fault_injection import fault_injector_for
 from worker.job_runner import JobRunner
-from worker.joint_gate import JOINT_QUEUE, JointGate, interactive_reserve
-from worker.model_switch import JobAdmission
+from worker.model_switch_protocol import JobAdmission
 from worker.model_switcher import ModelSwitcher
 from worker.monitor import JobMonitor
 from worker.process_lifecycle import ProcessLifecycle
@@ -101,13 +101,13 @@ class WorkerRuntime:
                 stopping=draining.is_set, heartbeat=self._heartbeat,
                 publish_now=self.lifecycle.publish_metrics_now, engine_died=self.lifecycle.engine_died,
             )
-        # At most engine_joint_slot_cap joint jobs hold task threads (worker/joint_gate.py); at most
+        # At most engine_joint_slot_cap joint jobs hold task threads (worker/class_gates.py); at most
         # engine_max_batch of every class but interactive. A full gate pauses its queues (consumers).
         # A gate records its change under its lock and sends the consumer commands after it.
-        joint_gate = JointGate(settings.engine.joint_slot_cap, name=JOINT_QUEUE,
+        joint_gate = ClassGate(settings.engine.joint_slot_cap, name=JOINT_QUEUE,
                                on_full=lambda full: self.consumers.record(joint_full=full),
                                then=self.consumers.sync)
-        capacity_gate = JointGate(settings.engine.max_batch, name="capacity",
+        capacity_gate = ClassGate(settings.engine.max_batch, name="capacity",
                                   on_full=lambda full: self.consumers.record(capacity_full=full),
                                   then=self.consumers.sync)
         self.runner = JobRunner(

@@ -1,7 +1,7 @@
 """``/v1/admin``: operate the service (admin scope only). Every call writes an audit line.
 
 - workers: the live worker processes, their state and model version (worker registry);
-- queues: depth, cap and drain state; drain / resume (``scheduler.fleet.drain``);
+- queues: depth, cap and drain state; drain / resume (``scheduler.fleet.queue_drain``);
 - limits: rate limits and caps, changed at runtime (Redis; every API process sees them);
 - tenants: a tenant's fair-share weight inside each class (``scheduler/fairness/weights.py``);
 - keys: create / list / revoke / rotate API keys and set their networks (a key is shown once, in
@@ -20,7 +20,9 @@ from typing import Annotated, Any
 
 import redis
 import structlog
+from celery import Celery
 from fastapi import APIRouter, Body, Query, Request
+from sqlalchemy.orm import Session
 
 from api.auth import Caller, security_of
 from api.deps import AdminCaller, CeleryDep, SessionDep, SettingsDep
@@ -60,7 +62,7 @@ from scheduler.access.api_keys import (
 )
 from scheduler.access.retention import DEFAULT_FIELD, MAX_FIELD, override_field
 from scheduler.fairness.weights import DEFAULT_WEIGHT, weight_field
-from scheduler.fleet import drain, operator_state
+from scheduler.fleet import operator_state, queue_drain
 from scheduler.fleet.workers import WorkerInfo, list_workers
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings
@@ -103,7 +105,7 @@ def get_workers(caller: AdminCaller, settings: SettingsDep) -> WorkerList:
                       model_switch_error=w.stats.get("model_switch_error"))
             for w in workers
         ],
-        drained_queues=sorted(drain.drained_queues(client)),
+        drained_queues=sorted(queue_drain.drained_queues(client)),
         ready_per_queue=dict(sorted(Counter(q for w in workers if w.is_ready for q in w.queues).items())),
     )
 
@@ -114,7 +116,7 @@ def get_queues(caller: AdminCaller, settings: SettingsDep) -> QueueList:
     client = _registry(settings)
     names = [queue.value for queue in QueueName]
     depths = queue_depths(client, names)
-    drained = drain.drained_queues(client)
+    drained = queue_drain.drained_queues(client)
     caps = effective_limits(client, settings)["effective"]["queue_max_depth"]
     _audit(caller, "queues.list")
     return QueueList(
@@ -127,22 +129,26 @@ def get_queues(caller: AdminCaller, settings: SettingsDep) -> QueueList:
 def drain_queue(queue: QueueName, caller: AdminCaller, session: SessionDep, settings: SettingsDep,
                 celery: CeleryDep) -> QueueAction:
     """Workers stop taking jobs from ``queue`` (running jobs finish; submits still queue)."""
-    client = _registry(settings)
-    destinations = [_node_name(w) for w in list_workers(client)]
-    nodes = operator_state.drain_queue(session, client, celery, queue.value, destinations=destinations)
-    _audit(caller, "queue.drain", target=queue.value, nodes=nodes)
-    return QueueAction(queue=queue.value, drained=True, nodes=nodes)
+    return _set_drained(queue, True, caller=caller, session=session, settings=settings, celery=celery)
 
 
 @router.post("/queues/{queue}/resume", response_model=QueueAction, responses=error_responses(422))
 def resume_queue(queue: QueueName, caller: AdminCaller, session: SessionDep, settings: SettingsDep,
                  celery: CeleryDep) -> QueueAction:
     """Workers configured for ``queue`` consume it again."""
+    return _set_drained(queue, False, caller=caller, session=session, settings=settings, celery=celery)
+
+
+def _set_drained(queue: QueueName, drained: bool, *, caller: Caller, session: Session, settings: Settings,
+                 celery: Celery) -> QueueAction:
+    """Drain or resume ``queue`` (``operator_state.set_queue_drained``). A drain tells every
+    registered worker; a resume only those configured for the queue."""
     client = _registry(settings)
-    destinations = [_node_name(w) for w in list_workers(client) if queue.value in w.queues]
-    nodes = operator_state.resume_queue(session, client, celery, queue.value, destinations=destinations)
-    _audit(caller, "queue.resume", target=queue.value, nodes=nodes)
-    return QueueAction(queue=queue.value, drained=False, nodes=nodes)
+    destinations = [_node_name(w) for w in list_workers(client) if drained or queue.value in w.queues]
+    nodes = operator_state.set_queue_drained(session, client, celery, queue.value, drained=drained,
+                                             destinations=destinations)
+    _audit(caller, "queue.drain" if drained else "queue.resume", target=queue.value, nodes=nodes)
+    return QueueAction(queue=queue.value, drained=drained, nodes=nodes)
 
 
 @router.get("/limits", response_model=LimitsOut)

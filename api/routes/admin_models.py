@@ -2,7 +2,7 @@
 
 Activation changes one SQL row (``scheduler.model_versions.registry``); every worker serving the model
 notices within its poll interval, drains, loads the version from the store, warms up and only
-then takes jobs again (``worker/model_switch.py``). Rollback is activating the previous version:
+then takes jobs again (``worker/model_switch_protocol.py``). Rollback is activating the previous version:
 nothing is copied. Every call writes an audit line.
 """
 

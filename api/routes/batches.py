@@ -26,7 +26,18 @@ from sqlalchemy.orm import Session
 from api import json_input
 from api.admission import admit_batch
 from api.auth import Caller
-from api.deps import ReadCaller, SessionDep, SettingsDep, SubmitCaller, TokenCounterDep, visible_tenant
+from api.deps import (
+    BatchUploadsDep,
+    CeleryDep,
+    ReadCaller,
+    RedisDep,
+    SessionDep,
+    SessionFactoryDep,
+    SettingsDep,
+    SubmitCaller,
+    TokenCounterDep,
+    visible_tenant,
+)
 from api.errors import ApiError
 from api.job_options import check_schedule, stored_events
 from api.limit_messages import batch_too_large
@@ -221,9 +232,12 @@ async def create_batch(
     caller: SubmitCaller,
     settings: SettingsDep,
     counter: TokenCounterDep,
+    slots: BatchUploadsDep,
+    celery: CeleryDep,
+    redis: RedisDep,
+    sessions: SessionFactoryDep,
 ) -> BatchOut:
     """Store up to ``batch_max_jobs`` job specs in one transaction (202 + ``Location``)."""
-    slots: anyio.Semaphore = request.app.state.batch_uploads
     acquired = False
     with anyio.move_on_after(settings.batches.upload_wait_seconds):
         await slots.acquire()
@@ -260,13 +274,12 @@ async def create_batch(
         return batch, jobs, batch_service.summarize(session, batch)
 
     batch, jobs, summary = await anyio.to_thread.run_sync(store)
-    state = request.app.state
     if is_delayed(batch.scheduled_for, utcnow()):  # the beat's delayed tick publishes them when due
-        background.add_task(batch_service.hold_batch, jobs, redis_client=state.redis, tenant=caller.tenant)
+        background.add_task(batch_service.hold_batch, jobs, redis_client=redis, tenant=caller.tenant)
     else:
-        background.add_task(batch_service.publish_batch, jobs, app=state.celery, redis_client=state.redis,
+        background.add_task(batch_service.publish_batch, jobs, app=celery, redis_client=redis,
                             request_id=request_id, tenant=caller.tenant,  # releases the jobs' reservations
-                            settings=settings, sessions=state.session_factory)  # fair share: held, by DRR
+                            settings=settings, sessions=sessions)  # fair share: held, by DRR
     response.headers["Location"] = f"/v1/batches/{batch.id}"
     return _batch_out(summary)
 
@@ -292,7 +305,7 @@ def get_batch(batch_id: str, session: SessionDep, caller: ReadCaller) -> BatchOu
                **error_responses(401, 403, 404, 503)},
 )
 def batch_results(
-    batch_id: str, request: Request, session: SessionDep, caller: ReadCaller
+    batch_id: str, session: SessionDep, sessions: SessionFactoryDep, caller: ReadCaller
 ) -> StreamingResponse:
     """JSONL, one line per job in submission order: index, job_id, status, result, error.
 
@@ -300,7 +313,6 @@ def batch_results(
     and no result.
     """
     batch = _load(session, caller, batch_id)
-    sessions = request.app.state.session_factory
 
     def lines() -> Iterator[bytes]:
         for line in batch_service.iter_results(sessions, batch_id=batch.id):
@@ -310,9 +322,9 @@ def batch_results(
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchOut, responses=error_responses(401, 403, 404, 503))
-def cancel_batch(batch_id: str, request: Request, session: SessionDep, caller: SubmitCaller) -> BatchOut:
+def cancel_batch(batch_id: str, session: SessionDep, caller: SubmitCaller, settings: SettingsDep,
+                 redis: RedisDep) -> BatchOut:
     """Cancel every queued job at once and signal the running ones (they stop within a pass)."""
     batch = _load(session, caller, batch_id)
-    summary = batch_service.cancel_batch(session, batch=batch, settings=request.app.state.settings,
-                                         redis_client=request.app.state.redis)
+    summary = batch_service.cancel_batch(session, batch=batch, settings=settings, redis_client=redis)
     return _batch_out(summary)

@@ -17,11 +17,11 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from redis import Redis
 from sqlalchemy import text
 
-from api.deps import RedisDep, SessionFactoryDep, SettingsDep
+from api.deps import DrainDep, RedisDep, SessionFactoryDep, SettingsDep
 from api.drain import ApiDrain
 from api.schemas.health import Health, Readiness, ReadinessCheck
 from scheduler.fleet.workers import consuming_classes, ready_workers, unconsumed_classes
@@ -41,14 +41,13 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(request: Request, response: Response, settings: SettingsDep,
-                 session_factory: SessionFactoryDep, redis_client: RedisDep) -> Readiness:
+async def readyz(response: Response, settings: SettingsDep, session_factory: SessionFactoryDep,
+                 redis_client: RedisDep, drain: DrainDep) -> Readiness:
     """Ready when the database and Redis answer, at least one worker is ready and no ready worker's
     consumer is off a queue it should consume (``consumers``), decided within the readiness
     deadline (a check still running then has failed). ``ready_workers`` counts, per queue, the
     ready workers whose Celery consumer consumes it now (read back from the consumer itself).
     A replica that is stopping (``api/drain.py``) is not ready either (``draining``)."""
-    drain: ApiDrain = request.app.state.drain
     deadline: float = settings.observability.readiness_timeout_seconds
     checks: dict[str, ReadinessCheck] = {}
     per_queue: dict[str, int] = {}
@@ -76,12 +75,11 @@ async def readyz(request: Request, response: Response, settings: SettingsDep,
 
 
 @router.get(REPLICA_READY_PATH, response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz_replica(request: Request, response: Response) -> Readiness:
+async def readyz_replica(response: Response, drain: DrainDep) -> Readiness:
     """Whether this replica takes new requests: it is not stopping (``api/drain.py``). For load
     balancers (HAProxy's health check, a Kubernetes readinessProbe). It reads no shared service on
     purpose: a database or Redis blip, or no ready worker (jobs queue meanwhile), would take every
     replica out at once, and each request answers for those itself (503 with ``Retry-After``)."""
-    drain: ApiDrain = request.app.state.drain
     if drain.draining:
         response.status_code = 503
         response.headers["Retry-After"] = "1"

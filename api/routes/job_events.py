@@ -31,13 +31,13 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import ReadCaller, visible_tenant
+from api.deps import JobReaderDep, ReadCaller, visible_tenant
 from api.errors import ApiError
-from api.job_follow import Followed, completion, follow_job, read_job, rebuilt
+from api.job_follow import Followed, completion, follow_job, rebuilt
 from api.json_input import LimitedJsonRoute
 from api.schemas.errors import error_responses
 from api.schemas.jobs import JobOut
@@ -110,8 +110,8 @@ def final_delta(job: JobOut, answer: str, reasoning: str) -> dict[str, Any] | No
 )
 async def job_events(
     job_id: str,
-    request: Request,
     caller: ReadCaller,
+    reader: JobReaderDep,
     after: Annotated[str | None, Query(max_length=64, description="Resume after this event id.")] = None,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
 ) -> StreamingResponse:
@@ -125,15 +125,15 @@ async def job_events(
     except ValueError:
         raise _not_found(job_id) from None
     tenant = visible_tenant(caller)
-    first = await run_in_threadpool(read_job, request, parsed, tenant)
+    first = await run_in_threadpool(reader.read, parsed, tenant)
     if first is None:
         raise _not_found(job_id)
 
     async def body() -> AsyncIterator[str]:
         yield "retry: 1000\n\n"
         answer = reasoning = ""  # what the deltas sent so far add up to
-        drain = request.app.state.drain  # a stopping replica ends the stream; the client resumes elsewhere
-        following = follow_job(request, parsed, tenant, after=resume, first=first, drain=drain)
+        drain = reader.drain  # a stopping replica ends the stream; the client resumes elsewhere
+        following = follow_job(reader, parsed, tenant, after=resume, first=first, drain=drain)
         ended = False
         async with aclosing(following) as followed:
             async for item in followed:

@@ -7,11 +7,9 @@ caller's tenant (admin keys see all tenants); another tenant's job is a plain 40
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from contextlib import suppress
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -24,6 +22,7 @@ from api.admission import admit_submission
 from api.auth import Caller, token_taken
 from api.deps import (
     AdmittedSubmitCaller,
+    JobReaderDep,
     ReadCaller,
     RedisDep,
     SessionDep,
@@ -32,10 +31,8 @@ from api.deps import (
     TokenCounterDep,
     visible_tenant,
 )
-from api.drain import ApiDrain
 from api.errors import ApiError
 from api.job_options import check_schedule, schedule_request, stored_events
-from api.job_waiter import MAX_RECHECK_SECONDS, RECHECK_SECONDS, JobWaiter
 from api.json_input import LimitedJsonRoute
 from api.limits import check_job_limits
 from api.presenters import job_out
@@ -221,9 +218,8 @@ def _drop_marker(redis: Redis, marker: str, tenant: str) -> None:
 @router.get("/{job_id}", response_model=JobOut, responses=error_responses(401, 403, 404, 422, 503))
 async def get_job(
     job_id: str,
-    request: Request,
     caller: ReadCaller,
-    redis: RedisDep,
+    reader: JobReaderDep,
     wait: Annotated[float, Query(
         ge=0, le=MAX_WAIT_SECONDS,
         description="Long polling: answer as soon as the job is final, or after this many "
@@ -236,40 +232,12 @@ async def get_job(
     tenant = visible_tenant(caller)
     if wait <= 0:
         # One thread-pool hop for the SQL read and the Redis hot status (polling is a hot path too).
-        job = await run_in_threadpool(_read_job, request, parsed, tenant, redis)
-        if job is None:
-            raise _job_not_found(job_id)
-        return job
-    waiter: JobWaiter = request.app.state.job_waiter
-    drain: ApiDrain = request.app.state.drain  # a stopping replica answers by its drain's deadline
-    deadline = time.monotonic() + wait
-    recheck = RECHECK_SECONDS
-    async with waiter.watch(parsed) as finished:
-        while True:
-            finished.clear()  # before the read: a notice arriving during it wakes the next wait
-            job = await run_in_threadpool(_read_job, request, parsed, tenant, redis)
-            if job is None:
-                raise _job_not_found(job_id)
-            remaining = drain.cap(deadline) - time.monotonic()
-            if JobStatus(job.status).is_final or remaining <= 0:
-                return job
-            with suppress(TimeoutError):
-                await asyncio.wait_for(finished.wait(), min(remaining, recheck))
-            recheck = min(2 * recheck, MAX_RECHECK_SECONDS)  # notices are the fast path
-
-
-def _read_job(request: Request, job_id: str, tenant: str | None, redis: Redis) -> JobOut | None:
-    with request.app.state.session_factory() as session:
-        job = job_service.get_job(session, job_id=job_id, tenant=tenant)
-        if job is None:
-            return None
-        hot = None
-        if job.status == JobStatus.RUNNING:
-            try:
-                hot = job_service.read_progress(job.id, redis_client=redis)
-            except RedisError:  # hot status is a nicety: fall back to the SQL snapshot
-                hot = None
-        return job_out(job, hot_progress=hot)
+        job = await run_in_threadpool(reader.read, parsed, tenant)
+    else:  # a stopping replica answers by its drain's deadline
+        job = await reader.wait(parsed, tenant, deadline=time.monotonic() + wait)
+    if job is None:
+        raise _job_not_found(job_id)
+    return job
 
 
 @router.get("", response_model=JobList, responses=error_responses(401, 403, 422, 503))
@@ -319,14 +287,15 @@ def list_jobs(
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=error_responses(401, 403, 404, 503))
-def cancel_job(job_id: str, request: Request, session: SessionDep, caller: SubmitCaller) -> JobOut:
+def cancel_job(job_id: str, session: SessionDep, caller: SubmitCaller, settings: SettingsDep,
+               redis: RedisDep) -> JobOut:
     """Cancel: a queued job at once, a running one within one denoising pass.
 
     Cancelling a finished job changes nothing and returns it as it is.
     """
     job = job_service.cancel_job(
         session, job_id=_parse_job_id(job_id), tenant=visible_tenant(caller),
-        settings=request.app.state.settings, redis_client=request.app.state.redis,
+        settings=settings, redis_client=redis,
     )
     if job is None:
         raise _job_not_found(job_id)

@@ -31,9 +31,16 @@ from starlette.concurrency import run_in_threadpool
 
 from api import openai_compat as oa
 from api.auth import Caller
-from api.deps import AdmittedSubmitCaller, ReadCaller, SettingsDep, TokenCounterDep, visible_tenant
+from api.deps import (
+    AdmittedSubmitCaller,
+    JobReaderDep,
+    ReadCaller,
+    SettingsDep,
+    TokenCounterDep,
+    visible_tenant,
+)
 from api.errors import ApiError, openai_error_body
-from api.job_follow import Followed, cancel, follow_job, wait_final
+from api.job_follow import Followed, JobReader, follow_job
 from api.json_input import LimitedJsonRoute
 from api.prompt_tokens import PromptTokenCounter
 from api.routes.jobs import MAX_IDEMPOTENCY_KEY_LENGTH
@@ -84,18 +91,18 @@ async def _submit(request: Request, caller: Caller, settings: Settings, counter:
     return req, job
 
 
-async def _answer(request: Request, caller: Caller, job: JobOut,
+async def _answer(request: Request, reader: JobReader, caller: Caller, job: JobOut,
                   build: Callable[[JobOut], dict[str, Any]]) -> Response:
     """Wait for the job (cancelling it if the client leaves first), then answer."""
     tenant = visible_tenant(caller)
-    waiting = asyncio.ensure_future(wait_final(request, job.id, tenant))
+    waiting = asyncio.ensure_future(reader.wait(job.id, tenant))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         done, _ = await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
         if waiting not in done:  # the client left: nobody wants the answer any more
             waiting.cancel()
             with anyio.CancelScope(shield=True):
-                await run_in_threadpool(cancel, request, job.id, tenant)
+                await run_in_threadpool(reader.cancel, job.id, tenant)
             return Response(status_code=499)
         final = waiting.result()
     finally:
@@ -145,7 +152,7 @@ class _Text:
         return self.scanner.feed(rest) + self.scanner.flush()
 
 
-async def _stream(request: Request, caller: Caller, job: JobOut, *, chat: bool, model: str,
+async def _stream(reader: JobReader, caller: Caller, job: JobOut, *, chat: bool, model: str,
                   stops: list[str], with_usage: bool, echo: str | None,
                   structured: bool = False, tools: bool = False) -> AsyncIterator[str]:
     """The SSE body of ``stream: true``: one chunk per committed block, the finish, ``[DONE]``.
@@ -193,7 +200,7 @@ async def _stream(request: Request, caller: Caller, job: JobOut, *, chat: bool, 
         elif echo:
             yield chunk(echo)
         stopped = False  # a stop sequence ended the answer; the job was cancelled
-        followed = follow_job(request, job.id, tenant, first=job)
+        followed = follow_job(reader, job.id, tenant, first=job)
         async for item in followed:
             if item.kind == "keepalive":
                 yield sse_comment("keep-alive")
@@ -213,7 +220,7 @@ async def _stream(request: Request, caller: Caller, job: JobOut, *, chat: bool, 
                 if answer.scanner.hit:  # the answer is complete: the rest of the job is not needed
                     stopped = True
                     with anyio.CancelScope(shield=True):
-                        await run_in_threadpool(cancel, request, job.id, tenant)
+                        await run_in_threadpool(reader.cancel, job.id, tenant)
             elif item.kind == "final" and item.job is not None:
                 final = item.job
                 completed = True
@@ -250,11 +257,11 @@ async def _stream(request: Request, caller: Caller, job: JobOut, *, chat: bool, 
                 with suppress(RuntimeError):  # already closed by the error that ends us
                     await followed.aclose()  # unregisters from the job waiter now, not at GC
             if not completed:  # the client went away (or the server stops): cancel the job
-                await run_in_threadpool(cancel, request, job.id, tenant)
+                await run_in_threadpool(reader.cancel, job.id, tenant)
 
 
-def _streaming_response(request: Request, caller: Caller, job: JobOut, **kwargs: Any) -> Response:
-    return EventStreamResponse(_stream(request, caller, job, **kwargs), headers={**SSE_HEADERS,
+def _streaming_response(reader: JobReader, caller: Caller, job: JobOut, **kwargs: Any) -> Response:
+    return EventStreamResponse(_stream(reader, caller, job, **kwargs), headers={**SSE_HEADERS,
                                                                               **_job_headers(job)})
 
 
@@ -269,7 +276,8 @@ def _translate_completion(raw: Any) -> tuple[oa.CompletionRequest, GenerateJobCr
 
 
 async def chat_completions(request: Request, caller: AdmittedSubmitCaller, settings: SettingsDep,
-                           counter: TokenCounterDep, idempotency_key: IdempotencyKey = None) -> Response:
+                           counter: TokenCounterDep, reader: JobReaderDep,
+                           idempotency_key: IdempotencyKey = None) -> Response:
     """OpenAI ``POST /chat/completions`` as a cloverq generate job (``messages`` input)."""
 
     def translate(raw: Any) -> tuple[oa.ChatCompletionRequest, GenerateJobCreate]:
@@ -283,16 +291,17 @@ async def chat_completions(request: Request, caller: AdmittedSubmitCaller, setti
     model = oa.served_model_id(settings)
     stops = oa.stop_sequences(req.stop)
     if req.stream:
-        return _streaming_response(request, caller, job, chat=True, model=model, stops=stops,
+        return _streaming_response(reader, caller, job, chat=True, model=model, stops=stops,
                                    with_usage=oa.include_usage(req), echo=None,
                                    structured=oa.response_schema(req.response_format) is not None,
                                    tools=bool(req.tools) and req.tool_choice != "none")
-    return await _answer(request, caller, job,
+    return await _answer(request, reader, caller, job,
                          lambda final: oa.chat_response(final, model=model, stops=stops))
 
 
 async def completions(request: Request, caller: AdmittedSubmitCaller, settings: SettingsDep,
-                      counter: TokenCounterDep, idempotency_key: IdempotencyKey = None) -> Response:
+                      counter: TokenCounterDep, reader: JobReaderDep,
+                      idempotency_key: IdempotencyKey = None) -> Response:
     """OpenAI ``POST /completions`` (legacy) as a cloverq generate job (``prompt`` input)."""
 
     def translate(raw: Any) -> tuple[oa.CompletionRequest, GenerateJobCreate]:
@@ -306,9 +315,9 @@ async def completions(request: Request, caller: AdmittedSubmitCaller, settings: 
     stops = oa.stop_sequences(req.stop)
     echo = oa.completion_prompt(req) if req.echo else None
     if req.stream:
-        return _streaming_response(request, caller, job, chat=False, model=model, stops=stops,
+        return _streaming_response(reader, caller, job, chat=False, model=model, stops=stops,
                                    with_usage=oa.include_usage(req), echo=echo)
-    return await _answer(request, caller, job,
+    return await _answer(request, reader, caller, job,
                          lambda final: oa.completion_response(final, model=model, stops=stops, echo=echo))
 
 

@@ -35,6 +35,7 @@ from api import openai_compat as oa
 from api.admission import admit_batch
 from api.auth import Caller
 from api.deps import (
+    CeleryDep,
     ReadCaller,
     RedisDep,
     SessionDep,
@@ -310,8 +311,8 @@ def _batch_out(session: SessionDep, row: store.OpenAIBatch) -> dict[str, Any]:
 
 
 async def create_batch(request: Request, background: BackgroundTasks, session: SessionDep,
-                       caller: SubmitCaller, settings: SettingsDep,
-                       counter: TokenCounterDep) -> dict[str, Any]:
+                       caller: SubmitCaller, settings: SettingsDep, counter: TokenCounterDep,
+                       celery: CeleryDep, redis: RedisDep, sessions: SessionFactoryDep) -> dict[str, Any]:
     """OpenAI ``POST /batches``: one cloverq batch with one job per line of the input file."""
     try:
         raw = await request.json()
@@ -356,10 +357,9 @@ async def create_batch(request: Request, background: BackgroundTasks, session: S
         return row, jobs
 
     row, jobs = await anyio.to_thread.run_sync(persist)
-    state = request.app.state
-    background.add_task(batch_service.publish_batch, jobs, app=state.celery, redis_client=state.redis,
+    background.add_task(batch_service.publish_batch, jobs, app=celery, redis_client=redis,
                         request_id=request_id, tenant=tenant,  # releases the jobs' reservations
-                        settings=settings, sessions=state.session_factory)  # fair share: held, by DRR
+                        settings=settings, sessions=sessions)  # fair share: held, by DRR
     return await anyio.to_thread.run_sync(lambda: _batch_out(session, row))
 
 
@@ -426,7 +426,7 @@ def _line(row: store.OpenAIBatch, seq: int, job: Job) -> tuple[str, dict[str, An
 
 
 def _output_lines(sessions: sessionmaker[Session], row: store.OpenAIBatch, kind: str) -> Iterator[bytes]:
-    for seq, job in store.iter_batch_jobs(sessions, batch_id=row.batch_id):
+    for seq, job in batch_service.iter_batch_jobs(sessions, batch_id=row.batch_id):
         which, line = _line(row, seq, job)
         if which == kind:
             yield (json.dumps(line, separators=(",", ":"), default=str) + "\n").encode()

@@ -21,8 +21,7 @@ from typing import Any
 from sqlalchemy import Integer, LargeBinary, String, Uuid, func, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-# The output file pages the cloverq batch's jobs with the batch service's one keyset pager (re-exported).
-from scheduler.batches.service import iter_batch_jobs as iter_batch_jobs
+from scheduler.infra.keyset import newest_first_page, split_page
 from scheduler.jobs.models import Base, Job, JSONType, UTCDateTime, utcnow
 
 OUTPUT_SUFFIX = "-output"
@@ -110,16 +109,18 @@ def list_files(session: Session, *, tenant: str | None, purpose: str | None = No
         query = query.where(OpenAIFile.tenant == tenant)
     if purpose is not None:
         query = query.where(OpenAIFile.purpose == purpose)
-    if after is not None:
-        anchor = session.get(OpenAIFile, after)
-        if anchor is not None:
-            same_time = (OpenAIFile.created_at == anchor.created_at) & (OpenAIFile.id < anchor.id)
-            query = query.where((OpenAIFile.created_at < anchor.created_at) | same_time)
-    rows = session.execute(query.order_by(OpenAIFile.created_at.desc(), OpenAIFile.id.desc())
-                           .limit(limit + 1)).all()
+    anchor = session.get(OpenAIFile, after) if after is not None else None
+    page = newest_first_page(query, created_at=OpenAIFile.created_at, id_=OpenAIFile.id,
+                             after=_key(anchor), limit=limit)
+    rows, more = split_page(session.execute(page).all(), limit)
     files = [OpenAIFile(id=r.id, tenant=r.tenant, purpose=r.purpose, filename=r.filename, bytes=r.bytes,
-                        content=b"", created_at=r.created_at) for r in rows[:limit]]
-    return files, len(rows) > limit
+                        content=b"", created_at=r.created_at) for r in rows]
+    return files, more
+
+
+def _key(anchor: OpenAIFile | OpenAIBatch | None) -> tuple[datetime, str] | None:
+    """The keyset key of the row an ``after`` names (an unknown id: from the newest)."""
+    return None if anchor is None else (anchor.created_at, anchor.id)
 
 
 def delete_file(session: Session, *, file_id: str, tenant: str | None) -> bool:
@@ -156,14 +157,10 @@ def list_openai_batches(session: Session, *, tenant: str | None, limit: int = 20
     query = select(OpenAIBatch)
     if tenant is not None:
         query = query.where(OpenAIBatch.tenant == tenant)
-    if after is not None:
-        anchor = session.get(OpenAIBatch, after)
-        if anchor is not None:
-            same_time = (OpenAIBatch.created_at == anchor.created_at) & (OpenAIBatch.id < anchor.id)
-            query = query.where((OpenAIBatch.created_at < anchor.created_at) | same_time)
-    rows = list(session.scalars(query.order_by(OpenAIBatch.created_at.desc(), OpenAIBatch.id.desc())
-                                .limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
+    anchor = session.get(OpenAIBatch, after) if after is not None else None
+    page = newest_first_page(query, created_at=OpenAIBatch.created_at, id_=OpenAIBatch.id,
+                             after=_key(anchor), limit=limit)
+    return split_page(list(session.scalars(page)), limit)
 
 
 def mark_cancelling(session: Session, row: OpenAIBatch) -> None:

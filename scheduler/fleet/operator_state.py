@@ -18,8 +18,8 @@ noisy neighbour. So SQL (the ``operator_state`` table, migration ``0008_operator
 row per drained queue, ``kind='drain'``, and per limit override, ``kind='limit'``, named like
 its ``LIMITS_KEY`` field) is the system of record and Redis the fast path:
 
-- every change is **committed to SQL first**, then written to Redis (:func:`drain_queue`,
-  :func:`resume_queue`, :func:`update_limits`). When the Redis write fails, the call fails (the
+- every change is **committed to SQL first**, then written to Redis (:func:`set_queue_drained`,
+  :func:`update_limits`). When the Redis write fails, the call fails (the
   operator retries) and SQL is ahead of Redis until the next restore heals it, never behind;
 - :func:`restore_operator_state` makes Redis equal SQL: it WATCHes the three Redis keys, reads
   them, then SQL, and only when they differ rewrites the keys in one MULTI/EXEC (readers never
@@ -57,7 +57,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from scheduler.access.admission import validate_limit_field, write_limit_overrides
 from scheduler.access.api_keys import ApiKey
-from scheduler.fleet import drain
+from scheduler.fleet import queue_drain
 from scheduler.infra.db import rowcount
 from scheduler.infra.redis_keys import DRAINED_SET, LIMITS_KEY, REVOKED_SET
 from scheduler.jobs.models import Base, UTCDateTime, utcnow
@@ -93,25 +93,21 @@ class OperatorState:
 # --- changes: SQL first, then Redis --------------------------------------------------------------
 
 
-def drain_queue(
-    session: Session, client: redis.Redis, app: Celery, queue: str, *, destinations: Iterable[str],
-    timeout: float = 1.0,
+def set_queue_drained(
+    session: Session, client: redis.Redis, app: Celery, queue: str, *, drained: bool,
+    destinations: Iterable[str], timeout: float = 1.0,
 ) -> list[str]:
-    """Record ``queue`` as drained in SQL, then flag and broadcast it (``scheduler.fleet.drain``)."""
-    _upsert(session, [(KIND_DRAIN, queue, None)])
+    """Drain (``drained``) or resume ``queue``: record it in SQL (a drain row, or none), then set or
+    clear its flag and tell ``destinations`` (``scheduler.fleet.queue_drain``); returns the nodes
+    that answered."""
+    if drained:
+        _upsert(session, [(KIND_DRAIN, queue, None)])
+    else:
+        session.execute(delete(OperatorSetting).where(OperatorSetting.kind == KIND_DRAIN,
+                                                      OperatorSetting.name == queue))
     session.commit()
-    return drain.drain_queue(client, app, queue, destinations=destinations, timeout=timeout)
-
-
-def resume_queue(
-    session: Session, client: redis.Redis, app: Celery, queue: str, *, destinations: Iterable[str],
-    timeout: float = 1.0,
-) -> list[str]:
-    """Remove ``queue``'s drain row in SQL, then clear the flag and broadcast the resume."""
-    session.execute(delete(OperatorSetting).where(OperatorSetting.kind == KIND_DRAIN,
-                                                  OperatorSetting.name == queue))
-    session.commit()
-    return drain.resume_queue(client, app, queue, destinations=destinations, timeout=timeout)
+    return queue_drain.set_drained_flag(client, app, queue, drained=drained, destinations=destinations,
+                                        timeout=timeout)
 
 
 def update_limits(session: Session, client: redis.Redis, updates: Mapping[str, float | None]) -> None:

@@ -36,7 +36,7 @@ def beat_member(name: str) -> str:
 
 
 # Operator state (scheduler/fleet/operator_state.py restores these from SQL after a Redis flush).
-DRAINED_SET = f"{PREFIX}:queues:drained"  # set of drained queue names (scheduler/fleet/drain.py)
+DRAINED_SET = f"{PREFIX}:queues:drained"  # set of drained queue names (scheduler/fleet/queue_drain.py)
 # hash of runtime limit overrides, field -> number (scheduler/access/admission.py)
 LIMITS_KEY = f"{PREFIX}:limits"
 REVOKED_SET = f"{PREFIX}:keys:revoked"  # set of revoked API key ids (read by the admission script)
@@ -132,7 +132,7 @@ JOBS_FINISHED_CHANNEL = f"{PREFIX}:jobs:finished"
 
 
 def model_switch_turn(model_name: str) -> str:
-    """Whose turn it is to switch ``model_name``'s version (worker/model_switch.py)."""
+    """Whose turn it is to switch ``model_name``'s version (worker/model_switch_protocol.py)."""
     return f"{PREFIX}:model:switch-turn:{model_name}"
 
 

@@ -19,7 +19,7 @@ from typing import Any, cast
 import redis
 import structlog
 from celery import Celery
-from sqlalchemy import Table, and_, insert, or_, select, update
+from sqlalchemy import Table, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, make_transient_to_detached
 
@@ -27,6 +27,7 @@ from scheduler.fairness.gate import forget_cancelled, publish_submitted, session
 from scheduler.infra import redis_keys
 from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.db import rowcount
+from scheduler.infra.keyset import newest_first_page, split_page
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.jobs.dead_messages import mark_dead
@@ -290,15 +291,10 @@ def list_jobs(
         query = query.where(Job.created_at < created_before)
     if batch_id is not None:
         query = query.where(Job.batch_id == batch_id)
-    if cursor is not None:
-        created, last_id = decode_cursor(cursor)
-        query = query.where(
-            or_(Job.created_at < created, and_(Job.created_at == created, Job.id < last_id))
-        )
-    rows = list(session.scalars(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
-    if len(rows) > limit:
-        return rows[:limit], encode_cursor(rows[limit - 1])
-    return rows, None
+    after = decode_cursor(cursor) if cursor is not None else None
+    page = newest_first_page(query, created_at=Job.created_at, id_=Job.id, after=after, limit=limit)
+    rows, more = split_page(list(session.scalars(page)), limit)
+    return rows, encode_cursor(rows[-1]) if more else None
 
 
 def cancel_job(

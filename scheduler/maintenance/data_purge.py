@@ -41,7 +41,7 @@ from scheduler.batches.openai_batches import OpenAIBatch, OpenAIFile
 from scheduler.infra import redis_keys
 from scheduler.infra.settings import Settings
 from scheduler.jobs.models import FINAL_STATUSES, Job
-from scheduler.webhooks.delivery import WebhookDelivery
+from scheduler.webhooks.tables import WebhookDelivery
 
 log = structlog.get_logger(__name__)
 

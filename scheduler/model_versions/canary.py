@@ -5,7 +5,7 @@ The state is three columns of the model's ``model_active`` row (``canary_version
 process reads one row. The flow:
 
 - ``start_canary``: workers with ``model_track=canary`` switch to the canary version and consume
-  the canary lanes (``worker/model_switch.py``); new jobs are pinned at submit to the canary or
+  the canary lanes (``worker/model_switch_protocol.py``); new jobs are pinned at submit to the canary or
   the stable version by the hash of their id (``scheduler.model_versions.canary_routing``); the claim refuses
   a job pinned to another version than the worker's (``scheduler.jobs.lifecycle.claim_job``).
 - ``promote_canary``: the canary becomes the active version (the stable workers roll to it, one

@@ -2,7 +2,7 @@
 
 Why SQL: the active version is a fleet-wide decision that must survive restarts of Redis and of
 every process, exactly like a job row. Workers that serve a store model (``served_model``)
-poll ``active_version`` every few seconds and switch when it changes (``worker/model_switch.py``).
+poll ``active_version`` every few seconds and switch when it changes (``worker/model_switch_protocol.py``).
 
 A version is a folder of the model store (``<model_root>/<name>/<version>/``, written once by
 ``cloverq model pull``). Activating or rolling back changes one row here and never touches the

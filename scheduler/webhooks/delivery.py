@@ -34,12 +34,7 @@ from scheduler.webhooks.ssrf_guard import (
     WebhookTargetError,
     resolve_target,
 )
-from scheduler.webhooks.ssrf_guard import check_url as check_url  # re-exported: see below
 from scheduler.webhooks.tables import DeliveryStatus, WebhookDelivery
-
-# api/limits.py imports ``check_url`` / ``WebhookTargetError`` from here and
-# scheduler/maintenance/data_purge.py ``WebhookDelivery``: both files are outside issue 30's refactor
-# for now (edited elsewhere); they should import ssrf_guard and tables, and the re-export then goes.
 
 log = structlog.get_logger(__name__)
 

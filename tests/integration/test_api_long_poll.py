@@ -19,7 +19,7 @@ import redis as redis_lib
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 
-import api.routes.jobs as jobs_routes
+import api.job_follow as job_follow
 from api.app import create_app
 from scheduler.infra.db import make_engine, session_factory
 from scheduler.infra.settings import Settings
@@ -67,7 +67,7 @@ def test_wait_answers_when_the_finished_notice_arrives(
     client: TestClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Re-reads only at the deadline: an answer before it can only come from the notice.
-    monkeypatch.setattr(jobs_routes, "RECHECK_SECONDS", 60.0)
+    monkeypatch.setattr(job_follow, "RECHECK_SECONDS", 60.0)
     job_id = client.post("/v1/jobs", json=BODY).json()["id"]
     finisher = _finish_later(settings, job_id, delay=0.5)
     waited = client.get(f"/v1/jobs/{job_id}", params={"wait": 20})

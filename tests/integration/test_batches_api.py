@@ -85,9 +85,10 @@ def test_json_batch_stored_with_counts_and_results_in_submission_order(
 
 
 def test_results_pages_by_keyset_into_the_same_lines(client: TestClient, sessions: Any) -> None:
-    """The one keyset pager (``batches.service.iter_batch_jobs``) under both batch APIs: pages of 5
-    over 12 jobs (two full pages and a short one) give the lines one page gives, in submission order."""
-    from scheduler.batches import openai_batches, service
+    """The one keyset pager (``batches.service.iter_batch_jobs``) under both batch APIs (the OpenAI
+    output file reads it too): pages of 5 over 12 jobs (two full pages and a short one) give the
+    lines one page gives, in submission order."""
+    from scheduler.batches import service
 
     response = client.post("/v1/batches", json={"jobs": [_decide(i) for i in range(12)]})
     assert response.status_code == 202, response.text
@@ -96,7 +97,7 @@ def test_results_pages_by_keyset_into_the_same_lines(client: TestClient, session
     assert [line["index"] for line in whole] == list(range(12))
     assert list(service.iter_results(sessions, batch_id=batch_id, page=5)) == whole
     assert list(service.iter_results(sessions, batch_id=batch_id, page=6)) == whole  # a last full page
-    pairs = list(openai_batches.iter_batch_jobs(sessions, batch_id=batch_id, page=5))
+    pairs = list(service.iter_batch_jobs(sessions, batch_id=batch_id, page=5))
     assert [(seq, str(job.id)) for seq, job in pairs] == [(line["index"], line["job_id"]) for line in whole]
     assert [job.meta for _, job in pairs] == [line["metadata"] for line in whole]  # detached, still loaded
 

@@ -24,7 +24,8 @@ from scheduler.infra.settings import Settings
 from scheduler.model_versions.golden import golden_refusal, record_golden_result
 from scheduler.model_versions.registry import ensure_active, register_version
 from worker.engine.engine import Engine, EngineConfig
-from worker.execution import EngineContext, JobSpec, run_kind
+from worker.execution import run_kind
+from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 from worker.model.manifest import write_manifest

@@ -233,7 +233,7 @@ def test_one_message_delivered_twice_gives_one_outcome(stack: Stack) -> None:
 def test_reconciler_recovers_every_queued_job_after_redis_is_flushed(stack: Stack) -> None:
     # Hold every worker thread (the batch plus the interactive reserve: these are interactive jobs)
     # with stalled jobs so the next jobs stay queued in Redis.
-    from worker.joint_gate import interactive_reserve
+    from worker.class_gates import interactive_reserve
 
     threads = stack.settings.engine.max_batch + interactive_reserve(
         STACK_QUEUES.split(","), stack.settings.engine.interactive_reserve

@@ -36,7 +36,7 @@ from scheduler.model_versions.registry import (
 from tests.conftest import REPO_ROOT
 from worker import model_store
 from worker.model.demo import write_demo_checkpoint
-from worker.model_switch import SwitchTurn, turn_key
+from worker.model_switch_protocol import SwitchTurn, turn_key
 
 pytestmark = pytest.mark.integration
 

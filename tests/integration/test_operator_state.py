@@ -16,8 +16,8 @@ from api.app import create_app
 from scheduler.access.admission import Admission, AdmissionRefused
 from scheduler.access.api_keys import create_key
 from scheduler.fleet import operator_state
-from scheduler.fleet.drain import drained_queues
 from scheduler.fleet.operator_state import sql_operator_state
+from scheduler.fleet.queue_drain import drained_queues
 from scheduler.infra.db import get_session_factory, make_engine, session_factory
 from scheduler.infra.redis_keys import DRAINED_SET, LIMITS_KEY
 from scheduler.infra.settings import Settings
@@ -57,9 +57,9 @@ def test_drain_and_cap_come_back_after_flush(
         client.sadd(DRAINED_SET, "bulk")
         assert operator_state.restore_operator_state(session, client) is False
         assert sql_operator_state(session).drained == {"bulk"}
-        operator_state.resume_queue(session, client, app, "bulk", destinations=[])
+        operator_state.set_queue_drained(session, client, app, "bulk", drained=False, destinations=[])
 
-        operator_state.drain_queue(session, client, app, "interactive", destinations=[])
+        operator_state.set_queue_drained(session, client, app, "interactive", drained=True, destinations=[])
         operator_state.update_limits(session, client, {f"tenant_max_active:{tenant}": 2})
         recorded = sql_operator_state(session)
         assert recorded.drained == {"interactive"} and recorded.limits == {f"tenant_max_active:{tenant}": 2.0}
@@ -83,7 +83,7 @@ def test_drain_and_cap_come_back_after_flush(
         assert drained_queues(client) == {"interactive"}
 
         # Resume and clear remove the SQL record too: nothing comes back after the next restart.
-        operator_state.resume_queue(session, client, app, "interactive", destinations=[])
+        operator_state.set_queue_drained(session, client, app, "interactive", drained=False, destinations=[])
         operator_state.update_limits(session, client, {f"tenant_max_active:{tenant}": None})
         cleared = sql_operator_state(session)
         assert cleared.drained == set() and cleared.limits == {}
@@ -137,7 +137,8 @@ def test_beat_reconcile_tick_restores_a_flushed_drain(
     sessions = get_session_factory(fresh_db_url)
     with sessions() as session:
         operator_state.restore_operator_state(session, client)  # this database's adoption
-        operator_state.drain_queue(session, client, Celery("unused"), "bulk", destinations=[])
+        operator_state.set_queue_drained(session, client, Celery("unused"), "bulk", drained=True,
+                                         destinations=[])
     client.flushdb()
     monkeypatch.setattr(tasks, "_resources", lambda: (sessions(), client, settings))
     tasks.reconcile_task()

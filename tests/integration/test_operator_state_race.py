@@ -19,7 +19,7 @@ from celery import Celery
 from sqlalchemy.orm import Session
 
 from scheduler.fleet import operator_state
-from scheduler.fleet.drain import drained_queues
+from scheduler.fleet.queue_drain import drained_queues
 from scheduler.infra.db import get_session_factory
 from scheduler.infra.redis_keys import DRAINED_SET, LIMITS_KEY
 
@@ -52,7 +52,8 @@ def test_a_drain_between_the_restores_read_and_write_stays(
         state = read_sql(session)
         if not drains:  # once: the admin API drains "bulk" right after the restore read SQL
             with sessions() as admin:
-                operator_state.drain_queue(admin, client, Celery("unused"), "bulk", destinations=[])
+                operator_state.set_queue_drained(admin, client, Celery("unused"), "bulk", drained=True,
+                                                 destinations=[])
             drains.append("bulk")
         return state
 

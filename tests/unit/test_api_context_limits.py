@@ -17,7 +17,8 @@ from api.errors import ApiError
 from api.limits import check_job_limits
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.jobs import JobCreate
-from scheduler.infra.settings import CHAT_TEMPLATE_SLACK_TOKENS, Settings
+from scheduler.infra.settings import Settings
+from scheduler.infra.settings_groups.limits import CHAT_TEMPLATE_SLACK_TOKENS
 from tests.long_contract import QUESTIONS, contract
 
 CREATE: TypeAdapter[Any] = TypeAdapter(JobCreate)

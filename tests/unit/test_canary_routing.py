@@ -21,8 +21,8 @@ from scheduler.model_versions.canary_routing import (
     served_target,
 )
 from scheduler.model_versions.registry import Activation
-from worker import model_switch
-from worker.model_switch import ModelFollower
+from worker import model_switch_protocol
+from worker.model_switch_protocol import ModelFollower
 
 ROUTE = VersionRoute(stable="v1", canary="v2", basis_points=1000)  # 10 %
 
@@ -78,7 +78,7 @@ def _no_session() -> Iterator[None]:
 
 def test_canary_follower_switches_then_only_moves_lanes_on_promotion(monkeypatch: pytest.MonkeyPatch) -> None:
     state = {"now": _activation("v1", None, 1)}
-    monkeypatch.setattr(model_switch, "active_version", lambda _session, *, name: state["now"])
+    monkeypatch.setattr(model_switch_protocol, "active_version", lambda _session, *, name: state["now"])
     served: dict[str, str] = {"version": "v1"}
     on_lane = {"now": False}
     switched: list[str] = []

@@ -19,7 +19,8 @@ import click
 import pytest
 import yaml
 
-from scheduler.infra.settings import FILE_SUFFIX, Settings, flat_fields
+from scheduler.infra.settings import Settings, flat_fields
+from scheduler.infra.settings_env import FILE_SUFFIX
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")

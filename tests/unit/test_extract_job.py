@@ -20,8 +20,9 @@ from scheduler.jobs.models import JobStatus
 from scheduler.jobs.retry import InputJobError
 from scheduler.jobs.schema_subset import parse_schema
 from worker.engine.engine import Engine, EngineConfig
-from worker.execution import EngineContext, JobSpec, run_kind
+from worker.execution import run_kind
 from worker.extract_job import extract_prompt_ids
+from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
 from worker.structured.canvas import CanvasOptions, compile_canvas

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from scheduler.model_versions.registry import Activation
-from worker import model_switch
-from worker.model_switch import JobAdmission, ModelFollower
+from worker import model_switch_protocol
+from worker.model_switch_protocol import JobAdmission, ModelFollower
 
 
 def test_admission_refuses_new_jobs_and_waits_for_admitted_ones() -> None:
@@ -73,7 +73,7 @@ def no_session() -> Iterator[None]:
 def active(monkeypatch: pytest.MonkeyPatch) -> dict[str, Activation | None]:
     """What the fake SQL says is active (``active["now"]``)."""
     state: dict[str, Activation | None] = {"now": None}
-    monkeypatch.setattr(model_switch, "active_version", lambda _session, *, name: state["now"])
+    monkeypatch.setattr(model_switch_protocol, "active_version", lambda _session, *, name: state["now"])
     return state
 
 

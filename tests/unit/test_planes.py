@@ -23,7 +23,8 @@ from scheduler.access.networks import (
     parse_address,
     parse_networks,
 )
-from scheduler.infra.settings import PlaneSettings, Settings
+from scheduler.infra.settings import Settings
+from scheduler.infra.settings_groups.planes import PlaneSettings
 
 
 @pytest.mark.parametrize(("path", "plane"), [

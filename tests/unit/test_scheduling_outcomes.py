@@ -10,7 +10,8 @@ from scheduler.infra.settings import Settings
 from scheduler.jobs.models import JobStatus
 from scheduler.jobs.retry import InputJobError
 from worker.engine.types import FinishReason, GenerationResult
-from worker.execution import outcome_of, prompt_ids, sampling_params
+from worker.execution import prompt_ids
+from worker.job_handler import outcome_of, sampling_params
 
 SETTINGS = Settings(default_max_new_tokens=64, default_steps_per_block=3)
 

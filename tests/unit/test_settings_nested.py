@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from scheduler.infra.settings import EngineSettings, Settings, flat_fields, settings_groups
+from scheduler.infra.settings import Settings, flat_fields, settings_groups
+from scheduler.infra.settings_groups.engine import EngineSettings
 
 
 def test_every_field_is_in_a_group_or_top_level_under_one_flat_name() -> None:

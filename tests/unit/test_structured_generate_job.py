@@ -16,7 +16,8 @@ from scheduler.infra.settings import Settings
 from scheduler.jobs.models import JobStatus
 from scheduler.jobs.retry import InputJobError
 from worker.engine.engine import Engine, EngineConfig
-from worker.execution import EngineContext, JobSpec, run_generate
+from worker.execution import run_generate
+from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
 

@@ -14,7 +14,8 @@ from scheduler.infra.settings import Settings
 from scheduler.jobs.models import JobStatus
 from worker import tool_job
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SlotChoice
-from worker.execution import EngineContext, JobSpec, run_generate
+from worker.execution import run_generate
+from worker.job_handler import EngineContext, JobSpec
 from worker.model.demo_tokenizer import CHAT_TEMPLATE, build_demo_tokenizer
 from worker.model.tokenizer import Tokenizer
 

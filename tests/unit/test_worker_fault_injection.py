@@ -11,8 +11,8 @@ import pytest
 import worker.job_runner
 from scheduler.infra.settings import Settings
 from scheduler.jobs.retry import InputJobError, TransientJobError
-from worker.execution import JobSpec
 from worker.fault_injection import FAULTS, FaultInjector, fault_injector_for
+from worker.job_handler import JobSpec
 
 
 def spec(fault: str | None, attempt: int = 1) -> JobSpec:

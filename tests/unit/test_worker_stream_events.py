@@ -15,7 +15,7 @@ from scheduler.infra.settings import Settings
 from scheduler.jobs import event_stream
 from scheduler.jobs.lifecycle import Lease
 from worker.engine.types import GenerationRequest, Progress, SamplingParams
-from worker.execution import planned_blocks
+from worker.job_handler import planned_blocks
 from worker.monitor import JobMonitor, TextTracker
 from worker.sampler.layout import build_layout
 

@@ -1,6 +1,8 @@
-"""The inference core: the model families (``family.py``: SDAR and LLaDA2 in ``model.py`` with a
-``KVCache``, Clover in ``hybrid_model.py`` with a ``HybridCache``), checkpoint loading and the demo
-checkpoint. Plain torch: nothing here imports Celery, SQL or HTTP.
+"""The inference core: the model families (``family.py``: SDAR and LLaDA2 in
+``block_causal_model.py`` with a ``KVCache``, Clover in ``hybrid_model.py`` with a ``HybridCache``,
+both on the skeleton of ``decoder.py``), checkpoint loading (``checkpoint.py``, the Hugging Face
+names in ``hf_names.py``) and the demo checkpoint. Plain torch: nothing here imports Celery, SQL
+or HTTP.
 
 The public names are resolved lazily (PEP 562) so that importing a torch-free submodule such as
 ``worker.model.manifest`` (the model store, the CLI) does not pay torch's multi-second import.

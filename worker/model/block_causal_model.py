@@ -11,31 +11,23 @@ names onto them at load time.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from worker.model.attend import AttentionPlan, plan_attention
 from worker.model.attention import Attention, CacheView, build_cache_view
 from worker.model.config import ModelConfig
+from worker.model.decoder import DecoderLayerBase, DecoderStack, build_feed_forward
 from worker.model.kv_cache import KVCache
-from worker.model.moe import DenseMLP, SharedExpertMoE, SparseMoE
 from worker.model.norm import RMSNorm
-from worker.model.rope import rope_cos_sin
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DecoderLayerBase):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, layer)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.is_moe = config.is_moe_layer(layer)
-        self.mlp: SparseMoE | DenseMLP
-        if not self.is_moe:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
-        elif config.shared_expert_intermediate_size:
-            self.mlp = SharedExpertMoE(config)
-        else:
-            self.mlp = SparseMoE(config)
+        self.mlp = build_feed_forward(config, layer)
 
     def forward(
         self,
@@ -48,30 +40,17 @@ class DecoderLayer(nn.Module):
         counts_out: torch.Tensor | None,
     ) -> torch.Tensor:  # [B, T, H]
         x = x + self.attn(self.input_norm(x), cos, sin, plan, view)
-        h = self.post_attn_norm(x)
-        if self.is_moe:
-            return x + self.mlp(h, token_weight=token_weight, counts_out=counts_out)
-        return x + self.mlp(h)
+        return self.feed_forward(x, token_weight, counts_out)
 
 
-class BlockCausalForBlockDiffusion(nn.Module):
-    """Embedding, decoder layers, final norm, LM head (tied to the embedding or not)."""
+class BlockCausalForBlockDiffusion(DecoderStack[KVCache]):
+    """Embedding, decoder layers, final norm, LM head (tied to the embedding or not); its
+    committed state is the K/V of every layer (``KVCache``)."""
+
+    cache_type = KVCache
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-
-    def new_cache(
-        self, *, max_seqs: int, max_len: int, device: torch.device | str, dtype: torch.dtype
-    ) -> KVCache:
-        """The committed-state cache this model reads and appends to (K/V of every layer)."""
-        return KVCache(self.config, max_seqs=max_seqs, max_len=max_len, device=device, dtype=dtype)
+        super().__init__(config, DecoderLayer, RMSNorm)
 
     @torch.no_grad()
     def forward(
@@ -99,14 +78,7 @@ class BlockCausalForBlockDiffusion(nn.Module):
             key_len=0 if view is None else view.key_len,
             prefix=view.committed[0] if view is not None and len(view.committed) == 1 else None,
         )
-        x = self.embed(input_ids)  # [B, T, H]
-        cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
         token_weight = valid.reshape(-1).to(torch.float32) if valid is not None else None  # [B*T]
-        for i, layer in enumerate(self.layers):
-            counts = router_counts[i] if router_counts is not None else None
-            x = layer(x, cos, sin, plan, view, token_weight, counts)
-        if view is not None and cache is not None and commit_lens is not None:  # a view has a cache
-            cache.lengths.index_add_(0, view.slots, commit_lens.to(cache.lengths))  # K/V already stored
-        if logits_index is not None:  # e.g. only the block being denoised, not a long prefill
-            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
-        return self.lm_head(self.norm(x)).float()
+        x = self.run_layers(input_ids, positions, token_weight, router_counts, plan, view)
+        self.advance_cache(cache, view, commit_lens)  # K/V already stored
+        return self.logits(x, logits_index)

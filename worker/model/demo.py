@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from worker.model.checkpoint import SINGLE_NAME, hf_targets
+from worker.model.checkpoint import SINGLE_NAME
 from worker.model.config import ModelConfig
 from worker.model.demo_tokenizer import (
     CHAT_TEMPLATE,  # re-exported: the demo checkpoints' chat template (the trained demo's too)
@@ -38,6 +38,7 @@ from worker.model.demo_tokenizer import (
     SPECIAL_TOKENS,
     build_demo_tokenizer,
 )
+from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 
 DemoSize = Literal["tiny", "small"]

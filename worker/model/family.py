@@ -1,10 +1,11 @@
 """The model families and what differs between them, chosen once from the config.
 
 ``sdar``: Qwen3-MoE / SDAR-MoE, every layer attention under the block-causal mask
-(``model.BlockCausalForBlockDiffusion``, a ``KVCache``). ``llada2``: LLaDA2-MoE (BailingMoeV2), the same
-all-attention block-diffusion model with its own router and shared experts (same classes; the
-config selects the parts). ``clover``: the Qwen3.5-MoE hybrid trunk with block-diffusion preview
-operators (``hybrid_model.CloverHybridForBlockDiffusion``, a ``HybridCache``). All expose the same
+(``block_causal_model.BlockCausalForBlockDiffusion``, a ``KVCache``). ``llada2``: LLaDA2-MoE
+(BailingMoeV2), the same all-attention block-diffusion model with its own router and shared
+experts (same classes; the config selects the parts). ``clover``: the Qwen3.5-MoE hybrid trunk
+with block-diffusion preview operators (``hybrid_model.CloverHybridForBlockDiffusion``, a
+``HybridCache``). Both models are built on one skeleton (``decoder.py``) and expose the same
 ``forward`` and ``new_cache``, so nothing downstream branches on the family; what a request that
 names nothing decodes with is decided here too.
 """

@@ -1,9 +1,10 @@
 """Clover-35B-A3B-Preview: the Qwen3.5-MoE hybrid trunk run as a block-diffusion denoiser.
 
-Same forward contract as the SDAR model (``model.py``), so the engine and the runner treat both
-alike: row ``b`` feeds ``T`` tokens, the first ``commit_lens[b]`` of which are committed (prefill,
-or the block resolved in the previous pass) and the rest are the current block's rows, whose
-logits are returned (no shift). What the rows mean differs, layer by layer:
+Same forward contract as the SDAR/LLaDA2 model (``block_causal_model.py``; the skeleton both
+share is ``decoder.py``), so the engine and the runner treat both alike: row ``b`` feeds ``T``
+tokens, the first ``commit_lens[b]`` of which are committed (prefill, or the block resolved in
+the previous pass) and the rest are the current block's rows, whose logits are returned (no
+shift). What the rows mean differs, layer by layer:
 
 - commit rows run the trunk's causal forward (token-causal attention over the committed K/V and
   each other; the gated delta rule in GDN layers), and their K/V, conv ring and state are kept;
@@ -19,20 +20,18 @@ causal forward that transformers' ``Qwen3_5MoeForCausalLM`` computes.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from worker.model.attend import AttentionPlan, plan_attention
 from worker.model.attention import CacheView, build_cache_view
 from worker.model.config import ModelConfig
+from worker.model.decoder import DecoderLayerBase, DecoderStack, build_feed_forward
 from worker.model.gated_attention import GatedAttention
 from worker.model.gated_deltanet import GatedDeltaNet, LinearStep
 from worker.model.hybrid_cache import HybridCache
-from worker.model.moe import DenseMLP, SharedExpertMoE, SparseMoE
 from worker.model.norm import OffsetRMSNorm
-from worker.model.rope import rope_cos_sin
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(DecoderLayerBase):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -44,13 +43,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.mixer = GatedAttention(config, config.attention_layers.index(layer))
         self.is_moe = config.is_moe_layer(layer)
-        self.mlp: SparseMoE | DenseMLP
-        if not self.is_moe:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
-        elif config.shared_expert_intermediate_size:
-            self.mlp = SharedExpertMoE(config)
-        else:
-            self.mlp = SparseMoE(config)
+        self.mlp = build_feed_forward(config, layer)
 
     def forward(
         self,
@@ -68,30 +61,18 @@ class HybridDecoderLayer(nn.Module):
             x = x + self.mixer(h, step)
         else:
             x = x + self.mixer(h, cos, sin, plan, view)
-        h = self.post_attn_norm(x)
-        if self.is_moe:
-            return x + self.mlp(h, token_weight=token_weight, counts_out=counts_out)
-        return x + self.mlp(h)
+        return self.feed_forward(x, token_weight, counts_out)
 
 
-class CloverHybridForBlockDiffusion(nn.Module):
-    """Embedding, hybrid decoder layers, final norm, LM head (tied to the embedding or not)."""
+class CloverHybridForBlockDiffusion(DecoderStack[HybridCache]):
+    """Embedding, hybrid decoder layers, final norm, LM head (tied to the embedding or not); its
+    committed state (``HybridCache``) is K/V for the attention layers, ring and state for the GDN
+    layers."""
+
+    cache_type = HybridCache
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-
-    def new_cache(
-        self, *, max_seqs: int, max_len: int, device: torch.device | str, dtype: torch.dtype
-    ) -> HybridCache:
-        """K/V for the attention layers, ring and state for the GDN layers."""
-        return HybridCache(self.config, max_seqs=max_seqs, max_len=max_len, device=device, dtype=dtype)
+        super().__init__(config, HybridDecoderLayer, OffsetRMSNorm)
 
     @torch.no_grad()
     def forward(
@@ -136,20 +117,12 @@ class CloverHybridForBlockDiffusion(nn.Module):
             prefix=view.committed[0] if view is not None and single else None,
             causal=single and commit_list[0] == count_list[0] == t,
         )
-        x = self.embed(input_ids)  # [B, T, H]
-        cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
         token_weight = valid.reshape(-1).to(torch.float32)  # [B*T]
-        for i, layer in enumerate(self.layers):
-            counts_out = router_counts[i] if router_counts is not None else None
-            x = layer(x, cos, sin, plan, view, step, token_weight, counts_out)
+        x = self.run_layers(input_ids, positions, token_weight, router_counts, plan, view, step)
         if cache is not None and slots is not None and step.commit_tokens:
             cache.flip(slots.to(device=cache.device, dtype=torch.long))  # the new rings/states hold
-        if view is not None and commit_lens is not None:
-            assert cache is not None
-            cache.lengths.index_add_(0, view.slots, commit_lens.to(cache.lengths))
-        if logits_index is not None:
-            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
-        return self.lm_head(self.norm(x)).float()
+        self.advance_cache(cache, view, commit_lens)
+        return self.logits(x, logits_index)
 
     @staticmethod
     def _linear_step(

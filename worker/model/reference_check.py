@@ -42,8 +42,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from worker.model.checkpoint import PREVIEW_TENSORS, CheckpointError, build_empty_model, load_weights
+from worker.model.checkpoint import CheckpointError, build_empty_model, load_weights
 from worker.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig
+from worker.model.hf_names import PREVIEW_TENSORS
 
 DEFAULT_TOLERANCE = 1e-4
 CAUSAL_LM_KEY = "AutoModelForCausalLM"

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from worker.decisions.spec import DecisionMode
-from worker.model.checkpoint import SINGLE_NAME, hf_targets, load_checkpoint
+from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
 from worker.model.demo import DemoArch, write_demo_checkpoint
+from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
 from worker.training.corpus import decision_case, generation_case
@@ -169,7 +170,7 @@ def optimizer_and_schedule(params: list[torch.nn.Parameter], *, lr: float,
 
 def save_hf(model: Any, folder: Path) -> None:
     """Write ``model``'s weights into checkpoint ``folder`` in the published layout (per-expert
-    tensors: the inverse of ``checkpoint.hf_targets``) and refresh its manifest."""
+    tensors: the inverse of ``hf_names.hf_targets``) and refresh its manifest."""
     params = dict(model.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
     for name, target in hf_targets(model.config).items():

@@ -79,7 +79,7 @@ def make_plan(config: ModelConfig, rank: int, world: int, moe: MoeMode = "column
         raise ValueError(f"moe must be one of {MOE_MODES}, not {moe!r}")
     if config.family not in ("sdar", "clover"):
         # LLaDA2 (BailingMoeV2) is not a shape question: its checkpoint fuses q/k/v into one
-        # ``attention.query_key_value`` tensor (split at load by ``checkpoint._llada2_targets``), which
+        # ``attention.query_key_value`` tensor (split at load by ``hf_names._llada2_targets``), which
         # the rank loader (``parallel/shard.py``) cannot slice per head yet, and its grouped sigmoid
         # router with ``expert_bias`` has no sharded test. Refused here, by name, before any rank starts.
         raise ShardError(

@@ -33,18 +33,10 @@ from safetensors import safe_open
 from torch import nn
 
 from worker.model import fp8
-from worker.model.checkpoint import (
-    _IGNORED_SUFFIXES,
-    _SKIPPED_PREFIXES,
-    PREVIEW_TENSORS,
-    CheckpointError,
-    build_empty_model,
-    canonical_name,
-    hf_targets,
-    tensor_names,
-)
+from worker.model.checkpoint import CheckpointError, build_empty_model, mapped_tensors
 from worker.model.config import ModelConfig
 from worker.model.family import DiffusionModel
+from worker.model.hf_names import PREVIEW_TENSORS, HfTarget, copy_into
 from worker.model.moe import SharedExpertMoE, SparseMoE, _grouped_matmul
 from worker.model.parallel.plan import ShardError, ShardPlan, gdn_channels, rank_config
 
@@ -88,10 +80,7 @@ class ExpertParallelMoE(SparseMoE):
     ) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
-        probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)  # [N, E]
-        top_w, top_e = torch.topk(probs, self.top_k, dim=-1)  # [N, K]
-        if self.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w, top_e = self._route_softmax(flat)  # [N, K] (make_plan refuses other routers)
         top_w = top_w.to(x.dtype)
         expert_of = top_e.reshape(-1)  # [N*K]
         order = torch.argsort(expert_of, stable=True)  # [N*K] copies sorted by expert
@@ -200,7 +189,7 @@ def _rng(r: range, unit: int = 1, offset: int = 0) -> tuple[int, int]:
     return (offset + r.start * unit, offset + r.stop * unit)
 
 
-def piece_for(param: str, target: Any, config: ModelConfig, plan: ShardPlan) -> Piece:
+def piece_for(param: str, target: HfTarget, config: ModelConfig, plan: ShardPlan) -> Piece:
     """The slice of the checkpoint tensor behind ``target`` (our ``param``) this rank holds."""
     if param == "lm_head.weight":
         return SKIP if plan.rank > 0 else WHOLE
@@ -247,7 +236,7 @@ def piece_for(param: str, target: Any, config: ModelConfig, plan: ShardPlan) -> 
     raise ShardError(f"no tensor-parallel rule for parameter {param}")
 
 
-def _expert_piece(target: Any, config: ModelConfig, plan: ShardPlan) -> Piece:
+def _expert_piece(target: HfTarget, config: ModelConfig, plan: ShardPlan) -> Piece:
     cols, experts, i = plan.moe_cols, plan.experts, config.moe_intermediate_size
     if target.part in ("gate", "up", "down"):  # one expert: [I, H] (gate/up) or [H, I] (down)
         if target.expert not in experts:
@@ -327,95 +316,31 @@ def _dequantize_at(
     return codes.float() * scale.float()[..., rows[:, None], cols[None, :]]
 
 
-def _copy_into(param: torch.Tensor, target: Any, tensor: torch.Tensor, plan: ShardPlan) -> None:
-    if target.part is None:
-        param.copy_(tensor.reshape(param.shape))
-    elif target.part in ("gate_up_all", "down_all"):  # fused [E, out, in] -> our [E, in, out]
-        param.copy_(tensor.transpose(1, 2))
-    else:
-        e = target.expert - (plan.experts.start if plan.moe == "experts" else 0)
-        half = param.shape[-1] // 2
-        if target.part == "gate":
-            param[e, :, :half].copy_(tensor.T)
-        elif target.part == "up":
-            param[e, :, half:].copy_(tensor.T)
-        else:
-            param[e].copy_(tensor.T)
-
-
 def load_shard_weights(
     shard: Shard, files: list[Path], config: ModelConfig, *, with_preview: bool = True
 ) -> int:
     """Fill ``shard`` from its slices of ``files``; returns the number of elements read.
 
-    Missing, unexpected and misshaped tensors are reported by name, as ``load_weights`` does.
+    The walk and its checks are ``load_weights``' (``checkpoint.mapped_tensors``): missing,
+    unexpected and misshaped tensors are reported by name alike.
     """
     model, plan = shard.model, shard.plan
-    found = tensor_names(files)
+    walk = mapped_tensors(model, files, config, with_preview=with_preview)
     block = fp8.block_size(config.extra)
-    fused = any(canonical_name(n).endswith("mlp.experts.gate_up_proj") for n in found)
-    targets = hf_targets(config, fused_experts=fused, with_preview=with_preview)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    preview = {n for n in params if n.rsplit(".", 1)[-1] in PREVIEW_TENSORS}
-    unmapped = (
-        set(params)
-        - {t.param for t in targets.values()}
-        - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-        - (set() if with_preview else preview)
-    )
-    if unmapped:
-        raise CheckpointError(f"no checkpoint name maps to parameters: {', '.join(sorted(unmapped))}")
+    expert_offset = plan.experts.start if plan.moe == "experts" else 0
     read = 0
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    by_file: dict[Path, list[str]] = {}
-    for name, file in found.items():
-        by_file.setdefault(file, []).append(name)
     with torch.no_grad():
-        if not with_preview:
-            for name in preview:
-                params[name].zero_()
-        for file, names in by_file.items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    if name.startswith(_SKIPPED_PREFIXES):
-                        continue
-                    if fp8.is_scale(name) and name.removesuffix(fp8.SCALE_SUFFIX) in found:
-                        continue  # an FP8 tensor's block scales, read (their slice) with it
-                    key = canonical_name(name)
-                    target = targets.get(key)
-                    if target is None:
-                        if not (key == "lm_head.weight" and config.tie_word_embeddings) and not name.endswith(
-                            _IGNORED_SUFFIXES
-                        ):
-                            unexpected.append(name)
-                        continue
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if not target.accepts(shape):
-                        raise CheckpointError(
-                            f"tensor {name} in {file.name} has shape {list(shape)}, "
-                            f"expected {list(target.shape)}"
-                        )
-                    seen.add(key)
-                    piece = piece_for(target.param, target, config, plan)
-                    if piece.skip:
-                        continue
-                    param = params[target.param]
-                    if piece.zero:
-                        param.zero_()
-                        continue
-                    tensor = read_piece(f, name, piece)
-                    read += tensor.numel()
-                    if tensor.dtype in fp8.FP8_DTYPES:  # block-scaled FP8: dequantize the slice
-                        tensor = read_fp8_piece(f, file, name, piece, tensor, found, block)
-                    _copy_into(param, target, tensor, plan)
-    missing = sorted(set(targets) - seen)
-    if unexpected or missing:
-        parts = []
-        if missing:
-            more = " ..." if len(missing) > 20 else ""
-            parts.append(f"missing tensors: {', '.join(missing[:20])}{more}")
-        if unexpected:
-            parts.append(f"unexpected tensors: {', '.join(sorted(unexpected)[:20])}")
-        raise CheckpointError("; ".join(parts))
+        for item in walk:
+            target = item.target
+            piece = piece_for(target.param, target, config, plan)
+            if piece.skip:
+                continue
+            if piece.zero:
+                walk.params[target.param].zero_()
+                continue
+            tensor = read_piece(item.handle, item.name, piece)
+            read += tensor.numel()
+            if tensor.dtype in fp8.FP8_DTYPES:  # block-scaled FP8: dequantize the slice
+                tensor = read_fp8_piece(item.handle, item.file, item.name, piece, tensor, walk.found, block)
+            copy_into(walk.params, target, tensor, expert_offset=expert_offset)
     return read

@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 import threading
 
-from worker.joint_gate import JointGate
+from worker.class_gates import ClassGate
 
 
 def test_gate_admits_up_to_cap_and_reports_fullness() -> None:
     calls: list[bool] = []
-    gate = JointGate(2, on_full=calls.append)
+    gate = ClassGate(2, on_full=calls.append)
     assert gate.try_enter() and calls == []
     assert gate.try_enter() and calls == [True] and gate.full  # full: the joint consumer pauses
     assert not gate.try_enter()  # a message that slipped in is refused (handed back)
@@ -26,7 +26,7 @@ def test_a_failing_report_never_breaks_the_gate() -> None:
     def boom(full: bool) -> None:
         raise ConnectionError("broker down")
 
-    gate = JointGate(1, on_full=boom)
+    gate = ClassGate(1, on_full=boom)
     assert gate.try_enter()
     assert not gate.try_enter()
     gate.leave()
@@ -36,7 +36,7 @@ def test_a_failing_report_never_breaks_the_gate() -> None:
 def test_reports_arrive_in_the_order_the_gate_changed() -> None:
     """Fill and free race on many threads: the last report always matches the gate's state."""
     reports: list[bool] = []
-    gate = JointGate(1, on_full=reports.append)
+    gate = ClassGate(1, on_full=reports.append)
 
     def churn() -> None:
         for _ in range(200):

@@ -20,9 +20,11 @@ Two mechanisms, so a drain holds even for workers that start later or miss a bro
 Which queues a worker consumes is decided in one place, ``worker/consumers.py``
 ``consumed_queues``, with the drain flags as one of its inputs.
 
-The flag's record is SQL (``scheduler.fleet.operator_state``: the admin API commits the drain there
-before calling :func:`drain_queue`, and beat restores ``DRAINED_SET`` from it after a Redis
-restart); the functions here are the Redis side only.
+The flag's record is SQL (``scheduler.fleet.operator_state`` ``set_queue_drained``, the one way a
+queue is drained or resumed: it commits the change there before calling :func:`set_drained_flag`,
+and beat restores ``DRAINED_SET`` from it after a Redis restart); the functions here are the Redis
+side only. (Not the API replica's own drain on SIGTERM, ``api/drain.py``: that one stops a
+replica, this one a queue.)
 
 Draining does not refuse submissions: jobs keep queueing (up to the queue-depth cap) and run
 when the queue is resumed. Running jobs are not touched.
@@ -71,17 +73,14 @@ def tell_workers(app: Celery, *, destinations: Iterable[str], timeout: float = 1
     return _nodes(replies, nodes)
 
 
-def drain_queue(
-    client: redis.Redis, app: Celery, queue: str, *, destinations: Iterable[str], timeout: float = 1.0
+def set_drained_flag(
+    client: redis.Redis, app: Celery, queue: str, *, drained: bool, destinations: Iterable[str],
+    timeout: float = 1.0,
 ) -> list[str]:
-    """Flag ``queue`` drained and tell ``destinations`` at once; returns the nodes that answered."""
-    client.sadd(DRAINED_SET, queue)
-    return tell_workers(app, destinations=destinations, timeout=timeout)
-
-
-def resume_queue(
-    client: redis.Redis, app: Celery, queue: str, *, destinations: Iterable[str], timeout: float = 1.0
-) -> list[str]:
-    """Clear the drain flag and tell ``destinations`` at once; returns the nodes that answered."""
-    client.srem(DRAINED_SET, queue)
+    """Set (``drained``) or clear ``queue``'s drain flag and tell ``destinations`` at once; returns
+    the nodes that answered."""
+    if drained:
+        client.sadd(DRAINED_SET, queue)
+    else:
+        client.srem(DRAINED_SET, queue)
     return tell_workers(app, destinations=destinations, timeout=timeout)

@@ -1,4 +1,6 @@
-"""Follow the active model version: notice a change, drain, load, warm up, take jobs again.
+"""The model switch protocol and its parts: follow the active model version, notice a change,
+drain, load, warm up, take jobs again. ``worker/model_switcher.py`` ``ModelSwitcher`` carries it
+out on the worker's model.
 
 A worker started with ``served_model`` serves ``<model_root>/<served_model>/<active version>``
 and a ``ModelFollower`` thread polls the active version in SQL (``scheduler.model_versions.registry``)

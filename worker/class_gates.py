@@ -36,8 +36,10 @@ INTERACTIVE_QUEUE = QueueName.INTERACTIVE.value
 PAUSABLE_AT_CAPACITY = (QueueName.STANDARD.value, QueueName.BULK.value)
 
 
-class JointGate:
-    """Counts the jobs of its classes this worker runs; says when it fills up and frees again."""
+class ClassGate:
+    """A gate over some job classes (the joint gate: ``joint``; the capacity gate: every class but
+    ``interactive``): counts the jobs of its classes this worker runs; says when it fills up and
+    frees again."""
 
     def __init__(self, cap: int, *, on_full: Callable[[bool], None], then: Callable[[], None] | None = None,
                  name: str = JOINT_QUEUE) -> None:
