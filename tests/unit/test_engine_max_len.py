@@ -12,7 +12,8 @@ from api.errors import ApiError
 from api.limits import check_generate_limits
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.jobs import JobCreate
-from scheduler.infra.settings import CHAT_TEMPLATE_SLACK_TOKENS, Settings
+from scheduler.infra.settings import Settings
+from scheduler.infra.settings_groups.limits import CHAT_TEMPLATE_SLACK_TOKENS
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.sampler.layout import build_layout
 

@@ -4,13 +4,14 @@ with and without the prefix cache), and a short job that no longer waits for a l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.prefill_chunks import plan_prefill
+from worker.engine.prefill_chunks import chunk_spans, plan_prefill
+from worker.engine.runner import PassTimings, RowOutcome, RowSpec
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint
 
@@ -19,29 +20,36 @@ BIG = 1 << 30
 
 def reference_plan(pending: list[int], blocks: list[int], budget: int) -> tuple[list[bool], list[int]]:
     """The rule as prose says it, written the plain way (one row at a time, no shortcuts)."""
+    n = len(pending)
     if budget <= 0:
-        return [True] * len(pending), [0] * len(pending)
-    joins, chunks, left, moved = [], [], budget, False
-    for tokens, block in zip(pending, blocks, strict=True):
-        if tokens <= block or tokens <= left:  # decoding rows always; prompts that fit
-            joins.append(True)
-            chunks.append(0)
-            left -= tokens
-        else:
-            whole_blocks = max(left, 0) // block
-            if whole_blocks == 0 and not moved:
-                whole_blocks = 1
-            chunk = min(whole_blocks * block, tokens)
-            joins.append(False)
-            chunks.append(chunk)
-            left -= chunk
-            moved = moved or chunk > 0
+        return [True] * n, [0] * n
+    joins, chunks, left = [False] * n, [0] * n, budget
+    for i in range(n):  # decoding rows always join, even past the budget
+        if pending[i] <= blocks[i]:
+            joins[i] = True
+            left -= pending[i]
+    for i in range(n):  # then whole prompts that fit, oldest first
+        if not joins[i] and pending[i] <= left:
+            joins[i] = True
+            left -= pending[i]
+    moved = False
+    for i in range(n):  # then chunks of whole blocks; the oldest prompt left moves at least a block
+        if joins[i]:
+            continue
+        whole_blocks = max(left, 0) // blocks[i]
+        if whole_blocks == 0 and not moved:
+            whole_blocks = 1
+        chunks[i] = min(whole_blocks * blocks[i], pending[i])
+        left -= chunks[i]
+        moved = moved or chunks[i] > 0
     return joins, chunks
 
 
 @pytest.mark.parametrize(("pending", "blocks", "budget"), [
     ([4, 4, 4], [4, 4, 4], 8),  # decoding rows join even past the budget
-    ([4, 400, 4], [4, 4, 4], 64),  # the long prompt prefills 60 (what is left), joins later
+    ([4, 400, 4], [4, 4, 4], 64),  # the long prompt prefills 56 (what is left), joins later
+    ([400, 12, 4], [4, 4, 4], 64),  # a short prompt goes ahead of an older long one
+    ([400, 100, 12], [4, 4, 4], 64),  # ... and of a younger one that does not fit
     ([400, 400], [4, 4], 64),  # the second prompt waits: the budget went to the first
     ([4] * 20 + [400], [4] * 21, 16),  # budget spent by decoding rows: the prompt still moves a block
     ([32, 400, 12], [8, 8, 4], 40),  # a prompt that fits joins; block sizes differ
@@ -58,8 +66,22 @@ def test_plan_matches_the_reference(pending: list[int], blocks: list[int], budge
 
 def test_plan_examples() -> None:
     plan = plan_prefill([4, 400, 4], [4, 4, 4], 64)
-    assert plan.joins == [True, False, True] and plan.chunks == [0, 60, 0]
+    assert plan.joins == [True, False, True] and plan.chunks == [0, 56, 0]  # never past the budget
+    plan = plan_prefill([400, 12, 4], [4, 4, 4], 64)  # the short prompt joins ahead of the long one
+    assert plan.joins == [False, True, True] and plan.chunks == [48, 0, 0]
     assert plan_prefill([4] * 20 + [400], [4] * 21, 16).chunks[-1] == 4
+
+
+@pytest.mark.parametrize(("start", "end", "block", "budget", "spans"), [
+    (0, 20, 4, 8, [(0, 8), (8, 16), (16, 20)]),  # whole blocks of the budget; the last is the rest
+    (8, 20, 4, 10, [(8, 16), (16, 20)]),  # the budget rounds down to whole blocks
+    (0, 12, 4, 3, [(0, 4), (4, 8), (8, 12)]),  # a budget below one block still moves one
+    (0, 20, 4, 0, [(0, 20)]),  # off: one span
+    (8, 8, 4, 8, []),  # nothing to fill
+])
+def test_prefix_fill_spans(start: int, end: int, block: int, budget: int,
+                           spans: list[tuple[int, int]]) -> None:
+    assert chunk_spans(start, end, block, budget) == spans
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +163,69 @@ def test_a_short_job_does_not_wait_for_a_long_prefill(tiny: LoadedModel) -> None
         engine.stop()
     assert len(short_result.token_ids) == 8 and len(long_result.token_ids) == 4
     assert stats.prefill_chunks >= 300 // block - 1
+
+
+def _record_forwards(engine: Engine, during: Callable[[str, int], None]) -> list[tuple[str, list[str]]]:
+    """Wrap the engine's runner: each forward is logged as ("pass" | "chunk", request ids) in order,
+    and ``during(kind, n)`` runs inside the ``n``-th forward of that kind (0-based), i.e. while it
+    is running from the engine's point of view."""
+    log: list[tuple[str, list[str]]] = []
+    slots = {}  # slot -> request id, read from the engine's active rows
+    counts = {"pass": 0, "chunk": 0}
+    run_pass, run_prefill = engine.runner.run_pass, engine.runner.run_prefill
+
+    def ids(slot_list: list[int]) -> list[str]:
+        slots.update({a.slot: a.state.request.request_id for a in engine._active})
+        return [slots[s] for s in slot_list]
+
+    def pass_(rows: list[RowSpec], timings: PassTimings) -> list[RowOutcome]:
+        log.append(("pass", ids([r.slot for r in rows])))
+        during("pass", counts["pass"])
+        counts["pass"] += 1
+        return run_pass(rows, timings)
+
+    def chunk(slot: int, tokens: list[int], start_pos: int, block_size: int, timings: PassTimings) -> None:
+        log.append(("chunk", ids([slot])))
+        during("chunk", counts["chunk"])
+        counts["chunk"] += 1
+        run_prefill(slot, tokens, start_pos, block_size, timings)
+
+    engine.runner.run_pass = pass_  # type: ignore[method-assign]
+    engine.runner.run_prefill = chunk  # type: ignore[method-assign]
+    return log
+
+
+@pytest.mark.parametrize("prompt_tokens", [5, 13], ids=["1-block-prompt", "3-block-prompt"])
+@pytest.mark.parametrize("arrives_during", ["pass", "chunk"])
+def test_a_short_job_waits_at_most_one_forward(tiny: LoadedModel, arrives_during: str,
+                                               prompt_tokens: int) -> None:
+    """Issue 26's bound, forward by forward: a short job that arrives while a long prompt's
+    iteration runs a forward (its pass, or a chunk) has its first pass as the very next forward,
+    never after a pass and a chunk, nor after the rest of the long prefill (a prompt of several
+    blocks goes ahead of it). A short job decodes alongside to keep passes running."""
+    block = tiny.config.block_size
+    assert block is not None
+    engine = _engine(tiny, chunk_tokens=4 * block)
+    submitted: list[int] = []
+    log: list[tuple[str, list[str]]] = []
+
+    def during(kind: str, n: int) -> None:
+        started = any("long" in ids for _, ids in log)
+        if kind == arrives_during and started and not submitted and n >= 3:
+            submitted.append(len(log))  # the index of the forward it arrived during
+            late = [9 + j for j in range(prompt_tokens)]
+            engine.submit(GenerationRequest("late", late, SamplingParams(max_new_tokens=8)))
+
+    log = _record_forwards(engine, during)
+    try:
+        steady = engine.submit(GenerationRequest("steady", [5, 6, 7], SamplingParams(max_new_tokens=64)))
+        prompt = [(3 * j) % 400 + 1 for j in range(200)]
+        long = engine.submit(GenerationRequest("long", prompt, SamplingParams(max_new_tokens=4)))
+        long.result(timeout=120)
+        steady.result(timeout=120)
+    finally:
+        engine.stop()
+    assert submitted, f"no {arrives_during} ran while the long prompt prefilled: {log}"
+    arrived = submitted[0] - 1
+    first = next(i for i, (kind, ids) in enumerate(log) if kind == "pass" and "late" in ids)
+    assert first == arrived + 1, f"arrived during forward {arrived}, first pass at {first}: {log}"

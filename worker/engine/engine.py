@@ -3,7 +3,9 @@
 Continuous batching in the style of vLLM v1: between passes the engine admits waiting requests
 (their prompt's whole blocks are prefilled inside their first pass, batched with everyone
 else's), then runs ONE denoising pass for every active sequence (rows at different blocks and
-lengths in one padded forward), retires finished sequences and frees their KV-cache slots.
+lengths in one padded forward), retires finished sequences and frees their KV-cache slots. With
+chunked prefill a long prompt's blocks prefill in chunks after the pass, and the engine admits
+at every boundary between forwards (``prefill_chunks.py``).
 
 Failure contract: an invalid request (bad parameters, too long, bad template) resolves at once
 with a ``GenerationResult`` whose ``finish_reason`` is ``ERROR`` and ``error`` says why. A
@@ -24,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker.engine.admission import Candidate, Occupancy, pick_admissions
-from worker.engine.prefill_chunks import plan_prefill
+from worker.engine.prefill_chunks import chunk_sizes, chunk_spans, plan_prefill
 from worker.engine.prefix_cache import PrefixCache, PrefixEntry, chain_hashes
 from worker.engine.runner import ModelRunner, PassTimings, RowOutcome, RowSpec
 from worker.engine.stats import EngineStats
@@ -81,6 +83,7 @@ class _Active:
     submitted: float
     admitted: float
     prefix_keys: list[bytes] = field(default_factory=list)
+    first_pass: float | None = None  # when its first denoising pass began (the end of its wait)
 
 
 class EngineStopped(RuntimeError):
@@ -310,10 +313,10 @@ class Engine:
         for a in admitted:
             a.admitted = now
 
-    def _admit_between_chunks(self, budget_left: int) -> list[_Active]:
-        """Admit what arrived while this iteration's prompt chunks ran, so a short job joins the
-        pass that follows them instead of waiting a whole iteration more. Those whose prompt does
-        not fit what the budget has left wait for the next iteration's plan."""
+    def _admit_at_boundary(self, budget_left: int) -> list[_Active]:
+        """Admit what arrived while the last forward ran, so that a short job's first pass runs
+        next instead of after the iteration's chunks. Those whose prompt does not fit what the
+        budget has left are admitted but wait for the next iteration's plan."""
         with self._cond:
             if not self._waiting or self._abort:
                 return []
@@ -483,12 +486,11 @@ class Engine:
         the per-iteration budget when chunking is on, as a prompt's own prefill runs, so one forward
         holds memory for a chunk, not for the whole context (a 16K-token contract's decision on the
         tiny demo needed GBs in one forward). Exact for the same reason chunked prefill is."""
-        budget = self.config.prefill_chunk_tokens
-        step = max(budget // block * block, block) if budget > 0 else max(end - start, 1)
-        for at in range(start, end, step):
-            self.runner.run_prefill(slot, list(prompt[at:min(at + step, end)]), at, block, timings)
-            if step < end - start:
-                self._chunks += 1
+        spans = chunk_spans(start, end, block, self.config.prefill_chunk_tokens)
+        for at, to in spans:
+            self.runner.run_prefill(slot, list(prompt[at:to]), at, block, timings)
+        if len(spans) > 1:
+            self._chunks += len(spans)
 
     def _interrupt_active(self, now: float) -> None:
         for a in self._active:
@@ -498,31 +500,64 @@ class Engine:
         self._retire()
 
     def _step(self) -> None:
-        """One iteration: prompt chunks within the prefill budget, then one denoising pass over
-        every active sequence that joins it (``prefill_chunks.py``)."""
+        """One iteration (``prefill_chunks.py``): the denoising pass of every row that joins it,
+        then a pass for each round of arrivals admitted at the boundary, then the prompt chunks
+        of the plan. Each row's forwards keep their order; only the order between rows changes."""
         began = time.perf_counter()
         timings = PassTimings()
-        joining = self._prefill_chunks(timings)
+        active = [a for a in self._active if not a.state.finished]
+        pending = [a.state.block_start - a.state.cached_len for a in active]
+        budget = self.config.prefill_chunk_tokens
+        plan = plan_prefill(pending, [a.state.block_size for a in active], budget)
+        committed = self._run_pass([a for a, joins in zip(active, plan.joins, strict=True) if joins], timings)
+        prompts = [i for i, chunk in enumerate(plan.chunks) if chunk]
+        if prompts:  # chunks follow: admit before them, so that no arrival waits a pass and a chunk
+            left = budget - sum(p for p, joins in zip(pending, plan.joins, strict=True) if joins)
+            while arrivals := self._admit_at_boundary(left):
+                left -= sum(a.state.block_start - a.state.cached_len for a in arrivals)  # before they run
+                committed += self._run_pass(arrivals, timings)
+            # the arrivals' tokens come out of the chunks (the oldest prompt still moves a block)
+            rows = [active[i] for i in prompts]
+            sizes = chunk_sizes([pending[i] for i in prompts], [a.state.block_size for a in rows], left)
+            self._prefill_chunks(rows, sizes, timings)
+        elapsed = time.perf_counter() - began
+        with self._cond:
+            self._busy += elapsed
+            self._forwards += timings.forwards
+            self._forward_seconds += timings.forward_seconds
+            self._recent.append((elapsed, committed))
+        self._retire()
+
+    def _run_pass(self, joining: list[_Active], timings: PassTimings) -> int:
+        """One denoising pass over ``joining`` (a fault is isolated row by row); the positions it
+        committed. A row's first pass ends its wait (``first_pass``)."""
         members: list[_Active] = []
         rows: list[RowSpec] = []
         for a in joining:
+            if a.state.finished:
+                continue
             try:
                 rows.append(self._row(a))
                 members.append(a)
             except Exception as exc:  # a broken request state fails alone
                 self._fail(a, exc)
-        outcomes: list[RowOutcome | BaseException] = []
-        if rows:
-            try:
-                outcomes = list(self.runner.run_pass(rows, timings))
-            except Exception:  # isolate the faulty rows
-                log.exception("batched pass failed; retrying row by row")
-                outcomes = []
-                for row in rows:
-                    try:
-                        outcomes.append(self.runner.run_pass([row], timings)[0])
-                    except Exception as exc:
-                        outcomes.append(exc)
+        if not rows:
+            return 0
+        now = time.monotonic()
+        for a in members:
+            if a.first_pass is None:
+                a.first_pass = now
+        outcomes: list[RowOutcome | BaseException]
+        try:
+            outcomes = list(self.runner.run_pass(rows, timings))
+        except Exception:  # isolate the faulty rows
+            log.exception("batched pass failed; retrying row by row")
+            outcomes = []
+            for row in rows:
+                try:
+                    outcomes.append(self.runner.run_pass([row], timings)[0])
+                except Exception as exc:
+                    outcomes.append(exc)
         committed = 0
         for a, outcome in zip(members, outcomes, strict=True):
             if isinstance(outcome, BaseException):
@@ -537,26 +572,17 @@ class Engine:
             committed += sum(outcome.commit)
             if block_done or a.state.blocks_done != before:
                 self._report_progress(a)
-        elapsed = time.perf_counter() - began
         with self._cond:
             self._steps += len(members)
             self._passes += 1
-            self._forwards += timings.forwards
             self._tokens += committed
-            self._busy += elapsed
-            self._forward_seconds += timings.forward_seconds
-            self._recent.append((elapsed, committed))
-        self._retire()
+        return committed
 
-    def _prefill_chunks(self, timings: PassTimings) -> list[_Active]:
-        """Prefill this iteration's prompt chunks; returns the sequences that join the pass. A
-        chunk that fails is rolled back by the runner and fails its sequence alone."""
-        active = [a for a in self._active if not a.state.finished]
-        pending = [a.state.block_start - a.state.cached_len for a in active]
-        budget = self.config.prefill_chunk_tokens
-        plan = plan_prefill(pending, [a.state.block_size for a in active], budget)
-        for a, chunk in zip(active, plan.chunks, strict=True):
-            if chunk == 0:
+    def _prefill_chunks(self, prompts: list[_Active], chunks: list[int], timings: PassTimings) -> None:
+        """Prefill ``chunks[i]`` tokens of ``prompts[i]``'s prompt. A chunk that fails is rolled back
+        by the runner and fails its sequence alone."""
+        for a, chunk in zip(prompts, chunks, strict=True):
+            if chunk == 0 or a.state.finished:
                 continue
             start, block = a.state.cached_len, a.state.block_size
             try:
@@ -567,11 +593,6 @@ class Engine:
                 continue
             a.state.cached_len = start + chunk  # (counted in prefill_positions at admission)
             self._chunks += 1
-        joining = [a for a, joins in zip(active, plan.joins, strict=True) if joins and not a.state.finished]
-        if any(plan.chunks):
-            spent = sum(plan.chunks) + sum(p for p, joins in zip(pending, plan.joins, strict=True) if joins)
-            joining += self._admit_between_chunks(budget - spent)
-        return joining
 
     def _row(self, a: _Active) -> RowSpec:
         p = a.state.request.params
@@ -610,6 +631,7 @@ class Engine:
                 continue
             s = a.state
             out = s.output_ids()
+            started = a.admitted if a.first_pass is None else a.first_pass
             a.future.set_result(
                 GenerationResult(
                     request_id=s.request.request_id,
@@ -620,8 +642,8 @@ class Engine:
                     tokens=len(out),
                     prompt_tokens=len(s.request.prompt_ids),
                     slot_choices=s.slot_choices(),
-                    queue_seconds=a.admitted - a.submitted,
-                    run_seconds=now - a.admitted,
+                    queue_seconds=started - a.submitted,
+                    run_seconds=now - started,
                 )
             )
             self._finished += 1

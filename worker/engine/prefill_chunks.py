@@ -6,21 +6,35 @@ one long forward (issue 26 measured 799 ms for an 8-token job on the tiny demo; 
 100K-token prompt holds everyone for seconds). With a per-pass token budget, a prompt whose
 uncached whole blocks exceed what the pass has left prefills *chunks* of whole blocks instead,
 one per engine iteration (``ModelRunner.run_prefill``: the same commit forward, on its own), and
-joins the denoising passes once what is left fits. Every iteration still runs the pass for the
-rows already decoding, and the engine admits and interrupts (cancel, deadline) between chunks,
-so a short job admitted behind a long prompt starts after one chunk, not after the whole prompt.
+joins the denoising passes once what is left fits.
+
+The engine's iteration (``Engine._step``) runs the pass first, then the chunks, and admits at
+every boundary between forwards: a job that arrives during the pass is admitted when it ends and
+runs a pass of its own before the chunks; one that arrives during the chunks joins the next
+iteration's pass, which comes right after them. So a short job waits for at most the rest of ONE
+forward at the budget (a chunk, or a pass that carries a prompt's last piece) before its first
+pass starts, never for a pass and a chunk in a row. Cancellation and deadlines act at the start
+of every iteration, i.e. between chunks.
 
 Exactness: a chunk commits exactly the K/V (and, for Clover, the Gated DeltaNet state and conv
 ring, carried from chunk to chunk by the recurrent forward) that the fused first pass would
 have; block-causal attention makes the later passes' outputs the same (the prefix cache relies
-on the same property). Chunks consume no randomness, so seeded rows decode the same tokens too.
+on the same property). Every row's own forwards keep their order (its chunks, then its passes);
+only other rows' forwards move between them, and rows share no state. Chunks consume no
+randomness, so seeded rows decode the same tokens too.
 
 The rule, per iteration, over the active rows in admission order (oldest first):
 
 * a row feeding at most one block (decoding: the block it just finished) always joins the pass;
-* a prompt row joins if its uncached blocks fit in what the budget has left;
-* else it prefills the largest whole-block chunk that fits; the oldest such row gets at least
-  one block even when the budget is spent, so a long prompt always advances.
+* then a prompt row joins if its uncached blocks fit in what the budget has left, oldest first:
+  a short prompt goes ahead of the rest of a long prefill (issue 26), whatever their ages;
+* the prompt rows left prefill the largest whole-block chunks that fit what is then left
+  (``chunk_sizes``); the oldest of them gets at least one block even when the budget is spent,
+  so a long prompt always advances. Rows admitted at the boundary after the pass take their
+  tokens from the chunks in the same way (``Engine._step``).
+
+A shared prefix the prefix cache fills at admission is cut by the same whole-block rule
+(``chunk_spans``).
 """
 
 from __future__ import annotations
@@ -46,22 +60,40 @@ def plan_prefill(pending: Sequence[int], block_sizes: Sequence[int], budget: int
     """
     if budget <= 0:
         return PrefillPlan([True] * len(pending), [0] * len(pending))
-    left = budget
-    joins: list[bool] = []
+    joins = [tokens <= block for tokens, block in zip(pending, block_sizes, strict=True)]
+    left = budget - sum(tokens for tokens, joined in zip(pending, joins, strict=True) if joined)
+    for i, tokens in enumerate(pending):
+        if not joins[i] and tokens <= left:
+            joins[i] = True
+            left -= tokens
+    rest = [0 if joined else tokens for tokens, joined in zip(pending, joins, strict=True)]
+    return PrefillPlan(joins, chunk_sizes(rest, block_sizes, left))
+
+
+def chunk_sizes(pending: Sequence[int], block_sizes: Sequence[int], left: int) -> list[int]:
+    """The whole-block chunk each row prefills out of ``left`` budget tokens, oldest first (rows
+    with nothing ``pending`` get 0); the first row with something pending gets at least one block."""
     chunks: list[int] = []
     advanced = False  # a prompt row got a chunk this iteration
     for tokens, block in zip(pending, block_sizes, strict=True):
-        if tokens <= block or tokens <= left:
-            joins.append(True)
-            chunks.append(0)
-            left -= tokens
-            continue
-        chunk = max(left, 0) // block * block
-        if chunk == 0 and not advanced:
-            chunk = block  # the oldest waiting prompt always moves
-        chunk = min(chunk, tokens)
-        joins.append(False)
+        chunk = min(whole_block_chunk(left, block, at_least_one=not advanced), tokens) if tokens else 0
         chunks.append(chunk)
         left -= chunk
         advanced = advanced or chunk > 0
-    return PrefillPlan(joins, chunks)
+    return chunks
+
+
+def whole_block_chunk(left: int, block: int, *, at_least_one: bool) -> int:
+    """The largest chunk of whole ``block``-token blocks within ``left`` tokens (0 when none fits),
+    or one block when none fits and ``at_least_one`` (a prompt must always advance). The one
+    place of the rounding rule: the plan and the prefix fill (``chunk_spans``) both cut here."""
+    chunk = max(left, 0) // block * block
+    return block if chunk == 0 and at_least_one else chunk
+
+
+def chunk_spans(start: int, end: int, block: int, budget: int) -> list[tuple[int, int]]:
+    """``[start, end)`` (whole blocks of a prompt) cut into the ``(from, to)`` spans that prefill it
+    under ``budget`` tokens per forward: whole blocks, at least one per span; one span when
+    chunking is off (``budget`` <= 0). Empty when there is nothing to fill."""
+    step = whole_block_chunk(budget, block, at_least_one=True) if budget > 0 else max(end - start, 1)
+    return [(at, min(at + step, end)) for at in range(start, end, step)]

@@ -2,9 +2,10 @@
 
 It never decides policy (who runs, when a request ends): it receives each row's ``PassInput``
 and returns, per row, the token chosen at every block position and which positions to commit.
-All active rows go through one forward padded to the longest row; rows that carry a long
-prefill are split into a second forward when padding them together would waste more than half
-of the batch. Per-row sampling and commit rules run batched on the device.
+All active rows go through one forward padded to the longest row; rows that feed a long
+prefill or attend over a long context go to a second forward, after the others, when padding
+them together would waste more than half of the work (``pass_groups.py``). Per-row sampling
+and commit rules run batched on the device.
 
 Per forward the host writes every row's inputs into persistent staging buffers (``_Staging``:
 one int64 and one float32 buffer, pinned on CUDA, grown to the largest batch seen and then
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from worker.engine.pass_groups import split_pass
 from worker.model.family import DiffusionModel
 from worker.model.kv_cache import KVCache
 from worker.sampler.commit import choose_commits, expand_to_groups
@@ -158,7 +160,7 @@ class ModelRunner:
         """One denoising pass for ``rows`` (one or two forwards); outcomes in row order. On an
         exception the rows' committed state (cache lengths, and GDN states of a hybrid cache) is
         as before the pass, so it can be re-run."""
-        groups = self._split(rows)
+        groups = split_pass([len(r.inp.tokens) for r in rows], [r.inp.start_pos for r in rows])
         outcomes: dict[int, RowOutcome] = {}
         self._slots.host(len(rows))[:] = [row.slot for row in rows]
         slots = self._slots.upload(len(rows))  # [R]
@@ -211,19 +213,6 @@ class ModelRunner:
             raise
         timings.forward_seconds += time.perf_counter() - began
         timings.forwards += 1
-
-    @staticmethod
-    def _split(rows: list[RowSpec]) -> list[list[int]]:
-        """Rows with long prefill parts go to their own forward when padding would dominate."""
-        lengths = [len(r.inp.tokens) for r in rows]
-        short_limit = 2 * max(r.inp.block_len for r in rows)
-        long_rows = [i for i, n in enumerate(lengths) if n > short_limit]
-        short_rows = [i for i, n in enumerate(lengths) if n <= short_limit]
-        if not long_rows or not short_rows:
-            return [list(range(len(rows)))]
-        padded_together = len(rows) * max(lengths)
-        padded_apart = len(long_rows) * max(lengths) + len(short_rows) * short_limit
-        return [long_rows, short_rows] if padded_apart * 2 < padded_together else [list(range(len(rows)))]
 
     def _stage(self, rows: list[RowSpec], t: int, bmax: int) -> _ForwardInputs:
         """Write the rows' inputs into the staging buffers, send them (one copy per dtype) and

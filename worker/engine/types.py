@@ -124,6 +124,6 @@ class GenerationResult:
     tokens: int  # len(token_ids)
     prompt_tokens: int
     slot_choices: list[SlotChoice] = field(default_factory=list)
-    queue_seconds: float = 0.0  # submit -> admitted by the engine
-    run_seconds: float = 0.0  # admitted -> finished
+    queue_seconds: float = 0.0  # submit -> its first denoising pass began (admission if none ran)
+    run_seconds: float = 0.0  # that instant -> finished
     error: str | None = None

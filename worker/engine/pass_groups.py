@@ -1,0 +1,66 @@
+"""Which rows of a denoising pass share a forward: a pass is one forward, or two when padding
+its rows together would waste more than half of the work.
+
+The runner pads a forward's rows to its longest row (``T`` tokens) and, with more than one row,
+attends every row over the longest committed context plus ``T`` (``S`` keys, the dense mask of
+``worker/model/mask.py``). One row that feeds a prompt's last piece (hundreds of tokens) pads
+every short row to it; one row that decodes after a 16K-token prompt makes every short row attend
+over 16K masked keys (measured on the tiny demo: a 12-row pass with one such row took longer
+than a 512-token prefill chunk). Either way the short rows pay for it, and a short job that
+arrives meanwhile waits for it (issue 26).
+
+The estimate of a forward's work, in key-equivalents: ``R * T * (S + W)``, where ``W`` is one
+token's work outside attention (projections, experts) counted as attention keys. The rows are
+cut in two at the threshold, over either the tokens or the context of a row, that minimises the
+estimate; the cut is taken only if it at least halves it (a second forward has a fixed cost the
+estimate leaves out). The light group runs first, so a short row's pass never waits for a heavy
+row's forward. Rows share no state, so the grouping changes no row's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# one token's work outside attention, as attention keys: about 6,600 on the tiny Clover demo
+# (a 512-token chunk: 19.5 ms at context 512, 57.6 ms at context 15,360); far more on the real
+# model, where the experts dominate and tokens alone decide
+TOKEN_WORK_KEYS = 4096
+
+
+def forward_work(tokens: Sequence[int], contexts: Sequence[int], rows: Sequence[int]) -> int:
+    """The estimated work of one forward over ``rows``: ``R * T * (S + W)`` (module docstring)."""
+    if not rows:
+        return 0
+    t = max(tokens[i] for i in rows)
+    s = max(contexts[i] for i in rows) + t
+    return len(rows) * t * (s + TOKEN_WORK_KEYS)
+
+
+def split_pass(tokens: Sequence[int], contexts: Sequence[int]) -> list[list[int]]:
+    """Row indices per forward, in the order to run them (light rows first).
+
+    ``tokens[i]``: the tokens row ``i`` feeds; ``contexts[i]``: its committed positions before the
+    pass (what it attends over besides its own tokens). Linear in the rows after one sort per
+    dimension (it runs every pass): the maxima of each side come from running maxima."""
+    r = len(tokens)
+    everyone = list(range(r))
+    together = forward_work(tokens, contexts, everyone)
+    best: tuple[int, list[int], list[int]] | None = None  # (work, light, heavy)
+    for size in (tokens, contexts):
+        order = sorted(everyone, key=lambda i: size[i])
+        heavy_t, heavy_s = [0] * (r + 1), [0] * (r + 1)  # maxima over order[k:]
+        for k in range(r - 1, -1, -1):
+            heavy_t[k] = max(heavy_t[k + 1], tokens[order[k]])
+            heavy_s[k] = max(heavy_s[k + 1], contexts[order[k]])
+        light_t = light_s = 0
+        for k in range(1, r):  # order[:k] light, order[k:] heavy
+            light_t, light_s = max(light_t, tokens[order[k - 1]]), max(light_s, contexts[order[k - 1]])
+            if size[order[k - 1]] == size[order[k]]:
+                continue  # a cut between equal sizes is no threshold
+            work = (k * light_t * (light_s + light_t + TOKEN_WORK_KEYS)
+                    + (r - k) * heavy_t[k] * (heavy_s[k] + heavy_t[k] + TOKEN_WORK_KEYS))
+            if best is None or work < best[0]:
+                best = (work, sorted(order[:k]), sorted(order[k:]))
+    if best is None or 2 * best[0] >= together:
+        return [everyone]
+    return [best[1], best[2]]
