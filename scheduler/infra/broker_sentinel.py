@@ -15,6 +15,12 @@ for a while:
   raises a connection error: Celery then re-establishes the broker connection (as after a broken
   one), whose new channel connects to the new master. Jobs running meanwhile go on.
 
+TLS (``rediss+sentinel://``): the transport option ``master_tls`` (the URL's ``ssl_*`` options,
+``scheduler.infra.redis_sentinel.kombu_broker``) makes the master connections redis-py's
+``SentinelManagedSSLConnection`` with those options (:meth:`SentinelChannel._connparams`); the
+sentinel connections get them through ``sentinel_kwargs``. Celery's ``broker_use_ssl`` is not used:
+kombu's Sentinel transport would apply it to the master only.
+
 Everything else (admission releases in one MULTI, QoS that survives a lost broker) is
 ``scheduler.infra.broker``'s channel.
 """
@@ -27,6 +33,7 @@ from typing import Any
 
 import redis
 from kombu.transport import redis as kombu_redis
+from redis.sentinel import SentinelManagedSSLConnection
 
 from scheduler.infra.broker import Channel
 from scheduler.infra.redis_sentinel import follow_master, master_moved
@@ -36,6 +43,29 @@ SENTINEL_TRANSPORT_PATH = "scheduler.infra.broker_sentinel:Transport"
 
 class SentinelChannel(Channel, kombu_redis.SentinelChannel):
     """cloverq's channel (``scheduler.infra.broker.Channel``) on kombu's Sentinel pools."""
+
+    from_transport_options = (*kombu_redis.SentinelChannel.from_transport_options, "master_tls")
+    master_tls: dict[str, Any] | None = None
+
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        """kombu's connection parameters; with ``master_tls``, TLS connections to the master."""
+        params = super()._connparams(asynchronous)
+        if self.master_tls is None:
+            return params
+        params.update(self.master_tls)
+        connection_class: Any = SentinelManagedSSLConnection
+        if asynchronous:  # as kombu does for its own class: the poller forgets a dropped connection
+            channel = self
+
+            class Connection(SentinelManagedSSLConnection):
+                def disconnect(self, *args: Any, **kwargs: Any) -> None:
+                    super().disconnect(*args, **kwargs)
+                    if channel._registered:
+                        channel._on_connection_disconnect(self)
+
+            connection_class = Connection
+        params["connection_class"] = connection_class
+        return params
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:

@@ -4,10 +4,21 @@ Every Redis client of cloverq reads one URL (``CLOVERQ_REDIS_URL``). With Sentin
 sentinels, the monitored service and the DB instead of one server::
 
     redis+sentinel://[[username]:password@]host1[:26379],host2[:26379],.../service[/db][?sentinel_password=...]
+    rediss+sentinel://...same.../service[/db]?ssl_ca_certs=/etc/cloverq/ca.pem[&ssl_certfile=..&ssl_keyfile=..]
 
 ``password`` (and ``username``) authenticate to the Redis servers, ``sentinel_password`` to the
 sentinels (when they have a ``requirepass`` of their own). Nothing else is accepted, so a typo
-fails at start-up instead of being ignored. TLS through Sentinel is not supported (yet).
+fails at start-up instead of being ignored.
+
+**TLS** (``rediss+sentinel://``): every connection, to the sentinels and to the master they name,
+is TLS and verifies the server's certificate (``ssl_cert_reqs=required`` unless the URL says
+otherwise) against ``ssl_ca_certs`` (else the system's CAs), for the address connected to (the
+host of the URL for a sentinel, the address the sentinels report for the master: give the
+servers certificates for those, e.g. their IPs). ``ssl_certfile`` / ``ssl_keyfile`` send a client
+certificate (servers with ``tls-auth-clients yes``); ``ssl_check_hostname=false`` turns the name
+check off. One set of options serves both the sentinels and the Redis servers (Redis' own
+``tls-replication yes`` makes the sentinels talk TLS to the servers too). The Celery broker gets
+the same options (``kombu_broker``, ``scheduler.infra.broker_sentinel``).
 
 **Following the master.** The clients are redis-py's own (``redis.sentinel.Sentinel.master_for``
 and its asyncio twin): a new connection asks the sentinels where the master is; a connection
@@ -39,10 +50,16 @@ from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnec
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 SCHEME = "redis+sentinel"
+TLS_SCHEME = "rediss+sentinel"
 DEFAULT_SENTINEL_PORT = 26379
 FOLLOW_SECONDS = 1.0  # a pool asks the sentinels where the master is at most this often
 SENTINEL_TIMEOUT_SECONDS = 1.0  # one sentinel's connect or reply; then discovery tries the next
-_OPTIONS = frozenset({"sentinel_password"})
+# TLS options (``rediss+sentinel://`` only), named as redis-py's ``rediss://`` query names them.
+TLS_OPTIONS = frozenset(
+    {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"})
+_OPTIONS = frozenset({"sentinel_password"}) | TLS_OPTIONS
+_CERT_REQS = ("none", "optional", "required")
+_BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +72,14 @@ class SentinelUrl:
     username: str | None = None
     password: str | None = None
     sentinel_password: str | None = None
+    tls: tuple[tuple[str, Any], ...] | None = None  # rediss+sentinel://: the ssl_* options (may be empty)
+
+    def tls_options(self) -> dict[str, Any]:
+        """redis-py's TLS options of every connection (sentinels and master): ``ssl_cert_reqs``
+        ``required`` unless the URL says otherwise; empty without TLS."""
+        if self.tls is None:
+            return {}
+        return {"ssl_cert_reqs": "required", **dict(self.tls)}
 
     def sentinel_kwargs(self) -> dict[str, Any]:
         """Connection options of the sentinel clients: short timeouts always (a sentinel that
@@ -63,28 +88,34 @@ class SentinelUrl:
                                    "socket_connect_timeout": SENTINEL_TIMEOUT_SECONDS}
         if self.sentinel_password is not None:
             options["password"] = self.sentinel_password
+        if self.tls is not None:
+            options.update(ssl=True, **self.tls_options())
         return options
 
     def master_kwargs(self) -> dict[str, Any]:
-        """The DB and credentials of the connections to the master."""
+        """The DB, credentials and TLS of the connections to the master (``ssl=True`` makes
+        redis-py's Sentinel pool use its TLS connection class)."""
         options: dict[str, Any] = {"db": self.db}
         if self.username is not None:
             options["username"] = self.username
         if self.password is not None:
             options["password"] = self.password
+        if self.tls is not None:
+            options.update(ssl=True, **self.tls_options())
         return options
 
 
 def is_sentinel_url(url: str) -> bool:
-    """Whether ``url`` names a Sentinel-managed Redis (``redis+sentinel://``)."""
-    return url.split("://", 1)[0].lower() == SCHEME
+    """Whether ``url`` names a Sentinel-managed Redis (``redis+sentinel://``, ``rediss+sentinel://``)."""
+    return url.split("://", 1)[0].lower() in (SCHEME, TLS_SCHEME)
 
 
 def parse_sentinel_url(url: str) -> SentinelUrl:
     """``url`` parsed (see the module docstring); ValueError saying what is wrong."""
     parts = urlsplit(url)
-    if parts.scheme.lower() != SCHEME:
-        raise ValueError(f"not a {SCHEME}:// URL: {parts.scheme}://")
+    if parts.scheme.lower() not in (SCHEME, TLS_SCHEME):
+        raise ValueError(f"not a {SCHEME}:// or {TLS_SCHEME}:// URL: {parts.scheme}://")
+    secure = parts.scheme.lower() == TLS_SCHEME
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
     sentinels = tuple(_host_port(item) for item in hosts.split(",") if item.strip())
@@ -100,11 +131,37 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
     if unknown:
         raise ValueError(f"{SCHEME}:// URL option(s) {unknown} not supported (only {sorted(_OPTIONS)})")
     sentinel_password = query["sentinel_password"][-1] if "sentinel_password" in query else None
+    tls_given = sorted(set(query) & TLS_OPTIONS)
+    if tls_given and not secure:
+        raise ValueError(f"{SCHEME}:// URL option(s) {tls_given} need TLS: use {TLS_SCHEME}://")
     return SentinelUrl(
         sentinels=sentinels, service=unquote(path[0]), db=int(path[1]) if len(path) == 2 else 0,
         username=unquote(username) or None, password=unquote(password) if userinfo and password else None,
         sentinel_password=sentinel_password,
+        tls=_tls_options({key: query[key][-1] for key in tls_given}) if secure else None,
     )
+
+
+def _tls_options(given: dict[str, str]) -> tuple[tuple[str, Any], ...]:
+    """The URL's ``ssl_*`` options checked and typed as redis-py takes them."""
+    options: dict[str, Any] = {}
+    for key, value in given.items():
+        if key == "ssl_cert_reqs":
+            if value.lower() not in _CERT_REQS:
+                raise ValueError(
+                    f"{TLS_SCHEME}:// URL ssl_cert_reqs={value!r}: use none, optional or required")
+            options[key] = value.lower()
+        elif key == "ssl_check_hostname":
+            if value.lower() not in _BOOLEANS:
+                raise ValueError(f"{TLS_SCHEME}:// URL ssl_check_hostname={value!r}: use true or false")
+            options[key] = _BOOLEANS[value.lower()]
+        elif not value:
+            raise ValueError(f"{TLS_SCHEME}:// URL {key} is empty")
+        else:
+            options[key] = value
+    if ("ssl_certfile" in options) != ("ssl_keyfile" in options):
+        raise ValueError(f"{TLS_SCHEME}:// URL: ssl_certfile and ssl_keyfile go together")
+    return tuple(sorted(options.items()))
 
 
 def _host_port(item: str) -> tuple[str, int]:
@@ -124,7 +181,8 @@ def _host_port(item: str) -> tuple[str, int]:
 def kombu_broker(url: str) -> tuple[str, dict[str, Any]]:
     """kombu's form of ``url`` for its Sentinel transport: the broker URL (one ``sentinel://``
     per sentinel, ``;``-separated; each carries the servers' credentials and the DB) and the
-    transport options (``master_name``, ``sentinel_kwargs``)."""
+    transport options (``master_name``, ``sentinel_kwargs``; with TLS ``master_tls``, the master
+    connections' options, which ``scheduler.infra.broker_sentinel``'s channel applies)."""
     parsed = parse_sentinel_url(url)
     auth = ""
     if parsed.username is not None or parsed.password is not None:
@@ -132,7 +190,10 @@ def kombu_broker(url: str) -> tuple[str, dict[str, Any]]:
     hosts = [f"[{host}]" if ":" in host else host for host, _ in parsed.sentinels]
     broker = ";".join(f"sentinel://{auth}{host}:{port}/{parsed.db}"
                       for host, (_, port) in zip(hosts, parsed.sentinels, strict=True))
-    return broker, {"master_name": parsed.service, "sentinel_kwargs": parsed.sentinel_kwargs()}
+    options: dict[str, Any] = {"master_name": parsed.service, "sentinel_kwargs": parsed.sentinel_kwargs()}
+    if parsed.tls is not None:
+        options["master_tls"] = parsed.tls_options()
+    return broker, options
 
 
 # --- following the master ---------------------------------------------------------------------------

@@ -87,3 +87,56 @@ def test_celery_app_uses_cloverqs_sentinel_transport() -> None:
     assert options["master_name"] == "mymaster"
     assert options["queue_order_strategy"] == "priority" and options["visibility_timeout"] > 0
     assert app.connection_for_write().transport_cls == "scheduler.infra.broker_sentinel:Transport"
+
+
+# --- TLS: rediss+sentinel:// --------------------------------------------------------------------
+
+
+def test_tls_url_gives_sentinels_and_master_the_same_verified_tls() -> None:
+    url = ("rediss+sentinel://:pw@h1:26379,h2/mymaster/2?ssl_ca_certs=%2Fetc%2Fca.pem"
+           "&ssl_certfile=/c.pem&ssl_keyfile=/k.pem&sentinel_password=s")
+    assert is_sentinel_url(url) and is_sentinel_url(url.upper())
+    parsed = parse_sentinel_url(url)
+    tls = {"ssl_cert_reqs": "required", "ssl_ca_certs": "/etc/ca.pem", "ssl_certfile": "/c.pem",
+           "ssl_keyfile": "/k.pem"}
+    assert parsed.tls_options() == tls
+    assert parsed.master_kwargs() == {"db": 2, "password": "pw", "ssl": True, **tls}
+    assert parsed.sentinel_kwargs() == {"socket_timeout": SENTINEL_TIMEOUT_SECONDS,
+                                        "socket_connect_timeout": SENTINEL_TIMEOUT_SECONDS,
+                                        "password": "s", "ssl": True, **tls}
+
+
+def test_tls_url_without_options_verifies_against_the_system_cas() -> None:
+    parsed = parse_sentinel_url("rediss+sentinel://h/m")
+    assert parsed.tls_options() == {"ssl_cert_reqs": "required"}
+    assert parsed.master_kwargs()["ssl"] is True
+
+
+def test_tls_options_are_typed_and_checked() -> None:
+    parsed = parse_sentinel_url("rediss+sentinel://h/m?ssl_cert_reqs=NONE&ssl_check_hostname=false")
+    assert parsed.tls_options() == {"ssl_cert_reqs": "none", "ssl_check_hostname": False}
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis+sentinel://h/m?ssl_ca_certs=/ca.pem", r"need TLS: use rediss\+sentinel"),
+    ("rediss+sentinel://h/m?ssl_cert_reqs=maybe", "use none, optional or required"),
+    ("rediss+sentinel://h/m?ssl_check_hostname=perhaps", "use true or false"),
+    ("rediss+sentinel://h/m?ssl_certfile=/c.pem", "go together"),
+    ("rediss+sentinel://h/m?ssl_ca_certs=", "is empty"),
+    ("rediss+sentinel://h/m?ssl=true", "not supported"),
+])
+def test_bad_tls_options_fail_saying_why(url: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_sentinel_url(url)
+
+
+def test_celery_app_passes_the_tls_options_to_the_sentinel_channel() -> None:
+    """The broker gets TLS through its transport options (sentinels: ``sentinel_kwargs``; master:
+    ``master_tls``, applied by cloverq's Sentinel channel), not Celery's ``broker_use_ssl``."""
+    app = create_celery_app(Settings(redis_url="rediss+sentinel://127.0.0.1:26379/mymaster/1?ssl_ca_certs=/ca.pem"))
+    assert app.conf.broker_transport == "scheduler.infra.broker_sentinel:Transport"
+    options = app.conf.broker_transport_options
+    assert options["master_tls"] == {"ssl_cert_reqs": "required", "ssl_ca_certs": "/ca.pem"}
+    sentinel_kwargs = options["sentinel_kwargs"]
+    assert sentinel_kwargs["ssl"] is True and sentinel_kwargs["ssl_ca_certs"] == "/ca.pem"
+    assert not app.conf.broker_use_ssl
