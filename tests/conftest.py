@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
+from bench.fleet_services import wait_until
 from scheduler.infra.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -224,15 +225,9 @@ def clear_leftover_jobs(settings: Settings) -> int:
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.05,
              message: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.1f}s waiting for {message}")
-        time.sleep(interval)
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``
+    (``bench.fleet_services.wait_until`` with ``pytest.fail``)."""
+    return wait_until(predicate, timeout=timeout, interval=interval, what=message, on_timeout=pytest.fail)
 
 
 # --- databases ----------------------------------------------------------------------------------

@@ -1,20 +1,24 @@
 """Start-up check: a TLS certificate that cannot be verified stops a service at once, in one line.
 
 ``cloverq api``, ``cloverq worker``, ``cloverq beat`` and ``cloverq migrate`` call
-:func:`exit_on_tls_failure` before they start. It connects once to Redis (a ``rediss://`` URL)
-and to PostgreSQL (``sslmode`` ``require``, ``verify-ca`` or ``verify-full``, in the URL or
-``PGSSLMODE``), the way the service itself will, and when the TLS handshake fails for good it
-prints one line to stderr and exits with :data:`EXIT_CODE`::
+:func:`exit_on_tls_failure` before they start. It connects once to Redis (a ``rediss://`` URL;
+with ``rediss+sentinel://``, a sentinel and then the master it names) and to PostgreSQL
+(``sslmode`` ``require``, ``verify-ca`` or ``verify-full``, in the URL or ``PGSSLMODE``), the way
+the service itself will, and when the TLS handshake fails for good it prints one line to stderr
+and exits with :data:`EXIT_CODE`::
 
     cloverq: cannot verify the TLS certificate of redis 10.0.0.5:6380: certificate has expired (CA file /ca)
 
 A failed handshake is not something a retry fixes (wrong CA, expired or mismatched certificate,
-a CA file that is not there, a server refusing our client certificate), so it is reported, not
+a CA file, client certificate or key that cannot be read, a server refusing our client
+certificate), so it is reported, not
 retried; a Celery worker would otherwise retry the broker forever and the API answer 503 with
 the cause buried in a log. Every other failure (server down, refused, slow, wrong password)
 keeps today's behaviour: the check says nothing and the service starts (the API with ``/readyz``
-503 until the backends answer, the worker and beat retrying the broker). Plain ``redis://``,
-SQLite and PostgreSQL without ``sslmode`` are not checked: no connection is made.
+503 until the backends answer, the worker and beat retrying the broker). Plain ``redis://`` and
+``redis+sentinel://``, SQLite and PostgreSQL without ``sslmode`` are not checked: no connection is
+made. A Redis URL's files (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``) are read before any
+connection.
 
 The line names the service, the address, the reason as the TLS library gave it, and the CA file,
 never the URL (it may hold a password). libpq says only "certificate verify failed"; the reason
@@ -43,6 +47,7 @@ from sqlalchemy.exc import ArgumentError
 
 from scheduler.infra.db import DatabaseTimeouts, make_engine
 from scheduler.infra.redis_client import is_tls_url, redis_ssl_options
+from scheduler.infra.redis_sentinel import SentinelUrl, is_sentinel_url, parse_sentinel_url
 from scheduler.infra.settings import Settings
 
 EXIT_CODE = 78  # EX_CONFIG (sysexits.h): a configuration error, not a crash
@@ -52,7 +57,13 @@ POSTGRES_TLS_MODES = ("require", "verify-ca", "verify-full")
 _POSTGRES_SSL_REQUEST = struct.pack("!ii", 8, 80877103)
 _OPENSSL_REASON = re.compile(r"certificate verify failed: (?P<reason>[^()\n]+?)\s*(?:\(_ssl|\.\s|\.?$)")
 
-Kind = Literal["verify", "ca_file", "refused"]
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+
+# verify: the server's certificate; refused: the server refused us; ca_file, cert_file, key_file:
+# a file of ours that cannot be read.
+Kind = Literal["verify", "ca_file", "cert_file", "key_file", "refused"]
+_REDIS_FILES: dict[str, Kind] = {  # a Redis URL's file options, read before connecting
+    "ssl_ca_certs": "ca_file", "ssl_certfile": "cert_file", "ssl_keyfile": "key_file"}
 
 
 @dataclass(frozen=True)
@@ -60,10 +71,12 @@ class TlsFailure:
     """Why a TLS connection to a backend cannot work: what :func:`exit_on_tls_failure` prints."""
 
     service: str  # "redis" or "postgresql"
-    address: str  # host:port
-    kind: Kind  # verify: the server's certificate; ca_file: our CA file; refused: the server refused us
+    address: str  # host:port (Sentinel, before connecting: every sentinel's, comma-separated)
+    kind: Kind
     reason: str
     ca_file: str | None = None  # None: the system's CAs
+    file: str | None = None  # cert_file, key_file: the file that cannot be read
+
 
     @property
     def line(self) -> str:
@@ -71,6 +84,10 @@ class TlsFailure:
         if self.kind == "ca_file":
             return (f"cloverq: cannot read the TLS CA file for {self.service} {self.address}: "
                     f"{self.ca_file}: {self.reason}")
+        if self.kind in ("cert_file", "key_file"):
+            what = "certificate" if self.kind == "cert_file" else "key"
+            return (f"cloverq: cannot read the TLS client {what} for {self.service} {self.address}: "
+                    f"{self.file}: {self.reason}")
         if self.kind == "refused":
             return f"cloverq: {self.service} {self.address} refused the TLS connection: {self.reason}"
         return (f"cloverq: cannot verify the TLS certificate of {self.service} {self.address}: "
@@ -115,7 +132,7 @@ def tls_error_of(exc: BaseException) -> tuple[Literal["verify", "refused"], str]
 
 
 def _readable(path: str) -> str | None:
-    """Why ``path`` cannot be read as a CA file (None: it can)."""
+    """Why the file at ``path`` (a CA file, client certificate or key) cannot be read (None: it can)."""
     try:
         with open(path, "rb"):
             return None
@@ -127,33 +144,110 @@ def _readable(path: str) -> str | None:
 
 
 def check_redis_tls(url: str, *, timeout: float = REDIS_TIMEOUT_SECONDS) -> TlsFailure | None:
-    """Connect once to the ``rediss://`` Redis at ``url`` as cloverq's clients do; the TLS
-    failure, or None (no TLS, it verified, or it failed for a reason that is not TLS)."""
+    """Connect once to the ``rediss://`` Redis at ``url`` as cloverq's clients do (with
+    ``rediss+sentinel://``: see :func:`check_sentinel_tls`); the TLS failure, or None (no TLS, it
+    verified, or it failed for a reason that is not TLS)."""
+    if is_sentinel_url(url):
+        return check_sentinel_tls(url, timeout=timeout)
     if not is_tls_url(url):
         return None
     params = parse_url(url)
     host, port = str(params.get("host") or "localhost"), int(params.get("port") or 6379)
-    address = f"{host}:{port}"
     options = redis_ssl_options(url) or {}
-    ca_file = options.get("ssl_ca_certs") or options.get("ssl_ca_path")
-    if options.get("ssl_cert_reqs") != ssl.CERT_NONE and options.get("ssl_ca_certs"):
-        unreadable = _readable(str(options["ssl_ca_certs"]))
-        if unreadable:
-            return TlsFailure("redis", address, "ca_file", unreadable, str(options["ssl_ca_certs"]))
+    unreadable = _unreadable_redis_file(options, f"{host}:{port}")
+    if unreadable is not None:
+        return unreadable
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout,
                                   retry=Retry(NoBackoff(), 0))
     try:
         client.ping()
-        return None
     except Exception as exc:  # any failure: only TLS ones are reported
-        found = tls_error_of(exc)
-        if found is None and _closed_after_handshake(exc):
-            found = _probe_redis_alert(host, port, options, timeout)
-        if found is None:
-            return None
-        return TlsFailure("redis", address, found[0], found[1], str(ca_file) if ca_file else None)
+        return _redis_tls_failure(exc, host, port, options, timeout)
     finally:
         client.close()
+    return None
+
+
+def check_sentinel_tls(url: str, *, timeout: float = REDIS_TIMEOUT_SECONDS) -> TlsFailure | None:
+    """The check of a ``rediss+sentinel://`` URL: its files first (the line names every sentinel),
+    then the sentinels in turn until one names the master (a certificate that does not verify
+    stops there), then the master the way cloverq's clients connect to it. Plain
+    ``redis+sentinel://`` and a URL that does not parse (the service's own start says why): None,
+    no connection."""
+    try:
+        parsed = parse_sentinel_url(url)
+    except ValueError:
+        return None
+    if parsed.tls is None:
+        return None
+    options = _sentinel_ssl_options(parsed)
+    sentinels = ",".join(f"{host}:{port}" for host, port in parsed.sentinels)
+    unreadable = _unreadable_redis_file(options, sentinels)
+    if unreadable is not None:
+        return unreadable
+    timeouts: dict[str, Any] = {"socket_connect_timeout": timeout, "socket_timeout": timeout,
+                                "retry": Retry(NoBackoff(), 0)}
+    master: Any = None
+    for host, port in parsed.sentinels:
+        sentinel = redis.Redis(host=host, port=port, decode_responses=True,
+                               **{**parsed.sentinel_kwargs(), **timeouts})
+        try:
+            master = sentinel.sentinel_get_master_addr_by_name(parsed.service)
+        except Exception as exc:  # any failure: only TLS ones are reported, else the next sentinel
+            failure = _redis_tls_failure(exc, host, port, options, timeout)
+            if failure is not None:
+                return failure
+        finally:
+            sentinel.close()
+        if master:
+            break
+    if not master:  # no sentinel answered, or none knows the service: not a TLS failure
+        return None
+    host, port = str(master[0]), int(master[1])
+    client = redis.Redis(host=host, port=port, **{**parsed.master_kwargs(), **timeouts})
+    try:
+        client.ping()
+    except Exception as exc:  # any failure: only TLS ones are reported
+        return _redis_tls_failure(exc, host, port, options, timeout)
+    finally:
+        client.close()
+    return None
+
+
+def _sentinel_ssl_options(parsed: SentinelUrl) -> dict[str, Any]:
+    """The URL's TLS options as :func:`redis_ssl_options` gives a ``rediss://`` URL's
+    (``ssl_cert_reqs`` an :mod:`ssl` constant)."""
+    options = parsed.tls_options()
+    options["ssl_cert_reqs"] = _CERT_REQS[str(options["ssl_cert_reqs"])]
+    return options
+
+
+def _unreadable_redis_file(options: dict[str, Any], address: str) -> TlsFailure | None:
+    """The first of the CA file (unless nothing is verified), client certificate and key that
+    cannot be read, as a failure."""
+    for option, kind in _REDIS_FILES.items():
+        path = options.get(option)
+        if not path or (kind == "ca_file" and options.get("ssl_cert_reqs") == ssl.CERT_NONE):
+            continue
+        unreadable = _readable(str(path))
+        if unreadable:
+            if kind == "ca_file":
+                return TlsFailure("redis", address, kind, unreadable, str(path))
+            return TlsFailure("redis", address, kind, unreadable, file=str(path))
+    return None
+
+
+def _redis_tls_failure(exc: BaseException, host: str, port: int, options: dict[str, Any],
+                       timeout: float) -> TlsFailure | None:
+    """``exc`` (a failed command to the Redis server or sentinel at host:port) as a TLS failure,
+    or None when it is not one."""
+    found = tls_error_of(exc)
+    if found is None and _closed_after_handshake(exc):
+        found = _probe_redis_alert(host, port, options, timeout)
+    if found is None:
+        return None
+    ca_file = options.get("ssl_ca_certs") or options.get("ssl_ca_path")
+    return TlsFailure("redis", f"{host}:{port}", found[0], found[1], str(ca_file) if ca_file else None)
 
 
 def _closed_after_handshake(exc: BaseException) -> bool:

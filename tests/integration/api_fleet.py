@@ -2,20 +2,16 @@
 
 Three ``cloverq api`` processes (each one uvicorn process, exactly what a replica runs) that
 share nothing but the session's SQL database and Redis, a real worker and beat, and HAProxy
-(Debian's ``haproxy``) running ``deploy/haproxy/haproxy.cfg`` itself: the test points the file's
-environment variables at the replicas' loopback ports, so the shipped configuration (health check
-on ``/readyz/replica``, retries, its 503) is what the tests exercise.
+(Debian's ``haproxy``) running ``deploy/haproxy/haproxy.cfg`` itself (``bench/fleet_services.py``'s
+:class:`Haproxy`, as ``bench.fleet`` runs it): the file's environment variables point at the
+replicas' loopback ports, so the shipped configuration (health check on ``/readyz/replica``,
+retries, its 503) is what the tests exercise.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -25,13 +21,13 @@ from typing import Any
 
 import httpx
 
+from bench.fleet_services import HAPROXY_SERVERS, Haproxy
 from scheduler.infra.settings import Settings
-from tests.conftest import REPO_ROOT, ProcessLauncher, ServiceProcess, free_port, wait_for
+from tests.conftest import ProcessLauncher, ServiceProcess, free_port, wait_for
 
 HAPROXY = shutil.which("haproxy")
 NO_HAPROXY = "haproxy not installed (apt-get install -y haproxy; .ci/run does)"
-HAPROXY_CONFIG = REPO_ROOT / "deploy" / "haproxy" / "haproxy.cfg"
-SERVERS = ("api1", "api2", "api3")  # the server lines of HAPROXY_CONFIG
+SERVERS = HAPROXY_SERVERS  # the server lines of deploy/haproxy/haproxy.cfg
 CHECK_INTER = "200ms"  # fall 2: a draining replica is out within about 0.6 s
 REPLICA_START_TIMEOUT = 90.0
 
@@ -56,13 +52,12 @@ class Fleet:
     settings: Settings
     launcher: ProcessLauncher
     replicas: list[Replica]
-    lb_port: int = field(default_factory=free_port)
-    stats_port: int = field(default_factory=free_port)
-    haproxy: subprocess.Popen[bytes] | None = None
+    haproxy: Haproxy | None = None
 
     @property
     def lb_url(self) -> str:
-        return f"http://127.0.0.1:{self.lb_port}"
+        assert self.haproxy is not None, "start_haproxy first"
+        return self.haproxy.url
 
     def start_replica(self, replica: Replica) -> None:
         argv = [sys.executable, "-m", "cli", "api", "--host", "127.0.0.1", "--port", str(replica.port)]
@@ -85,37 +80,23 @@ class Fleet:
         wait_for(up, timeout=REPLICA_START_TIMEOUT, interval=0.1, message=f"replica {replica.name}")
 
     def start_haproxy(self, log_dir: Path) -> None:
-        assert HAPROXY is not None
-        env = {**os.environ, "LB_BIND": f"127.0.0.1:{self.lb_port}",
-               "LB_STATS_BIND": f"127.0.0.1:{self.stats_port}", "LB_CHECK_INTER": CHECK_INTER}
-        for index, replica in enumerate(self.replicas, start=1):
-            env[f"API{index}_ADDR"] = f"127.0.0.1:{replica.port}"
-            env[f"API{index}_CHECK_PORT"] = str(replica.port)  # one port per replica: planes not split
-        with (log_dir / "haproxy.log").open("wb") as log:
-            self.haproxy = subprocess.Popen([HAPROXY, "-W", "-db", "-f", str(HAPROXY_CONFIG)], env=env,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.haproxy = Haproxy([replica.port for replica in self.replicas], log_dir / "haproxy.log",
+                               check_inter=CHECK_INTER)
+        self.haproxy.start()
 
     def stop_haproxy(self) -> None:
-        if self.haproxy is not None and self.haproxy.poll() is None:
-            os.killpg(self.haproxy.pid, signal.SIGTERM)
-            self.haproxy.wait(timeout=10)
-
-    def _server_rows(self) -> list[dict[str, str]]:
-        """HAProxy's statistics of the replicas (its ``/stats;csv``)."""
-        assert self.haproxy is not None
-        if self.haproxy.poll() is not None:
-            raise AssertionError(f"haproxy exited {self.haproxy.returncode}: see the fleet's haproxy.log")
-        text = httpx.get(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=2.0).text
-        rows = csv.DictReader(io.StringIO(text.lstrip("# ")))
-        return [row for row in rows if row["pxname"] == "cloverq_api" and row["svname"] in SERVERS]
+        if self.haproxy is not None:
+            self.haproxy.stop()
 
     def server_states(self) -> dict[str, str]:
         """HAProxy's view of each replica: ``UP``, ``DOWN``, ``UP 1/2`` (going down), ... ."""
-        return {row["svname"]: row["status"] for row in self._server_rows()}
+        assert self.haproxy is not None
+        return self.haproxy.states()
 
     def served_counts(self) -> dict[str, int]:
         """Requests HAProxy sent to each replica so far (its ``stot`` counter; checks not counted)."""
-        return {row["svname"]: int(row["stot"] or 0) for row in self._server_rows()}
+        assert self.haproxy is not None
+        return self.haproxy.served_counts()
 
     def wait_states(self, wanted: dict[str, str], *, timeout: float) -> None:
         def reached() -> bool:

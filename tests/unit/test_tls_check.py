@@ -21,6 +21,7 @@ from scheduler.infra.tls_check import (
     exit_on_tls_failure,
     tls_error_of,
 )
+from tests.conftest import free_port
 
 
 def test_rediss_options_verify_by_default_and_follow_the_url() -> None:
@@ -115,3 +116,73 @@ def test_exit_on_tls_failure_prints_one_line_and_exits_78(
     assert err == (f"cloverq: cannot read the TLS CA file for redis 127.0.0.1:1: {missing}: "
                    "No such file or directory\n")
     exit_on_tls_failure(settings, redis=False)  # the database alone (cloverq migrate): fine
+
+
+# --- rediss+sentinel:// (scheduler/infra/redis_sentinel.py) -----------------------------------------
+
+SENTINELS = "127.0.0.1:1,127.0.0.1:2"  # nothing listens there: a check that connects would fail slowly
+
+
+def test_plain_and_unparsable_sentinel_urls_are_not_checked(tmp_path: Path) -> None:
+    started = time.monotonic()
+    assert check_redis_tls(f"redis+sentinel://{SENTINELS}/mymaster/0") is None
+    assert check_redis_tls(f"rediss+sentinel://{SENTINELS}/") is None  # no service: its start says so
+    assert check_redis_tls(f"rediss+sentinel://{SENTINELS}/mymaster?ssl_certfile=/c.pem") is None  # no key
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_sentinel_url_with_a_missing_ca_file_is_reported_before_connecting(tmp_path: Path) -> None:
+    missing = tmp_path / "ca.pem"
+    started = time.monotonic()
+    failure = check_redis_tls(f"rediss+sentinel://:secret@{SENTINELS}/mymaster/0?ssl_ca_certs={missing}"
+                              "&sentinel_password=other-secret")
+    assert failure is not None and failure.kind == "ca_file"
+    assert failure.line == (f"cloverq: cannot read the TLS CA file for redis {SENTINELS}: {missing}: "
+                            "No such file or directory")
+    assert "secret" not in failure.line
+    assert time.monotonic() - started < 1.0
+    # ssl_cert_reqs=none verifies nothing: the CA file is not read (as with rediss://).
+    assert check_redis_tls(f"rediss+sentinel://127.0.0.1:{free_port()}/mymaster?ssl_ca_certs={missing}"
+                           "&ssl_cert_reqs=none") is None
+
+
+@pytest.mark.parametrize("scheme", ["rediss", "rediss+sentinel"])
+def test_an_unreadable_client_certificate_or_key_is_reported_before_connecting(
+        tmp_path: Path, scheme: str) -> None:
+    ca, cert = tmp_path / "ca.pem", tmp_path / "client.pem"
+    ca.write_text("not read as a certificate here")
+    cert.write_text("not read as a certificate here")
+    missing, directory = tmp_path / "missing.pem", tmp_path / "a-directory"
+    directory.mkdir()
+    base = f"{scheme}://:secret@127.0.0.1:1/{'mymaster/0' if 'sentinel' in scheme else '0'}?ssl_ca_certs={ca}"
+    started = time.monotonic()
+    failure = check_redis_tls(f"{base}&ssl_certfile={missing}&ssl_keyfile={cert}")
+    assert failure is not None and failure.kind == "cert_file"
+    assert failure.line == (f"cloverq: cannot read the TLS client certificate for redis 127.0.0.1:1: "
+                            f"{missing}: No such file or directory")
+    failure = check_redis_tls(f"{base}&ssl_certfile={cert}&ssl_keyfile={directory}")
+    assert failure is not None and failure.kind == "key_file"
+    assert failure.line == (f"cloverq: cannot read the TLS client key for redis 127.0.0.1:1: "
+                            f"{directory}: Is a directory")
+    assert time.monotonic() - started < 1.0
+
+
+def test_sentinels_that_do_not_answer_are_not_a_tls_failure(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not read: no sentinel answers")
+    sentinels = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    assert check_redis_tls(f"rediss+sentinel://{sentinels}/mymaster/0?ssl_ca_certs={ca}") is None
+    assert time.monotonic() - started < 3.0
+
+
+def test_exit_on_tls_failure_covers_a_sentinel_url(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "ca.pem"
+    settings = Settings(redis_url=f"rediss+sentinel://{SENTINELS}/mymaster/0?ssl_ca_certs={missing}",
+                        database_url=f"sqlite:///{tmp_path}/x.db")
+    with pytest.raises(SystemExit) as exited:
+        exit_on_tls_failure(settings)
+    assert exited.value.code == EXIT_CODE
+    assert capsys.readouterr().err == (f"cloverq: cannot read the TLS CA file for redis {SENTINELS}: "
+                                       f"{missing}: No such file or directory\n")

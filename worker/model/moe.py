@@ -118,11 +118,7 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(expert_of, minlength=self.num_experts)  # [E]
         offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E]
         if counts_out is not None:
-            if token_weight is None:
-                counts_out += counts
-            else:
-                w = token_weight.repeat_interleave(self.top_k)
-                counts_out += torch.bincount(expert_of, weights=w, minlength=self.num_experts).long()
+            self.add_expert_counts(counts_out, expert_of, counts, token_weight)
 
         xs = flat[token_of]  # [N*K, H]
         gate_up = _grouped_matmul(xs, self.w_gate_up, offsets)  # [N*K, 2I]
@@ -158,6 +154,20 @@ class SparseMoE(nn.Module):
             top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
         return top_w * self.routed_scaling_factor, top_e
 
+    def add_expert_counts(
+        self,
+        counts_out: torch.Tensor,  # [E] long, accumulated across passes
+        expert_of: torch.Tensor,  # [N*K] the expert of each routed copy
+        counts: torch.Tensor,  # [E] copies per expert in this call
+        token_weight: torch.Tensor | None,  # [N] how much each token counts (None: 1 each)
+    ) -> None:
+        """Add this call's routed copies per expert to ``counts_out`` (the router statistics the
+        engine reports): every copy counts 1, or its token's weight (padding rows weigh 0)."""
+        if token_weight is None:
+            counts_out += counts
+        else:
+            w = token_weight.repeat_interleave(self.top_k)  # [N*K]
+            counts_out += torch.bincount(expert_of, weights=w, minlength=self.num_experts).long()
 
 class SharedExpertMoE(SparseMoE):
     """The routed experts plus an always-on shared expert: Qwen3.5-MoE scales its output by

@@ -86,11 +86,7 @@ class ExpertParallelMoE(SparseMoE):
         order = torch.argsort(expert_of, stable=True)  # [N*K] copies sorted by expert
         counts = torch.bincount(expert_of, minlength=self.num_experts)  # [E]
         if counts_out is not None:
-            if token_weight is None:
-                counts_out += counts
-            else:
-                w = token_weight.repeat_interleave(self.top_k)
-                counts_out += torch.bincount(expert_of, weights=w, minlength=self.num_experts).long()
+            self.add_expert_counts(counts_out, expert_of, counts, token_weight)
         held = self.w_gate_up.shape[0]
         lo = self.expert_offset
         ends = torch.cumsum(counts, 0)  # [E]
