@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, Field, StringConstraints
 
-from api.schemas.common import MAX_RETENTION_SECONDS, storable_text
+from api.schemas.common import MAX_RETENTION_SECONDS, StrictModel, storable_text
 from scheduler.access.api_keys import MAX_ALLOWED_NETWORKS, MAX_ROTATION_OVERLAP_SECONDS
 from scheduler.access.networks import normalised_networks
 from scheduler.fairness.weights import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT
@@ -31,10 +31,6 @@ Networks = Annotated[
           "(e.g. 10.0.0.0/8, 2001:db8::/32, 127.0.0.2/32); empty or null: any address."),
     AfterValidator(_canonical_networks),
 ]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class WorkerOut(BaseModel):
@@ -97,12 +93,12 @@ class LimitsOut(BaseModel):
     overrides: dict[str, float] = Field(description="Runtime overrides in Redis, per field.")
 
 
-class KeyRateLimit(_Strict):
+class KeyRateLimit(StrictModel):
     rate_per_second: float | None = Field(None, ge=0, le=1_000_000)
     rate_burst: int | None = Field(None, ge=1, le=10_000_000)
 
 
-class TenantLimit(_Strict):
+class TenantLimit(StrictModel):
     max_active: int | None = Field(None, ge=1, le=1_000_000_000)
     retention_default_seconds: int | None = Field(
         None, ge=0, le=MAX_RETENTION_SECONDS, description="Retention of the tenant's jobs that set none.")
@@ -113,7 +109,7 @@ class TenantLimit(_Strict):
         "while several tenants wait, each gets capacity in proportion to it (scheduler/fairness/).")
 
 
-class TenantWeight(_Strict):
+class TenantWeight(StrictModel):
     """A tenant's fair-share weight; null drops the override (back to 1)."""
 
     weight: float | None = Field(..., ge=MIN_WEIGHT, le=MAX_WEIGHT)
@@ -126,7 +122,7 @@ class TenantWeightOut(BaseModel):
     default: float = DEFAULT_WEIGHT
 
 
-class LimitsUpdate(_Strict):
+class LimitsUpdate(StrictModel):
     """Fields left out stay as they are; a field set to null drops its override (back to the
     default from Settings)."""
 
@@ -138,20 +134,20 @@ class LimitsUpdate(_Strict):
     keys: dict[KeyId, KeyRateLimit] | None = Field(None, description="Per-key rate overrides.")
 
 
-class KeyCreate(_Strict):
+class KeyCreate(StrictModel):
     tenant: TenantName
     scopes: list[Scope] = Field(default_factory=lambda: list(_DEFAULT_SCOPES), min_length=1, max_length=3)
     label: KeyLabel | None = None
     allowed_networks: Networks | None = None
 
 
-class KeyNetworksUpdate(_Strict):
+class KeyNetworksUpdate(StrictModel):
     """The key's new ``allowed_networks`` (replacing the old list); empty or null: any address."""
 
     allowed_networks: Networks | None
 
 
-class KeyRotate(_Strict):
+class KeyRotate(StrictModel):
     overlap_seconds: int = Field(
         86400, ge=0, le=MAX_ROTATION_OVERLAP_SECONDS,
         description="How long the old key keeps working beside its successor (0: it ends now; at most "

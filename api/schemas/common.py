@@ -19,7 +19,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import AfterValidator, AllowInfNan, Field
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field
 
 from scheduler.jobs.models import as_utc
 
@@ -37,6 +37,13 @@ MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 # A static bound of retention_seconds (the tenant's maximum, at most the result TTL, is lower and
 # checked at submit: scheduler/access/retention.py); keeps every purge time a valid datetime.
 MAX_RETENTION_SECONDS = 10 * 365 * 24 * 3600
+
+
+
+class StrictModel(BaseModel):
+    """A request model that refuses fields it does not know (a typo is a 422, not ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 def storable_text(text: str) -> str:

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from api.schemas.common import (
-    MAX_BLOCK_SIZE,
     MAX_STEP_BUDGET_BOUND,
-    MAX_STEPS_PER_BLOCK_BOUND,
-    MAX_TEMPERATURE,
-    MAX_TOP_K,
+    StrictModel,
     Text,
     storable_text,
 )
+from api.schemas.decoding import DecodingParams
 
 MAX_ID_CHARS = 64
 MAX_CHOICE_CHARS = 64
@@ -33,11 +31,7 @@ QuestionText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUE
                          AfterValidator(storable_text)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class DecisionQuestionIn(_Strict):
+class DecisionQuestionIn(StrictModel):
     """One question; the answer is always exactly one of ``choices``."""
 
     id: QuestionId
@@ -51,7 +45,7 @@ class DecisionQuestionIn(_Strict):
         return self
 
 
-class DecideInput(_Strict):
+class DecideInput(StrictModel):
     """A document and the questions to judge against it."""
 
     context: Text
@@ -74,17 +68,10 @@ class DecideInput(_Strict):
         return [self.context, *(q.text for q in self.questions)]
 
 
-class DecideParams(_Strict):
-    """Decoding parameters of a decision (``None`` = default)."""
+class DecideParams(DecodingParams):
+    """A decision's decoding parameters: the shared ones, with a smaller seed range (the worker
+    derives per-question seeds from it) and a step budget per sequence."""
 
-    block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE)
-    steps_per_block: int | None = Field(None, ge=1, le=MAX_STEPS_PER_BLOCK_BOUND)
-    strategy: Literal["static", "dynamic"] | None = None  # None: the model family's default
-    threshold: float | None = Field(None, gt=0.0, le=1.0)
-    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)
     seed: int | None = Field(None, ge=0, le=MAX_DECIDE_SEED)
     step_budget: int | None = Field(None, ge=1, le=MAX_STEP_BUDGET_BOUND,
                                     description="Max denoising passes per sequence.")
-    fault: Text | None = Field(None, description="Test-only fault injection; rejected unless enabled.")

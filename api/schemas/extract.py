@@ -6,20 +6,16 @@ the deployment and are checked in :mod:`api.extract_limits`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, ConfigDict, Field, StringConstraints
 
 from api.schemas.common import (
-    MAX_BLOCK_SIZE,
-    MAX_SEED,
-    MAX_STEP_BUDGET_BOUND,
-    MAX_STEPS_PER_BLOCK_BOUND,
-    MAX_TEMPERATURE,
-    MAX_TOP_K,
+    StrictModel,
     Text,
     storable_text,
 )
+from api.schemas.decoding import DecodingParams
 from scheduler.jobs.extract_prompt import extract_messages
 
 
@@ -33,11 +29,7 @@ Document = Annotated[str, StringConstraints(min_length=1), AfterValidator(storab
                      AfterValidator(_not_blank)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ExtractInput(_Strict):
+class ExtractInput(StrictModel):
     """A document and the JSON Schema of what to extract from it. ``schema`` is the field's name on
     the wire (in Python ``schema_``: ``schema`` would shadow a pydantic method)."""
 
@@ -65,19 +57,7 @@ class ExtractInput(_Strict):
         return [message["content"] for message in self.messages()]
 
 
-class ExtractParams(_Strict):
+class ExtractParams(DecodingParams):
     """Decoding parameters of an extract job (``None`` = default). The output's length is the
     schema's canvas, so there is no ``max_new_tokens``; the JSON is decoded right after the
     prompt, so there is no ``thinking`` either (the template renders it off)."""
-
-    block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE)
-    steps_per_block: int | None = Field(None, ge=1, le=MAX_STEPS_PER_BLOCK_BOUND)
-    strategy: Literal["static", "dynamic"] | None = None  # None: the model family's default
-    threshold: float | None = Field(None, gt=0.0, le=1.0)
-    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    step_budget: int | None = Field(None, ge=1, le=MAX_STEP_BUDGET_BOUND,
-                                    description="Max denoising passes for the whole job.")
-    fault: Text | None = Field(None, description="Test-only fault injection; rejected unless enabled.")

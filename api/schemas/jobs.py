@@ -13,22 +13,18 @@ import json
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
+from pydantic import BaseModel, Field, HttpUrl, model_validator
 
 from api.schemas.common import (
-    MAX_BLOCK_SIZE,
     MAX_NEW_TOKENS_BOUND,
     MAX_RETENTION_SECONDS,
-    MAX_SEED,
-    MAX_STEP_BUDGET_BOUND,
-    MAX_STEPS_PER_BLOCK_BOUND,
-    MAX_TEMPERATURE,
-    MAX_TOP_K,
     Metadata,
+    StrictModel,
     Text,
     UtcDateTime,
 )
 from api.schemas.decisions import DecideInput, DecideParams
+from api.schemas.decoding import DecodingParams
 from api.schemas.extract import ExtractInput, ExtractParams
 from scheduler.infra.queue_names import PRIORITY_CLASSES
 from scheduler.jobs.routing import PRIORITY_ALIASES
@@ -38,16 +34,12 @@ MAX_MESSAGES = 256
 MAX_TOOL_CALLS = 128  # calls of one assistant turn
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ToolCallFunction(_Strict):
+class ToolCallFunction(StrictModel):
     name: Text
     arguments: Text = Field(description="The call's arguments: a JSON object, as text (OpenAI's shape).")
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """A call an earlier assistant turn made (rendered back through the chat template)."""
 
     id: Text
@@ -55,7 +47,7 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One chat turn; the worker renders the checkpoint's chat template. ``tool_calls`` only on
     an assistant turn, ``tool_call_id`` only on a ``tool`` turn (a tool's result)."""
 
@@ -80,7 +72,7 @@ class ChatMessage(_Strict):
         return self
 
 
-class GenerateInput(_Strict):
+class GenerateInput(StrictModel):
     """What to continue: a raw ``prompt`` or chat ``messages`` (exactly one of them)."""
 
     prompt: Text | None = None
@@ -125,35 +117,14 @@ class GenerateInput(_Strict):
         return parts
 
 
-class GenerateParams(_Strict):
-    """Decoding parameters (see the decoding contract, docs/architecture.md §3.7); ``None`` = default."""
+class GenerateParams(DecodingParams):
+    """A generate job's decoding parameters: the shared ones, its length and thinking mode."""
 
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_BOUND,
                                        description="Default: settings.limits.default_max_new_tokens.")
-    block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE,
-                                   description="Default: the checkpoint's block size.")
-    steps_per_block: int | None = Field(
-        None, ge=1, le=MAX_STEPS_PER_BLOCK_BOUND,
-        description="Default: settings.limits.default_steps_per_block, else the model family's "
-        "(Clover, LLaDA2: the block size; SDAR: 4).",
-    )
-    strategy: Literal["static", "dynamic"] | None = Field(
-        None, description="Default: the model family's (Clover, LLaDA2: dynamic; SDAR: static)."
-    )
-    threshold: float | None = Field(
-        None, gt=0.0, le=1.0,
-        description="Confidence threshold (dynamic strategy). Default: the family's (0.95; SDAR 0.9).",
-    )
-    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    step_budget: int | None = Field(None, ge=1, le=MAX_STEP_BUDGET_BOUND,
-                                    description="Max denoising passes for the whole job.")
     thinking: bool | None = Field(
         None, description="enable_thinking for the chat template; default settings.thinking.default."
     )
-    fault: Text | None = Field(None, description="Test-only fault injection; rejected unless enabled.")
 
 
 # Classes a client may ask for, plus the aliases high/normal/low: derived from
@@ -173,7 +144,7 @@ else:
     JobWebhookEvent = Literal[JOB_WEBHOOK_EVENTS]
 
 
-class _JobCreateBase(_Strict):
+class _JobCreateBase(StrictModel):
     priority: Priority | None = Field(
         None, description="Requested class; may only lower the class the cost estimate gives."
     )
