@@ -16,7 +16,6 @@ import click
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from scheduler.access.admission import mark_revoked
 from scheduler.access.api_keys import (
     DEFAULT_SCOPES,
     MAX_ROTATION_OVERLAP_SECONDS,
@@ -32,6 +31,7 @@ from scheduler.access.api_keys import (
     set_key_networks,
 )
 from scheduler.access.key_format import key_id_of
+from scheduler.access.key_revocations import mark_revoked
 from scheduler.infra.db import make_engine, migrate, session_factory
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings

@@ -50,7 +50,7 @@ from api.schemas.admin import (
     key_out,
 )
 from api.schemas.errors import error_responses
-from scheduler.access.admission import effective_limits, mark_revoked, queue_depths
+from scheduler.access.admission import queue_depths
 from scheduler.access.api_keys import (
     KeyNotFound,
     KeyNotRotatable,
@@ -60,6 +60,8 @@ from scheduler.access.api_keys import (
     rotate_key,
     set_key_networks,
 )
+from scheduler.access.key_revocations import mark_revoked
+from scheduler.access.limit_overrides import effective_limits
 from scheduler.access.retention import DEFAULT_FIELD, MAX_FIELD, override_field
 from scheduler.fairness.weights import DEFAULT_WEIGHT, weight_field
 from scheduler.fleet import operator_state, queue_drain

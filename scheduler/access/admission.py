@@ -29,8 +29,8 @@ Three rules, all checked *before* anything is stored, so a refused request leave
 Limits have defaults in ``Settings`` and runtime overrides in the Redis hash ``LIMITS_KEY``
 (written by the admin API), so every API process sees a change at once without a restart.
 That hash mirrors SQL (``scheduler.fleet.operator_state``: committed there first, restored from there
-after a Redis restart); ``write_limit_overrides`` below writes the Redis side only (the operator's
-change goes through ``operator_state.update_limits``, which calls it after the SQL commit).
+after a Redis restart); ``scheduler.access.limit_overrides`` reads and writes that hash (the
+operator's change goes through ``operator_state.update_limits``: SQL first, then Redis).
 A reservation expires after ``redis_keys.ADMISSION_RESERVATION_TTL_SECONDS`` (an API process
 that died between admission and publish); a refusal from over-counting is transient (jobs in
 the moment between their commit and their publish count twice for the tenant cap).
@@ -49,8 +49,6 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from scheduler.access.retention import RETENTION_FIELDS, deployment_policy
-from scheduler.fairness.weights import WEIGHT_FIELD
 from scheduler.infra import redis_keys
 from scheduler.infra.queue_names import JOB_QUEUES
 from scheduler.infra.redis_keys import (
@@ -64,14 +62,6 @@ from scheduler.jobs.models import Job, JobStatus
 
 # Celery's Redis transport keeps one list per queue and priority step: "<q>" and "<q>\x06\x16<n>".
 _PRIORITY_SUFFIXES: tuple[str, ...] = ("", "\x06\x163", "\x06\x166", "\x06\x169")
-
-# Override fields accepted in LIMITS_KEY (a trailing ":" means "per <thing>": field + ":" + name).
-GLOBAL_FIELDS: frozenset[str] = frozenset({"rate_per_second", "rate_burst", "tenant_max_active"})
-PER_NAME_FIELDS: frozenset[str] = frozenset(
-    {"rate_per_second:", "rate_burst:", "tenant_max_active:", "queue_max_depth:",
-     f"{WEIGHT_FIELD}:",  # per tenant: its fair-share weight (scheduler/fairness/weights.py)
-     *(f"{name}:" for name in RETENTION_FIELDS)}  # per tenant, read at submit (scheduler/access/retention.py)
-)
 
 # The scripts are built from two Lua functions so that the API's submit path can run both rules
 # in one round trip (``Admission.admit_job``) while other routes and batches use one each.
@@ -475,64 +465,6 @@ def _int_or(value: bytes | str | None, default: int | None) -> int | None:
     return int(float(value))
 
 
-# --- runtime limits (admin API) ----------------------------------------------------------------
-
-
-def effective_limits(client: redis.Redis, settings: Settings) -> dict[str, Any]:
-    """Defaults from Settings, overrides from Redis, and what is in force for each knob."""
-    raw = client.hgetall(LIMITS_KEY)
-    overrides = {_text(field): float(value) for field, value in raw.items()}
-    admission = settings.admission
-    queues = dict(admission.queue_max_depth)
-    retention = deployment_policy(settings)  # per-tenant overrides: under "overrides"
-    return {
-        "defaults": {
-            "retention_default_seconds": retention.default_seconds,
-            "retention_max_seconds": retention.max_seconds,
-            "rate_per_second": admission.rate_limit_per_second,
-            "rate_burst": admission.rate_limit_burst,
-            "tenant_max_active": admission.tenant_max_active_jobs,
-            "queue_max_depth": queues,
-        },
-        "overrides": {field: _number(value) for field, value in sorted(overrides.items())},
-        "effective": {
-            "retention_default_seconds": retention.default_seconds,
-            "retention_max_seconds": retention.max_seconds,
-            "rate_per_second": _number(overrides.get("rate_per_second", admission.rate_limit_per_second)),
-            "rate_burst": int(overrides.get("rate_burst", admission.rate_limit_burst)),
-            "tenant_max_active": int(overrides.get("tenant_max_active", admission.tenant_max_active_jobs)),
-            "queue_max_depth": {
-                queue: int(overrides.get(f"queue_max_depth:{queue}", cap)) for queue, cap in queues.items()
-            },
-        },
-    }
-
-
-def validate_limit_field(field: str) -> None:
-    """Raise ValueError for a field that no admission rule reads."""
-    if field in GLOBAL_FIELDS:
-        return
-    prefix, sep, name = field.partition(":")
-    if sep and f"{prefix}:" in PER_NAME_FIELDS and name:
-        return
-    raise ValueError(f"unknown limit {field!r}")
-
-
-def write_limit_overrides(client: redis.Redis, updates: Mapping[str, float | None]) -> None:
-    """Set (number) or clear (None) runtime overrides in ``LIMITS_KEY``: the Redis side only, in one
-    MULTI so readers never see half. Named for what it writes, apart from the operator's
-    ``operator_state.update_limits`` (SQL first, then this)."""
-    for field in updates:
-        validate_limit_field(field)
-    pipe = client.pipeline(transaction=True)
-    for field, value in updates.items():
-        if value is None:
-            pipe.hdel(LIMITS_KEY, field)
-        else:
-            pipe.hset(LIMITS_KEY, field, repr(float(value)))
-    pipe.execute()
-
-
 def queue_depths(client: redis.Redis, queues: Iterable[str]) -> dict[str, int]:
     """Live jobs waiting in each Celery queue (all priority lists, less the messages of jobs
     cancelled while queued: ``scheduler.dead_messages``, plus the jobs fair share holds without a
@@ -550,19 +482,3 @@ def queue_depths(client: redis.Redis, queues: Iterable[str]) -> dict[str, int]:
                        - int(lengths[i * per + len(_PRIORITY_SUFFIXES)]))
             + max(0, int(lengths[(i + 1) * per - 1] or 0))
             for i, queue in enumerate(names)}
-
-
-def mark_revoked(client: redis.Redis, key_ids: Iterable[str]) -> None:
-    """Tell every API process at once that these keys are refused (read by the rate script): a
-    revoked key, or one rotated with no overlap (``scheduler.access.api_keys.rotate_key``)."""
-    ids = list(key_ids)
-    if ids:
-        client.sadd(REVOKED_SET, *ids)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _number(value: float) -> float | int:
-    return int(value) if float(value).is_integer() else value

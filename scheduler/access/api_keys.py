@@ -286,7 +286,7 @@ def rotate_key(session: Session, *, key_id: str, overlap_seconds: int) -> Rotate
     ``key_id``; it works at once. Both are written in one transaction, and the old key is claimed
     by a conditional UPDATE, so two concurrent rotations of one key make one successor. With no
     overlap the old key is also marked revoked: the caller then tells every API process at once
-    (``scheduler.access.admission.mark_revoked``), as for a revoke, and the Redis set stays what
+    (``scheduler.access.key_revocations.mark_revoked``), as for a revoke, and the Redis set stays what
     the revoked rows say (``scheduler.fleet.operator_state``).
     KeyNotFound; KeyNotRotatable (revoked, expired, or rotated already); InvalidKeyRequest (overlap
     out of 0..MAX_ROTATION_OVERLAP_SECONDS)."""

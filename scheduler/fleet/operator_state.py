@@ -55,8 +55,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from scheduler.access.admission import validate_limit_field, write_limit_overrides
 from scheduler.access.api_keys import ApiKey
+from scheduler.access.limit_overrides import validate_limit_field, write_limit_overrides
 from scheduler.fleet import queue_drain
 from scheduler.infra.db import rowcount
 from scheduler.infra.redis_keys import DRAINED_SET, LIMITS_KEY, REVOKED_SET
@@ -112,7 +112,7 @@ def set_queue_drained(
 
 def update_limits(session: Session, client: redis.Redis, updates: Mapping[str, float | None]) -> None:
     """Set (number) or clear (None) limit overrides in SQL, then in ``LIMITS_KEY``
-    (``admission.write_limit_overrides``).
+    (``limit_overrides.write_limit_overrides``).
 
     Unknown fields raise ValueError before anything is written."""
     for name in updates:

@@ -12,7 +12,7 @@ from pydantic import TypeAdapter, ValidationError
 from api.routes.admin import _limit_changes
 from api.schemas.admin import LimitsUpdate
 from api.schemas.jobs import JobCreate
-from scheduler.access.admission import validate_limit_field
+from scheduler.access.limit_overrides import validate_limit_field
 from scheduler.access.retention import (
     RetentionPolicy,
     RetentionTooLongError,

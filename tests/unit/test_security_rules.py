@@ -7,7 +7,7 @@ import pytest
 from api.auth import DEV_CALLER, Caller
 from api.routes.admin import _limit_changes
 from api.schemas.admin import LimitsUpdate
-from scheduler.access.admission import validate_limit_field
+from scheduler.access.limit_overrides import validate_limit_field
 
 
 def test_admin_scope_implies_every_scope_and_sees_all_tenants() -> None:
