@@ -35,7 +35,7 @@ publishes what the consumer consumes, so ``/readyz`` and ``cloverq_workers_queue
 tell the truth.
 
 Consumers are delivery, never the guarantee: a message that slips in before a cancel takes
-effect is handed back unclaimed by the job runner (gates, ``JobAdmission``, draining), and the
+effect is handed back unclaimed by the job runner (gates, ``JobsInFlight``, draining), and the
 claim's version check keeps a job off the wrong model version whatever queue carried it.
 """
 

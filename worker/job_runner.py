@@ -48,7 +48,7 @@ from worker.engine.types import Progress
 from worker.execution import run_kind
 from worker.fault_injection import FaultInjector
 from worker.job_handler import EngineContext, JobSpec, Outcome
-from worker.model_switch_protocol import JobAdmission
+from worker.model_switch_protocol import JobsInFlight
 from worker.monitor import JobMonitor, RunningJob
 from worker.resident_model import ResidentModel
 from worker.run_outcome import RunOutcome
@@ -75,7 +75,7 @@ class JobRunner:
         model: ResidentModel,
         monitor: JobMonitor,
         metrics: RedisMetricsRecorder,
-        admission: JobAdmission,
+        in_flight: JobsInFlight,
         joint_gate: ClassGate | None,
         capacity_gate: ClassGate | None,
         draining: threading.Event,
@@ -93,7 +93,7 @@ class JobRunner:
         self.model = model
         self.monitor = monitor
         self.metrics = metrics
-        self.admission = admission
+        self.in_flight = in_flight
         self.joint_gate = joint_gate
         self.capacity_gate = capacity_gate
         self.faults = faults
@@ -143,14 +143,14 @@ class JobRunner:
                     held.leave()
                 return self._hand_back(parsed, "job.handed_back_class_cap", queue=queue, cap=gate.cap)
             entered.append(gate)
-        if not self.admission.enter():  # switching model versions: not claimed, republished later
+        if not self.in_flight.enter():  # switching model versions: not claimed, republished later
             for held in entered:
                 held.leave()
             return self._hand_back(parsed, "job.handed_back_switching")
         try:
             return self._claim_and_run(parsed)
         finally:
-            self.admission.leave()
+            self.in_flight.leave()
             for held in entered:
                 held.leave()
 

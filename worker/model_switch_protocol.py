@@ -10,7 +10,7 @@ every ``model_watch_interval_seconds``. When it changes the worker
 1. waits for its turn: one worker per model switches at a time (a Redis lock), so a fleet of
    several workers never loses all its capacity at once (no downtime while it rolls);
 2. stops taking jobs: its Celery consumers are cancelled (the consumer controller,
-   ``worker/consumers.py``, consumes nothing while switching) and ``JobAdmission`` closes, so a
+   ``worker/consumers.py``, consumes nothing while switching) and ``JobsInFlight`` closes, so a
    message that was already delivered is handed back unclaimed (the reconciler republishes it);
 3. drains: every job it had claimed finishes on the old version (none is interrupted or retried);
 4. unloads the old model, loads and verifies the new folder, warms the engine up;
@@ -46,7 +46,7 @@ SWITCHING = "switching"  # registry state while a worker drains and loads anothe
 TURN_TTL_SECONDS = 3600  # backstop only: a dead holder's turn is taken over at once (see take)
 
 
-class JobAdmission:
+class JobsInFlight:
     """Counts the jobs inside ``run_job``; closing it refuses new ones and waits for the rest."""
 
     def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """Serve ``served_model``'s version for this worker's track: load it at start, switch when it changes.
 
 The protocol (turns, drain, load, resume) is described in ``worker/model_switch_protocol.py``, which holds
-its parts (``ModelFollower``, ``SwitchTurn``, ``JobAdmission``); this class carries it out on the
+its parts (``ModelFollower``, ``SwitchTurn``, ``JobsInFlight``); this class carries it out on the
 worker's ``ResidentModel``. Consumers are not switched here: the switch only tells the consumer
 controller (``worker/consumers.py``) that it is switching or which lane it is on, and the
 controller works out what that means next to the drain flags and the gates.
@@ -30,7 +30,7 @@ from scheduler.model_versions.registry import (
 )
 from scheduler.observability.metric_families import set_process_version, version_label
 from worker.consumers import ConsumerController
-from worker.model_switch_protocol import SWITCHING, JobAdmission, ModelFollower, SwitchTurn
+from worker.model_switch_protocol import SWITCHING, JobsInFlight, ModelFollower, SwitchTurn
 from worker.resident_model import ResidentModel
 
 log = structlog.get_logger(__name__)
@@ -60,7 +60,7 @@ class ModelSwitcher:
         info: WorkerInfo,
         model: ResidentModel,
         consumers: ConsumerController,
-        admission: JobAdmission,
+        in_flight: JobsInFlight,
         read_drained: Callable[[], frozenset[str] | None],
         stopping: Callable[[], bool],
         heartbeat: Callable[[], None],
@@ -77,7 +77,7 @@ class ModelSwitcher:
         self.info = info
         self.model = model
         self.consumers = consumers
-        self.admission = admission
+        self.in_flight = in_flight
         self._read_drained = read_drained
         self._stopping = stopping
         self._heartbeat = heartbeat
@@ -169,7 +169,7 @@ class ModelSwitcher:
         try:
             quietly(self._heartbeat)
             self.consumers.update(switching=True, wait=True)
-            self.admission.close_and_wait()  # every claimed job finishes on the old version
+            self.in_flight.close_and_wait()  # every claimed job finishes on the old version
             outcome = self._swap_engine(activation.version)
             if outcome:
                 self.set_lane(activation.version == activation.canary_version)
@@ -207,8 +207,8 @@ class ModelSwitcher:
             return None
 
     def _resume(self) -> None:
-        """Take jobs again: admission first (the guarantee), then the registry and consumers."""
-        self.admission.open()
+        """Take jobs again: the in-flight count first (the guarantee), then the registry and consumers."""
+        self.in_flight.open()
         if self._stopping():  # SIGTERM arrived meanwhile: the registry says draining, keep it so
             return
         self.info.state = WorkerState.READY

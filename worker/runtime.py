@@ -43,7 +43,7 @@ from worker.consumers import AmqpQueues, CeleryConsumer, ConsumerController
 from worker.engine_protocol import ServingEngine
 from worker.fault_injection import fault_injector_for
 from worker.job_runner import JobRunner
-from worker.model_switch_protocol import JobAdmission
+from worker.model_switch_protocol import JobsInFlight
 from worker.model_switcher import ModelSwitcher
 from worker.monitor import JobMonitor
 from worker.process_lifecycle import ProcessLifecycle
@@ -81,7 +81,7 @@ class WorkerRuntime:
         reserve = interactive_reserve(queues, settings.engine.interactive_reserve)
         self.model = ResidentModel(settings, info=self.info, worker_id=self.worker_id,
                                    redis_client=self.redis, reserve=reserve)
-        self.admission = JobAdmission()  # closed while a model switch drains and loads
+        self.in_flight = JobsInFlight()  # closed while a model switch drains and loads
         monitor = JobMonitor(settings=settings, sessions=self.sessions, redis_client=self.redis,
                              worker_id=self.worker_id, decode=self.model.decode, heartbeat=self._heartbeat)
         draining = threading.Event()
@@ -97,7 +97,7 @@ class WorkerRuntime:
             self.lifecycle.switcher = ModelSwitcher(
                 settings=settings, model_name=settings.model.served, sessions=self.sessions,
                 redis_client=self.redis, worker_id=self.worker_id, info=self.info, model=self.model,
-                consumers=self.consumers, admission=self.admission, read_drained=self.drain_follower.read,
+                consumers=self.consumers, in_flight=self.in_flight, read_drained=self.drain_follower.read,
                 stopping=draining.is_set, heartbeat=self._heartbeat,
                 publish_now=self.lifecycle.publish_metrics_now, engine_died=self.lifecycle.engine_died,
             )
@@ -112,7 +112,7 @@ class WorkerRuntime:
                                   then=self.consumers.sync)
         self.runner = JobRunner(
             settings=settings, sessions=self.sessions, redis_client=self.redis, worker_id=self.worker_id,
-            model=self.model, monitor=monitor, metrics=self.metrics, admission=self.admission,
+            model=self.model, monitor=monitor, metrics=self.metrics, in_flight=self.in_flight,
             joint_gate=joint_gate if JOINT_QUEUE in queues else None,
             capacity_gate=capacity_gate if reserve else None,
             draining=draining, lane=lambda: self.info.stats.get("lane"), faults=fault_injector_for(settings),

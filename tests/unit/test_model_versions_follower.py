@@ -14,11 +14,11 @@ import pytest
 
 from scheduler.model_versions.registry import Activation
 from worker import model_switch_protocol
-from worker.model_switch_protocol import JobAdmission, ModelFollower
+from worker.model_switch_protocol import JobsInFlight, ModelFollower
 
 
 def test_admission_refuses_new_jobs_and_waits_for_admitted_ones() -> None:
-    gate = JobAdmission()
+    gate = JobsInFlight()
     assert gate.enter() and gate.enter()
     closed = threading.Event()
 
@@ -40,7 +40,7 @@ def test_admission_refuses_new_jobs_and_waits_for_admitted_ones() -> None:
 
 
 def test_admission_close_times_out_while_a_job_runs() -> None:
-    gate = JobAdmission()
+    gate = JobsInFlight()
     assert gate.enter()
     assert gate.close_and_wait(timeout=0.05) is False
 
