@@ -5,8 +5,9 @@ event stream) cost next to the engine it feeds? For each worker count (``--worke
 work runs twice in the same run, on the same demo checkpoint and torch threads:
 
 - **engine**: ``W`` processes, each the worker's own ``ResidentModel`` (the engine the worker
-  builds, with its slots, interactive reserve included, warmed up the same way), each given its share of the jobs at once (the engine's queue
-  is its saturation), prompts tokenized and params mapped by the worker's own helpers;
+  builds, with its slots, interactive reserve included, warmed up the same way), each given its
+  share of the jobs at once (the engine's queue is its saturation), prompts tokenized and params
+  mapped by the worker's own helpers;
 - **stack**: ``cloverq api`` + beat + ``W`` ``cloverq worker`` processes on a Redis of its own and
   a database (``--database-url``, default a SQLite file), every job submitted over HTTP at once
   and long-polled to its end.
@@ -15,7 +16,11 @@ Both report jobs/s and generated tokens/s over the wall time from the first job'
 last one's end (the stack's from the jobs' own ``created_at`` / ``finished_at``). The goal is the
 stack at >= 90% of the engine's tokens/s. On a small CPU machine every process shares the same
 cores, so the stack's own processes (API, beat, Redis, the database) take CPU from the engine:
-read the figures with the machine's core count, which the report prints.
+the report prints, beside the ratio, the CPU each process used per job over the saturated phase
+(``/proc``, ``bench/system_cpu.py``: the worker's beyond what the engine alone used on the same
+jobs), the share of the machine they took, and the bound that leaves,
+``engine tokens/s x (1 - share)``; and the engines' busy time, tokens per pass and the running
+jobs per heartbeat, to tell CPU taken from a starved engine.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,10 +63,13 @@ class Measured:
     # "beat", "redis", "client", "worker-N" for the stack), and the worker's busiest threads apart
     cpu: dict[str, float] = field(default_factory=dict)
     worker_top_threads: float = 0.0
+    # the CPU seconds of the threads of the first engine process / of worker-0, most first
+    worker_threads: list[float] = field(default_factory=list)
     cpu_wall: float = 0.0  # the wall seconds the CPU readings span
     engine_busy: float = 0.0  # seconds inside engine passes, summed over the engines
     passes: int = 0  # engine passes, summed
     batch: list[int] = field(default_factory=list)  # running jobs per heartbeat (stack, worker 0)
+    foreign: float = 0.0  # CPU seconds the rest of the machine (not this run) used meanwhile
 
     @property
     def jobs_per_second(self) -> float:
@@ -86,9 +95,9 @@ def engine_share(args: argparse.Namespace) -> dict[str, Any]:
 
     from scheduler.fleet.workers import WorkerInfo
     from scheduler.infra.settings import Settings
+    from worker.class_gates import interactive_reserve
     from worker.engine.types import GenerationRequest
     from worker.execution import prompt_ids
-    from worker.class_gates import interactive_reserve
     from worker.job_handler import sampling_params
     from worker.resident_model import ResidentModel
 
@@ -109,17 +118,23 @@ def engine_share(args: argparse.Namespace) -> dict[str, Any]:
         requests.append(GenerationRequest(request_id=f"bench-{index}", prompt_ids=ids,
                                           params=sampling_params(params, settings), slot_class="interactive"))
     before = resident.engine.stats()
+    threads_before = system_cpu.thread_seconds(os.getpid())
+    machine_before = system_cpu.machine_busy()
     cpu_before = time.process_time()
     started = time.time()
     futures = [resident.engine.submit(request) for request in requests]
     tokens = sum(future.result().tokens for future in futures)
     ended = time.time()
     cpu = time.process_time() - cpu_before
+    machine = system_cpu.machine_busy() - machine_before
+    threads = system_cpu.thread_seconds(os.getpid())
     after = resident.engine.stats()
     resident.unload()
     return {"jobs": len(requests), "tokens": tokens, "started": started, "ended": ended, "cpu": cpu,
             "busy": after.busy_seconds - before.busy_seconds, "passes": after.passes - before.passes,
-            "steps": after.steps - before.steps, "slots": after.max_batch}
+            "steps": after.steps - before.steps, "slots": after.max_batch, "machine": machine,
+            "threads": sorted((max(0.0, t - threads_before.get(tid, 0.0)) for tid, t in threads.items()),
+                              reverse=True)}
 
 
 def run_engine(workers: int, args: argparse.Namespace) -> Measured:
@@ -143,6 +158,8 @@ def run_engine(workers: int, args: argparse.Namespace) -> Measured:
     seconds = max(o["ended"] for o in outs) - min(o["started"] for o in outs)
     return Measured("engine", workers, sum(o["jobs"] for o in outs), sum(o["tokens"] for o in outs), seconds,
                     cpu={"engine": sum(o["cpu"] for o in outs)}, cpu_wall=seconds,
+                    worker_threads=outs[0]["threads"],
+                    foreign=max(0.0, outs[0]["machine"] - sum(o["cpu"] for o in outs)),
                     engine_busy=sum(o["busy"] for o in outs), passes=sum(o["passes"] for o in outs))
 
 
@@ -281,10 +298,12 @@ def run_stack(workers: int, args: argparse.Namespace) -> Measured:
         stack.start()
         time.sleep(2 * HEARTBEAT_SECONDS)  # start-up settles (the beat's first ticks, warm-ups)
         engines_before = stack.engines()
-        before = system_cpu.snapshot(stack.groups(), watch_threads=watched)
+        before = system_cpu.snapshot(stack.groups(), watch_threads=watched, alone=["client"])
+        machine_before = system_cpu.machine_busy()
         began = time.monotonic()
         jobs, batch = asyncio.run(_load(stack, args))
-        after = system_cpu.snapshot(stack.groups(), watch_threads=watched)
+        after = system_cpu.snapshot(stack.groups(), watch_threads=watched, alone=["client"])
+        machine = system_cpu.machine_busy() - machine_before
         cpu_wall = time.monotonic() - began
         time.sleep(HEARTBEAT_SECONDS + 1.0)  # the next heartbeat carries the engines' last counters
         engines_after = stack.engines()
@@ -299,14 +318,16 @@ def run_stack(workers: int, args: argparse.Namespace) -> Measured:
     started = min(_when(job["timings"]["created_at"]) for job in jobs)
     ended = max(_when(job["timings"]["finished_at"]) for job in jobs)
     tokens = sum(int((job.get("usage") or {}).get("completion_tokens", 0)) for job in jobs)
-    used = system_cpu.usage(before, after, top=args.threads)
+    used = system_cpu.usage(before, after, top=getattr(args, "engine_threads", args.threads))
 
     def grew(key: str) -> Any:
         return sum(e[key] for e in engines_after) - sum(e[key] for e in engines_before)
 
     return Measured("stack", workers, len(jobs), tokens, ended - started, cpu=used.seconds,
                     worker_top_threads=sum(used.top_threads.values()), cpu_wall=cpu_wall,
-                    engine_busy=grew("busy"), passes=grew("passes"), batch=batch)
+                    worker_threads=used.busiest.get("worker-0", []),
+                    engine_busy=grew("busy"), passes=grew("passes"), batch=batch,
+                    foreign=max(0.0, machine - sum(used.seconds.values())))
 
 
 def explain(engine: Measured, stack: Measured, cores: int) -> dict[str, Any]:
@@ -334,12 +355,19 @@ def explain(engine: Measured, stack: Measured, cores: int) -> dict[str, Any]:
     alone_use = engine.cpu.get("engine", 0.0) / (cores * engine.seconds) if engine.seconds else 0.0
     lines = [
         f"CPU ms/job: engine alone {ms(engine_cpu)} ({alone_use:.0%} of the cores); stack worker(s) "
-        f"{ms(worker_cpu)} (busiest threads {ms(stack.worker_top_threads)}, others "
+        f"{ms(worker_cpu)} (engine threads {ms(stack.worker_top_threads)}, others "
         f"{ms(worker_cpu - stack.worker_top_threads)}), "
         + ", ".join(f"{k} {ms(v)}" for k, v in sorted(others.items())),
+        "threads' CPU ms per job of the run, busiest first: engine alone (one process) "
+        + " ".join(ms(v) for v in engine.worker_threads[:8] if 1000 * v / jobs >= 0.5)
+        + "; stack worker-0 " + " ".join(ms(v) for v in stack.worker_threads[:8] if 1000 * v / jobs >= 0.5),
         "non-engine CPU, share of the machine (" + f"{cores} cores x {stack.cpu_wall:.1f} s): "
         + ", ".join(f"{k} {v / machine:.1%}" for k, v in overhead.items()) + f" = {share:.1%}",
     ]
+    alone_machine = cores * engine.cpu_wall or 1.0
+    lines.append(f"the rest of the machine (not this run) took {engine.foreign / alone_machine:.0%} "
+                 f"of the cores while the engine ran alone, {stack.foreign / machine:.0%} while the stack ran"
+                 " (a loaded machine makes the ratio noise)")
     busy_alone = engine.engine_busy / (engine.seconds * engine.workers) if engine.seconds else 0.0
     busy_stack = stack.engine_busy / (stack.seconds * stack.workers) if stack.seconds else 0.0
     batch = sorted(stack.batch[1:-1] or stack.batch) or [0]
@@ -398,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from worker.model.demo import write_demo_checkpoint
 
+    # a SIGTERM unwinds like Ctrl-C: the stack's processes (sessions of their own) are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.workdir = Path(tempfile.mkdtemp(prefix="cloverq-bench-system-"))
     args.checkpoint = write_demo_checkpoint(args.workdir / "model" / args.size, seed=0, size=args.size)
     cores = os.cpu_count() or 1
@@ -408,6 +438,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for workers in [int(part) for part in args.workers.split(",")]:
         args.threads = threads or max(1, cores // workers)  # the cores split between the engines
         engine = run_engine(workers, args)
+        # the engine's compute threads: those of one engine process that did real work (its thread
+        # and torch's OpenMP pool); the worker's as many busiest threads are its engine's
+        busiest = engine.worker_threads[0] if engine.worker_threads else 0.0
+        args.engine_threads = max(1, sum(1 for v in engine.worker_threads if v >= 0.05 * busiest))
         stack = run_stack(workers, args)
         ratio = stack.tokens_per_second / engine.tokens_per_second if engine.tokens_per_second else 0.0
         for side in (engine, stack):
