@@ -5,6 +5,7 @@ a cancel while it waits sticks; bad schedules are 422 with nothing stored."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -19,6 +20,8 @@ from sqlalchemy import func, select
 from api.app import create_app
 from scheduler.infra import redis_keys
 from scheduler.infra.db import get_session_factory
+from scheduler.infra.leader_lease import parse_value
+from scheduler.infra.redis_keys import BEAT_LEADER_KEY
 from scheduler.infra.settings import Settings
 from scheduler.jobs.models import Job
 from tests.conftest import ProcessLauncher, clear_leftover_jobs, wait_for
@@ -33,6 +36,24 @@ class Stack:
     def __init__(self, settings: Settings, launcher: ProcessLauncher, client: TestClient) -> None:
         self.settings, self.launcher, self.client = settings, launcher, client
         self.beat = launcher.start_beat(settings)
+        self.wait_beat_leads()
+
+    def wait_beat_leads(self) -> None:
+        """Until this module's beat holds the leader lease: its delayed tick runs from then on. (A
+        beat's start - imports, Celery, the election - took 8 s on a loaded CI machine: a job due
+        2 s after an unawaited start measured the start, not the tick.)"""
+        redis = redis_lib.Redis.from_url(self.settings.resolved_redis_url)
+
+        def leads() -> bool:
+            lease = parse_value(redis.get(BEAT_LEADER_KEY))
+            if lease is None:
+                return False
+            try:  # the holder is "<host>:<pid>" of the beat inside the launched process group
+                return os.getpgid(int(lease.name.rsplit(":", 1)[1])) == self.beat.pid
+            except ProcessLookupError:  # a stale lease of a beat gone since: not ours
+                return False
+
+        wait_for(leads, timeout=60, interval=0.1, message="this module's beat leading")
 
     def restart_beat(self) -> None:
         self.beat.terminate()
