@@ -336,15 +336,17 @@ def rotated(items: list[Any], round_: int) -> list[Any]:
     return items[shift:] + items[:shift]
 
 
-def _control(port: int, line: str) -> None:
-    """One control line to bench.tracing_switch; it answers once the change is made."""
+def _control(port: int, line: str) -> str:
+    """One control line to bench.tracing_switch; it answers once the change is made (``ok``, and
+    for ``cpu`` the export threads' CPU seconds: returned)."""
     import socket
 
     with socket.create_connection((HOST, port), timeout=30) as conn:
         conn.sendall(line.encode() + b"\n")
         reply = conn.makefile().readline().strip()
-    if reply != "ok":
+    if reply.split(" ", 1)[0] != "ok":
         raise RuntimeError(f"tracing switch answered {reply!r} to {line!r}")
+    return reply[3:]
 
 
 def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str,
@@ -381,15 +383,18 @@ def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_
     api = Service("api-switch", [python, "-m", "bench.tracing_switch", "--port", str(port),
                                  "--control-port", str(control_port)], env, workdir)
     request = build_request("POST", "/v1/jobs", f"{HOST}:{port}", SUBMIT_BODY, headers)
+    export_ms: dict[str, list[float]] = {setup: [] for _, setup in TRACING_SETUPS}  # per block
 
     def block(setup: str, clients: int, total: int) -> LoadResult:
         _control(control_port, f"use {setup}")
         per_client = max(1, total // clients)
-        cpu_before = _cpu_seconds(api.proc.pid)
+        cpu_before, export_before = _cpu_seconds(api.proc.pid), float(_control(control_port, "cpu"))
         result = asyncio.run(run_load(HOST, port, lambda i, n: request, clients=clients,
                                       requests_per_client=per_client))
         _control(control_port, "flush")  # this block's spans exported: their CPU counted here
-        result.server_cpu_ms = (_cpu_seconds(api.proc.pid) - cpu_before) * 1000.0 / max(1, result.requests)
+        requests = max(1, result.requests)
+        result.server_cpu_ms = (_cpu_seconds(api.proc.pid) - cpu_before) * 1000.0 / requests
+        export_ms[setup].append((float(_control(control_port, "cpu")) - export_before) * 1000.0 / requests)
         return result
 
     try:
@@ -402,13 +407,15 @@ def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_
         print(f"\nbench.api --tracing — {db_kind}, Redis {redis_url}, auth {args.auth}, "
               f"{os.cpu_count()} CPUs, one API process switched between setups, {rounds} rounds")
         print(f"{'':<22} {'req/s':>7} {'vs off':>7} {'(rounds min-max)':>17}   {'p50 ms':>7} {'p99 ms':>7}"
-              f"   {'cpu ms':>6} {'vs off':>7}   statuses")
+              f"   {'cpu ms':>6} {'vs off':>7} {'export':>6}   statuses")
         for clients in levels:
             parts: dict[str, list[LoadResult]] = {label: [] for label, _ in TRACING_SETUPS}
             share = max(clients, args.requests // rounds)
+            exported: dict[str, list[float]] = {label: [] for label, _ in TRACING_SETUPS}
             for round_ in range(rounds):
                 for label, setup in rotated(list(TRACING_SETUPS), round_):
                     parts[label].append(block(setup, clients, share))
+                    exported[label].append(export_ms[setup][-1] * parts[label][-1].requests)
             merged = {label: LoadResult.merged(results) for label, results in parts.items()}
             off = merged[TRACING_SETUPS[0][0]]
             for label, result in merged.items():
@@ -418,12 +425,14 @@ def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_
                       f"{result.throughput / off.throughput:7.3f} "
                       f"{f'({min(per_round):.3f}-{max(per_round):.3f})':>17}   "
                       f"{result.percentile(50):7.2f} {result.percentile(99):7.2f}   "
-                      f"{result.server_cpu_ms:6.2f} {off.server_cpu_ms / result.server_cpu_ms:7.3f}   "
+                      f"{result.server_cpu_ms:6.2f} {off.server_cpu_ms / result.server_cpu_ms:7.3f} "
+                      f"{sum(exported[label]) / max(1, result.requests):6.3f}   "
                       f"{_statuses(result)}")
         print("\ngoals: throughput loss <= 3% at ratio 0.1, <= 10% at ratio 1.0 (vs tracing off). "
               "'cpu ms vs off' is off's CPU per request over this one's (the throughput ratio if the "
-              "API's CPU is the bottleneck); 'off again A-A' is a second tracing-off block per round: "
-              "its distance from 1.000 is the noise that is left.")
+              "API's CPU is the bottleneck); 'export' is the part of 'cpu ms' spent in the span export "
+              "thread (encoding and posting to the collector); 'off again A-A' is a second tracing-off "
+              "block per round: its distance from 1.000 is the noise that is left.")
     finally:
         api.stop()
         sink.stop()

@@ -13,7 +13,9 @@ Both tracing setups are made by the product's own :func:`scheduler.observability
 that every call site reads (``_provider``, ``_tracer``, ``_enabled``), as the unit tests do.
 
 Control lines (one per connection, answered ``ok``): ``use off|0.1|1.0``; ``flush`` exports every
-queued span before answering, so that a block's export work is counted in that block's CPU time.
+queued span before answering, so that a block's export work is counted in that block's CPU time;
+``cpu`` answers ``ok <seconds>``: the CPU time so far of the span export threads (the SDK's
+``OtelBatchSpanRecordProcessor``), so the bench can say what share of tracing's cost is export.
 
 Run: ``python -m bench.tracing_switch --port 8000 --control-port 8001`` (the bench starts it).
 """
@@ -21,8 +23,10 @@ Run: ``python -m bench.tracing_switch --port 8000 --control-port 8001`` (the ben
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socketserver
 import threading
+import time
 from typing import Any
 
 from opentelemetry import trace
@@ -50,6 +54,19 @@ def use(setup: Setup) -> None:
     tracing._provider, tracing._tracer, tracing._enabled = setup
 
 
+EXPORT_THREAD_PREFIX = "OtelBatchSpan"
+
+
+def export_cpu_seconds() -> float:
+    """CPU seconds used so far by this process's span export threads (live ones)."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith(EXPORT_THREAD_PREFIX) and thread.ident is not None:
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
+
+
 def serve_control(port: int, setups: dict[str, Setup]) -> None:
     """Answer control lines on 127.0.0.1:``port`` in a daemon thread."""
 
@@ -62,6 +79,9 @@ def serve_control(port: int, setups: dict[str, Setup]) -> None:
                 for provider, _, _ in setups.values():
                     if provider is not None:
                         provider.force_flush(10_000)
+            elif words == ["cpu"]:
+                self.wfile.write(f"ok {export_cpu_seconds():.6f}\n".encode())
+                return
             else:
                 self.wfile.write(b"error\n")
                 return
@@ -83,7 +103,8 @@ def main() -> None:
     serve_control(args.control_port, build_setups())
     # `cloverq api` itself, in this process (its app reads the tracing globals per request).
     assert api.callback is not None
-    api.callback(host="127.0.0.1", port=args.port, workers=1, access_log=False, keep_alive=75, fd=None)
+    api.callback(host="127.0.0.1", port=args.port, admin_port=None, ops_port=None, workers=1,
+                 access_log=False, keep_alive=75, fd=None, admin_fd=None, ops_fd=None)
 
 
 if __name__ == "__main__":
