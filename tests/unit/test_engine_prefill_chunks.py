@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.prefill_chunks import chunk_spans, plan_prefill
+from worker.engine.prefill_chunks import chunk_spans, join_rows, plan_prefill
 from worker.engine.runner import PassTimings, RowOutcome, RowSpec
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint
@@ -70,6 +70,17 @@ def test_plan_examples() -> None:
     plan = plan_prefill([400, 12, 4], [4, 4, 4], 64)  # the short prompt joins ahead of the long one
     assert plan.joins == [False, True, True] and plan.chunks == [48, 0, 0]
     assert plan_prefill([4] * 20 + [400], [4] * 21, 16).chunks[-1] == 4
+    plan = plan_prefill([4, 400, 4], [4, 4, 4], 64)
+    assert plan.left == 64 - 8 and sum(plan.chunks) <= plan.left  # what the chunks take from
+
+
+def test_arrivals_between_forwards_share_what_is_left() -> None:
+    # Two 416-token prompts arriving while 448 tokens are left: one joins, the other waits for
+    # the next plan (each weighed against the whole rest, both joined: 832 tokens in one forward).
+    assert join_rows([416, 416], [4, 4], 448) == ([True, False], 32)
+    # One-block rows always join, even past a spent budget; prompts then only if they fit.
+    assert join_rows([4, 12, 4], [4, 4, 4], 0) == ([True, False, True], -8)
+    assert join_rows([12, 8, 4], [4, 4, 4], 24) == ([True, True, True], 0)
 
 
 @pytest.mark.parametrize(("start", "end", "block", "budget", "spans"), [

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker.engine.admission import Candidate, Occupancy, pick_admissions
-from worker.engine.prefill_chunks import chunk_sizes, chunk_spans, plan_prefill
+from worker.engine.prefill_chunks import chunk_sizes, chunk_spans, join_rows, plan_prefill
 from worker.engine.prefix_cache import PrefixCache, PrefixEntry, chain_hashes
 from worker.engine.runner import ModelRunner, PassTimings, RowOutcome, RowSpec
 from worker.engine.stats import EngineStats
@@ -324,8 +324,9 @@ class Engine:
             admitted = self._admit()
             peers = self._prefix_peers(admitted)
         self._start_admitted(admitted, peers)
-        return [a for a in admitted
-                if a.state.block_start - a.state.cached_len <= max(a.state.block_size, budget_left)]
+        joins, _ = join_rows([a.state.block_start - a.state.cached_len for a in admitted],
+                             [a.state.block_size for a in admitted], budget_left)
+        return [a for a, joined in zip(admitted, joins, strict=True) if joined]
 
     def _settle_waiting(self) -> None:
         """Resolve waiting requests that were cancelled or ran out of time before admission."""
@@ -512,7 +513,7 @@ class Engine:
         committed = self._run_pass([a for a, joins in zip(active, plan.joins, strict=True) if joins], timings)
         prompts = [i for i, chunk in enumerate(plan.chunks) if chunk]
         if prompts:  # chunks follow: admit before them, so that no arrival waits a pass and a chunk
-            left = budget - sum(p for p, joins in zip(pending, plan.joins, strict=True) if joins)
+            left = plan.left
             while arrivals := self._admit_at_boundary(left):
                 left -= sum(a.state.block_start - a.state.cached_len for a in arrivals)  # before they run
                 committed += self._run_pass(arrivals, timings)

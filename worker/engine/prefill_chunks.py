@@ -45,10 +45,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """Per active row: whether it joins this pass, and the prompt tokens it prefills before."""
+    """Per active row: whether it joins this pass, and the prompt tokens it prefills before;
+    ``left``: the budget the joining rows leave (the chunks take from it)."""
 
     joins: list[bool]
     chunks: list[int]
+    left: int
 
 
 def plan_prefill(pending: Sequence[int], block_sizes: Sequence[int], budget: int) -> PrefillPlan:
@@ -59,15 +61,24 @@ def plan_prefill(pending: Sequence[int], block_sizes: Sequence[int], budget: int
     ``block_sizes[i]``. ``budget`` <= 0: chunking off (every row joins, as without this module).
     """
     if budget <= 0:
-        return PrefillPlan([True] * len(pending), [0] * len(pending))
+        return PrefillPlan([True] * len(pending), [0] * len(pending), 0)
+    joins, left = join_rows(pending, block_sizes, budget)
+    rest = [0 if joined else tokens for tokens, joined in zip(pending, joins, strict=True)]
+    return PrefillPlan(joins, chunk_sizes(rest, block_sizes, left), left)
+
+
+def join_rows(pending: Sequence[int], block_sizes: Sequence[int], left: int) -> tuple[list[bool], int]:
+    """Which rows join a pass out of ``left`` budget tokens, and what they leave (negative when
+    the one-block rows alone exceed it): every row feeding at most one block, then each prompt
+    that fits what is left, oldest first, each taking its tokens before the next is weighed. The
+    one join rule: the plan and the arrivals admitted between forwards (``Engine._step``) use it."""
     joins = [tokens <= block for tokens, block in zip(pending, block_sizes, strict=True)]
-    left = budget - sum(tokens for tokens, joined in zip(pending, joins, strict=True) if joined)
+    left -= sum(tokens for tokens, joined in zip(pending, joins, strict=True) if joined)
     for i, tokens in enumerate(pending):
         if not joins[i] and tokens <= left:
             joins[i] = True
             left -= tokens
-    rest = [0 if joined else tokens for tokens, joined in zip(pending, joins, strict=True)]
-    return PrefillPlan(joins, chunk_sizes(rest, block_sizes, left))
+    return joins, left
 
 
 def chunk_sizes(pending: Sequence[int], block_sizes: Sequence[int], left: int) -> list[int]:
