@@ -363,9 +363,20 @@ class SentinelSet:
 
 
 def postgres_bin_dir() -> Path | None:
-    """The newest installed PostgreSQL server's ``bin`` directory (Debian's layout), or None."""
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    return Path(candidates[-1]).parent if candidates else None
+    """The newest installed PostgreSQL server's ``bin`` directory (Debian's layout, ordered by
+    major version: 16 after 9.6), else the one whose ``initdb`` and ``pg_ctl`` are on PATH, or None."""
+    def major(path: str) -> float:
+        version = Path(path).parent.parent.name
+        try:
+            return float(version)
+        except ValueError:
+            return 0.0
+
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=major)
+    if candidates:
+        return Path(candidates[-1]).parent
+    found = shutil.which("initdb")
+    return Path(found).parent if found and shutil.which("pg_ctl") else None
 
 
 @dataclass
@@ -437,6 +448,9 @@ class Haproxy:
         binary = shutil.which("haproxy")
         if binary is None:
             raise RuntimeError("haproxy not installed (apt-get install -y haproxy)")
+        if len(self.replica_ports) != len(HAPROXY_SERVERS):  # an unset server would resolve "apiN"
+            raise ValueError(f"haproxy.cfg names {len(HAPROXY_SERVERS)} replicas; "
+                             f"{len(self.replica_ports)} ports given")
         env = {**os.environ, "LB_BIND": f"127.0.0.1:{self.port}",
                "LB_STATS_BIND": f"127.0.0.1:{self.stats_port}",
                "LB_CHECK_INTER": self.check_inter}

