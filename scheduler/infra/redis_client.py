@@ -30,7 +30,6 @@ name through a failover (``scheduler.infra.redis_sentinel``); so does the broker
 
 from __future__ import annotations
 
-import ssl
 import threading
 from typing import Any
 
@@ -38,7 +37,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.connection import parse_url
 
-from scheduler.infra.redis_sentinel import async_sentinel_client, is_sentinel_url, sentinel_client
+from scheduler.infra.redis_sentinel import CERT_REQS, async_sentinel_client, is_sentinel_url, sentinel_client
 
 SOCKET_TIMEOUT_SECONDS = 2.0  # one command's reply (the API's per-request rate-limit check rides on it)
 CONNECT_TIMEOUT_SECONDS = 1.0
@@ -80,7 +79,6 @@ def async_redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, **kwargs)
 
 
-_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
 
 def is_tls_url(url: str) -> bool:
@@ -98,8 +96,8 @@ def redis_ssl_options(url: str) -> dict[str, Any] | None:
     options = {key: value for key, value in parse_url(url).items() if key.startswith("ssl_")}
     reqs = options.get("ssl_cert_reqs", "required")
     if isinstance(reqs, str):
-        if reqs.lower() not in _CERT_REQS:
+        if reqs.lower() not in CERT_REQS:
             raise ValueError(f"ssl_cert_reqs={reqs!r} in the Redis URL: use none, optional or required")
-        reqs = _CERT_REQS[reqs.lower()]
+        reqs = CERT_REQS[reqs.lower()]
     options["ssl_cert_reqs"] = reqs
     return options

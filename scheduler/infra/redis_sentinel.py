@@ -38,8 +38,9 @@ keep the connections they have: the sentinels being away does not take Redis awa
 from __future__ import annotations
 
 import contextlib
+import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -58,7 +59,8 @@ SENTINEL_TIMEOUT_SECONDS = 1.0  # one sentinel's connect or reply; then discover
 TLS_OPTIONS = frozenset(
     {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"})
 _OPTIONS = frozenset({"sentinel_password"}) | TLS_OPTIONS
-_CERT_REQS = ("none", "optional", "required")
+# ssl_cert_reqs names -> ssl constants (rediss:// and rediss+sentinel:// URLs, the start-up check)
+CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 _BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
@@ -70,8 +72,8 @@ class SentinelUrl:
     service: str
     db: int = 0
     username: str | None = None
-    password: str | None = None
-    sentinel_password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a repr (logs, tracebacks)
+    sentinel_password: str | None = field(default=None, repr=False)
     tls: tuple[tuple[str, Any], ...] | None = None  # rediss+sentinel://: the ssl_* options (may be empty)
 
     def tls_options(self) -> dict[str, Any]:
@@ -147,7 +149,7 @@ def _tls_options(given: dict[str, str]) -> tuple[tuple[str, Any], ...]:
     options: dict[str, Any] = {}
     for key, value in given.items():
         if key == "ssl_cert_reqs":
-            if value.lower() not in _CERT_REQS:
+            if value.lower() not in CERT_REQS:
                 raise ValueError(
                     f"{TLS_SCHEME}:// URL ssl_cert_reqs={value!r}: use none, optional or required")
             options[key] = value.lower()

@@ -47,7 +47,7 @@ from sqlalchemy.exc import ArgumentError
 
 from scheduler.infra.db import DatabaseTimeouts, make_engine
 from scheduler.infra.redis_client import is_tls_url, redis_ssl_options
-from scheduler.infra.redis_sentinel import SentinelUrl, is_sentinel_url, parse_sentinel_url
+from scheduler.infra.redis_sentinel import CERT_REQS, SentinelUrl, is_sentinel_url, parse_sentinel_url
 from scheduler.infra.settings import Settings
 
 EXIT_CODE = 78  # EX_CONFIG (sysexits.h): a configuration error, not a crash
@@ -57,7 +57,6 @@ POSTGRES_TLS_MODES = ("require", "verify-ca", "verify-full")
 _POSTGRES_SSL_REQUEST = struct.pack("!ii", 8, 80877103)
 _OPENSSL_REASON = re.compile(r"certificate verify failed: (?P<reason>[^()\n]+?)\s*(?:\(_ssl|\.\s|\.?$)")
 
-_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
 # verify: the server's certificate; refused: the server refused us; ca_file, cert_file, key_file:
 # a file of ours that cannot be read.
@@ -218,7 +217,7 @@ def _sentinel_ssl_options(parsed: SentinelUrl) -> dict[str, Any]:
     """The URL's TLS options as :func:`redis_ssl_options` gives a ``rediss://`` URL's
     (``ssl_cert_reqs`` an :mod:`ssl` constant)."""
     options = parsed.tls_options()
-    options["ssl_cert_reqs"] = _CERT_REQS[str(options["ssl_cert_reqs"])]
+    options["ssl_cert_reqs"] = CERT_REQS[str(options["ssl_cert_reqs"])]
     return options
 
 

@@ -51,6 +51,8 @@ _URL_PASSWORD = re.compile(
 _ENCODED_URL_PASSWORD = re.compile(
     r"(?i)(?P<scheme>[a-z][a-z0-9+.\-]*%3A%2F%2F)(?P<user>(?:[^/\s&%@:]|%(?!3A|2F)[0-9A-F]{2})*)%3A"
     r"(?:[^/\s&%@]|%(?!40)[0-9A-F]{2})+%40")
+# A password in a URL's query (redis+sentinel://...?sentinel_password=...).
+_QUERY_PASSWORD = re.compile(r"(?i)([?&][a-z_]*password=)[^&\s#]+")
 _MAX_DEPTH = 6
 
 
@@ -62,6 +64,8 @@ def redact_text(text: str) -> str:
         text = _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     if "://" in text:
         text = _URL_PASSWORD.sub(lambda m: f"{m.group('scheme')}{m.group('user')}:{REDACTED}@", text)
+    if "password=" in text.lower():
+        text = _QUERY_PASSWORD.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
     if "%3A%2F%2F" in text or "%3a%2f%2f" in text:
         text = _ENCODED_URL_PASSWORD.sub(
             lambda m: f"{m.group('scheme')}{m.group('user')}%3A{REDACTED}%40", text)

@@ -8,6 +8,7 @@ import logging
 
 import structlog
 
+from scheduler.infra.redis_sentinel import parse_sentinel_url
 from scheduler.infra.settings import Settings
 from scheduler.observability.logging import configure_logging
 from scheduler.observability.redaction import REDACTED, redact_secrets, redact_text
@@ -39,6 +40,16 @@ def test_passwords_with_raw_at_signs_and_percent_encoded_urls_are_masked() -> No
     for kept in ("see https://example.com/a and mail me@x.org", "redis://cache:6379/0 for ops@x.org",
                  "?next=https%3A%2F%2Fexample.com%2Fa%3Fb%3Dc"):
         assert redact_text(kept) == kept
+
+
+def test_sentinel_urls_lose_both_passwords_in_text_and_repr() -> None:
+    url = ("rediss+sentinel://u:srvpw@127.0.0.1:26379,127.0.0.2:26379/svc"
+           "?sentinel_password=sntpw&ssl_cert_reqs=none")
+    masked = redact_text(url)
+    assert "srvpw" not in masked and "sntpw" not in masked
+    assert masked.endswith("?sentinel_password=[redacted]&ssl_cert_reqs=none")
+    shown = repr(parse_sentinel_url(url))
+    assert "srvpw" not in shown and "sntpw" not in shown and "svc" in shown
 
 
 def test_nested_secret_fields_are_masked_and_other_values_kept() -> None:
