@@ -5,30 +5,26 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, Field, StringConstraints
+
+from api.schemas.common import StrictModel
 
 # A model name or version is one path component of the model store (see worker/model_store.py).
 StoreComponent = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")]
 
 
-class ActivateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ActivateRequest(StrictModel):
     version: StoreComponent = Field(description="A registered version, or one published in the store.")
 
 
-class CanaryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class CanaryRequest(StrictModel):
     version: StoreComponent = Field(description="The version to send a share of new jobs to.")
     # Routing keeps basis points (two decimals of a percent): 0.01 is the smallest share, 99.99 the largest.
     percent: float = Field(ge=0.01, le=99.99, description="Share of new jobs routed to it, in percent "
                            "(0.01-99.99; two decimals kept).")
 
 
-class PromoteRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class PromoteRequest(StrictModel):
     force: bool = Field(False, description="Promote although the promotion gate refuses.")
 
 

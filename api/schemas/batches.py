@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator, model_validator
+from pydantic import BaseModel, Field, HttpUrl, field_validator, model_validator
 
-from api.schemas.common import MAX_RETENTION_SECONDS, Metadata, UtcDateTime
+from api.schemas.common import MAX_RETENTION_SECONDS, Metadata, StrictModel, UtcDateTime
 from api.schemas.jobs import JobCreate
 from scheduler.webhooks.events import ORDER
 
@@ -17,10 +17,8 @@ else:  # every filter (scheduler/webhooks/events.py), batch_completed included
     BatchWebhookEvent = Literal[tuple(event.value for event in ORDER)]
 
 
-class BatchOptions(BaseModel):
+class BatchOptions(StrictModel):
     """What a batch carries besides its jobs (query or form fields for JSONL uploads)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     webhook_url: HttpUrl | None = Field(None, description="POSTed (signed) once every job is final.")
     metadata: Metadata | None = None
