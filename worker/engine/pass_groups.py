@@ -45,7 +45,7 @@ def split_pass(tokens: Sequence[int], contexts: Sequence[int]) -> list[list[int]
     r = len(tokens)
     everyone = list(range(r))
     together = forward_work(tokens, contexts, everyone)
-    best: tuple[int, list[int], list[int]] | None = None  # (work, light, heavy)
+    best: tuple[int, list[int], int] | None = None  # (work, the ordering, the cut k)
     for size in (tokens, contexts):
         order = sorted(everyone, key=lambda i: size[i])
         heavy_t, heavy_s = [0] * (r + 1), [0] * (r + 1)  # maxima over order[k:]
@@ -60,7 +60,8 @@ def split_pass(tokens: Sequence[int], contexts: Sequence[int]) -> list[list[int]
             work = (k * light_t * (light_s + light_t + TOKEN_WORK_KEYS)
                     + (r - k) * heavy_t[k] * (heavy_s[k] + heavy_t[k] + TOKEN_WORK_KEYS))
             if best is None or work < best[0]:
-                best = (work, sorted(order[:k]), sorted(order[k:]))
+                best = (work, order, k)
     if best is None or 2 * best[0] >= together:
         return [everyone]
-    return [best[1], best[2]]
+    _, order, k = best  # the two groups are built once, for the cut that won
+    return [sorted(order[:k]), sorted(order[k:])]
