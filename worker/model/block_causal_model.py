@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.attend import AttentionPlan, plan_attention
+from worker.model.attend import AttentionPlan
 from worker.model.attention import Attention, CacheView, build_cache_view
 from worker.model.config import ModelConfig
 from worker.model.decoder import DecoderLayerBase, DecoderStack, build_feed_forward
@@ -67,17 +67,7 @@ class BlockCausalForBlockDiffusion(DecoderStack[KVCache]):
         logits_index: torch.Tensor | None = None,  # [B, K] new-token indices to return logits for
     ) -> torch.Tensor:  # [B, T, V] float32 ([B, K, V] with logits_index)
         view, lengths, _, _ = build_cache_view(input_ids.shape[1], cache, slots, commit_lens, valid)
-        # one row over a committed prefix (a prefill chunk, one sequence's pass): no mask over the
-        # prefix; else one block-causal bias [B, 1, G*T, S] for every layer (attend.py)
-        plan = plan_attention(
-            block_ids,
-            valid,
-            groups=self.config.kv_groups,
-            dtype=self.embed.weight.dtype,
-            lengths=lengths,
-            key_len=0 if view is None else view.key_len,
-            prefix=view.committed[0] if view is not None and len(view.committed) == 1 else None,
-        )
+        plan = self.attention_plan(block_ids, valid, lengths, view)  # a block-causal bias or split
         token_weight = valid.reshape(-1).to(torch.float32) if valid is not None else None  # [B*T]
         x = self.run_layers(input_ids, positions, token_weight, router_counts, plan, view)
         self.advance_cache(cache, view, commit_lens)  # K/V already stored

@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
+from worker.model.attend import AttentionPlan, plan_attention
 from worker.model.attention import CacheView
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import KVCache
@@ -108,6 +109,28 @@ class DecoderStack(nn.Module, Generic[CacheT]):
             counts = router_counts[i] if router_counts is not None else None
             x = layer(x, cos, sin, *mixer_args, token_weight, counts)
         return x
+
+    def attention_plan(
+        self,
+        block_ids: torch.Tensor,  # [B, T] block index per new token
+        valid: torch.Tensor | None,  # [B, T] bool, False = padding
+        lengths: torch.Tensor | None,  # [B] committed positions per row
+        view: CacheView | None,
+        *,
+        causal: bool = False,  # the new tokens are exactly token-causal (a commit-only chunk)
+    ) -> AttentionPlan:
+        """The forward's attention plan (``attend.py``): one row over a committed prefix (a prefill
+        chunk, one sequence's pass) attends the prefix without a mask; else one dense bias."""
+        return plan_attention(
+            block_ids,
+            valid,
+            groups=self.config.kv_groups,
+            dtype=self.embed.weight.dtype,
+            lengths=lengths,
+            key_len=0 if view is None else view.key_len,
+            prefix=view.committed[0] if view is not None and len(view.committed) == 1 else None,
+            causal=causal,
+        )
 
     @staticmethod
     def advance_cache(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.attend import AttentionPlan, plan_attention
+from worker.model.attend import AttentionPlan
 from worker.model.attention import CacheView, build_cache_view
 from worker.model.config import ModelConfig
 from worker.model.decoder import DecoderLayerBase, DecoderStack, build_feed_forward
@@ -107,16 +107,8 @@ class CloverHybridForBlockDiffusion(DecoderStack[HybridCache]):
         # one row over a committed prefix: no mask over the prefix, and a commit-only chunk (a
         # prefill) is plain token-causal: no mask at all; else one dense bias (attend.py)
         single = view is not None and len(view.committed) == 1
-        plan = plan_attention(
-            ids,
-            valid,
-            groups=self.config.kv_groups,
-            dtype=self.embed.weight.dtype,
-            lengths=lengths,
-            key_len=0 if view is None else view.key_len,
-            prefix=view.committed[0] if view is not None and single else None,
-            causal=single and commit_list[0] == count_list[0] == t,
-        )
+        plan = self.attention_plan(ids, valid, lengths, view,
+                                   causal=single and commit_list[0] == count_list[0] == t)
         token_weight = valid.reshape(-1).to(torch.float32)  # [B*T]
         x = self.run_layers(input_ids, positions, token_weight, router_counts, plan, view, step)
         if cache is not None and slots is not None and step.commit_tokens:
