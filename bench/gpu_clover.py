@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from bench.gpu import run_engine
-from bench.long import _p, chunk_seconds, prefill_costs, short_jobs
+from bench.long import _p, chunk_costs, prefill_costs, short_jobs
 from worker.model import delta_rule
 from worker.model.config import ModelConfig
 from worker.model.family import DiffusionModel, build_model
@@ -148,7 +148,7 @@ def part_prefill(
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             began = time.perf_counter()
-            ((_, per_token, _),) = prefill_costs(built, (length,), args.chunk)
+            ((_, per_token, _, _),) = prefill_costs(built, (length,), args.chunk)  # the engine's chunks
             seconds = time.perf_counter() - began
             first = first or per_token
             gpu = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
@@ -161,10 +161,12 @@ def part_prefill(
 
 
 def part_short_jobs(built: BuiltModel, args: argparse.Namespace) -> None:
-    one_pass = chunk_seconds(built, args.chunk, args.long // 2)
+    costs = chunk_costs(built, args.chunk, args.long)
+    tokens, one_pass = costs.forward_at["halfway"]
     print(f"\n[2] {args.shorts} 8-token jobs every {args.short_every * 1000:.0f} ms; long prompts of "
-          f"{args.long} tokens one after another; one {args.chunk}-token prefill forward after "
-          f"{args.long // 2} tokens: {one_pass * 1000:.1f} ms")
+          f"{args.long} tokens one after another; one chunk as the engine cuts a {args.chunk}-token budget "
+          f"(W = {costs.token_keys}) after {args.long // 2} tokens: {tokens} tokens, "
+          f"{one_pass * 1000:.1f} ms")
     kw = dict(long_tokens=args.long, shorts=args.shorts, every=args.short_every)
     runs = {
         "idle": short_jobs(built, chunk=args.chunk, with_long=False, **kw),

@@ -1,7 +1,8 @@
 """Long prompts on a demo checkpoint (``python -m bench.long``), issue 26.
 
   1. **Prefill cost by length**: a prompt of 1K, 4K, 16K and 32K tokens prefilled through the
-     engine's commit forward in chunks of ``--chunk`` tokens (what chunked prefill runs), for the
+     engine's commit forward in the chunks the engine cuts for a ``--chunk``-token budget (and, beside
+     them, in fixed ``--chunk``-token chunks: the budget counted in tokens), for the
      Clover hybrid (Gated DeltaNet in 3 of 4 layers: constant state) and, for contrast, SDAR (every
      layer attention). Printed: time per prompt token, its ratio to the 1K figure (goal for Clover:
      32K within 2x of 1K), and the process's peak resident memory after each length (lengths run
@@ -12,10 +13,12 @@
      p50/p95 wait (submit to the start of the job's first denoising pass: the engine's
      ``queue_seconds``) and latency (submit to result) of the short jobs, and the goal of issue 26:
      wait p95 under long prefills <= 1.5x the idle wait p95 + one pass at the budget (the measured
-     time of one ``--chunk``-token prefill forward halfway into a long prompt; the same forward near
-     the prompt's end is printed beside it: a chunk's attention grows with its context, so the
-     forward a short job may wait for is shorter early in a prompt and longer late). Latency shows
-     the price: each of a short job's passes shares its iteration with up to one chunk.
+     time of one chunk as the engine cuts it halfway into a long prompt). The budget is work
+     (``worker/engine/prefill_chunks.py``): ``--chunk`` tokens at a prompt's start, fewer deeper in,
+     so the chunks at the start and near the end, printed beside it, should cost the same; the
+     long prompt's own prefill with these chunks and with fixed ``--chunk``-token chunks is printed
+     too (what the work budget costs it). Latency shows the price: each of a short job's passes
+     shares its iteration with up to one chunk.
 
      The wait used to end at admission into the running batch, which came before the iteration's
      chunk (and, for a prompt that did not fit what the budget had left, before every chunk of
@@ -34,12 +37,14 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.prefill_chunks import budget_work, chunk_spans, whole_block_chunk
 from worker.engine.runner import PassTimings
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.model.checkpoint import load_checkpoint
@@ -90,45 +95,91 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def prefill_costs(lm: LoadedModel, lengths: tuple[int, ...], chunk: int) -> list[tuple[int, float, float]]:
-    """(length, seconds per prompt token, peak RSS MiB) per length: one prompt prefilled chunk by
-    chunk into one engine slot (the engine thread is not started: the runner is driven directly)."""
+def prefill_costs(lm: LoadedModel, lengths: tuple[int, ...],
+                  chunk: int) -> list[tuple[int, float, float, float]]:
+    """(length, seconds per prompt token with the engine's chunks, the same with fixed ``chunk``-token
+    chunks, peak RSS MiB) per length: one prompt prefilled chunk by chunk into one engine slot (the
+    engine thread is not started: the runner is driven directly). The engine's chunks carry
+    ``chunk`` tokens' work (``prefill_chunks``): fewer tokens deeper in, each forward paying its
+    fixed cost; the runner measures its ``W`` from these very forwards, as a worker does."""
     block = _block(lm)
     engine = _engine(lm, max_len=max(lengths) + 2 * block, chunk=chunk, max_batch=1)
     rows = []
+
+    def per_token(prompt: list[int], spans: list[tuple[int, int]]) -> float:
+        slot = engine.cache.allocate()
+        began = time.perf_counter()
+        for at, to in spans:
+            engine.runner.run_prefill(slot, prompt[at:to], at, block, PassTimings())
+        seconds = time.perf_counter() - began
+        engine.cache.free(slot)
+        return seconds / len(prompt)
+
     with torch.inference_mode():
         warm = engine.cache.allocate()  # one untimed chunk: the first length does not pay the warm-up
         engine.runner.run_prefill(warm, _prompt(lm, chunk, salt=5), 0, block, PassTimings())
         engine.cache.free(warm)
         for length in lengths:
             prompt = _prompt(lm, length)
-            slot = engine.cache.allocate()
-            timings = PassTimings()
-            began = time.perf_counter()
-            for start in range(0, length, chunk):
-                engine.runner.run_prefill(slot, prompt[start:start + chunk], start, block, timings)
-            seconds = time.perf_counter() - began
-            engine.cache.free(slot)
-            rows.append((length, seconds / length, _peak_mib()))
+            fixed = per_token(prompt, [(at, min(at + chunk, length)) for at in range(0, length, chunk)])
+            cut = per_token(prompt, chunk_spans(0, length, block, chunk, engine.runner.forward_cost))
+            rows.append((length, cut, fixed, _peak_mib()))
     return rows
 
 
-def chunk_seconds(lm: LoadedModel, chunk: int, context: int) -> float:
-    """Median time of one ``chunk``-token prefill forward after ``context`` committed tokens."""
+@dataclass(frozen=True)
+class ChunkCosts:
+    """What the engine's work budget does to one long prompt (``prefill_chunks``): the per-token
+    work ``W`` its runner measured, the prompt's prefill with chunks of a fixed ``--chunk`` tokens
+    (the budget counted in tokens) and with the engine's work-sized chunks, and the time of one
+    work-sized chunk at the prompt's start, halfway and near its end."""
+
+    token_keys: int
+    token_chunks: tuple[int, float]  # (forwards, seconds) with fixed-size chunks
+    work_chunks: tuple[int, float]  # (forwards, seconds) with the engine's chunks
+    forward_at: dict[str, tuple[int, float]]  # where -> (chunk tokens, median seconds)
+
+
+def chunk_costs(lm: LoadedModel, chunk: int, long: int) -> ChunkCosts:
+    """Prefill one ``long``-token prompt twice on one runner: in fixed ``chunk``-token chunks (this
+    teaches the runner its ``W``, as a worker learns it from its first long prompt), then as the
+    engine cuts it; then time work-sized chunks at three depths (median of 3 each)."""
     block = _block(lm)
-    engine = _engine(lm, max_len=context + 4 * chunk, chunk=chunk, max_batch=1)
-    prompt = _prompt(lm, context + 3 * chunk, salt=3)
-    times = []
-    with torch.inference_mode():
+    engine = _engine(lm, max_len=long + 4 * chunk, chunk=chunk, max_batch=1)
+    runner = engine.runner
+    prompt = _prompt(lm, long + 3 * chunk, salt=3)
+
+    def prefill(spans: list[tuple[int, int]]) -> tuple[int, float]:
         slot = engine.cache.allocate()
-        for start in range(0, context, chunk):
-            engine.runner.run_prefill(slot, prompt[start:start + chunk], start, block, PassTimings())
-        for i in range(3):
-            began = time.perf_counter()
-            engine.runner.run_prefill(slot, prompt[context + i * chunk:context + (i + 1) * chunk],
-                                      context + i * chunk, block, PassTimings())
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
+        began = time.perf_counter()
+        for at, to in spans:
+            runner.run_prefill(slot, prompt[at:to], at, block, PassTimings())
+        seconds = time.perf_counter() - began
+        engine.cache.free(slot)
+        return len(spans), seconds
+
+    with torch.inference_mode():
+        prefill([(0, chunk)])  # warm-up (untimed; the runner's fit skips its first forwards too)
+        fixed = prefill([(at, min(at + chunk, long)) for at in range(0, long, chunk)])
+        cost = runner.forward_cost
+        engine_spans = chunk_spans(0, long, block, chunk, cost)
+        work = prefill(engine_spans)
+        forward_at = {}
+        for where, context in (("start", 0), ("halfway", long // 2), ("near the end", long - block)):
+            tokens = whole_block_chunk(budget_work(chunk, cost), context, block, cost, at_least_one=True)
+            slot = engine.cache.allocate()
+            for at, to in chunk_spans(0, context, block, chunk, cost):  # reach the depth (untimed)
+                runner.run_prefill(slot, prompt[at:to], at, block, PassTimings())
+            times = []
+            for _ in range(3):  # the same chunk three times over the same prefix
+                before = engine.cache.snapshot(torch.tensor([slot]))
+                began = time.perf_counter()
+                runner.run_prefill(slot, prompt[context:context + tokens], context, block, PassTimings())
+                times.append(time.perf_counter() - began)
+                engine.cache.restore(torch.tensor([slot]), before)
+            engine.cache.free(slot)
+            forward_at[where] = (tokens, statistics.median(times))
+    return ChunkCosts(cost.token_keys, fixed, work, forward_at)
 
 
 def short_jobs(lm: LoadedModel, *, chunk: int, long_tokens: int, shorts: int, every: float,
@@ -222,20 +273,29 @@ def main() -> None:
     print(f"demo size {args.size}, device {args.device}, torch threads {torch.get_num_threads()}, "
           f"chunk {args.chunk} tokens")
 
-    print("\n[1] prefill cost by prompt length (chunked commit forwards)")
-    print(f"{'family':>7} {'tokens':>7} {'us/token':>9} {'vs 1K':>6} {'peak RSS MiB':>13}")
+    print("\n[1] prefill cost by prompt length (chunked commit forwards: the engine's chunks; fixed "
+          f"{args.chunk}-token chunks beside them)")
+    print(f"{'family':>7} {'tokens':>7} {'us/token':>9} {'vs 1K':>6} {'fixed us/token':>15} {'vs 1K':>6} "
+          f"{'peak RSS MiB':>13}")
     for arch, lm in models.items() if lengths else ():
         rows = prefill_costs(lm, lengths, args.chunk)
-        first = rows[0][1]
-        for length, per_token, peak in rows:
-            print(f"{arch:>7} {length:>7} {per_token * 1e6:>9.1f} {per_token / first:>5.2f}x {peak:>13.0f}")
+        first, first_fixed = rows[0][1], rows[0][2]
+        for length, per_token, fixed, peak in rows:
+            print(f"{arch:>7} {length:>7} {per_token * 1e6:>9.1f} {per_token / first:>5.2f}x "
+                  f"{fixed * 1e6:>15.1f} {fixed / first_fixed:>5.2f}x {peak:>13.0f}")
 
     lm = models["clover"]
-    one_pass = chunk_seconds(lm, args.chunk, args.long // 2)  # the goal's pass: halfway into the prompt
-    last_pass = chunk_seconds(lm, args.chunk, max(args.long - 3 * args.chunk, 0))  # shown, not the goal
+    costs = chunk_costs(lm, args.chunk, args.long)
+    one_pass = costs.forward_at["halfway"][1]  # the goal's pass at the budget: halfway into the prompt
     print(f"\n[2] Clover: {args.shorts} 8-token jobs every {args.short_every * 1000:.0f} ms; long prompts "
-          f"of {args.long} tokens one after another; one {args.chunk}-token prefill forward: "
-          f"{one_pass * 1000:.1f} ms halfway into the prompt ({last_pass * 1000:.1f} ms near its end)")
+          f"of {args.long} tokens one after another")
+    print(f"the budget: {args.chunk} tokens at a prompt's start, counted as work; measured W = "
+          f"{costs.token_keys} keys per token. One chunk as the engine cuts it: "
+          + ", ".join(f"{where} {tokens} tokens {seconds * 1000:.1f} ms"
+                      for where, (tokens, seconds) in costs.forward_at.items()))
+    (n_fixed, t_fixed), (n_work, t_work) = costs.token_chunks, costs.work_chunks
+    print(f"one {args.long}-token prefill: {n_work} work-sized chunks {t_work:.2f} s, {n_fixed} chunks of "
+          f"{args.chunk} tokens {t_fixed:.2f} s ({t_work / t_fixed:.2f}x: what the long prompt pays)")
     # unchunked, a pass of up to max_batch rows padded to the long prompt builds the dense mask:
     # run it only where it fits (a 16K-token prompt on the tiny demo was OOM-killed on 24 GB)
     needed, available = dense_pass_bytes(lm, rows=SHORT_JOBS_BATCH, tokens=args.long), _available_bytes()

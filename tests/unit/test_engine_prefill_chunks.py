@@ -10,89 +10,127 @@ from pathlib import Path
 import pytest
 
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.forward_cost import ForwardCost
 from worker.engine.prefill_chunks import chunk_spans, join_rows, plan_prefill
 from worker.engine.runner import PassTimings, RowOutcome, RowSpec
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.model.checkpoint import LoadedModel, load_checkpoint
 
 BIG = 1 << 30
+W = 4096  # the cost model's per-token work in the plan tests (forward_cost.py)
+COST = ForwardCost(W)
 
 
-def reference_plan(pending: list[int], blocks: list[int], budget: int) -> tuple[list[bool], list[int]]:
+def work(tokens: int, context: int) -> int:
+    return tokens * (context + tokens + W)
+
+
+def most_blocks(left: int, context: int, block: int) -> int:
+    """The largest whole-block chunk within ``left`` work, by counting up (no algebra)."""
+    tokens = 0
+    while work(tokens + block, context) <= left:
+        tokens += block
+    return tokens
+
+
+def reference_plan(pending: list[int], contexts: list[int], blocks: list[int],
+                   budget: int) -> tuple[list[bool], list[int]]:
     """The rule as prose says it, written the plain way (one row at a time, no shortcuts)."""
     n = len(pending)
     if budget <= 0:
         return [True] * n, [0] * n
-    joins, chunks, left = [False] * n, [0] * n, budget
+    joins, chunks, left = [False] * n, [0] * n, work(budget, 0)
     for i in range(n):  # decoding rows always join, even past the budget
         if pending[i] <= blocks[i]:
             joins[i] = True
-            left -= pending[i]
+            left -= work(pending[i], contexts[i])
     for i in range(n):  # then whole prompts that fit, oldest first
-        if not joins[i] and pending[i] <= left:
+        if not joins[i] and work(pending[i], contexts[i]) <= left:
             joins[i] = True
-            left -= pending[i]
+            left -= work(pending[i], contexts[i])
     moved = False
     for i in range(n):  # then chunks of whole blocks; the oldest prompt left moves at least a block
         if joins[i]:
             continue
-        whole_blocks = max(left, 0) // blocks[i]
-        if whole_blocks == 0 and not moved:
-            whole_blocks = 1
-        chunks[i] = min(whole_blocks * blocks[i], pending[i])
-        left -= chunks[i]
+        chunk = most_blocks(left, contexts[i], blocks[i])
+        if chunk == 0 and not moved:
+            chunk = blocks[i]
+        chunks[i] = min(chunk, pending[i])
+        left -= work(chunks[i], contexts[i]) if chunks[i] else 0
         moved = moved or chunks[i] > 0
     return joins, chunks
 
 
-@pytest.mark.parametrize(("pending", "blocks", "budget"), [
-    ([4, 4, 4], [4, 4, 4], 8),  # decoding rows join even past the budget
-    ([4, 400, 4], [4, 4, 4], 64),  # the long prompt prefills 56 (what is left), joins later
-    ([400, 12, 4], [4, 4, 4], 64),  # a short prompt goes ahead of an older long one
-    ([400, 100, 12], [4, 4, 4], 64),  # ... and of a younger one that does not fit
-    ([400, 400], [4, 4], 64),  # the second prompt waits: the budget went to the first
-    ([4] * 20 + [400], [4] * 21, 16),  # budget spent by decoding rows: the prompt still moves a block
-    ([32, 400, 12], [8, 8, 4], 40),  # a prompt that fits joins; block sizes differ
-    ([400, 400], [4, 4], 0),  # off
-    ([400, 8], [8, 8], 4),  # a budget below one block
+@pytest.mark.parametrize(("pending", "contexts", "blocks", "budget"), [
+    ([4, 4, 4], [8, 8, 8], [4, 4, 4], 8),  # decoding rows join even past the budget
+    ([4, 400, 4], [8, 0, 8], [4, 4, 4], 64),  # the long prompt prefills what is left, joins later
+    ([400, 12, 4], [0, 0, 8], [4, 4, 4], 64),  # a short prompt goes ahead of an older long one
+    ([400, 100, 12], [0, 0, 0], [4, 4, 4], 64),  # ... and of a younger one that does not fit
+    ([400, 400], [0, 0], [4, 4], 64),  # the second prompt waits: the budget went to the first
+    ([4] * 20 + [400], [8] * 20 + [0], [4] * 21, 16),  # budget spent: the prompt still moves a block
+    ([32, 400, 12], [0, 0, 0], [8, 8, 4], 40),  # a prompt that fits joins; block sizes differ
+    ([400, 400], [0, 0], [4, 4], 0),  # off
+    ([400, 8], [0, 0], [8, 8], 4),  # a budget below one block
+    ([8192, 4], [8192, 100], [4, 4], 512),  # deep into a long prompt a chunk carries fewer tokens
+    ([4, 8192, 8192], [16000, 0, 8000], [4, 4, 4], 512),  # a deep decoding row takes its share
 ])
-def test_plan_matches_the_reference(pending: list[int], blocks: list[int], budget: int) -> None:
-    plan = plan_prefill(pending, blocks, budget)
-    assert (plan.joins, plan.chunks) == reference_plan(pending, blocks, budget)
+def test_plan_matches_the_reference(pending: list[int], contexts: list[int], blocks: list[int],
+                                    budget: int) -> None:
+    plan = plan_prefill(pending, contexts, blocks, budget, COST)
+    assert (plan.joins, plan.chunks) == reference_plan(pending, contexts, blocks, budget)
     if budget > 0:  # a long prompt always advances; chunks are whole blocks
         assert all(c % b == 0 for c, b in zip(plan.chunks, blocks, strict=True))
         assert any(plan.chunks) or all(plan.joins)
 
 
 def test_plan_examples() -> None:
-    plan = plan_prefill([4, 400, 4], [4, 4, 4], 64)
+    plan = plan_prefill([4, 400, 4], [0, 0, 0], [4, 4, 4], 64, COST)
     assert plan.joins == [True, False, True] and plan.chunks == [0, 56, 0]  # never past the budget
-    plan = plan_prefill([400, 12, 4], [4, 4, 4], 64)  # the short prompt joins ahead of the long one
+    plan = plan_prefill([400, 12, 4], [0, 0, 0], [4, 4, 4], 64, COST)  # the short prompt joins first
     assert plan.joins == [False, True, True] and plan.chunks == [48, 0, 0]
-    assert plan_prefill([4] * 20 + [400], [4] * 21, 16).chunks[-1] == 4
-    plan = plan_prefill([4, 400, 4], [4, 4, 4], 64)
-    assert plan.left == 64 - 8 and sum(plan.chunks) <= plan.left  # what the chunks take from
+    assert plan_prefill([4] * 20 + [400], [0] * 21, [4] * 21, 16, COST).chunks[-1] == 4
+    plan = plan_prefill([4, 400, 4], [0, 0, 0], [4, 4, 4], 64, COST)
+    assert plan.left == work(64, 0) - 2 * work(4, 0)
+    assert sum(work(c, 0) for c in plan.chunks) <= plan.left  # what the chunks take from
+
+
+def test_a_chunk_costs_the_budget_at_any_depth() -> None:
+    """Issue 26: a 512-token chunk at a prompt's start and the chunks 8K and 15K tokens in cost
+    the same work (to within one block), so a short job never waits for more than the budget's
+    forward; counted in tokens, the deep chunk cost 2.9x the first on the tiny demo."""
+    budget, block = 512, 4
+    for context in (0, 8192, 15360):
+        chunk = plan_prefill([16384], [context], [block], budget, COST).chunks[0]
+        assert work(chunk, context) <= work(budget, 0) < work(chunk + block, context)
+    assert plan_prefill([16384], [15360], [block], budget, COST).chunks[0] < budget // 2
 
 
 def test_arrivals_between_forwards_share_what_is_left() -> None:
-    # Two 416-token prompts arriving while 448 tokens are left: one joins, the other waits for
-    # the next plan (each weighed against the whole rest, both joined: 832 tokens in one forward).
-    assert join_rows([416, 416], [4, 4], 448) == ([True, False], 32)
+    # Two 416-token prompts arriving while a 448-token prompt's work is left: one joins, the other
+    # waits for the next plan (each weighed against the whole rest, both joined: 832 tokens in one
+    # forward).
+    left = work(448, 0)
+    assert join_rows([416, 416], [0, 0], [4, 4], left, COST) == ([True, False], left - work(416, 0))
     # One-block rows always join, even past a spent budget; prompts then only if they fit.
-    assert join_rows([4, 12, 4], [4, 4, 4], 0) == ([True, False, True], -8)
-    assert join_rows([12, 8, 4], [4, 4, 4], 24) == ([True, True, True], 0)
+    assert join_rows([4, 12, 4], [0, 0, 0], [4, 4, 4], 0, COST) == ([True, False, True], -2 * work(4, 0))
+    exact = work(12, 0) + work(8, 0) + work(4, 0)
+    assert join_rows([12, 8, 4], [0, 0, 0], [4, 4, 4], exact, COST) == ([True, True, True], 0)
 
 
 @pytest.mark.parametrize(("start", "end", "block", "budget", "spans"), [
-    (0, 20, 4, 8, [(0, 8), (8, 16), (16, 20)]),  # whole blocks of the budget; the last is the rest
+    (0, 20, 4, 16, [(0, 16), (16, 20)]),  # whole blocks of the budget; the last is the rest
+    (0, 20, 4, 8, [(0, 8), (8, 12), (12, 16), (16, 20)]),  # 8 tokens 8 in cost more than the first 8
     (8, 20, 4, 10, [(8, 16), (16, 20)]),  # the budget rounds down to whole blocks
     (0, 12, 4, 3, [(0, 4), (4, 8), (8, 12)]),  # a budget below one block still moves one
     (0, 20, 4, 0, [(0, 20)]),  # off: one span
     (8, 8, 4, 8, []),  # nothing to fill
+    (0, 12288, 4, 4096, [(0, 4096), (4096, 7092), (7092, 9548), (9548, 11672), (11672, 12288)]),  # shrink
 ])
 def test_prefix_fill_spans(start: int, end: int, block: int, budget: int,
                            spans: list[tuple[int, int]]) -> None:
-    assert chunk_spans(start, end, block, budget) == spans
+    assert chunk_spans(start, end, block, budget, COST) == spans
+    for at, to in spans[:-1]:  # each span but the last is the most the budget's work allows
+        assert to - at == max(most_blocks(work(budget, 0), at, block), block)
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +138,12 @@ def tiny(family_checkpoint: Path) -> LoadedModel:
     return load_checkpoint(family_checkpoint)
 
 
-def _engine(lm: LoadedModel, *, chunk_tokens: int, prefix_bytes: int = 0, max_batch: int = 4) -> Engine:
+def _engine(lm: LoadedModel, *, chunk_tokens: int, prefix_bytes: int = 0, max_batch: int = 4,
+            token_work_keys: int = 0) -> Engine:
     engine = Engine(
         lm.model,
         EngineConfig(max_batch=max_batch, max_len=384, prefix_cache_bytes=prefix_bytes,
-                     prefill_chunk_tokens=chunk_tokens),
+                     prefill_chunk_tokens=chunk_tokens, token_work_keys=token_work_keys),
         mask_token_id=lm.config.mask_token_id,
         eos_token_ids=(),  # random weights: decode the whole region every time
         default_block_size=lm.config.block_size,
@@ -216,7 +255,10 @@ def test_a_short_job_waits_at_most_one_forward(tiny: LoadedModel, arrives_during
     blocks goes ahead of it). A short job decodes alongside to keep passes running."""
     block = tiny.config.block_size
     assert block is not None
-    engine = _engine(tiny, chunk_tokens=4 * block)
+    # 5 blocks: the 3-block prompt fits beside the decoding row at any of its depths (the budget is
+    # work: a row decoding 60 positions in takes more of it than one at the start); a fixed W
+    # keeps the schedule independent of the measured one
+    engine = _engine(tiny, chunk_tokens=5 * block, token_work_keys=W)
     submitted: list[int] = []
     log: list[tuple[str, list[str]]] = []
 

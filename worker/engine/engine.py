@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker.engine.admission import Candidate, Occupancy, pick_admissions
+from worker.engine.forward_cost import ForwardCost
 from worker.engine.prefill_chunks import chunk_sizes, chunk_spans, join_rows, plan_prefill
 from worker.engine.prefix_cache import PrefixCache, PrefixEntry, chain_hashes
 from worker.engine.runner import ModelRunner, PassTimings, RowOutcome, RowSpec
@@ -55,9 +56,12 @@ class EngineConfig:
     # bytes of shared prompt prefixes kept between admission rounds (prefix_cache.py); 0 = no
     # prefix sharing at all, not even between the sequences of one round
     prefix_cache_bytes: int = 0
-    # prompt tokens one iteration may prefill (prefill_chunks.py): longer prompts prefill in
-    # whole-block chunks between passes; 0 = a prompt's whole blocks ride in its first pass
+    # prompt tokens one iteration may prefill at a prompt's start (prefill_chunks.py; deeper into a
+    # long prompt, fewer, at the same work): longer prompts prefill in whole-block chunks between
+    # passes; 0 = a prompt's whole blocks ride in its first pass
     prefill_chunk_tokens: int = 0
+    # one token's work outside attention, in attention keys (forward_cost.py); 0 = measured
+    token_work_keys: int = 0
 
     @property
     def slots(self) -> int:
@@ -115,7 +119,8 @@ class Engine:
             device=param.device,
             dtype=param.dtype,
         )
-        self.runner = ModelRunner(model, self.cache, mask_token_id=mask_token_id)
+        self.runner = ModelRunner(model, self.cache, mask_token_id=mask_token_id,
+                                  token_work_keys=config.token_work_keys)
         # prefix sharing copies committed state between slots of one local cache (not tensor parallel)
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache_bytes > 0 and isinstance(self.cache, KVCache):
@@ -313,20 +318,22 @@ class Engine:
         for a in admitted:
             a.admitted = now
 
-    def _admit_at_boundary(self, budget_left: int) -> list[_Active]:
+    def _admit_at_boundary(self, budget_left: int, cost: ForwardCost) -> tuple[list[_Active], int]:
         """Admit what arrived while the last forward ran, so that a short job's first pass runs
-        next instead of after the iteration's chunks. Those whose prompt does not fit what the
-        budget has left are admitted but wait for the next iteration's plan."""
+        next instead of after the iteration's chunks; and the budget's work they leave. Those
+        whose prompt does not fit what the budget has left are admitted but wait for the next
+        iteration's plan."""
         with self._cond:
             if not self._waiting or self._abort:
-                return []
+                return [], budget_left
             self._settle_waiting()
             admitted = self._admit()
             peers = self._prefix_peers(admitted)
         self._start_admitted(admitted, peers)
-        joins, _ = join_rows([a.state.block_start - a.state.cached_len for a in admitted],
-                             [a.state.block_size for a in admitted], budget_left)
-        return [a for a, joined in zip(admitted, joins, strict=True) if joined]
+        joins, left = join_rows([a.state.block_start - a.state.cached_len for a in admitted],
+                                [a.state.cached_len for a in admitted],
+                                [a.state.block_size for a in admitted], budget_left, cost)
+        return [a for a, joined in zip(admitted, joins, strict=True) if joined], left
 
     def _settle_waiting(self) -> None:
         """Resolve waiting requests that were cancelled or ran out of time before admission."""
@@ -487,7 +494,7 @@ class Engine:
         the per-iteration budget when chunking is on, as a prompt's own prefill runs, so one forward
         holds memory for a chunk, not for the whole context (a 16K-token contract's decision on the
         tiny demo needed GBs in one forward). Exact for the same reason chunked prefill is."""
-        spans = chunk_spans(start, end, block, self.config.prefill_chunk_tokens)
+        spans = chunk_spans(start, end, block, self.config.prefill_chunk_tokens, self.runner.forward_cost)
         for at, to in spans:
             self.runner.run_prefill(slot, list(prompt[at:to]), at, block, timings)
         if len(spans) > 1:
@@ -508,18 +515,22 @@ class Engine:
         timings = PassTimings()
         active = [a for a in self._active if not a.state.finished]
         pending = [a.state.block_start - a.state.cached_len for a in active]
-        budget = self.config.prefill_chunk_tokens
-        plan = plan_prefill(pending, [a.state.block_size for a in active], budget)
+        contexts = [a.state.cached_len for a in active]
+        cost = self.runner.forward_cost  # one cost model for the whole iteration
+        plan = plan_prefill(pending, contexts, [a.state.block_size for a in active],
+                            self.config.prefill_chunk_tokens, cost)
         committed = self._run_pass([a for a, joins in zip(active, plan.joins, strict=True) if joins], timings)
         prompts = [i for i, chunk in enumerate(plan.chunks) if chunk]
         if prompts:  # chunks follow: admit before them, so that no arrival waits a pass and a chunk
             left = plan.left
-            while arrivals := self._admit_at_boundary(left):
-                left -= sum(a.state.block_start - a.state.cached_len for a in arrivals)  # before they run
+            while True:  # the arrivals' work comes out of the chunks' (the oldest prompt still moves)
+                arrivals, left = self._admit_at_boundary(left, cost)
+                if not arrivals:
+                    break
                 committed += self._run_pass(arrivals, timings)
-            # the arrivals' tokens come out of the chunks (the oldest prompt still moves a block)
             rows = [active[i] for i in prompts]
-            sizes = chunk_sizes([pending[i] for i in prompts], [a.state.block_size for a in rows], left)
+            sizes = chunk_sizes([pending[i] for i in prompts], [contexts[i] for i in prompts],
+                                [a.state.block_size for a in rows], left, cost)
             self._prefill_chunks(rows, sizes, timings)
         elapsed = time.perf_counter() - began
         with self._cond:

@@ -10,7 +10,8 @@ than a 512-token prefill chunk). Either way the short rows pay for it, and a sho
 arrives meanwhile waits for it (issue 26).
 
 The estimate of a forward's work, in key-equivalents: ``R * T * (S + W)``, where ``W`` is one
-token's work outside attention (projections, experts) counted as attention keys. The rows are
+token's work outside attention (projections, experts) counted as attention keys
+(``forward_cost.py``: measured by the runner from its own prefill forwards). The rows are
 cut in two at the threshold, over either the tokens or the context of a row, that minimises the
 estimate; the cut is taken only if it at least halves it (a second forward has a fixed cost the
 estimate leaves out). The light group runs first, so a short row's pass never waits for a heavy
@@ -21,22 +22,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# one token's work outside attention, as attention keys: about 6,600 on the tiny Clover demo
-# (a 512-token chunk: 19.5 ms at context 512, 57.6 ms at context 15,360); far more on the real
-# model, where the experts dominate and tokens alone decide
-TOKEN_WORK_KEYS = 4096
+from worker.engine.forward_cost import DEFAULT_TOKEN_WORK_KEYS
 
 
-def forward_work(tokens: Sequence[int], contexts: Sequence[int], rows: Sequence[int]) -> int:
+def forward_work(tokens: Sequence[int], contexts: Sequence[int], rows: Sequence[int],
+                 token_keys: int = DEFAULT_TOKEN_WORK_KEYS) -> int:
     """The estimated work of one forward over ``rows``: ``R * T * (S + W)`` (module docstring)."""
     if not rows:
         return 0
     t = max(tokens[i] for i in rows)
     s = max(contexts[i] for i in rows) + t
-    return len(rows) * t * (s + TOKEN_WORK_KEYS)
+    return len(rows) * t * (s + token_keys)
 
 
-def split_pass(tokens: Sequence[int], contexts: Sequence[int]) -> list[list[int]]:
+def split_pass(tokens: Sequence[int], contexts: Sequence[int],
+               token_keys: int = DEFAULT_TOKEN_WORK_KEYS) -> list[list[int]]:
     """Row indices per forward, in the order to run them (light rows first).
 
     ``tokens[i]``: the tokens row ``i`` feeds; ``contexts[i]``: its committed positions before the
@@ -44,7 +44,7 @@ def split_pass(tokens: Sequence[int], contexts: Sequence[int]) -> list[list[int]
     dimension (it runs every pass): the maxima of each side come from running maxima."""
     r = len(tokens)
     everyone = list(range(r))
-    together = forward_work(tokens, contexts, everyone)
+    together = forward_work(tokens, contexts, everyone, token_keys)
     best: tuple[int, list[int], int] | None = None  # (work, the ordering, the cut k)
     for size in (tokens, contexts):
         order = sorted(everyone, key=lambda i: size[i])
@@ -57,8 +57,8 @@ def split_pass(tokens: Sequence[int], contexts: Sequence[int]) -> list[list[int]
             light_t, light_s = max(light_t, tokens[order[k - 1]]), max(light_s, contexts[order[k - 1]])
             if size[order[k - 1]] == size[order[k]]:
                 continue  # a cut between equal sizes is no threshold
-            work = (k * light_t * (light_s + light_t + TOKEN_WORK_KEYS)
-                    + (r - k) * heavy_t[k] * (heavy_s[k] + heavy_t[k] + TOKEN_WORK_KEYS))
+            work = (k * light_t * (light_s + light_t + token_keys)
+                    + (r - k) * heavy_t[k] * (heavy_s[k] + heavy_t[k] + token_keys))
             if best is None or work < best[0]:
                 best = (work, order, k)
     if best is None or 2 * best[0] >= together:

@@ -8,6 +8,15 @@ uncached whole blocks exceed what the pass has left prefills *chunks* of whole b
 one per engine iteration (``ModelRunner.run_prefill``: the same commit forward, on its own), and
 joins the denoising passes once what is left fits.
 
+The budget is counted in *work*, not tokens (``forward_cost.ForwardCost``: ``T * (S + W)``
+key-equivalents): ``CLOVERQ_ENGINE_PREFILL_CHUNK_TOKENS`` is the prompt tokens a chunk carries at
+the start of a prompt, and deeper into a long prompt a chunk carries fewer, so that every chunk
+costs about the budget's forward. Counted in tokens, a 512-token chunk near the end of a
+16K-token prompt on the tiny demo took 56-57 ms against 19.5 ms at its start (it attends ~16K
+keys), and a short job that arrived during it waited for that (issue 26 measured its p95 wait
+over the goal). The long prompt loses little: its attention work per token is the same in small
+chunks as in big ones, only each extra forward's fixed cost is added.
+
 The engine's iteration (``Engine._step``) runs the pass first, then the chunks, and admits at
 every boundary between forwards: a job that arrives during the pass is admitted when it ends and
 runs a pass of its own before the chunks; one that arrives during the chunks joins the next
@@ -42,69 +51,92 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from worker.engine.forward_cost import ForwardCost
+
 
 @dataclass(frozen=True)
 class PrefillPlan:
     """Per active row: whether it joins this pass, and the prompt tokens it prefills before;
-    ``left``: the budget the joining rows leave (the chunks take from it)."""
+    ``left``: the budget's work the joining rows leave (the chunks take from it)."""
 
     joins: list[bool]
     chunks: list[int]
     left: int
 
 
-def plan_prefill(pending: Sequence[int], block_sizes: Sequence[int], budget: int) -> PrefillPlan:
+def plan_prefill(pending: Sequence[int], contexts: Sequence[int], block_sizes: Sequence[int], budget: int,
+                 cost: ForwardCost) -> PrefillPlan:
     """The plan for one iteration (see the module docstring).
 
     ``pending[i]``: the committed-but-uncached tokens row ``i`` would feed in a pass (its prompt's
     whole blocks before the first pass, one block after each completed block), a multiple of its
-    ``block_sizes[i]``. ``budget`` <= 0: chunking off (every row joins, as without this module).
+    ``block_sizes[i]``; ``contexts[i]``: the positions it has cached. ``budget``: prompt tokens per
+    iteration at a prompt's start (``budget_work``); <= 0: chunking off (every row joins, as
+    without this module).
     """
     if budget <= 0:
         return PrefillPlan([True] * len(pending), [0] * len(pending), 0)
-    joins, left = join_rows(pending, block_sizes, budget)
+    joins, left = join_rows(pending, contexts, block_sizes, budget_work(budget, cost), cost)
     rest = [0 if joined else tokens for tokens, joined in zip(pending, joins, strict=True)]
-    return PrefillPlan(joins, chunk_sizes(rest, block_sizes, left), left)
+    return PrefillPlan(joins, chunk_sizes(rest, contexts, block_sizes, left, cost), left)
 
 
-def join_rows(pending: Sequence[int], block_sizes: Sequence[int], left: int) -> tuple[list[bool], int]:
-    """Which rows join a pass out of ``left`` budget tokens, and what they leave (negative when
-    the one-block rows alone exceed it): every row feeding at most one block, then each prompt
-    that fits what is left, oldest first, each taking its tokens before the next is weighed. The
-    one join rule: the plan and the arrivals admitted between forwards (``Engine._step``) use it."""
+def budget_work(budget: int, cost: ForwardCost) -> int:
+    """The work one iteration may spend on prompts: a ``budget``-token prefill at position 0."""
+    return cost.work(budget, 0)
+
+
+def join_rows(pending: Sequence[int], contexts: Sequence[int], block_sizes: Sequence[int], left: int,
+              cost: ForwardCost) -> tuple[list[bool], int]:
+    """Which rows join a pass out of ``left`` work, and what they leave (negative when the
+    one-block rows alone exceed it): every row feeding at most one block, then each prompt that
+    fits what is left, oldest first, each taking its work before the next is weighed. The one
+    join rule: the plan and the arrivals admitted between forwards (``Engine._step``) use it."""
     joins = [tokens <= block for tokens, block in zip(pending, block_sizes, strict=True)]
-    left -= sum(tokens for tokens, joined in zip(pending, joins, strict=True) if joined)
-    for i, tokens in enumerate(pending):
-        if not joins[i] and tokens <= left:
+    left -= sum(cost.work(tokens, context)
+                for tokens, context, joined in zip(pending, contexts, joins, strict=True) if joined)
+    for i, (tokens, context) in enumerate(zip(pending, contexts, strict=True)):
+        if not joins[i] and cost.work(tokens, context) <= left:
             joins[i] = True
-            left -= tokens
+            left -= cost.work(tokens, context)
     return joins, left
 
 
-def chunk_sizes(pending: Sequence[int], block_sizes: Sequence[int], left: int) -> list[int]:
-    """The whole-block chunk each row prefills out of ``left`` budget tokens, oldest first (rows
-    with nothing ``pending`` get 0); the first row with something pending gets at least one block."""
+def chunk_sizes(pending: Sequence[int], contexts: Sequence[int], block_sizes: Sequence[int], left: int,
+                cost: ForwardCost) -> list[int]:
+    """The whole-block chunk each row prefills out of ``left`` work, oldest first (rows with
+    nothing ``pending`` get 0); the first row with something pending gets at least one block."""
     chunks: list[int] = []
     advanced = False  # a prompt row got a chunk this iteration
-    for tokens, block in zip(pending, block_sizes, strict=True):
-        chunk = min(whole_block_chunk(left, block, at_least_one=not advanced), tokens) if tokens else 0
+    for tokens, context, block in zip(pending, contexts, block_sizes, strict=True):
+        chunk = 0
+        if tokens:
+            chunk = min(whole_block_chunk(left, context, block, cost, at_least_one=not advanced), tokens)
         chunks.append(chunk)
-        left -= chunk
+        left -= cost.work(chunk, context) if chunk else 0
         advanced = advanced or chunk > 0
     return chunks
 
 
-def whole_block_chunk(left: int, block: int, *, at_least_one: bool) -> int:
-    """The largest chunk of whole ``block``-token blocks within ``left`` tokens (0 when none fits),
-    or one block when none fits and ``at_least_one`` (a prompt must always advance). The one
-    place of the rounding rule: the plan and the prefix fill (``chunk_spans``) both cut here."""
-    chunk = max(left, 0) // block * block
+def whole_block_chunk(left: int, context: int, block: int, cost: ForwardCost, *, at_least_one: bool) -> int:
+    """The largest chunk of whole ``block``-token blocks after ``context`` positions within
+    ``left`` work (0 when none fits), or one block when none fits and ``at_least_one`` (a prompt
+    must always advance). The one place of the rounding rule: the plan and the prefix fill
+    (``chunk_spans``) both cut here."""
+    chunk = cost.tokens_within(left, context, block)
     return block if chunk == 0 and at_least_one else chunk
 
 
-def chunk_spans(start: int, end: int, block: int, budget: int) -> list[tuple[int, int]]:
+def chunk_spans(start: int, end: int, block: int, budget: int, cost: ForwardCost) -> list[tuple[int, int]]:
     """``[start, end)`` (whole blocks of a prompt) cut into the ``(from, to)`` spans that prefill it
-    under ``budget`` tokens per forward: whole blocks, at least one per span; one span when
-    chunking is off (``budget`` <= 0). Empty when there is nothing to fill."""
-    step = whole_block_chunk(budget, block, at_least_one=True) if budget > 0 else max(end - start, 1)
-    return [(at, min(at + step, end)) for at in range(start, end, step)]
+    under ``budget`` (prompt tokens at a prompt's start, as the plan counts it): whole blocks, at
+    least one per span, fewer tokens as the context grows; one span when chunking is off
+    (``budget`` <= 0). Empty when there is nothing to fill."""
+    if budget <= 0:
+        return [(start, end)] if end > start else []
+    work, spans, at = budget_work(budget, cost), [], start
+    while at < end:
+        to = min(at + whole_block_chunk(work, at, block, cost, at_least_one=True), end)
+        spans.append((at, to))
+        at = to
+    return spans

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from worker.engine.forward_cost import ForwardCost, TokenWorkFit
 from worker.engine.pass_groups import split_pass
 from worker.model.family import DiffusionModel
 from worker.model.kv_cache import KVCache
@@ -135,7 +136,8 @@ _SCALARS = 8
 class ModelRunner:
     """Owns the model and its KV cache; runs passes for the engine thread."""
 
-    def __init__(self, model: DiffusionModel, cache: KVCache, *, mask_token_id: int) -> None:
+    def __init__(self, model: DiffusionModel, cache: KVCache, *, mask_token_id: int,
+                 token_work_keys: int = 0) -> None:
         self.model = model
         self.cache = cache
         self.mask_token_id = mask_token_id
@@ -149,6 +151,18 @@ class ModelRunner:
         self._floats = _Staging(torch.float32, self.device)  # a forward's float32 inputs
         self._slots = _Staging(torch.long, self.device)  # a pass's slots (held across its forwards)
         self._arange = torch.arange(64, device=self.device)  # [N] 0..N-1, grown on demand
+        # a forward's cost model (forward_cost.py): fixed by the operator, or measured here
+        self._fixed_cost = ForwardCost(token_work_keys) if token_work_keys > 0 else None
+        self._work_fit = TokenWorkFit()
+
+    @property
+    def forward_cost(self) -> ForwardCost:
+        """The cost model for grouping and chunking: the operator's ``W``, else the one measured
+        from this runner's prefill forwards, else the default."""
+        if self._fixed_cost is not None:
+            return self._fixed_cost
+        measured = self._work_fit.token_keys()
+        return ForwardCost(measured) if measured is not None else ForwardCost()
 
     def _iota(self, n: int) -> Tensor:
         """``arange(n)`` on the device, sliced from one cached tensor: ``[n]`` long."""
@@ -160,7 +174,8 @@ class ModelRunner:
         """One denoising pass for ``rows`` (one or two forwards); outcomes in row order. On an
         exception the rows' committed state (cache lengths, and GDN states of a hybrid cache) is
         as before the pass, so it can be re-run."""
-        groups = split_pass([len(r.inp.tokens) for r in rows], [r.inp.start_pos for r in rows])
+        groups = split_pass([len(r.inp.tokens) for r in rows], [r.inp.start_pos for r in rows],
+                            self.forward_cost.token_keys)
         outcomes: dict[int, RowOutcome] = {}
         self._slots.host(len(rows))[:] = [row.slot for row in rows]
         slots = self._slots.upload(len(rows))  # [R]
@@ -211,7 +226,9 @@ class ModelRunner:
         except BaseException:
             self.cache.restore(slots, before)
             raise
-        timings.forward_seconds += time.perf_counter() - began
+        seconds = time.perf_counter() - began  # synchronized on CUDA: the forward's own time
+        self._work_fit.observe(t, start_pos, seconds)
+        timings.forward_seconds += seconds
         timings.forwards += 1
 
     def _stage(self, rows: list[RowSpec], t: int, bmax: int) -> _ForwardInputs:

@@ -24,10 +24,18 @@ class EngineSettings(SettingsGroup):
     )
     prefill_chunk_tokens: int = Field(
         512, ge=0, alias="engine_prefill_chunk_tokens",
-        description="Worker: prompt tokens one engine iteration may prefill; a longer prompt prefills in "
-        "whole-block chunks between denoising passes, so running jobs (and short jobs admitted meanwhile) "
-        "never wait for a whole long prompt's forward (bench.long). 0: a prompt's whole blocks ride in its "
-        "first pass.",
+        description="Worker: prompt tokens one engine iteration may prefill at a prompt's start; a longer "
+        "prompt prefills in whole-block chunks between denoising passes, so running jobs (and short jobs "
+        "admitted meanwhile) never wait for a whole long prompt's forward (bench.long). The budget is work: "
+        "deeper into a long prompt a chunk carries fewer tokens, so that each costs about the same forward "
+        "(engine_token_work_keys). 0: a prompt's whole blocks ride in its first pass.",
+    )
+    token_work_keys: int = Field(
+        0, ge=0, alias="engine_token_work_keys",
+        description="Worker: one token's forward work outside attention (projections, experts), counted "
+        "as attention keys: a forward of T tokens over S keys costs T x (S + this). It sizes prefill chunks "
+        "deep into a long prompt and decides when a pass splits in two. 0: measured by the worker from its "
+        "own prefill forwards (bench.long prints it); set it to fix the schedule.",
     )
     max_len: int | None = Field(
         None, ge=1, alias="engine_max_len",
