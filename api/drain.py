@@ -54,7 +54,11 @@ class ApiDrain:
             log.info("api.draining", seconds=self.seconds)
             if self._loop is not None and self._on_begin is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._on_begin)
-        return max(0.0, self.deadline - time.monotonic())
+        return self.seconds_left()
+
+    def seconds_left(self) -> float:
+        """Seconds until the listeners close (0 once they may; 0 when no drain has begun)."""
+        return 0.0 if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def cap(self, deadline: float) -> float:
         """``deadline`` (monotonic), or the drain's deadline when that comes first."""

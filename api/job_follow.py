@@ -209,7 +209,7 @@ def _block_ms(drain: ApiDrain | None) -> int:
     (up to its deadline; 0 when it has passed)."""
     if drain is None or drain.deadline is None:
         return STREAM_BLOCK_MS
-    return min(STREAM_BLOCK_MS, int((drain.deadline - time.monotonic()) * 1000))
+    return min(STREAM_BLOCK_MS, int(drain.seconds_left() * 1000))
 
 
 def _stream_entries(answer: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -10,7 +10,6 @@ the database connect timeout or the Redis socket timeout.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -88,8 +87,7 @@ async def readyz_replica(response: Response, drain: DrainDep) -> Readiness:
 
 
 def _draining(drain: ApiDrain) -> ReadinessCheck:
-    left = max(0.0, (drain.deadline or 0.0) - time.monotonic())
-    return ReadinessCheck(ok=False, detail=f"stopping: listeners close in {left:.1f}s")
+    return ReadinessCheck(ok=False, detail=f"stopping: listeners close in {drain.seconds_left():.1f}s")
 
 
 def _timed_out(names: tuple[str, ...], deadline: float) -> DependencyResult:
