@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from bench.fleet_services import free_port
 from cli.supervisor import _die_with_parent
 
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

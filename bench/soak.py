@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.fleet_services import free_port
 from scheduler.jobs import models
 
 FINAL_STATUSES = frozenset(status.value for status in models.FINAL_STATUSES)
@@ -229,14 +230,6 @@ def run_load(base_url: str, *, clients: int = 64, seconds: float = 120.0, warmup
 # --- the stand-alone bench: `cloverq up` in a temp dir ---------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _stack_pids(up: subprocess.Popen[bytes]) -> dict[str, int]:
     """API and worker processes among ``cloverq up``'s children (by their command lines)."""
     pids: dict[str, int] = {}
@@ -284,9 +277,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         warmup = args.warmup_minutes * 60
 
     workdir = Path(tempfile.mkdtemp(prefix="cloverq-soak-"))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "CLOVERQ_DATA_DIR": str(workdir), "CLOVERQ_AUTH": "disabled",
-           "CLOVERQ_EMBEDDED_REDIS_PORT": str(_free_port()), "CLOVERQ_LOG_LEVEL": "WARNING",
+           "CLOVERQ_EMBEDDED_REDIS_PORT": str(free_port()), "CLOVERQ_LOG_LEVEL": "WARNING",
            "CLOVERQ_TENANT_MAX_ACTIVE_JOBS": "100000"}
     log_path = workdir / "up.log"
     print(f"starting cloverq up on port {port} (state and logs in {workdir}) ...", flush=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
-from bench.fleet_services import wait_until
+from bench.fleet_services import free_port, wait_until
 from scheduler.infra.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -175,13 +174,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # --- generic helpers (importable through the fixtures below) -----------------------------------
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def clear_leftover_jobs(settings: Settings) -> int:

@@ -29,6 +29,8 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.fleet_services import free_port
+
 pytestmark = pytest.mark.e2e
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -44,14 +46,6 @@ CHROMIUM_ARGS = [
 ]
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 STACK_TIMEOUT = 180.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -73,12 +67,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
     workdir = tmp_path_factory.mktemp("dashboard")
     data_dir = workdir / "data"
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLOVERQ_")}
     env.update(
         {
             "CLOVERQ_DATA_DIR": str(data_dir),
-            "CLOVERQ_EMBEDDED_REDIS_PORT": str(_free_port()),
+            "CLOVERQ_EMBEDDED_REDIS_PORT": str(free_port()),
             "CLOVERQ_ENGINE_MAX_BATCH": "4",
             "CLOVERQ_WORKER_METRICS_INTERVAL": "0.5",
             "PYTHONUNBUFFERED": "1",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.fleet_services import free_port
 from tests.long_contract import QUESTIONS, contract
 from worker.model.tokenizer import Tokenizer
 
@@ -32,12 +32,6 @@ pytestmark = pytest.mark.e2e
 STARTUP_TIMEOUT = 180.0
 JOB_TIMEOUT = 90.0
 LONG_CONTRACT_TOKENS = 16_000  # with its questions within `up`'s default 16,384-token prompt cap
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _proc_table() -> dict[int, tuple[int, str]]:
@@ -88,9 +82,9 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("up")
-    port, admin_port, ops_port = _free_port(), _free_port(), _free_port()
+    port, admin_port, ops_port = free_port(), free_port(), free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("CLOVERQ_")}
-    env.update({"CLOVERQ_EMBEDDED_REDIS_PORT": str(_free_port()), "CLOVERQ_LOG_LEVEL": "WARNING",
+    env.update({"CLOVERQ_EMBEDDED_REDIS_PORT": str(free_port()), "CLOVERQ_LOG_LEVEL": "WARNING",
                 "PYTHONUNBUFFERED": "1"})
     output = workdir / "up.out"
     with output.open("wb") as sink:
