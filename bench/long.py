@@ -84,9 +84,10 @@ def _prompt(lm: LoadedModel, length: int, salt: int = 0) -> list[int]:
     return [t if t != mask else (t + 1) % vocab for t in ids]
 
 
-def _engine(lm: LoadedModel, *, max_len: int, chunk: int, max_batch: int = 8) -> Engine:
+def _engine(lm: LoadedModel, *, max_len: int, chunk: int, max_batch: int = 8,
+            token_work_keys: int = 0) -> Engine:
     engine = Engine(lm.model, EngineConfig(max_batch=max_batch, max_len=max_len, prefix_cache_bytes=0,
-                                           prefill_chunk_tokens=chunk),
+                                           prefill_chunk_tokens=chunk, token_work_keys=token_work_keys),
                     mask_token_id=_mask(lm), eos_token_ids=(), default_block_size=_block(lm))
     return engine
 
@@ -101,9 +102,10 @@ def prefill_costs(lm: LoadedModel, lengths: tuple[int, ...],
     chunks, peak RSS MiB) per length: one prompt prefilled chunk by chunk into one engine slot (the
     engine thread is not started: the runner is driven directly). The engine's chunks carry
     ``chunk`` tokens' work (``prefill_chunks``): fewer tokens deeper in, each forward paying its
-    fixed cost; the runner measures its ``W`` from these very forwards, as a worker does."""
+    fixed cost; ``W`` is measured first, as a worker's engine does when it starts."""
     block = _block(lm)
     engine = _engine(lm, max_len=max(lengths) + 2 * block, chunk=chunk, max_batch=1)
+    engine.calibrate()
     rows = []
 
     def per_token(prompt: list[int], spans: list[tuple[int, int]]) -> float:
@@ -141,11 +143,12 @@ class ChunkCosts:
 
 
 def chunk_costs(lm: LoadedModel, chunk: int, long: int) -> ChunkCosts:
-    """Prefill one ``long``-token prompt twice on one runner: in fixed ``chunk``-token chunks (this
-    teaches the runner its ``W``, as a worker learns it from its first long prompt), then as the
-    engine cuts it; then time work-sized chunks at three depths (median of 3 each)."""
+    """Measure ``W`` as a starting engine does, then prefill one ``long``-token prompt twice: in
+    fixed ``chunk``-token chunks and as the engine cuts it; then time the engine's chunks at three
+    depths (median of 3 each)."""
     block = _block(lm)
     engine = _engine(lm, max_len=long + 4 * chunk, chunk=chunk, max_batch=1)
+    engine.calibrate()
     runner = engine.runner
     prompt = _prompt(lm, long + 3 * chunk, salt=3)
 
@@ -159,7 +162,6 @@ def chunk_costs(lm: LoadedModel, chunk: int, long: int) -> ChunkCosts:
         return len(spans), seconds
 
     with torch.inference_mode():
-        prefill([(0, chunk)])  # warm-up (untimed; the runner's fit skips its first forwards too)
         fixed = prefill([(at, min(at + chunk, long)) for at in range(0, long, chunk)])
         cost = runner.forward_cost
         engine_spans = chunk_spans(0, long, block, chunk, cost)
@@ -183,12 +185,13 @@ def chunk_costs(lm: LoadedModel, chunk: int, long: int) -> ChunkCosts:
 
 
 def short_jobs(lm: LoadedModel, *, chunk: int, long_tokens: int, shorts: int, every: float,
-               with_long: bool) -> tuple[list[float], list[float]]:
+               with_long: bool, token_work_keys: int = 0) -> tuple[list[float], list[float]]:
     """(waits, latencies) in seconds of ``shorts`` 8-token jobs, one every ``every`` s, with long
     prompts arriving one after another meanwhile (``with_long``) or not. The wait is submit to the
     start of the job's first denoising pass, the latency submit to result, both on the engine's
-    own clock."""
-    engine = _engine(lm, max_len=long_tokens + 64, chunk=chunk, max_batch=SHORT_JOBS_BATCH)  # never the limit
+    own clock. ``token_work_keys``: the engine's ``W`` (0: it measures its own when it starts)."""
+    engine = _engine(lm, max_len=long_tokens + 64, chunk=chunk, max_batch=SHORT_JOBS_BATCH,  # never the limit
+                     token_work_keys=token_work_keys)
     engine.start()
     stop = threading.Event()
 
@@ -301,13 +304,15 @@ def main() -> None:
     needed, available = dense_pass_bytes(lm, rows=SHORT_JOBS_BATCH, tokens=args.long), _available_bytes()
     runs = {
         "idle": short_jobs(lm, chunk=args.chunk, long_tokens=args.long, shorts=args.shorts,
-                           every=args.short_every, with_long=False),
+                           every=args.short_every, with_long=False, token_work_keys=costs.token_keys),
     }
     if available is None or needed <= available // 2:
         runs["long prefills, unchunked"] = short_jobs(lm, chunk=0, long_tokens=args.long, shorts=args.shorts,
                                                       every=args.short_every, with_long=True)
+    # the W measured above: the goal's pass is one chunk of the engine measured
     runs["long prefills, chunked"] = short_jobs(lm, chunk=args.chunk, long_tokens=args.long,
-                                                shorts=args.shorts, every=args.short_every, with_long=True)
+                                                shorts=args.shorts, every=args.short_every, with_long=True,
+                                                token_work_keys=costs.token_keys)
     idle_wait = _p(runs["idle"][0], 0.95)
     print(f"{'run':>25} {'wait p50 ms':>12} {'wait p95 ms':>12} {'latency p50 ms':>15} "
           f"{'latency p95 ms':>15}")

@@ -40,10 +40,10 @@ def reference_plan(pending: list[int], contexts: list[int], blocks: list[int],
     if budget <= 0:
         return [True] * n, [0] * n
     joins, chunks, left = [False] * n, [0] * n, work(budget, 0)
-    for i in range(n):  # decoding rows always join, even past the budget
+    for i in range(n):  # decoding rows always join, even past the budget, charged as at context 0
         if pending[i] <= blocks[i]:
             joins[i] = True
-            left -= work(pending[i], contexts[i])
+            left -= work(pending[i], 0)
     for i in range(n):  # then whole prompts that fit, oldest first
         if not joins[i] and work(pending[i], contexts[i]) <= left:
             joins[i] = True
@@ -72,7 +72,8 @@ def reference_plan(pending: list[int], contexts: list[int], blocks: list[int],
     ([400, 400], [0, 0], [4, 4], 0),  # off
     ([400, 8], [0, 0], [8, 8], 4),  # a budget below one block
     ([8192, 4], [8192, 100], [4, 4], 512),  # deep into a long prompt a chunk carries fewer tokens
-    ([4, 8192, 8192], [16000, 0, 8000], [4, 4, 4], 512),  # a deep decoding row takes its share
+    ([4, 8192, 8192], [16000, 0, 8000], [4, 4, 4], 512),  # a deep decoding row: charged as at 0
+    ([4] * 6 + [8], [100000] * 6 + [0], [4] * 7, 64),  # deep decoders do not starve a short prompt
 ])
 def test_plan_matches_the_reference(pending: list[int], contexts: list[int], blocks: list[int],
                                     budget: int) -> None:
@@ -81,6 +82,10 @@ def test_plan_matches_the_reference(pending: list[int], contexts: list[int], blo
     if budget > 0:  # a long prompt always advances; chunks are whole blocks
         assert all(c % b == 0 for c, b in zip(plan.chunks, blocks, strict=True))
         assert any(plan.chunks) or all(plan.joins)
+        # the chunks stay within what the pass left, but for the one block a prompt always moves
+        spent = sum(work(c, s) for c, s in zip(plan.chunks, contexts, strict=True))
+        first = next((i for i, c in enumerate(plan.chunks) if c), None)
+        assert spent <= max(plan.left, 0) or (first is not None and plan.chunks[first] == blocks[first])
 
 
 def test_plan_examples() -> None:
@@ -119,18 +124,32 @@ def test_arrivals_between_forwards_share_what_is_left() -> None:
 
 @pytest.mark.parametrize(("start", "end", "block", "budget", "spans"), [
     (0, 20, 4, 16, [(0, 16), (16, 20)]),  # whole blocks of the budget; the last is the rest
-    (0, 20, 4, 8, [(0, 8), (8, 12), (12, 16), (16, 20)]),  # 8 tokens 8 in cost more than the first 8
+    (0, 20, 4, 8, [(0, 8), (8, 12), (12, 16), (16, 20)]),  # 8 tokens after 8 cost more than the first 8
     (8, 20, 4, 10, [(8, 16), (16, 20)]),  # the budget rounds down to whole blocks
     (0, 12, 4, 3, [(0, 4), (4, 8), (8, 12)]),  # a budget below one block still moves one
     (0, 20, 4, 0, [(0, 20)]),  # off: one span
     (8, 8, 4, 8, []),  # nothing to fill
     (0, 12288, 4, 4096, [(0, 4096), (4096, 7092), (7092, 9548), (9548, 11672), (11672, 12288)]),  # shrink
 ])
-def test_prefix_fill_spans(start: int, end: int, block: int, budget: int,
-                           spans: list[tuple[int, int]]) -> None:
+def test_work_sized_spans(start: int, end: int, block: int, budget: int,
+                          spans: list[tuple[int, int]]) -> None:
     assert chunk_spans(start, end, block, budget, COST) == spans
     for at, to in spans[:-1]:  # each span but the last is the most the budget's work allows
         assert to - at == max(most_blocks(work(budget, 0), at, block), block)
+
+
+@pytest.mark.parametrize(("start", "end", "block", "budget", "spans"), [
+    (0, 20, 4, 8, [(0, 8), (8, 16), (16, 20)]),  # whole blocks of the budget; the last is the rest
+    (8, 20, 4, 10, [(8, 16), (16, 20)]),  # the budget rounds down to whole blocks
+    (0, 12, 4, 3, [(0, 4), (4, 8), (8, 12)]),  # a budget below one block still moves one
+    (0, 20, 4, 0, [(0, 20)]),  # off: one span
+    (8, 8, 4, 8, []),  # nothing to fill
+    (0, 12288, 4, 4096, [(0, 4096), (4096, 8192), (8192, 12288)]),  # no shrinking: run back to back
+])
+def test_prefix_fill_spans(start: int, end: int, block: int, budget: int,
+                           spans: list[tuple[int, int]]) -> None:
+    """The prefix cache's fill (no cost model): spans of the budget's tokens."""
+    assert chunk_spans(start, end, block, budget, None) == spans
 
 
 @pytest.fixture(scope="module")

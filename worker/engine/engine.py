@@ -33,13 +33,15 @@ from worker.engine.runner import ModelRunner, PassTimings, RowOutcome, RowSpec
 from worker.engine.stats import EngineStats
 from worker.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from worker.model.family import DiffusionModel, decoding_defaults
-from worker.model.kv_cache import KVCache
+from worker.model.kv_cache import CacheFullError, KVCache
 from worker.sampler.layout import RegionLayout, RequestError, build_layout
 from worker.sampler.sequence import SequenceState
 
 log = logging.getLogger(__name__)
 
 _RATE_WINDOW = 64  # passes over which tokens/s is measured
+# the depth of the forward-cost calibration (Engine.calibrate): deep enough that attention shows
+CALIBRATION_DEPTH, CALIBRATION_LEAST_DEPTH = 8192, 1024
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,7 @@ class Engine:
         self._forward_seconds = 0.0
         self._prefill_positions = 0  # prompt positions run through the model (prefixes included)
         self._chunks = 0  # prompt chunks prefilled on their own (prefill_chunks.py)
+        self._calibrated = False  # the forward cost model was measured, or needs not be (calibrate)
         self._reused_positions = 0  # prompt positions copied from a shared prefix instead
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_WINDOW)
 
@@ -226,6 +229,38 @@ class Engine:
             thread.join(timeout)
             if not thread.is_alive():
                 self._thread = None
+
+    def calibrate(self) -> int | None:
+        """Measure ``W`` (``forward_cost.py``) on a free slot, when chunked prefill is on and the
+        operator has not fixed it; the depth is up to ``CALIBRATION_DEPTH`` keys, what the cache
+        allows besides two budgets. A cache too short to reach ``CALIBRATION_LEAST_DEPTH`` keeps
+        the default (the chunks it can hold barely shrink). The engine thread runs it before the
+        first iteration that prefills a chunk (``_step``: a worker that never sees a long prompt
+        never pays it; measured ~0.8 s on the tiny CPU demo, ~9 s on a loaded machine); call it
+        yourself only before the thread starts. Never fatal: a failure keeps the default and is
+        logged; with every slot taken it is tried again at a later iteration."""
+        self._calibrated = True
+        budget, block = self.config.prefill_chunk_tokens, self.default_block_size
+        depth = min(CALIBRATION_DEPTH, self.config.max_len - 2 * budget) // block * block
+        if budget <= 0 or self.config.token_work_keys > 0 or depth < CALIBRATION_LEAST_DEPTH:
+            return None
+        began = time.perf_counter()
+        try:
+            slot = self.cache.allocate()
+        except CacheFullError:
+            self._calibrated = False  # not now
+            return None
+        try:
+            measured = self.runner.calibrate_forward_cost(slot, block=block, budget=budget, depth=depth)
+        except Exception:
+            log.exception("forward cost calibration failed; the default W is kept")
+            return None
+        finally:
+            self.cache.free(slot)
+        log.info("engine forward cost: W=%s keys per token (%s; forwards at depth 0 and %d, %.2f s)",
+                 self.runner.forward_cost.token_keys, "measured" if measured else "the default: not told",
+                 depth, time.perf_counter() - began)
+        return measured
 
     def warm_up(self) -> None:
         """Run one small request end to end; raises if it does not complete."""
@@ -491,10 +526,11 @@ class Engine:
     def _prefill_prefix(self, slot: int, prompt: Sequence[int], start: int, end: int, block: int,
                         timings: PassTimings) -> None:
         """Prefill a shared prefix's ``prompt[start:end]`` into ``slot``: in whole-block chunks of
-        the per-iteration budget when chunking is on, as a prompt's own prefill runs, so one forward
-        holds memory for a chunk, not for the whole context (a 16K-token contract's decision on the
+        the per-iteration budget's tokens when chunking is on (not its work: these spans run back
+        to back, so smaller deep spans would only add forwards), so one forward holds memory for a
+        chunk, not for the whole context (a 16K-token contract's decision on the
         tiny demo needed GBs in one forward). Exact for the same reason chunked prefill is."""
-        spans = chunk_spans(start, end, block, self.config.prefill_chunk_tokens, self.runner.forward_cost)
+        spans = chunk_spans(start, end, block, self.config.prefill_chunk_tokens, None)
         for at, to in spans:
             self.runner.run_prefill(slot, list(prompt[at:to]), at, block, timings)
         if len(spans) > 1:
@@ -516,6 +552,8 @@ class Engine:
         active = [a for a in self._active if not a.state.finished]
         pending = [a.state.block_start - a.state.cached_len for a in active]
         contexts = [a.state.cached_len for a in active]
+        if not self._calibrated and any(p > self.config.prefill_chunk_tokens for p in pending):  # chunks come
+            self.calibrate()
         cost = self.runner.forward_cost  # one cost model for the whole iteration
         plan = plan_prefill(pending, contexts, [a.state.block_size for a in active],
                             self.config.prefill_chunk_tokens, cost)

@@ -8,11 +8,18 @@ and chunked prefill (``prefill_chunks``: how many prompt tokens a chunk may carr
 so that every chunk costs the budget's forward, issue 26).
 
 ``W`` depends on the checkpoint and the hardware, not only the config: on the tiny CPU demo the
-small matmuls run ~10x less efficiently than the flash attention kernel, so FLOP counting gives
-~800 where timing gives ~6,600; on the real model on a GPU the experts dominate and ``W`` is tens
-of thousands. So the runner measures it from its own prefill forwards (``TokenWorkFit``: one row,
-no padding, so ``T`` and ``S`` are exact), unless the operator fixes it
-(``CLOVERQ_ENGINE_TOKEN_WORK_KEYS``). Until enough forwards were seen, ``DEFAULT_TOKEN_WORK_KEYS``.
+small matmuls run far less efficiently than the flash attention kernel, so FLOP counting gives
+~800 where timing gives ~3,100 (measured: 3.8 ms per forward, 17 us per token, 5.5 ns per token
+and key); on the real model on a GPU the experts and the host dominate and ``W`` is tens of
+thousands. So the engine measures it once, before its first prefill chunk (``Engine.calibrate``):
+single-row prefill forwards at two sizes and two depths, five times each, fitted by least squares
+on ``seconds ~= f + a * T + c * T * S`` (:func:`fit_token_keys`), ``W = a / c``; the intercept ``f``
+is a forward's fixed cost (3.8 ms on the tiny demo, as much as 220 tokens' per-token work), which
+would otherwise inflate ``W``. A designed set of forwards, not the engine's own chunks: those are
+cut by the current ``W`` (``T * (S + W)`` constant), so fitted on them the figure confirms
+itself (a simulated host-bound GPU shape with W = 40,000 and 15% timing noise settled near
+4,000). The operator can fix ``W`` instead (``CLOVERQ_ENGINE_TOKEN_WORK_KEYS``); without chunking,
+or with a cache too short to reach a useful depth, ``DEFAULT_TOKEN_WORK_KEYS``.
 Grouping and chunk sizes change no token (rows share no state; chunks commit exactly what a fused
 prefill would), so a measured ``W`` only moves *when* work runs, never what it computes.
 """
@@ -20,15 +27,19 @@ prefill would), so a measured ``W`` only moves *when* work runs, never what it c
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-# before any measurement: the order of the tiny demo's measured figure (about 6,600 on 2 CPU
-# cores: a 512-token chunk took 19.5 ms at context 512 and 57.6 ms at context 15,360)
+# before any measurement: between the tiny demo's figure with and without the forward's fixed cost
+# separated (~3,100 and ~4,400); far below the real model's, which only makes its chunks smaller
 DEFAULT_TOKEN_WORK_KEYS = 4096
-# a measured W is kept inside these bounds (a fit over near-identical forwards can be wild)
-_LEAST_KEYS, _MOST_KEYS = 64, 1 << 20
+# a measured W is kept inside these bounds: below a quarter of the default, deep chunks would
+# shrink to single blocks that each pay a forward's fixed cost; the top is beyond any real model
+_LEAST_KEYS, _MOST_KEYS = DEFAULT_TOKEN_WORK_KEYS // 4, 1 << 20
+# timed forwards per size and depth in the runner's calibration (fit_token_keys says why five)
+CALIBRATION_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -46,67 +57,37 @@ class ForwardCost:
         within ``work`` (0 when not even one block fits)."""
         if work <= 0:
             return 0
-        b = context + self.token_keys  # t * (t + b) <= work: the positive root of t^2 + b t - work
-        t = (math.isqrt(b * b + 4 * work) - b) // 2
-        while t > 0 and self.work(t, context) > work:  # isqrt's floor can overshoot by one
-            t -= 1
+        b = context + self.token_keys  # t * (t + b) <= work: the positive root of t^2 + b t - work,
+        t = (math.isqrt(b * b + 4 * work) - b) // 2  # floored exactly (b is an integer)
         return t // block * block
 
 
-class TokenWorkFit:
-    """``W`` from timed single-row forwards by least squares on ``seconds ~= f + a * T + c * T * S``,
-    ``W = a / c``. The intercept ``f`` is a forward's fixed cost (on the tiny CPU demo about 3.8 ms,
-    as much as 300 tokens' per-token work): left in ``a`` it would inflate ``W`` by ``f / (c T)``.
-    It is the same for every forward, so it does not enter the chunk sizes, only the fit; while
-    the forwards seen all had one size (fixed chunks), ``f`` cannot be told from ``a`` and the fit
-    drops it (``f`` folded into ``a``: ``W`` errs high, i.e. towards larger deep chunks).
-
-    Observations decay so that the figure follows the machine (another process, a clock change);
-    the first ``warmup`` forwards are not counted (a cold first forward costs several warm ones:
-    allocation, kernel selection), and the fit is only trusted once it has seen forwards at
-    contexts that differ by at least ``spread`` keys."""
-
-    def __init__(self, *, decay: float = 0.98, least_seen: int = 6, spread: int = 1024,
-                 warmup: int = 2) -> None:
-        self._decay, self._least_seen, self._spread = decay, least_seen, spread
-        self._skip = warmup
-        self._xx = np.zeros((3, 3))  # decayed normal equations over the features (1, T, T * S)
-        self._xy = np.zeros(3)
-        self._seen = 0
-        self._low: int | None = None  # the least and the most keys seen
-        self._high: int | None = None
-
-    def observe(self, tokens: int, context: int, seconds: float) -> None:
-        """One forward of ``tokens`` after ``context`` positions that took ``seconds``."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        if self._skip > 0:
-            self._skip -= 1
-            return
-        keys = context + tokens
-        x = np.array([1.0, tokens, tokens * keys])
-        self._xx = self._decay * self._xx + np.outer(x, x)
-        self._xy = self._decay * self._xy + x * seconds
-        self._seen += 1
-        self._low = keys if self._low is None else min(self._low, keys)
-        self._high = keys if self._high is None else max(self._high, keys)
-
-    def token_keys(self) -> int | None:
-        """The measured ``W``, or None while the forwards seen cannot tell it."""
-        if self._seen < self._least_seen or self._low is None or self._high is None:
-            return None
-        if self._high - self._low < self._spread:
-            return None
-        for features in ([0, 1, 2], [1, 2]):  # with the fixed cost, else without it
-            xx = self._xx[np.ix_(features, features)]
-            scale = np.sqrt(np.diag(xx))
-            if np.any(scale == 0):
-                continue
-            normed = xx / np.outer(scale, scale)  # unit diagonal: the condition says collinearity
-            if np.linalg.cond(normed) > 1e8:
-                continue
-            coef = np.linalg.solve(normed, self._xy[features] / scale) / scale
-            a, c = coef[-2], coef[-1]  # seconds per token, per token and key
-            if a > 0 and c > 0:
-                return int(min(max(a / c, _LEAST_KEYS), _MOST_KEYS))
+def fit_token_keys(samples: Sequence[tuple[int, int, float]]) -> int | None:
+    """``W = a / c`` from ``(tokens, context, seconds)`` forwards by least squares on
+    ``seconds ~= f + a * T + c * T * (context + T)`` (module docstring), clamped to the bounds.
+    Where timing noise hides attention's share (``c`` under five standard errors: a host-bound
+    GPU at the calibration's depth), the top bound: chunks do not shrink, as with a budget in
+    tokens. That errs the safe way: up to that depth a deep chunk cost what a first one did
+    (within the noise), while smaller chunks would multiply forwards that each pay the fixed
+    cost (~100 ms on an H200, docs/gpu-h200.md). Why five errors and five repeats: on a simulated
+    GPU shape with 2% timing noise (300 seeded calibrations), three and three put 16% of the
+    figures under two thirds of the true W, five and five 2%. None when the samples cannot tell
+    (fewer than five, collinear, or ``a`` not positive)."""
+    if len(samples) < 5:
         return None
+    x = np.array([[1.0, t, t * (s + t)] for t, s, _ in samples])  # [N, 3]
+    y = np.array([seconds for _, _, seconds in samples])  # [N]
+    scale = np.linalg.norm(x, axis=0)  # columns of unit length: the condition says collinearity
+    if np.any(scale == 0) or np.linalg.cond(x / scale) > 1e6:
+        return None
+    xs = x / scale
+    coef = np.linalg.lstsq(xs, y, rcond=None)[0]
+    residual = y - xs @ coef
+    variance = float(residual @ residual) / (len(samples) - 3)
+    c_error = math.sqrt(variance * float(np.linalg.inv(xs.T @ xs)[2, 2])) / scale[2]
+    a, c = float(coef[1] / scale[1]), float(coef[2] / scale[2])  # seconds per token; per token and key
+    if a <= 0:
+        return None
+    if c <= 5 * c_error:
+        return _MOST_KEYS
+    return int(min(max(a / c, _LEAST_KEYS), _MOST_KEYS))

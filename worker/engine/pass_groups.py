@@ -11,7 +11,7 @@ arrives meanwhile waits for it (issue 26).
 
 The estimate of a forward's work, in key-equivalents: ``R * T * (S + W)``, where ``W`` is one
 token's work outside attention (projections, experts) counted as attention keys
-(``forward_cost.py``: measured by the runner from its own prefill forwards). The rows are
+(``forward_cost.py``: measured by the engine before its first prefill chunk). The rows are
 cut in two at the threshold, over either the tokens or the context of a row, that minimises the
 estimate; the cut is taken only if it at least halves it (a second forward has a fixed cost the
 estimate leaves out). The light group runs first, so a short row's pass never waits for a heavy

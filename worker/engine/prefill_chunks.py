@@ -3,7 +3,7 @@
 Without it, a new sequence feeds its prompt's whole blocks in its first pass, batched with every
 running sequence: while a 4K-token prompt prefills, every other job's next block waits for that
 one long forward (issue 26 measured 799 ms for an 8-token job on the tiny demo; on a real model a
-100K-token prompt holds everyone for seconds). With a per-pass token budget, a prompt whose
+100K-token prompt holds everyone for seconds). With a per-pass budget, a prompt whose
 uncached whole blocks exceed what the pass has left prefills *chunks* of whole blocks instead,
 one per engine iteration (``ModelRunner.run_prefill``: the same commit forward, on its own), and
 joins the denoising passes once what is left fits.
@@ -40,10 +40,11 @@ The rule, per iteration, over the active rows in admission order (oldest first):
 * the prompt rows left prefill the largest whole-block chunks that fit what is then left
   (``chunk_sizes``); the oldest of them gets at least one block even when the budget is spent,
   so a long prompt always advances. Rows admitted at the boundary after the pass take their
-  tokens from the chunks in the same way (``Engine._step``).
+  work from the chunks' in the same way (``Engine._step``).
 
-A shared prefix the prefix cache fills at admission is cut by the same whole-block rule
-(``chunk_spans``).
+A shared prefix the prefix cache fills at admission is cut into whole blocks of the budget in
+tokens (``chunk_spans`` without a cost): its spans run back to back at admission, so smaller deep
+spans would only add forwards; the budget bounds each forward's memory there.
 """
 
 from __future__ import annotations
@@ -89,12 +90,15 @@ def budget_work(budget: int, cost: ForwardCost) -> int:
 def join_rows(pending: Sequence[int], contexts: Sequence[int], block_sizes: Sequence[int], left: int,
               cost: ForwardCost) -> tuple[list[bool], int]:
     """Which rows join a pass out of ``left`` work, and what they leave (negative when the
-    one-block rows alone exceed it): every row feeding at most one block, then each prompt that
-    fits what is left, oldest first, each taking its work before the next is weighed. The one
+    one-block rows alone exceed it): every row feeding at most one block (charged at context 0),
+    then each prompt that fits what is left at its context, oldest first, each taking its work
+    before the next is weighed. The one
     join rule: the plan and the arrivals admitted between forwards (``Engine._step``) use it."""
     joins = [tokens <= block for tokens, block in zip(pending, block_sizes, strict=True)]
-    left -= sum(cost.work(tokens, context)
-                for tokens, context, joined in zip(pending, contexts, joins, strict=True) if joined)
+    # a decoding row is charged as at a prompt's start: its pass costs what its context makes it
+    # (the plan cannot shorten it), and charged at depth a few rows decoding deep into long
+    # contexts would spend the whole budget and leave the prompts one block per iteration
+    left -= sum(cost.work(tokens, 0) for tokens, joined in zip(pending, joins, strict=True) if joined)
     for i, (tokens, context) in enumerate(zip(pending, contexts, strict=True)):
         if not joins[i] and cost.work(tokens, context) <= left:
             joins[i] = True
@@ -127,13 +131,18 @@ def whole_block_chunk(left: int, context: int, block: int, cost: ForwardCost, *,
     return block if chunk == 0 and at_least_one else chunk
 
 
-def chunk_spans(start: int, end: int, block: int, budget: int, cost: ForwardCost) -> list[tuple[int, int]]:
+def chunk_spans(start: int, end: int, block: int, budget: int,
+                cost: ForwardCost | None) -> list[tuple[int, int]]:
     """``[start, end)`` (whole blocks of a prompt) cut into the ``(from, to)`` spans that prefill it
-    under ``budget`` (prompt tokens at a prompt's start, as the plan counts it): whole blocks, at
-    least one per span, fewer tokens as the context grows; one span when chunking is off
-    (``budget`` <= 0). Empty when there is nothing to fill."""
+    under ``budget``: whole blocks, at least one per span; as the plan counts it (prompt tokens'
+    work at a prompt's start, fewer tokens as the context grows) with a ``cost``, in plain
+    ``budget``-token spans without one; one span when chunking is off (``budget`` <= 0). Empty
+    when there is nothing to fill."""
     if budget <= 0:
         return [(start, end)] if end > start else []
+    if cost is None:
+        step = max(budget // block, 1) * block
+        return [(at, min(at + step, end)) for at in range(start, end, step)]
     work, spans, at = budget_work(budget, cost), [], start
     while at < end:
         to = min(at + whole_block_chunk(work, at, block, cost, at_least_one=True), end)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from worker.engine.forward_cost import ForwardCost, TokenWorkFit
+from worker.engine.forward_cost import CALIBRATION_REPEATS, ForwardCost, fit_token_keys
 from worker.engine.pass_groups import split_pass
 from worker.model.family import DiffusionModel
 from worker.model.kv_cache import KVCache
@@ -151,18 +151,46 @@ class ModelRunner:
         self._floats = _Staging(torch.float32, self.device)  # a forward's float32 inputs
         self._slots = _Staging(torch.long, self.device)  # a pass's slots (held across its forwards)
         self._arange = torch.arange(64, device=self.device)  # [N] 0..N-1, grown on demand
-        # a forward's cost model (forward_cost.py): fixed by the operator, or measured here
-        self._fixed_cost = ForwardCost(token_work_keys) if token_work_keys > 0 else None
-        self._work_fit = TokenWorkFit()
+        # a forward's cost model (forward_cost.py): fixed by the operator, or measured by
+        # calibrate_forward_cost before the engine's first prefill chunk
+        self._fixed_cost = token_work_keys > 0
+        self.forward_cost = ForwardCost(token_work_keys) if self._fixed_cost else ForwardCost()
 
-    @property
-    def forward_cost(self) -> ForwardCost:
-        """The cost model for grouping and chunking: the operator's ``W``, else the one measured
-        from this runner's prefill forwards, else the default."""
-        if self._fixed_cost is not None:
-            return self._fixed_cost
-        measured = self._work_fit.token_keys()
-        return ForwardCost(measured) if measured is not None else ForwardCost()
+    def calibrate_forward_cost(self, slot: int, *, block: int, budget: int, depth: int) -> int | None:
+        """Measure ``W`` (``forward_cost.py``) on the empty cache ``slot`` and use it from now on:
+        single-row prefill forwards of ``budget`` tokens and an eighth of it (whole blocks), at
+        context 0 and ``depth``, five times each (the cache restored after each), after one
+        untimed forward; returns the figure, or None (and the cost model unchanged) when the
+        forwards could not tell it or the operator fixed it. Not thread-safe: the engine's thread
+        calls it (``Engine.calibrate``)."""
+        if self._fixed_cost:
+            return None
+        big = max(budget // block, 1) * block
+        small = max(big // 8 // block, 1) * block
+        vocab = self.model.config.vocab_size
+        prompt = [t if t != self.mask_token_id else (t + 1) % vocab
+                  for t in ((13 * j + 5) % vocab for j in range(depth + big))]
+        slots = torch.tensor([slot], dtype=torch.long, device=self.device)
+        samples: list[tuple[int, int, float]] = []
+
+        def timed(tokens: int, context: int) -> float:
+            before = self.cache.snapshot(slots)
+            timings = PassTimings()
+            self.run_prefill(slot, prompt[context:context + tokens], context, block, timings)
+            self.cache.restore(slots, before)
+            return timings.forward_seconds
+
+        with torch.inference_mode():
+            timed(big, 0)  # warm-up: allocation, kernel selection
+            for context in (0, depth):
+                for at in range(0, context, big):  # reach the depth (the slot is empty before)
+                    self.run_prefill(slot, prompt[at:min(at + big, context)], at, block, PassTimings())
+                for _ in range(CALIBRATION_REPEATS):
+                    samples += [(tokens, context, timed(tokens, context)) for tokens in (small, big)]
+        measured = fit_token_keys(samples)
+        if measured is not None:
+            self.forward_cost = ForwardCost(measured)
+        return measured
 
     def _iota(self, n: int) -> Tensor:
         """``arange(n)`` on the device, sliced from one cached tensor: ``[n]`` long."""
@@ -226,9 +254,7 @@ class ModelRunner:
         except BaseException:
             self.cache.restore(slots, before)
             raise
-        seconds = time.perf_counter() - began  # synchronized on CUDA: the forward's own time
-        self._work_fit.observe(t, start_pos, seconds)
-        timings.forward_seconds += seconds
+        timings.forward_seconds += time.perf_counter() - began  # synchronized on CUDA
         timings.forwards += 1
 
     def _stage(self, rows: list[RowSpec], t: int, bmax: int) -> _ForwardInputs:

@@ -34,8 +34,10 @@ class EngineSettings(SettingsGroup):
         0, ge=0, alias="engine_token_work_keys",
         description="Worker: one token's forward work outside attention (projections, experts), counted "
         "as attention keys: a forward of T tokens over S keys costs T x (S + this). It sizes prefill chunks "
-        "deep into a long prompt and decides when a pass splits in two. 0: measured by the worker from its "
-        "own prefill forwards (bench.long prints it); set it to fix the schedule.",
+        "deep into a long prompt and decides when a pass splits in two. 0: measured by the worker's engine "
+        "before its first prefill chunk (about 30 single-row forwards at depth 0 and up to 8,192, logged as "
+        "'engine forward cost'; where timing noise hides attention, chunks do not shrink); set it to fix the "
+        "schedule.",
     )
     max_len: int | None = Field(
         None, ge=1, alias="engine_max_len",
