@@ -45,12 +45,30 @@ from cli.model import guarded, model_group
                    "crossing a block boundary masked in the earlier block too.")  # fmt: skip
 @click.option("--decision-weight", type=float, default=None,
               help="Loss weight of a decision row's targets (default 1).")  # fmt: skip
+@click.option("--parallel-slots", type=float, default=None,
+              help="Share of joint decision rows with all choice slots masked in one pass.")  # fmt: skip
+@click.option("--groups", type=int, default=None,
+              help="Question groups per training contract (default: one or two, as evaluated).")  # fmt: skip
+@click.option("--easy-steps", type=int, default=None,
+              help="First steps: decision rows only a group's first question, asked alone.")  # fmt: skip
+@click.option("--buckets", type=int, default=None,
+              help="Passes per step over rows of like length, logits only at targets (faster).")  # fmt: skip
+@click.option("--hidden", type=int, default=None,
+              help="Hidden size of the random start (default the tiny demo's 64).")  # fmt: skip
+@click.option("--layers", type=int, default=None,
+              help="Layers of the random start, GDN and attention alternating (default 4).")  # fmt: skip
 @guarded
 def train_demo_command(
     init_from: str | None,
     decision_share: float,
     served_slots: bool,
     decision_weight: float | None,
+    parallel_slots: float | None,
+    groups: int | None,
+    easy_steps: int | None,
+    buckets: int | None,
+    hidden: int | None,
+    layers: int | None,
     directory: Path,
     arch: str,
     steps: int,
@@ -69,7 +87,9 @@ def train_demo_command(
     torch.set_num_threads(threads)
     config = TrainConfig(arch=arch, steps=steps, batch=batch, lr=lr, seed=seed,  # type: ignore[arg-type]
                          save_every=save_every, init_from=init_from, decision_share=decision_share,
-                         served_slots=served_slots or None, decision_weight=decision_weight)  # fmt: skip
+                         served_slots=served_slots or None, decision_weight=decision_weight,
+                         parallel_slots=parallel_slots, groups=groups, easy_steps=easy_steps, buckets=buckets,
+                         hidden=hidden, layers=layers)  # fmt: skip
     if (directory / RESUME_FILE).is_file():
         click.echo(f"resuming from {directory / RESUME_FILE}", err=True)
     columns = (TextColumn("[bold]train-demo"), BarColumn(), MofNCompleteColumn(),

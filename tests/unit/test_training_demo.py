@@ -20,7 +20,11 @@ from worker.training.rows import decision_rows
 from worker.training.trainer import (
     RESUME_FILE,
     TrainConfig,
+    _batch,
     _noisy_batch,
+    bucketed_loss,
+    denoise,
+    parallel_decision,
     served_decision,
     slot_blocks,
     train_demo,
@@ -98,6 +102,66 @@ def test_served_slots_noise_a_decision_row_as_the_engine_feeds_each_block_of_its
                         group.scores = [0.0] * len(group.candidates)
                     state.apply_pass(engine.tokens[-4:], [False] * 4, [(0, 0.0)] * len(engine.groups))
     assert crossing >= 10
+
+
+def test_parallel_slots_mask_every_choice_slot_of_a_joint_row_in_one_pass() -> None:
+    """``parallel_slots``: a joint row's pass starts at its first slot's block, runs to the end of
+    its last slot's block, and every slot position (only those) is a target; rows with one slot
+    stay served block by block. ``groups`` asks that many question groups per contract."""
+    tokenizer = Tokenizer.from_dir(TRAINED_CLOVER_DEMO)
+    mask = tokenizer.token_id("<|mask|>")
+    assert mask is not None
+    case = decision_case("train", 0, 5, groups=3)
+    assert len(case.groups) == 3 and len({g.kind for g in case.groups}) == 3
+    [row] = decision_rows(case, "joint", tokenizer, block=4)
+    single = decision_rows(case, "independent", tokenizer, block=4)[0]
+    first, last, targets = parallel_decision(row, 4)
+    assert targets == [p for s, n in row.units for p in range(s, s + n)] and len(row.units) == 6
+    noisy, clean, masked, commit, valid = _noisy_batch(
+        [row, single], 4, mask, torch.Generator().manual_seed(0), served_slots=True, parallel_slots=1.0
+    )
+    assert int(commit[0]) == first * 4 and int(valid[0].sum()) == (last + 1) * 4
+    assert masked[0].nonzero().flatten().tolist() == targets
+    assert (noisy[0] == mask).nonzero().flatten().tolist() == targets
+    assert (noisy[0][valid[0]] == clean[0][valid[0]]).sum() == int(valid[0].sum()) - len(targets)
+    assert int(masked[1].sum()) <= single.units[0][1]  # one slot: the served pass
+
+
+def test_the_bucketed_loss_is_the_one_pass_loss_and_easy_steps_ask_first_questions_alone() -> None:
+    """``buckets``: passes over rows of like length with logits only at the targets give the
+    weighted mean of one padded pass (up to float rounding); ``easy_steps``: a decision row of an
+    early step is one group's first question asked alone."""
+    torch.set_num_threads(1)
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    mask = lm.config.mask_token_id
+    assert mask is not None
+    config = TrainConfig(batch=6, decision_share=0.7, served_slots=True, parallel_slots=0.5, groups=2,
+                         easy_steps=1)  # fmt: skip
+    easy = [r for r in _batch(0, config, lm.tokenizer, 4) if r.units]
+    assert easy and all(len(r.units) == 1 for r in easy)
+    rows = _batch(1, config, lm.tokenizer, 4)
+    noisy, clean, masked, commit, valid = _noisy_batch(rows, 4, mask, torch.Generator().manual_seed(1),
+                                                       served_slots=True, parallel_slots=0.5)  # fmt: skip
+    weight = torch.tensor([3.0 if r.units else 1.0 for r in rows])
+    with torch.no_grad():
+        logits = denoise(lm.model, noisy, commit, valid)
+        w = weight[:, None].expand_as(masked)[masked]
+        ce = torch.nn.functional.cross_entropy(logits[masked], clean[masked], reduction="none")
+        one = (ce * w).sum() / w.sum()
+        for buckets in (1, 2, 3):
+            split = bucketed_loss(lm.model, noisy, clean, masked, commit, valid, weight, buckets)
+            assert abs(float(split) - float(one)) < 1e-4, buckets
+
+
+def test_a_shaped_demo_scales_the_widths_and_keeps_the_layer_pattern(tmp_path: Path) -> None:
+    from worker.model.demo_tokenizer import build_demo_tokenizer
+    from worker.training.shape import write_shaped_demo
+
+    write_shaped_demo(tmp_path / "d", seed=0, arch="clover", tokenizer=build_demo_tokenizer(512), hidden=64,
+                      layers=6)  # fmt: skip
+    lm = load_checkpoint(tmp_path / "d", dtype=torch.float32)
+    assert lm.config.num_hidden_layers == 6 and lm.config.hidden_size == 64
+    assert lm.config.layer_types == ("linear_attention", "full_attention") * 3
 
 
 def test_a_short_run_repeats_bit_for_bit_and_resumes_to_the_same_bytes(tmp_path: Path) -> None:

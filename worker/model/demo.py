@@ -213,9 +213,12 @@ def demo_config(
     return config, dtype
 
 
-def _random_weights(
+def random_weights(
     config: ModelConfig, *, seed: int, dtype: torch.dtype, never_generated: list[int]
 ) -> dict[str, torch.Tensor]:
+    """Seeded random weights for every tensor ``config`` names (HF names, sorted: the same seed and
+    config give the same bytes); ``never_generated`` token ids get an all-zero LM-head row.
+    Public for ``worker/training/shape.py``, which draws a wider or deeper start the same way."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, target in sorted(hf_targets(config).items()):
@@ -321,7 +324,7 @@ def write_demo_checkpoint(
         },
     )
     save_file(
-        _random_weights(
+        random_weights(
             config, seed=seed, dtype=dtype, never_generated=[special_ids[t] for t in (MASK, PAD, IM_START)]
         ),
         str(folder / SINGLE_NAME),

@@ -92,11 +92,13 @@ class DecisionCase:
         }
 
 
-def decision_case(split: Split, seed: int, index: int) -> DecisionCase:
+def decision_case(split: Split, seed: int, index: int, groups: int | None = None) -> DecisionCase:
+    """Case ``index`` of ``split``: one or two question groups (the evaluation suites' and the
+    tokenizer corpus's draw), or ``groups`` of them (training rows that ask more per contract)."""
     facts, rng = _facts(split, seed, index, "decide")
-    groups = tuple(draw_groups(facts, rng, rng.choice((1, 2))))
-    text = render_contract(facts, rng, phrasings_of(split), tuple(GROUP_CLAUSES[g.kind] for g in groups))
-    return DecisionCase(context=text, groups=groups)
+    drawn = tuple(draw_groups(facts, rng, rng.choice((1, 2)) if groups is None else groups))
+    text = render_contract(facts, rng, phrasings_of(split), tuple(GROUP_CLAUSES[g.kind] for g in drawn))
+    return DecisionCase(context=text, groups=drawn)
 
 
 def decision_cases(split: Split, seed: int, count: int, start: int = 0) -> list[DecisionCase]:

@@ -7,6 +7,12 @@ a decision's choice slots, a generation's answer) replaced by the mask token, as
 denoises it; cross-entropy on the masked positions. ``n`` is drawn among the blocks holding a
 predicted position. AdamW, warm-up then cosine decay to 10 %.
 
+Options left unset keep the first recipe's draws and loss (the shipped checkpoint's command):
+``served_slots`` (decision rows noised as the engine decodes them), ``parallel_slots`` and
+``groups`` (more answer targets per pass), ``easy_steps`` (first questions first), ``buckets``
+(passes over rows of like length), ``hidden``/``layers`` (a bigger random start); what each did is
+measured in docs/demo-training.md.
+
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
 uninterrupted one; with one torch thread and ``torch.use_deterministic_algorithms`` the same
@@ -37,6 +43,7 @@ from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
 from worker.training.corpus import decision_case, generation_case
 from worker.training.rows import Row, decision_rows, generation_row
+from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, write_shaped_demo
 from worker.training.tokenizer import train_tokenizer
 
 RESUME_FILE = "resume.pt"
@@ -58,6 +65,19 @@ class TrainConfig:
     # checkpoint made with it still matches its command.
     served_slots: bool | None = None
     decision_weight: float | None = None  # loss weight of a decision row's targets (None: 1)
+    # share of the decision rows with several choice slots trained with all of them masked in one
+    # pass (``parallel_decision``); None: every decision row served block by block
+    parallel_slots: float | None = None
+    # question groups per training contract (None: one or two, as the evaluation asks): a joint
+    # row with more questions gives a parallel pass more answer targets per prompt
+    groups: int | None = None
+    # the first steps' decision rows: only a group's first question asked alone (independent), a
+    # curriculum: the model learns to route an answer to its question's clause on those before the
+    # joint layout (find the question by its id) and the second questions (compare a number)
+    easy_steps: int | None = None
+    buckets: int | None = None  # passes per step over rows of similar length (``bucketed_loss``)
+    hidden: int | None = None  # a wider random start than the tiny demo's 64 (``worker.training.shape``)
+    layers: int | None = None  # a deeper one than its 4
 
 
 def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> list[Row]:
@@ -67,30 +87,77 @@ def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> 
     for i in range(config.batch):
         index = step * config.batch + i
         if rng.random() < config.decision_share:
+            case = decision_case("train", config.seed, index, config.groups)
+            if config.easy_steps is not None and step < config.easy_steps:
+                # first a group's first question, asked alone (one hop: question -> clause)
+                rows.append(rng.choice(decision_rows(case, "independent", tokenizer, block)[0::2]))
+                continue
             mode: DecisionMode = rng.choice(("joint", "independent"))
-            rows.append(
-                rng.choice(decision_rows(decision_case("train", config.seed, index), mode, tokenizer, block))
-            )
+            rows.append(rng.choice(decision_rows(case, mode, tokenizer, block)))
         else:
             rows.append(generation_row(generation_case("train", config.seed, index), tokenizer, block))
     return rows
 
 
 def denoise(
-    model: Any, ids: torch.Tensor, commit_lens: torch.Tensor, valid: torch.Tensor | None = None
+    model: Any,
+    ids: torch.Tensor,
+    commit_lens: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    logits_index: torch.Tensor | None = None,
 ) -> Any:
     """Logits ``[R, T, V]`` of one denoising pass as the engine runs it (with gradients): row
     ``r``'s first ``commit_lens[r]`` tokens are committed, the rest (up to ``valid``) the current
-    block. Clover: commit rows then preview rows against a fresh cache; SDAR: block-causal mask."""
+    block. Clover: commit rows then preview rows against a fresh cache; SDAR: block-causal mask.
+    ``logits_index`` ``[R, K]``: only those positions' logits (``[R, K, V]``)."""
+    extra = {} if logits_index is None else {"logits_index": logits_index}
     forward = type(model).forward.__wrapped__  # the forward without its no_grad
     r, t = ids.shape
     pos = torch.arange(t).expand(r, -1)
     blocks = pos // model.config.block_size
     if model.config.family != "clover":
-        return forward(model, ids, pos, blocks, valid=valid)
+        return forward(model, ids, pos, blocks, valid=valid, **extra)
     cache = model.new_cache(max_seqs=r, max_len=t, device="cpu", dtype=torch.float32)
     slots = torch.tensor([cache.allocate() for _ in range(r)])
-    return forward(model, ids, pos, blocks, valid=valid, cache=cache, slots=slots, commit_lens=commit_lens)
+    return forward(model, ids, pos, blocks, valid=valid, cache=cache, slots=slots, commit_lens=commit_lens,
+                   **extra)  # fmt: skip
+
+
+def bucketed_loss(
+    model: Any,
+    noisy: torch.Tensor,
+    clean: torch.Tensor,
+    masked: torch.Tensor,
+    commit: torch.Tensor,
+    valid: torch.Tensor,
+    row_weight: torch.Tensor,
+    buckets: int,
+) -> torch.Tensor:
+    """The step's weighted mean cross-entropy over its targets, the same quantity as one pass over
+    the padded batch, computed in ``buckets`` passes over rows of similar length (sorted by their
+    valid length, each pass cut to its longest row) with logits only at the targets. A step mixes
+    prompts of 200 to 500 tokens and a [B, T] pass pays for the longest; the LM head over every
+    position costs about as much as a layer. Not bit-identical to the one-pass loss (another sum
+    order), hence an option: a checkpoint made without it still matches its command."""
+    lengths = valid.sum(dim=1)
+    order = sorted(range(len(lengths)), key=lambda r: (int(lengths[r]), r))
+    size = -(-len(order) // buckets)
+    total = torch.zeros(())
+    weight_sum = torch.zeros(())
+    for start in range(0, len(order), size):
+        rows = torch.tensor(order[start : start + size])
+        width = int(lengths[rows].max())
+        targets = [masked[r].nonzero().flatten() for r in rows.tolist()]
+        k = max(len(t) for t in targets)
+        index = torch.stack([torch.cat([t, t[:1].expand(k - len(t))]) for t in targets])  # [b, K]
+        real = torch.stack([torch.arange(k) < len(t) for t in targets])  # [b, K]
+        logits = denoise(model, noisy[rows, :width], commit[rows], valid[rows, :width], index)  # [b, K, V]
+        gold = clean[rows].gather(1, index)
+        ce = F.cross_entropy(logits.flatten(0, 1), gold.flatten(), reduction="none").view_as(gold)
+        weight = row_weight[rows][:, None] * real
+        total = total + (ce * weight).sum()
+        weight_sum = weight_sum + weight.sum()
+    return total / weight_sum
 
 
 def slot_blocks(row: Row, block: int) -> list[int]:
@@ -116,28 +183,53 @@ def served_decision(row: Row, block: int, n: int) -> tuple[list[int], list[int]]
     return targets, hidden
 
 
+def parallel_decision(row: Row, block: int) -> tuple[int, int, list[int]]:
+    """(first and end block, the targets) of decision ``row`` with every choice slot masked at
+    once: the committed prefix ends at the block of the first slot, the pass runs to the end of the
+    last slot's block. Not a pass the engine makes (it decides a joint row's slots block by
+    block), but a pass that asks every question of the row against the contract alone: an answer
+    target per question for one forward over the (long, shared) prompt."""
+    first = row.units[0][0] // block
+    last = (row.units[-1][0] + row.units[-1][1] - 1) // block
+    targets = [p for start, length in row.units for p in range(start, start + length)]
+    return first, last, targets
+
+
 def _noisy_batch(
-    rows: list[Row], block: int, mask_id: int, gen: torch.Generator, served_slots: bool = False
+    rows: list[Row],
+    block: int,
+    mask_id: int,
+    gen: torch.Generator,
+    served_slots: bool = False,
+    parallel_slots: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(noisy ids ``[B, T]``, clean ids ``[B, T]``, masked ``[B, T]``, commit lens ``[B]``,
-    valid ``[B, T]``). ``served_slots``: rows with ``units`` (decisions) by ``served_decision``."""
-    picked: list[tuple[Row, int, list[int] | None, list[int]]] = []
+    valid ``[B, T]``). ``served_slots``: rows with ``units`` (decisions) by ``served_decision``;
+    ``parallel_slots``: that share of the rows with several slots by ``parallel_decision``."""
+    # (row, first block of the pass, its last block, fixed targets or None, hidden positions)
+    picked: list[tuple[Row, int, int, list[int] | None, list[int]]] = []
     for row in rows:
+        parallel = parallel_slots is not None and len(row.units) > 1  # draws only when set
+        if parallel and float(torch.rand(1, generator=gen)) < (parallel_slots or 0.0):
+            first, last, targets = parallel_decision(row, block)
+            picked.append((row, first, last, targets, []))
+            continue
         if served_slots and row.units:
             blocks = slot_blocks(row, block)
             n = blocks[int(torch.randint(len(blocks), (1,), generator=gen))]
             targets, hidden = served_decision(row, block, n)
-            picked.append((row, n, targets, hidden))
+            picked.append((row, n, n, targets, hidden))
             continue
         candidates = sorted({i // block for i, p in enumerate(row.predicted) if p})
-        picked.append((row, candidates[int(torch.randint(len(candidates), (1,), generator=gen))], None, []))
-    width = max((n + 1) * block for _, n, _, _ in picked)
+        n = candidates[int(torch.randint(len(candidates), (1,), generator=gen))]
+        picked.append((row, n, n, None, []))
+    width = max((last + 1) * block for _, _, last, _, _ in picked)
     clean = torch.full((len(rows), width), mask_id)
     masked = torch.zeros(len(rows), width, dtype=torch.bool)
     valid = torch.zeros(len(rows), width, dtype=torch.bool)
     hide = torch.zeros(len(rows), width, dtype=torch.bool)
-    for r, (row, n, fixed_targets, hidden) in enumerate(picked):
-        end = (n + 1) * block
+    for r, (row, n, last, fixed_targets, hidden) in enumerate(picked):
+        end = (last + 1) * block
         clean[r, :end] = torch.tensor(row.ids[:end])
         valid[r, :end] = True
         if fixed_targets is not None:
@@ -152,12 +244,13 @@ def _noisy_batch(
             chosen[where[int(torch.randint(len(where), (1,), generator=gen))]] = True
         masked[r, n * block : end] = chosen
     noisy = clean.masked_fill(masked | hide, mask_id)
-    commit = torch.tensor([n * block for _, n, _, _ in picked])
+    commit = torch.tensor([n * block for _, n, _, _, _ in picked])
     return noisy, clean, masked, commit, valid
 
 
-def optimizer_and_schedule(params: list[torch.nn.Parameter], *, lr: float,
-                           steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+def optimizer_and_schedule(
+    params: list[torch.nn.Parameter], *, lr: float, steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (weight decay 0.01) with a linear warm-up over the first 5% of ``steps``, then a
     cosine from ``lr`` down to 10% of it: the demo training's schedule (also bench.quant_trained's)."""
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
@@ -228,9 +321,13 @@ def train_demo(
             skip = shutil.ignore_patterns("README.md", TRAINING_FILE)
             shutil.copytree(config.init_from, folder, ignore=skip)
             write_manifest(folder)
-        else:
+        elif config.hidden is None and config.layers is None:
             write_demo_checkpoint(folder, seed=config.seed, size="tiny", arch=config.arch,
                                   tokenizer=train_tokenizer(config.seed))  # fmt: skip
+        else:
+            write_shaped_demo(folder, seed=config.seed, arch=config.arch,
+                              tokenizer=train_tokenizer(config.seed), hidden=config.hidden or TINY_HIDDEN,
+                              layers=config.layers or TINY_LAYERS)  # fmt: skip
     lm = load_checkpoint(folder, dtype=torch.float32)
     model, block = lm.model, lm.config.block_size or 4
     mask_id = lm.config.mask_token_id
@@ -261,11 +358,17 @@ def train_demo(
         gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
         rows = _batch(step, config, lm.tokenizer, block)
         served = bool(config.served_slots)
-        noisy, clean, masked, commit, valid = _noisy_batch(rows, block, mask_id, gen, served)
-        logits = denoise(model, noisy, commit, valid)  # [B, T, V]
-        if config.decision_weight is None:
+        noisy, clean, masked, commit, valid = _noisy_batch(
+            rows, block, mask_id, gen, served, config.parallel_slots
+        )
+        if config.buckets is not None:
+            row_weight = torch.tensor([config.decision_weight or 1.0 if row.units else 1.0 for row in rows])
+            loss = bucketed_loss(model, noisy, clean, masked, commit, valid, row_weight, config.buckets)
+        elif config.decision_weight is None:
+            logits = denoise(model, noisy, commit, valid)  # [B, T, V]
             loss = F.cross_entropy(logits[masked], clean[masked])
         else:  # a weighted mean over the targets: a decision row's count decision_weight times
+            logits = denoise(model, noisy, commit, valid)  # [B, T, V]
             row_weight = torch.tensor([config.decision_weight if row.units else 1.0 for row in rows])
             weight = row_weight[:, None].expand_as(masked)[masked]
             ce = F.cross_entropy(logits[masked], clean[masked], reduction="none")

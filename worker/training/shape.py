@@ -1,0 +1,62 @@
+"""A wider or deeper trained demo than the ``tiny`` shape: the random start ``train-demo`` writes.
+
+``worker.model.demo`` has two sizes (``tiny``: hidden 64, 4 layers; ``small``: hidden 512, for
+benchmarks). The trained demo must read a contract, a retrieval the tiny width learns slowly on
+CPU (docs/demo-training.md), so ``train-demo --hidden/--layers`` starts from the tiny demo with
+these fields scaled: the head count stays (4 query heads, 2 KV heads, 2/4 GDN heads), head
+dimensions and expert widths follow ``hidden``, and layers keep Clover's GDN/attention
+alternation. The weights are drawn by the demo's own initialiser (``random_weights``), so a
+shaped demo is as deterministic as the tiny one (same seed and shape: the same bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as HFTokenizer
+
+from worker.model.checkpoint import SINGLE_NAME
+from worker.model.config import ModelConfig
+from worker.model.demo import DemoArch, random_weights, write_demo_checkpoint
+from worker.model.demo_tokenizer import IM_START, MASK, PAD
+from worker.model.manifest import write_manifest
+
+TINY_HIDDEN, TINY_LAYERS = 64, 4
+
+
+def shaped_config(config: ModelConfig, hidden: int, layers: int) -> ModelConfig:
+    """``config`` (the tiny demo's) with ``hidden`` and ``layers``, the other widths scaled along."""
+    if hidden % 16 or layers % 2:
+        raise ValueError(f"hidden must be a multiple of 16 and layers even, not {hidden} / {layers}")
+    head = hidden // config.num_attention_heads
+    fields: dict[str, object] = {"hidden_size": hidden, "num_hidden_layers": layers, "head_dim": head}
+    if config.family == "clover":
+        fields |= {"layer_types": ("linear_attention", "full_attention") * (layers // 2),
+                   "linear_key_head_dim": head, "linear_value_head_dim": head}  # fmt: skip
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size"):
+        width = getattr(config, name)
+        if width:
+            fields[name] = width * hidden // TINY_HIDDEN
+    return dataclasses.replace(config, **fields)  # type: ignore[arg-type]
+
+
+def write_shaped_demo(
+    folder: Path, *, seed: int, arch: DemoArch, tokenizer: HFTokenizer, hidden: int, layers: int
+) -> None:
+    """The random demo of ``seed`` in ``folder`` at ``hidden`` x ``layers`` (fp32 weights)."""
+    write_demo_checkpoint(folder, seed=seed, size="tiny", arch=arch, tokenizer=tokenizer)
+    if (hidden, layers) == (TINY_HIDDEN, TINY_LAYERS):
+        return
+    hf = json.loads((folder / "config.json").read_text())
+    config = shaped_config(ModelConfig.from_hf_dict(hf), hidden, layers)
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+    never = [tokenizer.token_to_id(t) for t in (MASK, PAD, IM_START)]
+    weights = random_weights(config, seed=seed, dtype=torch.float32, never_generated=never)  # type: ignore[arg-type]
+    mode = (folder / SINGLE_NAME).stat().st_mode & 0o777
+    save_file(weights, str(folder / SINGLE_NAME), metadata={"format": "pt"})
+    (folder / SINGLE_NAME).chmod(mode)
+    write_manifest(folder)
