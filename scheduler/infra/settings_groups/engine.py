@@ -45,10 +45,7 @@ class EngineSettings(SettingsGroup):
         "max_prompt_tokens + max_new_tokens_limit + 64 (chat template) rounded up to 64-token blocks.",
     )
     torch_threads: int | None = Field(
-        None, ge=1,
-        description="Worker: torch intra-op threads of the engine thread (set in that thread; the thread "
-        "that loads the model runs single-threaded, so that only the engine holds an OpenMP team). "
-        "Default: the number of CPU cores.",
+        None, ge=1, description="Worker: torch.set_num_threads at start. Default: the number of CPU cores.",
     )
     tensor_parallel: int = Field(
         1, ge=1, description="Worker: devices one worker spans (tensor parallel). Ranks 1..N-1 are processes "
