@@ -75,10 +75,7 @@ class ProcessLifecycle:
     def start(self) -> None:
         """Load the model, start and warm the engine, start the monitor (blocks until done)."""
         self.heartbeat()
-        # Before the model's first op: this thread loads the model single-threaded, so that the
-        # engine thread's OpenMP team (EngineConfig.torch_threads) is the only one (a second team
-        # makes every op of both wake sleeping workers: the engine ran 2.4x slower on 2 cores).
-        torch.set_num_threads(1)
+        torch.set_num_threads(self.settings.resolved_torch_threads)  # before the model's first op
         began = time.monotonic()
         if self.switcher is not None:  # follow the active version in SQL (worker/model_switch_protocol.py)
             self.switcher.load_initial()

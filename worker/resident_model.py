@@ -73,7 +73,6 @@ class ResidentModel:
                          prefix_cache_bytes=settings.engine.prefix_cache_bytes,
                          prefill_chunk_tokens=settings.engine.prefill_chunk_tokens,
                          token_work_keys=settings.engine.token_work_keys,
-                         torch_threads=settings.resolved_torch_threads,
                          max_len=self.context_limits(path).sequence_positions,
                          slot_caps={JOINT_QUEUE: settings.engine.joint_slot_cap},
                          reserved_slots=self.reserve, reserved_classes=frozenset({INTERACTIVE_QUEUE})),

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.forward_cost import (
@@ -123,31 +121,3 @@ def test_an_engine_measures_w_at_its_first_chunk(family_checkpoint: Path) -> Non
     assert fixed.calibrate() is None and fixed.runner.forward_cost.token_keys == 9000
     off = engine(prefill_chunk_tokens=0)
     assert off.calibrate() is None and off.runner.forward_cost.token_keys == DEFAULT_TOKEN_WORK_KEYS
-
-
-def test_the_engine_thread_sets_its_own_torch_threads(family_checkpoint: Path) -> None:
-    """``EngineConfig.torch_threads``: the engine thread runs its forwards with that many intra-op
-    threads (set in that thread), whatever the caller's; 0 leaves the caller's."""
-    lm = load_checkpoint(family_checkpoint)
-    assert lm.config.mask_token_id is not None
-    for threads in (1, 0):
-        engine = Engine(lm.model, EngineConfig(max_batch=1, max_len=256, torch_threads=threads),
-                        mask_token_id=lm.config.mask_token_id, eos_token_ids=(),
-                        default_block_size=lm.config.block_size)
-        seen: list[int] = []
-        run_pass = engine.runner.run_pass
-
-        def recording(rows: Any, timings: Any, run_pass: Any = run_pass, seen: list[int] = seen) -> Any:
-            seen.append(torch.get_num_threads())
-            return run_pass(rows, timings)
-
-        engine.runner.run_pass = recording  # type: ignore[method-assign]
-        caller = torch.get_num_threads()
-        engine.start()
-        try:
-            request = GenerationRequest("t", [5, 6, 7], SamplingParams(max_new_tokens=4))
-            engine.submit(request).result(timeout=60)
-        finally:
-            engine.stop()
-            torch.set_num_threads(caller)  # MKL's count is process-wide: the next tests keep theirs
-        assert seen and set(seen) == {threads or caller}

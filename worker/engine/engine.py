@@ -25,8 +25,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from worker.engine.admission import Candidate, Occupancy, pick_admissions
 from worker.engine.forward_cost import ForwardCost
 from worker.engine.prefill_chunks import chunk_sizes, chunk_spans, join_rows, plan_prefill
@@ -66,12 +64,6 @@ class EngineConfig:
     prefill_chunk_tokens: int = 0
     # one token's work outside attention, in attention keys (forward_cost.py); 0 = measured
     token_work_keys: int = 0
-    # torch intra-op threads of the engine thread (set there, first thing); 0 = the caller's. Why
-    # in that thread: with GNU OpenMP a second thread's team next to the loading thread's makes
-    # every parallel op wake sleeping workers (more managed threads than cores: throttled spin);
-    # measured on the tiny demo, 2 cores: a pass 11.4 -> 4.5 ms, a 512-token chunk 31-39 -> 15 ms
-    # when the loading thread runs single-threaded and only this thread has a team
-    torch_threads: int = 0
 
     @property
     def slots(self) -> int:
@@ -326,8 +318,6 @@ class Engine:
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
-        if self.config.torch_threads > 0:
-            torch.set_num_threads(self.config.torch_threads)  # this thread's OpenMP team (config)
         try:
             while self._next_iteration():
                 pass
