@@ -22,21 +22,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.engine.forward_cost import DEFAULT_TOKEN_WORK_KEYS
+from worker.engine.forward_cost import ForwardCost
 
 
 def forward_work(tokens: Sequence[int], contexts: Sequence[int], rows: Sequence[int],
-                 token_keys: int = DEFAULT_TOKEN_WORK_KEYS) -> int:
-    """The estimated work of one forward over ``rows``: ``R * T * (S + W)`` (module docstring)."""
+                 cost: ForwardCost = ForwardCost()) -> int:
+    """The estimated work of one forward over ``rows``: ``R * T * (S + W)`` (module docstring),
+    every row padded to the longest one's tokens over the longest context."""
     if not rows:
         return 0
-    t = max(tokens[i] for i in rows)
-    s = max(contexts[i] for i in rows) + t
-    return len(rows) * t * (s + token_keys)
+    return len(rows) * cost.work(max(tokens[i] for i in rows), max(contexts[i] for i in rows))
 
 
 def split_pass(tokens: Sequence[int], contexts: Sequence[int],
-               token_keys: int = DEFAULT_TOKEN_WORK_KEYS) -> list[list[int]]:
+               cost: ForwardCost = ForwardCost()) -> list[list[int]]:
     """Row indices per forward, in the order to run them (light rows first).
 
     ``tokens[i]``: the tokens row ``i`` feeds; ``contexts[i]``: its committed positions before the
@@ -44,7 +43,7 @@ def split_pass(tokens: Sequence[int], contexts: Sequence[int],
     dimension (it runs every pass): the maxima of each side come from running maxima."""
     r = len(tokens)
     everyone = list(range(r))
-    together = forward_work(tokens, contexts, everyone, token_keys)
+    together = forward_work(tokens, contexts, everyone, cost)
     best: tuple[int, list[int], int] | None = None  # (work, the ordering, the cut k)
     for size in (tokens, contexts):
         order = sorted(everyone, key=lambda i: size[i])
@@ -57,8 +56,7 @@ def split_pass(tokens: Sequence[int], contexts: Sequence[int],
             light_t, light_s = max(light_t, tokens[order[k - 1]]), max(light_s, contexts[order[k - 1]])
             if size[order[k - 1]] == size[order[k]]:
                 continue  # a cut between equal sizes is no threshold
-            work = (k * light_t * (light_s + light_t + token_keys)
-                    + (r - k) * heavy_t[k] * (heavy_s[k] + heavy_t[k] + token_keys))
+            work = k * cost.work(light_t, light_s) + (r - k) * cost.work(heavy_t[k], heavy_s[k])
             if best is None or work < best[0]:
                 best = (work, order, k)
     if best is None or 2 * best[0] >= together:

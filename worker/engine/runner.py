@@ -152,19 +152,16 @@ class ModelRunner:
         self._slots = _Staging(torch.long, self.device)  # a pass's slots (held across its forwards)
         self._arange = torch.arange(64, device=self.device)  # [N] 0..N-1, grown on demand
         # a forward's cost model (forward_cost.py): fixed by the operator, or measured by
-        # calibrate_forward_cost before the engine's first prefill chunk
-        self._fixed_cost = token_work_keys > 0
-        self.forward_cost = ForwardCost(token_work_keys) if self._fixed_cost else ForwardCost()
+        # calibrate_forward_cost before the engine's first prefill chunk (Engine.calibrate)
+        self.forward_cost = ForwardCost(token_work_keys) if token_work_keys > 0 else ForwardCost()
 
     def calibrate_forward_cost(self, slot: int, *, block: int, budget: int, depth: int) -> int | None:
         """Measure ``W`` (``forward_cost.py``) on the empty cache ``slot`` and use it from now on:
         single-row prefill forwards of ``budget`` tokens and an eighth of it (whole blocks), at
         context 0 and ``depth``, five times each (the cache restored after each), after one
         untimed forward; returns the figure, or None (and the cost model unchanged) when the
-        forwards could not tell it or the operator fixed it. Not thread-safe: the engine's thread
-        calls it (``Engine.calibrate``)."""
-        if self._fixed_cost:
-            return None
+        forwards could not tell it. Not thread-safe: the engine's thread calls it
+        (``Engine.calibrate``, which also decides whether it is needed)."""
         big = max(budget // block, 1) * block
         small = max(big // 8 // block, 1) * block
         vocab = self.model.config.vocab_size
@@ -203,7 +200,7 @@ class ModelRunner:
         exception the rows' committed state (cache lengths, and GDN states of a hybrid cache) is
         as before the pass, so it can be re-run."""
         groups = split_pass([len(r.inp.tokens) for r in rows], [r.inp.start_pos for r in rows],
-                            self.forward_cost.token_keys)
+                            self.forward_cost)
         outcomes: dict[int, RowOutcome] = {}
         self._slots.host(len(rows))[:] = [row.slot for row in rows]
         slots = self._slots.upload(len(rows))  # [R]

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from worker.decisions.spec import DecisionMode
 from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
-from worker.model.demo import DemoArch, write_demo_checkpoint
+from worker.model.demo import DemoArch
 from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
@@ -321,10 +321,7 @@ def train_demo(
             skip = shutil.ignore_patterns("README.md", TRAINING_FILE)
             shutil.copytree(config.init_from, folder, ignore=skip)
             write_manifest(folder)
-        elif config.hidden is None and config.layers is None:
-            write_demo_checkpoint(folder, seed=config.seed, size="tiny", arch=config.arch,
-                                  tokenizer=train_tokenizer(config.seed))  # fmt: skip
-        else:
+        else:  # the tiny demo's random start, or a wider / deeper one (the tiny demo when unset)
             write_shaped_demo(folder, seed=config.seed, arch=config.arch,
                               tokenizer=train_tokenizer(config.seed), hidden=config.hidden or TINY_HIDDEN,
                               layers=config.layers or TINY_LAYERS)  # fmt: skip
