@@ -324,7 +324,8 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
 # (label, setup of bench.tracing_switch). "off again" is a second tracing-off block in each round:
 # its distance from "tracing off" is the noise that is left (an A/A control).
 TRACING_SETUPS: tuple[tuple[str, str], ...] = (
-    ("tracing off", "off"), ("tracing 0.1", "0.1"), ("tracing 1.0", "1.0"), ("off again A-A", "off"),
+    ("tracing off", "off"), ("tracing 0.1", "0.1"), ("tracing 1.0", "1.0"), ("1.0, step spans", "1.0-steps"),
+    ("off again A-A", "off"),
 )
 
 
@@ -431,7 +432,9 @@ def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_
         print("\ngoals: throughput loss <= 3% at ratio 0.1, <= 10% at ratio 1.0 (vs tracing off). "
               "'cpu ms vs off' is off's CPU per request over this one's (the throughput ratio if the "
               "API's CPU is the bottleneck); 'export' is the part of 'cpu ms' spent in the span export "
-              "thread (encoding and posting to the collector); 'off again A-A' is a second tracing-off "
+              "thread (encoding and posting to the collector); '1.0, step spans' is ratio 1.0 with "
+              "CLOVERQ_TRACING_STEP_SPANS=true (the submit's admission and SQL commit as child spans, "
+              "not events: not the default); 'off again A-A' is a second tracing-off "
               "block per round: its distance from 1.000 is the noise that is left.")
     finally:
         api.stop()

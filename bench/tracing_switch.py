@@ -9,10 +9,11 @@ by the bench as the spread between two tracing-off blocks.
 
 Both tracing setups are made by the product's own :func:`scheduler.observability.tracing.setup_tracing`
 (a real SDK provider, the bounded span queue and the OTLP/HTTP exporter, pointed by
-``OTEL_EXPORTER_OTLP_ENDPOINT`` at ``bench.otlp_sink``); switching sets the module's three globals
-that every call site reads (``_provider``, ``_tracer``, ``_enabled``), as the unit tests do.
+``OTEL_EXPORTER_OTLP_ENDPOINT`` at ``bench.otlp_sink``); switching sets the module's globals
+that every call site reads (``_provider``, ``_tracer``, ``_enabled``, ``_step_spans``, ``_root_ratio``), as
+the unit tests do.
 
-Control lines (one per connection, answered ``ok``): ``use off|0.1|1.0``; ``flush`` exports every
+Control lines (one per connection, answered ``ok``): ``use off|0.1|1.0|1.0-steps``; ``flush`` exports every
 queued span before answering, so that a block's export work is counted in that block's CPU time;
 ``cpu`` answers ``ok <seconds>``: the CPU time so far of the span export threads (the SDK's
 ``OtelBatchSpanRecordProcessor``), so the bench can say what share of tracing's cost is export.
@@ -35,23 +36,28 @@ from scheduler.infra.settings import get_settings
 from scheduler.observability import tracing
 
 RATIOS: tuple[str, ...] = ("0.1", "1.0")
-Setup = tuple[Any, trace.Tracer | None, bool]  # (_provider, _tracer, _enabled)
+STEP_SPANS = "1.0-steps"  # ratio 1.0 with tracing_step_spans: the submit's steps as child spans
+Setup = tuple[Any, trace.Tracer | None, bool, bool, float | None]  # tracing's globals, as use() sets them
 
 
 def build_setups() -> dict[str, Setup]:
-    """``off`` and one product tracing setup per ratio; leaves the process with tracing off."""
+    """``off``, one product tracing setup per ratio (the default settings otherwise) and
+    ``1.0-steps`` (the 1.0 provider, steps as spans); leaves the process with tracing off."""
     base = get_settings()
-    setups: dict[str, Setup] = {"off": (None, None, False)}
+    setups: dict[str, Setup] = {"off": (None, None, False, False, None)}
     for ratio in RATIOS:
         tracing.setup_tracing(base.replaced(tracing_enabled=True, tracing_sample_ratio=float(ratio)),
                               process="api")
-        setups[ratio] = (tracing._provider, tracing._tracer, tracing._enabled)
+        setups[ratio] = (tracing._provider, tracing._tracer, tracing._enabled, tracing._step_spans,
+                         tracing._root_ratio)
         tracing._provider, tracing._tracer, tracing._enabled = None, None, False
+    provider, tracer, enabled, _, root_ratio = setups["1.0"]
+    setups[STEP_SPANS] = (provider, tracer, enabled, True, root_ratio)
     return setups
 
 
 def use(setup: Setup) -> None:
-    tracing._provider, tracing._tracer, tracing._enabled = setup
+    tracing._provider, tracing._tracer, tracing._enabled, tracing._step_spans, tracing._root_ratio = setup
 
 
 EXPORT_THREAD_PREFIX = "OtelBatchSpan"
@@ -76,7 +82,7 @@ def serve_control(port: int, setups: dict[str, Setup]) -> None:
             if words[:1] == ["use"] and len(words) == 2 and words[1] in setups:
                 use(setups[words[1]])
             elif words == ["flush"]:
-                for provider, _, _ in setups.values():
+                for provider, *_ in setups.values():
                     if provider is not None:
                         provider.force_flush(10_000)
             elif words == ["cpu"]:

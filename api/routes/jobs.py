@@ -133,10 +133,12 @@ def _submit_blocking(
     # The request's SERVER span (api/routes/metrics.py) is the job's submit span: the row stores its
     # ids (scheduler.jobs.service) and every attempt on a worker is its descendant. No span of its
     # own here: each span costs the submit path ~50 us of export encoding at sample ratio 1.
-    tracing.annotate(tracing.job_attributes(job_id=job_id, tenant=caller.tenant, kind=str(body.kind)))
+    traced = tracing.recording()  # once: a sampled-out submit builds no attributes
+    if traced:
+        tracing.annotate(tracing.job_attributes(job_id=job_id, tenant=caller.tenant, kind=str(body.kind)))
     job, created = _admit_and_store(body, request, caller, settings, params, job_input, job_id,
                                     idempotency_key, scheduled_for, prompt_tokens)
-    if tracing.enabled():
+    if traced:
         tracing.annotate({**tracing.job_attributes(job_id=job.id, queue=job.queue),
                           "cloverq.job.created": int(created)})
     return job, created
@@ -161,7 +163,7 @@ def _admit_and_store(
         retention = job_retention(session, tenant=caller.tenant, requested=body.retention_seconds,
                                   settings=settings)
         # 429 before storing; when admitted, the same Redis round trip sets the enqueued marker.
-        with tracing.span("cloverq.admission"):
+        with tracing.step("cloverq.admission"):
             marker_set = admit_submission(request, session, caller, settings=settings, kind=body.kind,
                                           input=job_input, params=params, priority=body.priority,
                                           idempotency_key=idempotency_key, enqueued_marker=marker,

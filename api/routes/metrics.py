@@ -54,11 +54,15 @@ class ObservabilityMiddleware:
         await self._observed(scope, receive, send)
 
     async def _traced(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The request inside a SERVER span continuing the client's ``traceparent``; a recorded
-        span's trace id is echoed in ``X-Trace-Id``. Only method, route template and status are
-        recorded (never the path's ids, the query or the body)."""
+        """The request inside a SERVER span continuing the client's ``traceparent`` (a new trace:
+        when ``tracing.sample_root`` draws it); a recorded span's trace id is echoed in
+        ``X-Trace-Id``. Only method, route template and status are recorded (never the path's ids,
+        the query or the body)."""
         value = _header(scope, b"traceparent")
         parent = tracing.extract({"traceparent": value} if value else None)
+        if parent is None and not tracing.sample_root():  # a new trace, sampled out: no span at all
+            await self._observed(scope, receive, send)
+            return
         method = scope.get("method", "GET")
         method = method if method in KNOWN_METHODS else "other"
         with tracing.tracer().start_as_current_span(
@@ -67,43 +71,34 @@ class ObservabilityMiddleware:
         ) as span:
             ids = tracing.recorded_ids(span)
             status_code = 500
-
-            async def send_with_trace_id(message: Message) -> None:
-                nonlocal status_code
-                if message["type"] == "http.response.start":
-                    status_code = int(message["status"])
-                    if ids is not None:
-                        headers = list(message.get("headers", []))
-                        headers.append((_TRACE_ID_HEADER_BYTES, ids[0].encode()))
-                        message["headers"] = headers
-                await send(message)
-
             try:
-                await self._observed(scope, receive, send_with_trace_id)
+                status_code = await self._observed(scope, receive, send, trace_id=ids[0] if ids else None)
             finally:
-                template = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
-                span.update_name(f"{method} {template}")
-                span.set_attribute("http.route", template)
-                span.set_attribute("http.response.status_code", status_code)
-                if status_code >= 500:
-                    span.set_status(StatusCode.ERROR)
+                if ids is not None:  # a sampled-out request's span takes nothing
+                    template = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
+                    span.update_name(f"{method} {template}")
+                    span.set_attributes({"http.route": template, "http.response.status_code": status_code})
+                    if status_code >= 500:
+                        span.set_status(StatusCode.ERROR)
 
-    async def _observed(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _observed(self, scope: Scope, receive: Receive, send: Send, trace_id: str | None = None) -> int:
+        """The request, counted and timed; returns its status. ``trace_id``: its recorded SERVER
+        span's, echoed in ``X-Trace-Id`` and kept as the latency observation's exemplar."""
         started = time.perf_counter()
         header = _header(scope, _REQUEST_ID_HEADER_BYTES)
         request_id = accept_request_id(header)
         bind_request_id(request_id)
         scope.setdefault("state", {})["request_id"] = request_id
         status_code = 500
-        request_id_bytes = request_id.encode()
+        added = [(_REQUEST_ID_HEADER_BYTES, request_id.encode())]
+        if trace_id is not None:
+            added.append((_TRACE_ID_HEADER_BYTES, trace_id.encode()))
 
         async def send_with_request_id(message: Message) -> None:
             nonlocal status_code
             if message["type"] == "http.response.start":
                 status_code = int(message["status"])
-                headers = list(message.get("headers", []))
-                headers.append((_REQUEST_ID_HEADER_BYTES, request_id_bytes))
-                message["headers"] = headers
+                message["headers"] = [*message.get("headers", []), *added]
             await send(message)
 
         try:
@@ -112,14 +107,14 @@ class ObservabilityMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", None) or UNMATCHED_ROUTE
             method = scope.get("method", "GET")
-            traced = tracing.recorded_ids() if tracing.enabled() else None  # the SERVER span's
             record_http_request(
                 route=template,
                 method=method if method in KNOWN_METHODS else "other",  # clients choose methods
                 status=status_code,
                 seconds=time.perf_counter() - started,
-                trace_id=traced[0] if traced else None,
+                trace_id=trace_id,
             )
+        return status_code
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 import redis
 import structlog
 from celery import Celery
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import SpanKind
 
 from scheduler.infra import redis_keys
 from scheduler.infra.broker import admitted_headers, releases_reservations
@@ -73,14 +73,16 @@ def publish_job(
 
 
 def _publish_span(job_id: uuid.UUID | str, target: str,
-                  trace_ids: tuple[str | None, str | None] | None) -> AbstractContextManager[Span | None]:
+                  trace_ids: tuple[str | None, str | None] | None) -> AbstractContextManager[object]:
+    if trace_ids is None:  # a submit: a step of its request's span, when that is recorded
+        if not tracing.recording():
+            return nullcontext()
+        return tracing.step("cloverq.publish", kind=SpanKind.PRODUCER,
+                            attributes=tracing.job_attributes(job_id=job_id, queue=target))
     if not tracing.enabled():
         return nullcontext()
-    attributes = tracing.job_attributes(job_id=job_id, queue=target)
-    if trace_ids is None:
-        return tracing.span("cloverq.publish", kind=SpanKind.PRODUCER, attributes=attributes)
     return tracing.job_span("cloverq.republish", tracing.stored_parent(*trace_ids), kind=SpanKind.PRODUCER,
-                            **attributes)
+                            **tracing.job_attributes(job_id=job_id, queue=target))
 
 
 def _send(*, job_id: uuid.UUID | str, queue: str, target: str, app: Celery, redis_client: redis.Redis,

@@ -192,7 +192,7 @@ def submit_job(
         # One Core INSERT (the ORM unit of work costs ~3x the CPU on this hot path), then the
         # row is attached as a persistent object so callers can use the session as usual.
         # None values are left out (SQL NULL, as the ORM writes an unset attribute; never JSON null).
-        with tracing.span("cloverq.sql.insert_commit"):
+        with tracing.step("cloverq.sql.insert_commit"):
             session.execute(insert(cast(Table, Job.__table__)),
                             {_ATTR_COLUMNS[name]: value for name, value in row.items() if value is not None})
             session.commit()

@@ -7,7 +7,9 @@ round-trips through message headers and the ids stored on a job; log lines carry
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -157,6 +160,52 @@ def test_untraced_work_starts_no_trace(recorded: InMemorySpanExporter) -> None:
     assert recorded.get_finished_spans() == ()
 
 
+def test_a_step_is_a_timed_event_of_the_current_span_or_a_child_span_when_asked(
+        recorded: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The submit's admission, SQL commit and publish: events on the request's span by default (a
+    span each costs the submit path ~0.1 ms), child spans with ``tracing_step_spans``; a message
+    published inside a step continues whichever is current; an error keeps only its type; nothing
+    outside a recorded span."""
+    with tracing.tracer().start_as_current_span("submit"):
+        before = time.time_ns()
+        with tracing.step("admission"):
+            time.sleep(0.002)
+        with pytest.raises(KeyError), tracing.step("commit"):
+            raise KeyError("a prompt could be quoted here")
+        event_headers: dict[str, object] = {}
+        with tracing.step("publish", attributes={tracing.ATTR_QUEUE: "q"}):
+            tracing.inject(event_headers)  # the message continues the request's span
+    monkeypatch.setattr(tracing, "_step_spans", True)
+    span_headers: dict[str, object] = {}
+    with tracing.tracer().start_as_current_span("submit2"), tracing.step("admission") as child:
+        assert child is not None
+        tracing.inject(span_headers)  # the message continues the step's span
+    with tracing.step("outside"):  # no current span
+        pass
+    spans = {s.name: s for s in recorded.get_finished_spans()}
+    assert set(spans) == {"submit", "submit2", "admission"}
+
+    def span_id(name: str) -> int:
+        context = spans[name].context
+        assert context is not None
+        return context.span_id
+
+    def parent_id(headers: dict[str, object]) -> int:
+        return int(str(headers["traceparent"]).split("-")[2], 16)
+
+    admission, commit, publish = ((e.name, dict(e.attributes or {})) for e in spans["submit"].events)
+    assert spans["submit"].events[0].timestamp >= before
+    assert admission[0] == "admission" and float(str(admission[1][tracing.ATTR_DURATION_MS])) >= 2.0
+    assert commit == ("commit", {tracing.ATTR_DURATION_MS: commit[1][tracing.ATTR_DURATION_MS],
+                                 "error.type": "KeyError"})
+    assert publish[0] == "publish" and set(publish[1]) == {tracing.ATTR_DURATION_MS}  # the span has the rest
+    assert parent_id(event_headers) == span_id("submit")
+    assert parent_id(span_headers) == span_id("admission")
+    parent = spans["admission"].parent
+    assert parent is not None and parent.span_id == span_id("submit2")
+    assert spans["submit2"].events == ()
+
+
 def test_job_attributes_take_ids_and_counts_only() -> None:
     attrs = tracing.job_attributes(job_id="j", tenant="t", kind="generate", queue="interactive",
                                    model_version="v1", attempt=2)
@@ -209,3 +258,44 @@ def test_a_dead_collector_slows_neither_requests_nor_the_exit(tmp_path: Path) ->
     assert seen["spans_s"] < 0.5 and seen["queue_full"] >= 400
     assert seen["shutdown_s"] < tracing.SHUTDOWN_SECONDS + 1.5  # not the exporter's 10 s of retries
     assert "Queue full" not in out.stderr and "Transient error" not in out.stderr  # no log per span
+
+
+def _serve_once(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """One request through the API's ObservabilityMiddleware over a bare app; the response headers."""
+    from api.routes.metrics import ObservabilityMiddleware
+
+    sent: list[dict[str, object]] = []
+
+    async def app(scope: object, receive: object, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 202, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/jobs", "headers": headers}
+    asyncio.run(ObservabilityMiddleware(app)(scope, receive, send))  # type: ignore[arg-type]
+    return list(sent[0]["headers"])  # type: ignore[call-overload]
+
+
+def test_a_new_trace_is_drawn_before_any_span_and_a_clients_sampled_parent_is_followed(
+        recorded: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tracing_sample_ratio`` is drawn by ``sample_root`` before a span is built: a sampled-out
+    request builds none (no X-Trace-Id); a client's sampled ``traceparent`` is followed at any ratio."""
+    monkeypatch.setattr(tracing, "_root_ratio", 0.25)
+    random.seed(7)
+    drawn = sum(tracing.sample_root() for _ in range(4000))
+    assert 880 <= drawn <= 1120  # 1000 expected, standard deviation ~27
+    monkeypatch.setattr(tracing, "_root_ratio", 0.0)
+    assert not any(name == b"x-trace-id" for name, _ in _serve_once([]))
+    assert recorded.get_finished_spans() == ()
+    parent = f"00-{'ab' * 16}-{'cd' * 8}-01"
+    answered = dict(_serve_once([(b"traceparent", parent.encode())]))
+    assert answered[b"x-trace-id"] == b"ab" * 16
+    (span,) = recorded.get_finished_spans()
+    assert span.context is not None and format(span.context.trace_id, "032x") == "ab" * 16
+    monkeypatch.setattr(tracing, "_root_ratio", 1.0)
+    assert b"x-trace-id" in dict(_serve_once([]))
