@@ -433,8 +433,8 @@ def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_
               "'cpu ms vs off' is off's CPU per request over this one's (the throughput ratio if the "
               "API's CPU is the bottleneck); 'export' is the part of 'cpu ms' spent in the span export "
               "thread (encoding and posting to the collector); '1.0, step spans' is ratio 1.0 with "
-              "CLOVERQ_TRACING_STEP_SPANS=true (the submit's admission and SQL commit as child spans, "
-              "not events: not the default); 'off again A-A' is a second tracing-off "
+              "CLOVERQ_TRACING_STEP_SPANS=true (the submit's admission, SQL commit and publish as child "
+              "spans, not events: not the default); 'off again A-A' is a second tracing-off "
               "block per round: its distance from 1.000 is the noise that is left.")
     finally:
         api.stop()

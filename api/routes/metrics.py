@@ -66,38 +66,43 @@ class ObservabilityMiddleware:
         method = scope.get("method", "GET")
         method = method if method in KNOWN_METHODS else "other"
         with tracing.tracer().start_as_current_span(
-            method, context=parent, kind=SpanKind.SERVER,
-            attributes={"http.request.method": method},
+            method, context=parent, kind=SpanKind.SERVER, attributes={"http.request.method": method},
+            record_exception=False, set_status_on_exception=False,  # an error's message may quote input
         ) as span:
             ids = tracing.recorded_ids(span)
-            status_code = 500
+            status = [500]  # the status sent, kept by _observed even when the app raises after sending it
             try:
-                status_code = await self._observed(scope, receive, send, trace_id=ids[0] if ids else None)
+                await self._observed(scope, receive, send, trace_id=ids[0] if ids else None, status=status)
+            except BaseException as exc:
+                if ids is not None:
+                    tracing.mark_error(span, exc)
+                raise
             finally:
                 if ids is not None:  # a sampled-out request's span takes nothing
                     template = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
                     span.update_name(f"{method} {template}")
-                    span.set_attributes({"http.route": template, "http.response.status_code": status_code})
-                    if status_code >= 500:
+                    span.set_attributes({"http.route": template, "http.response.status_code": status[0]})
+                    if status[0] >= 500:
                         span.set_status(StatusCode.ERROR)
 
-    async def _observed(self, scope: Scope, receive: Receive, send: Send, trace_id: str | None = None) -> int:
-        """The request, counted and timed; returns its status. ``trace_id``: its recorded SERVER
-        span's, echoed in ``X-Trace-Id`` and kept as the latency observation's exemplar."""
+    async def _observed(self, scope: Scope, receive: Receive, send: Send, trace_id: str | None = None,
+                        status: list[int] | None = None) -> None:
+        """The request, counted and timed. ``trace_id``: its recorded SERVER span's, echoed in
+        ``X-Trace-Id`` and kept as the latency observation's exemplar; ``status``: set to the
+        status sent (a holder, not a return value: a stream that breaks after its 200 raises)."""
         started = time.perf_counter()
         header = _header(scope, _REQUEST_ID_HEADER_BYTES)
         request_id = accept_request_id(header)
         bind_request_id(request_id)
         scope.setdefault("state", {})["request_id"] = request_id
-        status_code = 500
+        sent = status if status is not None else [500]
         added = [(_REQUEST_ID_HEADER_BYTES, request_id.encode())]
         if trace_id is not None:
             added.append((_TRACE_ID_HEADER_BYTES, trace_id.encode()))
 
         async def send_with_request_id(message: Message) -> None:
-            nonlocal status_code
             if message["type"] == "http.response.start":
-                status_code = int(message["status"])
+                sent[0] = int(message["status"])
                 message["headers"] = [*message.get("headers", []), *added]
             await send(message)
 
@@ -110,11 +115,10 @@ class ObservabilityMiddleware:
             record_http_request(
                 route=template,
                 method=method if method in KNOWN_METHODS else "other",  # clients choose methods
-                status=status_code,
+                status=sent[0],
                 seconds=time.perf_counter() - started,
                 trace_id=trace_id,
             )
-        return status_code
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

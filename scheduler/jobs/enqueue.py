@@ -48,10 +48,12 @@ def publish_job(
     job's reservations for ``queue`` and ``tenant``, which the message then releases: see
     ``scheduler.infra.broker``; on a failed send they are released here).
 
-    Tracing: the message carries the ``traceparent`` of a ``cloverq.publish`` span, the worker's
-    parent. ``trace_ids``: the job's stored ``(trace_id, trace_span_id)`` when the caller is not
-    inside the job's submit (the reconciler republishing, aging): the span joins that trace, and
-    a job without one gets none (default None: a child of the current span).
+    Tracing: the message carries the ``traceparent`` of the submit's request span, the worker's
+    parent (the publish is an event of it; a ``cloverq.publish`` span with ``tracing_step_spans``).
+    ``trace_ids``: the job's stored ``(trace_id, trace_span_id)`` when the caller is not inside the
+    job's submit (the reconciler republishing, aging, fair share releasing): a ``cloverq.republish``
+    span joins that trace, and a job without one gets none and no ``traceparent`` (default None: the
+    current span's).
     """
     headers: dict[str, object] = {"cloverq_request_id": request_id} if request_id else {}
     admitted = marker_set and tenant is not None

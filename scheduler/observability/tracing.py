@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from scheduler.infra.redis_client import get_redis
@@ -325,7 +325,30 @@ def span(name: str, *, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
     request, 9 in 10 at ratio 0.1, for nothing)."""
     if not _enabled or not trace.get_current_span().is_recording():
         return nullcontext()
-    return tracer().start_as_current_span(name, kind=kind, attributes=attributes)
+    return _current_span(name, kind=kind, attributes=attributes)
+
+
+@contextmanager
+def _current_span(name: str, *, context: otel_context.Context | None = None,
+                  kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+                  attributes: Mapping[str, Any] | None = None) -> Iterator[Span]:
+    """A current span whose exception is recorded as its type only (``error.type``, an ERROR
+    status naming the type): the SDK's default records the message and stack trace, and a
+    database error's message quotes the statement's parameters, a job's input among them."""
+    with tracer().start_as_current_span(name, context=context, kind=kind, attributes=attributes,
+                                        record_exception=False, set_status_on_exception=False) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            mark_error(span, exc)
+            raise
+
+
+def mark_error(span: Span, error: BaseException) -> None:
+    """``error`` on ``span`` by its type alone (never its message: it may quote input)."""
+    name = type(error).__name__
+    span.set_attribute("error.type", name)
+    span.set_status(Status(StatusCode.ERROR, name))
 
 
 def step(name: str, *, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
@@ -348,7 +371,7 @@ def step(name: str, *, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
     if not current.is_recording():
         return nullcontext()
     if _step_spans:
-        return tracer().start_as_current_span(name, kind=kind, attributes=attributes)
+        return _current_span(name, kind=kind, attributes=attributes)
     return _StepEvent(current, name)
 
 
@@ -382,11 +405,24 @@ def annotate(attributes: Mapping[str, str | int]) -> None:
 def job_span(name: str, parent: otel_context.Context | None, *,
              kind: trace.SpanKind = trace.SpanKind.INTERNAL, **attributes: Any) -> Iterator[Span | None]:
     """A span for job work under ``parent``; none (yields None) when off or the job has no trace
-    (an untraced job's later work must not start traces of its own at another sampling roll)."""
-    if not _enabled or parent is None:
+    (an untraced job's later work must not start traces of its own at another sampling roll).
+    With no trace, the body also runs outside whatever span is current: a job released by fair
+    share inside another request must not join that request's trace (its message would carry
+    the request span's ``traceparent``)."""
+    if not _enabled:
         yield None
         return
-    with tracer().start_as_current_span(name, context=parent, kind=kind, attributes=attributes) as span:
+    if parent is None:
+        if not trace.get_current_span().is_recording():
+            yield None
+            return
+        token = otel_context.attach(trace.set_span_in_context(trace.INVALID_SPAN, otel_context.Context()))
+        try:
+            yield None
+        finally:
+            otel_context.detach(token)
+        return
+    with _current_span(name, context=parent, kind=kind, attributes=attributes) as span:
         yield span
 
 

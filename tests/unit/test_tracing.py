@@ -260,14 +260,17 @@ def test_a_dead_collector_slows_neither_requests_nor_the_exit(tmp_path: Path) ->
     assert "Queue full" not in out.stderr and "Transient error" not in out.stderr  # no log per span
 
 
-def _serve_once(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """One request through the API's ObservabilityMiddleware over a bare app; the response headers."""
+def _serve_once(headers: list[tuple[bytes, bytes]], *, breaks: bool = False) -> list[tuple[bytes, bytes]]:
+    """One request through the API's ObservabilityMiddleware over a bare app; the response headers.
+    ``breaks``: the app raises after its 200 went out (a stream that breaks)."""
     from api.routes.metrics import ObservabilityMiddleware
 
     sent: list[dict[str, object]] = []
 
     async def app(scope: object, receive: object, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 202, "headers": []})
+        await send({"type": "http.response.start", "status": 200 if breaks else 202, "headers": []})
+        if breaks:
+            raise RuntimeError(f"broken after {PROMPT_LIKE}")
         await send({"type": "http.response.body", "body": b"{}"})
 
     async def receive() -> dict[str, object]:
@@ -277,8 +280,73 @@ def _serve_once(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
         sent.append(message)
 
     scope = {"type": "http", "method": "POST", "path": "/v1/jobs", "headers": headers}
-    asyncio.run(ObservabilityMiddleware(app)(scope, receive, send))  # type: ignore[arg-type]
+    try:
+        asyncio.run(ObservabilityMiddleware(app)(scope, receive, send))  # type: ignore[arg-type]
+    except RuntimeError:
+        assert breaks
     return list(sent[0]["headers"])  # type: ignore[call-overload]
+
+
+PROMPT_LIKE = "a clause a client wrote"
+
+
+def test_an_error_is_recorded_by_its_type_and_a_broken_stream_keeps_the_status_it_sent(
+        recorded: InMemorySpanExporter) -> None:
+    """The SDK's default would record the exception's message (a database error quotes the job's
+    input); a stream that breaks after its 200 is a 200 on its span, as in the HTTP metric."""
+    assert b"x-trace-id" in dict(_serve_once([], breaks=True))
+    with pytest.raises(ValueError), tracing.tracer().start_as_current_span("job"), tracing.span("claim"):
+        raise ValueError(PROMPT_LIKE)
+    spans = {s.name: s for s in recorded.get_finished_spans()}
+    request, claim = spans["POST unmatched"], spans["claim"]
+    assert request.attributes is not None and request.attributes["http.response.status_code"] == 200
+    for span, kind in ((request, "RuntimeError"), (claim, "ValueError")):
+        assert span.attributes is not None and span.attributes["error.type"] == kind
+        assert span.status.status_code == trace.StatusCode.ERROR and span.status.description == kind
+        assert span.events == ()  # no exception event: its message and stack would quote input
+
+
+def test_a_job_without_a_trace_does_not_join_the_current_one(recorded: InMemorySpanExporter) -> None:
+    """Fair share releases held jobs inside other requests: an untraced one carries no
+    ``traceparent`` and starts no child of the request's span; the request's span is current again
+    after it."""
+    headers: dict[str, object] = {}
+    with tracing.tracer().start_as_current_span("request") as request:
+        with tracing.job_span("republish", None) as republish:
+            assert republish is None
+            tracing.inject(headers)
+            with tracing.span("claim") as claim:
+                assert claim is None
+        assert trace.get_current_span() is request
+    assert headers == {}
+    assert [s.name for s in recorded.get_finished_spans()] == ["request"]
+
+
+_SETUP = """
+import json, sys
+from opentelemetry import trace
+from scheduler.infra.settings import Settings
+from scheduler.observability import tracing
+settings = Settings(data_dir=sys.argv[1], tracing_enabled=True, tracing_sample_ratio=0.25)
+tracing.setup_tracing(settings, process="api")
+sampler = tracing._provider.sampler
+seen = {"sampler": sampler.get_description(), "ratio": tracing._root_ratio}
+tracing.shutdown_tracing(1.0)
+seen["after"] = [tracing._root_ratio, tracing._step_spans, tracing.enabled()]
+print(json.dumps(seen))
+"""
+
+
+def test_a_set_ratio_is_drawn_by_cloverq_and_the_sdk_follows_parents(tmp_path: Path) -> None:
+    """With ``tracing_sample_ratio`` the SDK records every root it is asked for (sample_root drew it
+    already) and follows a parent's flag; shutting tracing down forgets the ratio."""
+    out = subprocess.run([sys.executable, "-c", _SETUP, str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                                                      "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["sampler"].startswith("ParentBased{root:AlwaysOnSampler")
+    assert seen["ratio"] == 0.25 and seen["after"] == [None, False, False]
 
 
 def test_a_new_trace_is_drawn_before_any_span_and_a_clients_sampled_parent_is_followed(
@@ -286,7 +354,7 @@ def test_a_new_trace_is_drawn_before_any_span_and_a_clients_sampled_parent_is_fo
     """``tracing_sample_ratio`` is drawn by ``sample_root`` before a span is built: a sampled-out
     request builds none (no X-Trace-Id); a client's sampled ``traceparent`` is followed at any ratio."""
     monkeypatch.setattr(tracing, "_root_ratio", 0.25)
-    random.seed(7)
+    monkeypatch.setattr(tracing, "random", random.Random(7))
     drawn = sum(tracing.sample_root() for _ in range(4000))
     assert 880 <= drawn <= 1120  # 1000 expected, standard deviation ~27
     monkeypatch.setattr(tracing, "_root_ratio", 0.0)
