@@ -37,9 +37,9 @@ from worker.training.rows import MODES, generation_prompt
 
 
 def decision_report(
-    engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int
+    engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int, headings: bool = False
 ) -> dict[str, object]:
-    cases = decision_cases(split, seed, count)  # type: ignore[arg-type]
+    cases = decision_cases(split, seed, count, headings=headings)  # type: ignore[arg-type]
     report: dict[str, object] = {}
     truth: collections.Counter[tuple[str, str]] = collections.Counter()
     for case in cases:
@@ -77,8 +77,10 @@ def decision_report(
     return report
 
 
-def generation_report(engine: Engine, tokenizer: Tokenizer, seed: int, count: int) -> dict[str, object]:
-    cases = generation_cases("eval", seed, count)
+def generation_report(
+    engine: Engine, tokenizer: Tokenizer, seed: int, count: int, headings: bool = False
+) -> dict[str, object]:
+    cases = generation_cases("eval", seed, count, headings=headings)
     configs = {
         "static 1/pass": SamplingParams(max_new_tokens=48, strategy="static", steps_per_block=4),
         "dynamic 0.9": SamplingParams(
@@ -109,6 +111,8 @@ def main() -> None:
     parser.add_argument("--splits", default="eval", help="comma-separated: eval, heldout")
     parser.add_argument("--generation", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--headings", action="store_true",
+                        help="the headed corpus (a checkpoint trained with headings)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_checkpoint(args.checkpoint, dtype=torch.float32)
@@ -126,9 +130,11 @@ def main() -> None:
     report: dict[str, object] = {"checkpoint": str(args.checkpoint), "seed": args.seed, "count": args.count}
     try:
         for split in args.splits.split(","):
-            report[split] = decision_report(engine, lm.tokenizer, split, args.seed, args.count)
+            report[split] = decision_report(engine, lm.tokenizer, split, args.seed, args.count, args.headings)
         if args.generation:
-            report["generation"] = generation_report(engine, lm.tokenizer, args.seed, args.generation)
+            report["generation"] = generation_report(
+                engine, lm.tokenizer, args.seed, args.generation, args.headings
+            )
     finally:
         engine.stop()
     report["seconds"] = round(time.monotonic() - began, 1)

@@ -57,6 +57,12 @@ from cli.model import guarded, model_group
               help="Hidden size of the random start (default the tiny demo's 64).")  # fmt: skip
 @click.option("--layers", type=int, default=None,
               help="Layers of the random start, GDN and attention alternating (default 4).")  # fmt: skip
+@click.option("--layer-pattern", default=None,
+              help="Clover layer types of the random start: L (GDN) / A (attention) letters repeated "
+                   "over the layers (default LA; A: attention only).")  # fmt: skip
+@click.option("--headings", is_flag=True, default=False,
+              help="Contracts with section headings that the questions repeat (evaluate with "
+                   "bench.demo_quality --headings).")  # fmt: skip
 @guarded
 def train_demo_command(
     init_from: str | None,
@@ -69,6 +75,8 @@ def train_demo_command(
     buckets: int | None,
     hidden: int | None,
     layers: int | None,
+    layer_pattern: str | None,
+    headings: bool,
     directory: Path,
     arch: str,
     steps: int,
@@ -89,7 +97,8 @@ def train_demo_command(
                          save_every=save_every, init_from=init_from, decision_share=decision_share,
                          served_slots=served_slots or None, decision_weight=decision_weight,
                          parallel_slots=parallel_slots, groups=groups, easy_steps=easy_steps, buckets=buckets,
-                         hidden=hidden, layers=layers)  # fmt: skip
+                         hidden=hidden, layers=layers, layer_pattern=layer_pattern,
+                         headings=headings or None)  # fmt: skip
     if (directory / RESUME_FILE).is_file():
         click.echo(f"resuming from {directory / RESUME_FILE}", err=True)
     columns = (TextColumn("[bold]train-demo"), BarColumn(), MofNCompleteColumn(),

@@ -67,3 +67,21 @@ def test_generation_cases_carry_a_thinking_target_when_thinking() -> None:
     assert thinking and len(thinking) < len(cases)
     assert all(c.target.startswith("<think>\n") and c.target.endswith(c.answer) for c in thinking)
     assert all(c.target == c.answer for c in cases if not c.thinking)
+
+
+def test_headings_add_a_shared_keyword_and_change_nothing_else() -> None:
+    from worker.training.contracts import HEADINGS
+    from worker.training.corpus import GROUP_CLAUSES
+
+    for split in ("train", "heldout"):
+        plain, headed = decision_cases(split, 2, 30), decision_cases(split, 2, 30, headings=True)  # type: ignore[arg-type]
+        for p, h in zip(plain, headed, strict=True):
+            assert p.answers == h.answers and [g.kind for g in p.groups] == [g.kind for g in h.groups]
+            stripped = [line.split(". ", 1)[0] + ". " + line.split(". ", 2)[-1] if i else line
+                        for i, line in enumerate(h.context.splitlines())]  # fmt: skip
+            assert stripped == p.context.splitlines()
+            for group, question in zip((g for g in h.groups for _ in g.questions), h.questions, strict=True):
+                heading = HEADINGS[GROUP_CLAUSES[group.kind]]
+                assert question.text.startswith(f"{heading}: ") and f". {heading}. " in h.context
+    plain_gen, headed_gen = generation_cases("eval", 2, 10), generation_cases("eval", 2, 10, headings=True)
+    assert [c.answer for c in plain_gen] == [c.answer for c in headed_gen]

@@ -197,3 +197,13 @@ def test_the_shipped_trained_demo_loads_with_its_special_tokens() -> None:
     im_start = tok.token_id("<|im_start|>")
     assert im_start is not None and tok.encode(text).count(im_start) == 2
     assert (TRAINED_CLOVER_DEMO / SINGLE_NAME).stat().st_size < 4_000_000
+
+
+def test_a_layer_pattern_sets_the_clover_layer_types() -> None:
+    from worker.training.shape import layer_types
+
+    assert layer_types("LA", 4) == ("linear_attention", "full_attention") * 2
+    assert layer_types("A", 4) == ("full_attention",) * 4
+    assert layer_types("LAA", 6) == ("linear_attention", "full_attention", "full_attention") * 2
+    with pytest.raises(ValueError):
+        layer_types("LA", 5)

@@ -232,18 +232,39 @@ CLAUSES = {  # the clause types after the parties line, in the order a contract 
 
 CLAUSES_PER_CONTRACT = 4  # after the parties line: short contracts keep CPU training affordable
 
+# Section headings (the ``headings`` option of the corpus): the same in every phrasing and split, a
+# keyword a question about the clause repeats (``worker.training.corpus``), so finding the clause a
+# question asks about is matching a token rather than a paraphrase.
+HEADINGS = {
+    "term": "Term and Renewal",
+    "termination": "Termination",
+    "liability": "Limitation of Liability",
+    "law": "Governing Law",
+    "payment": "Payment",
+    "confidentiality": "Confidentiality",
+    "assignment": "Assignment",
+}
+
 
 def render_contract(
-    facts: ContractFacts, rng: random.Random, phrasings: tuple[int, ...], required: tuple[str, ...] = ()
+    facts: ContractFacts,
+    rng: random.Random,
+    phrasings: tuple[int, ...],
+    required: tuple[str, ...] = (),
+    headings: bool = False,
 ) -> str:
     """The contract text: the parties line, then ``CLAUSES_PER_CONTRACT`` clauses (the ``required``
     ones and others drawn at random) in a shuffled order, numbered, each in a phrasing drawn from
-    ``phrasings``."""
+    ``phrasings``; ``headings``: each clause opens with its ``HEADINGS`` entry ("3. Termination.
+    The Buyer ..."), the same random draws either way."""
     others = [name for name in CLAUSES if name not in required]
     order = list(dict.fromkeys(required)) + rng.sample(
         others, max(0, CLAUSES_PER_CONTRACT - len(set(required)))
     )
     rng.shuffle(order)
     lines = [_parties(facts, rng.choice(phrasings))]
-    lines += [f"{i}. {CLAUSES[name](facts, rng.choice(phrasings))}" for i, name in enumerate(order, 1)]
+    lines += [
+        f"{i}. {HEADINGS[name] + '. ' if headings else ''}{CLAUSES[name](facts, rng.choice(phrasings))}"
+        for i, name in enumerate(order, 1)
+    ]
     return "\n".join(lines)

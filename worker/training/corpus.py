@@ -20,12 +20,14 @@ a think block, as a thinking model writes it).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Literal
 
 from worker.decisions.spec import DecisionMode, DecisionQuestion, DecisionSpec
 from worker.training.contracts import (
+    HEADINGS,
     HELD_OUT_PHRASING,
     TRAIN_PHRASINGS,
     ContractFacts,
@@ -92,17 +94,31 @@ class DecisionCase:
         }
 
 
-def decision_case(split: Split, seed: int, index: int, groups: int | None = None) -> DecisionCase:
+def headed(group: QuestionGroup) -> QuestionGroup:
+    """``group`` with each question opening with its clause's heading ("Termination: May ...")."""
+    heading = HEADINGS[GROUP_CLAUSES[group.kind]]
+    first, second = (dataclasses.replace(q, text=f"{heading}: {q.text}") for q in group.questions)
+    return dataclasses.replace(group, questions=(first, second))
+
+
+def decision_case(
+    split: Split, seed: int, index: int, groups: int | None = None, headings: bool = False
+) -> DecisionCase:
     """Case ``index`` of ``split``: one or two question groups (the evaluation suites' and the
-    tokenizer corpus's draw), or ``groups`` of them (training rows that ask more per contract)."""
+    tokenizer corpus's draw), or ``groups`` of them (training rows that ask more per contract).
+    ``headings``: clauses carry section headings and questions repeat their clause's heading (the
+    same draws, facts and answers; the phrasings of clause bodies stay split)."""
     facts, rng = _facts(split, seed, index, "decide")
     drawn = tuple(draw_groups(facts, rng, rng.choice((1, 2)) if groups is None else groups))
-    text = render_contract(facts, rng, phrasings_of(split), tuple(GROUP_CLAUSES[g.kind] for g in drawn))
-    return DecisionCase(context=text, groups=drawn)
+    required = tuple(GROUP_CLAUSES[g.kind] for g in drawn)
+    text = render_contract(facts, rng, phrasings_of(split), required, headings)
+    return DecisionCase(context=text, groups=tuple(headed(g) for g in drawn) if headings else drawn)
 
 
-def decision_cases(split: Split, seed: int, count: int, start: int = 0) -> list[DecisionCase]:
-    return [decision_case(split, seed, i) for i in range(start, start + count)]
+def decision_cases(
+    split: Split, seed: int, count: int, start: int = 0, headings: bool = False
+) -> list[DecisionCase]:
+    return [decision_case(split, seed, i, headings=headings) for i in range(start, start + count)]
 
 
 @dataclass(frozen=True)
@@ -148,10 +164,12 @@ def _summaries(f: ContractFacts) -> dict[str, tuple[str, str, str]]:
     }  # fmt: skip
 
 
-def generation_case(split: Split, seed: int, index: int) -> GenerationCase:
+def generation_case(split: Split, seed: int, index: int, headings: bool = False) -> GenerationCase:
+    """Generation case ``index`` of ``split`` (``headings``: the contract's clauses headed)."""
     facts, rng = _facts(split, seed, index, "generate")
     clause, (question, answer, summary) = rng.choice(sorted(_summaries(facts).items()))
-    text = render_contract(facts, rng, phrasings_of(split), () if clause == "parties" else (clause,))
+    required = () if clause == "parties" else (clause,)
+    text = render_contract(facts, rng, phrasings_of(split), required, headings)
     task: GenerationTask = rng.choice(("answer", "summary"))
     ask = (
         f"Question: {question}\nAnswer in one line."
@@ -167,5 +185,7 @@ def generation_case(split: Split, seed: int, index: int) -> GenerationCase:
     )
 
 
-def generation_cases(split: Split, seed: int, count: int, start: int = 0) -> list[GenerationCase]:
-    return [generation_case(split, seed, i) for i in range(start, start + count)]
+def generation_cases(
+    split: Split, seed: int, count: int, start: int = 0, headings: bool = False
+) -> list[GenerationCase]:
+    return [generation_case(split, seed, i, headings) for i in range(start, start + count)]

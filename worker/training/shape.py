@@ -28,14 +28,26 @@ from worker.model.manifest import write_manifest
 TINY_HIDDEN, TINY_LAYERS = 64, 4
 
 
-def shaped_config(config: ModelConfig, hidden: int, layers: int) -> ModelConfig:
-    """``config`` (the tiny demo's) with ``hidden`` and ``layers``, the other widths scaled along."""
-    if hidden % 16 or layers % 2:
-        raise ValueError(f"hidden must be a multiple of 16 and layers even, not {hidden} / {layers}")
+LAYER_CODES = {"L": "linear_attention", "A": "full_attention"}  # a Clover layer pattern's letters
+
+
+def layer_types(pattern: str, layers: int) -> tuple[str, ...]:
+    """Clover's layer types from ``pattern`` repeated over ``layers`` ("LA": GDN then attention, the
+    demo's alternation; "A": attention only; "LAA": two attention layers per GDN layer)."""
+    if not pattern or set(pattern) - set(LAYER_CODES) or layers % len(pattern):
+        raise ValueError(f"a layer pattern is L/A letters dividing the layers, not {pattern!r} / {layers}")
+    return tuple(LAYER_CODES[c] for c in pattern * (layers // len(pattern)))
+
+
+def shaped_config(config: ModelConfig, hidden: int, layers: int, pattern: str = "LA") -> ModelConfig:
+    """``config`` (the tiny demo's) with ``hidden`` and ``layers``, the other widths scaled along;
+    a Clover's layers follow ``pattern`` (``layer_types``)."""
+    if hidden % 16 or layers % len(pattern):
+        raise ValueError(f"hidden must be a multiple of 16, layers of the pattern, not {hidden} / {layers}")
     head = hidden // config.num_attention_heads
     fields: dict[str, object] = {"hidden_size": hidden, "num_hidden_layers": layers, "head_dim": head}
     if config.family == "clover":
-        fields |= {"layer_types": ("linear_attention", "full_attention") * (layers // 2),
+        fields |= {"layer_types": layer_types(pattern, layers),
                    "linear_key_head_dim": head, "linear_value_head_dim": head}  # fmt: skip
     for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size"):
         width = getattr(config, name)
@@ -45,14 +57,22 @@ def shaped_config(config: ModelConfig, hidden: int, layers: int) -> ModelConfig:
 
 
 def write_shaped_demo(
-    folder: Path, *, seed: int, arch: DemoArch, tokenizer: HFTokenizer, hidden: int, layers: int
+    folder: Path,
+    *,
+    seed: int,
+    arch: DemoArch,
+    tokenizer: HFTokenizer,
+    hidden: int,
+    layers: int,
+    pattern: str = "LA",
 ) -> None:
-    """The random demo of ``seed`` in ``folder`` at ``hidden`` x ``layers`` (fp32 weights)."""
+    """The random demo of ``seed`` in ``folder`` at ``hidden`` x ``layers`` (fp32 weights), a
+    Clover's layers after ``pattern`` (the tiny demo itself for 64 x 4 "LA")."""
     write_demo_checkpoint(folder, seed=seed, size="tiny", arch=arch, tokenizer=tokenizer)
-    if (hidden, layers) == (TINY_HIDDEN, TINY_LAYERS):
+    if (hidden, layers, pattern) == (TINY_HIDDEN, TINY_LAYERS, "LA"):
         return
     hf = json.loads((folder / "config.json").read_text())
-    config = shaped_config(ModelConfig.from_hf_dict(hf), hidden, layers)
+    config = shaped_config(ModelConfig.from_hf_dict(hf), hidden, layers, pattern)
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
     never = [tokenizer.token_to_id(t) for t in (MASK, PAD, IM_START)]
     weights = random_weights(config, seed=seed, dtype=torch.float32, never_generated=never)  # type: ignore[arg-type]

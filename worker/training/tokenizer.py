@@ -35,20 +35,23 @@ def wrap(backend: HFTokenizer) -> Tokenizer:
                      eos_token_ids=(ids[IM_END],), pad_token_id=ids[PAD])  # fmt: skip
 
 
-def corpus_texts(seed: int, cases: int = TOKENIZER_CASES) -> Iterator[str]:
+def corpus_texts(seed: int, cases: int = TOKENIZER_CASES, headings: bool = False) -> Iterator[str]:
     provisional = wrap(build_demo_tokenizer(512))
-    for case in decision_cases("train", seed, cases):
+    for case in decision_cases("train", seed, cases, headings=headings):
         for mode in MODES:
             for row in decision_rows(case, mode, provisional, block=1):
                 yield provisional.decode(list(row.ids), skip_special_tokens=True)
-    for gen in generation_cases("train", seed, cases):
+    for gen in generation_cases("train", seed, cases, headings=headings):
         yield provisional.decode(
             list(generation_row(gen, provisional, block=1).ids), skip_special_tokens=True
         )
 
 
-def train_tokenizer(seed: int, total_vocab: int = 512, cases: int = TOKENIZER_CASES) -> HFTokenizer:
-    """A byte-level BPE of at most ``total_vocab`` ids (special tokens last) learned on the corpus."""
+def train_tokenizer(
+    seed: int, total_vocab: int = 512, cases: int = TOKENIZER_CASES, headings: bool = False
+) -> HFTokenizer:
+    """A byte-level BPE of at most ``total_vocab`` ids (special tokens last) learned on the corpus
+    (``headings``: the headed corpus, ``worker.training.corpus.decision_case``)."""
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre
@@ -58,6 +61,6 @@ def train_tokenizer(seed: int, total_vocab: int = 512, cases: int = TOKENIZER_CA
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus_texts(seed, cases), trainer=trainer)
+    tokenizer.train_from_iterator(corpus_texts(seed, cases, headings), trainer=trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tokenizer

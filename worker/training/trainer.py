@@ -10,8 +10,9 @@ predicted position. AdamW, warm-up then cosine decay to 10 %.
 Options left unset keep the first recipe's draws and loss (the shipped checkpoint's command):
 ``served_slots`` (decision rows noised as the engine decodes them), ``parallel_slots`` and
 ``groups`` (more answer targets per pass), ``easy_steps`` (first questions first), ``buckets``
-(passes over rows of like length), ``hidden``/``layers`` (a bigger random start); what each did is
-measured in docs/demo-training.md.
+(passes over rows of like length), ``hidden``/``layers``/``layer_pattern`` (a bigger or
+attention-only random start), ``headings`` (headed clauses, questions naming them); what each did
+is measured in docs/demo-training.md.
 
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
@@ -78,6 +79,12 @@ class TrainConfig:
     buckets: int | None = None  # passes per step over rows of similar length (``bucketed_loss``)
     hidden: int | None = None  # a wider random start than the tiny demo's 64 (``worker.training.shape``)
     layers: int | None = None  # a deeper one than its 4
+    # Clover layer types of the random start, a pattern of L (GDN) / A (attention) repeated over
+    # the layers (``shape.layer_types``; None: "LA", the demo's alternation); "A": attention only
+    layer_pattern: str | None = None
+    # the corpus with section headings that questions repeat (``corpus.decision_case``), the
+    # tokenizer learned on it; a checkpoint trained so is evaluated on headed cases too
+    headings: bool | None = None
 
 
 def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> list[Row]:
@@ -87,7 +94,7 @@ def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> 
     for i in range(config.batch):
         index = step * config.batch + i
         if rng.random() < config.decision_share:
-            case = decision_case("train", config.seed, index, config.groups)
+            case = decision_case("train", config.seed, index, config.groups, bool(config.headings))
             if config.easy_steps is not None and step < config.easy_steps:
                 # first a group's first question, asked alone (one hop: question -> clause)
                 rows.append(rng.choice(decision_rows(case, "independent", tokenizer, block)[0::2]))
@@ -95,7 +102,8 @@ def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> 
             mode: DecisionMode = rng.choice(("joint", "independent"))
             rows.append(rng.choice(decision_rows(case, mode, tokenizer, block)))
         else:
-            rows.append(generation_row(generation_case("train", config.seed, index), tokenizer, block))
+            generation = generation_case("train", config.seed, index, bool(config.headings))
+            rows.append(generation_row(generation, tokenizer, block))
     return rows
 
 
@@ -323,8 +331,9 @@ def train_demo(
             write_manifest(folder)
         else:  # the tiny demo's random start, or a wider / deeper one (the tiny demo when unset)
             write_shaped_demo(folder, seed=config.seed, arch=config.arch,
-                              tokenizer=train_tokenizer(config.seed), hidden=config.hidden or TINY_HIDDEN,
-                              layers=config.layers or TINY_LAYERS)  # fmt: skip
+                              tokenizer=train_tokenizer(config.seed, headings=bool(config.headings)),
+                              hidden=config.hidden or TINY_HIDDEN, layers=config.layers or TINY_LAYERS,
+                              pattern=config.layer_pattern or "LA")  # fmt: skip
     lm = load_checkpoint(folder, dtype=torch.float32)
     model, block = lm.model, lm.config.block_size or 4
     mask_id = lm.config.mask_token_id
