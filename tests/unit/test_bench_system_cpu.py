@@ -33,7 +33,11 @@ def test_cpu_seconds_counts_this_process_and_its_threads() -> None:
 def test_a_group_counts_its_descendants() -> None:
     child = ("import time; end = time.process_time() + 0.3\\nwhile time.process_time() < end: pass\\n"
              "time.sleep(30)")  # ~0.3 s of CPU, then idle
-    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', '{child}'])"
+    # the parent spins too: a process's /proc CPU counts whole clock ticks, and a bare interpreter's
+    # start-up (~20 ms) sometimes counted none (a CI run saw "alone" at 0.0)
+    code = ("import subprocess, sys, time; end = time.process_time() + 0.1\n"
+            "while time.process_time() < end: pass\n"
+            f"subprocess.run([sys.executable, '-c', '{child}'])")
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 10
