@@ -65,18 +65,12 @@ class ObservabilityMiddleware:
             return
         method = scope.get("method", "GET")
         method = method if method in KNOWN_METHODS else "other"
-        with tracing.tracer().start_as_current_span(
-            method, context=parent, kind=SpanKind.SERVER, attributes={"http.request.method": method},
-            record_exception=False, set_status_on_exception=False,  # an error's message may quote input
-        ) as span:
+        with tracing.start_current_span(method, context=parent, kind=SpanKind.SERVER,
+                                        attributes={"http.request.method": method}) as span:
             ids = tracing.recorded_ids(span)
             status = [500]  # the status sent, kept by _observed even when the app raises after sending it
             try:
                 await self._observed(scope, receive, send, trace_id=ids[0] if ids else None, status=status)
-            except BaseException as exc:
-                if ids is not None:
-                    tracing.mark_error(span, exc)
-                raise
             finally:
                 if ids is not None:  # a sampled-out request's span takes nothing
                     template = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE

@@ -325,26 +325,27 @@ def span(name: str, *, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
     request, 9 in 10 at ratio 0.1, for nothing)."""
     if not _enabled or not trace.get_current_span().is_recording():
         return nullcontext()
-    return _current_span(name, kind=kind, attributes=attributes)
+    return start_current_span(name, kind=kind, attributes=attributes)
 
 
 @contextmanager
-def _current_span(name: str, *, context: otel_context.Context | None = None,
-                  kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-                  attributes: Mapping[str, Any] | None = None) -> Iterator[Span]:
-    """A current span whose exception is recorded as its type only (``error.type``, an ERROR
-    status naming the type): the SDK's default records the message and stack trace, and a
-    database error's message quotes the statement's parameters, a job's input among them."""
+def start_current_span(name: str, *, context: otel_context.Context | None = None,
+                       kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+                       attributes: Mapping[str, Any] | None = None) -> Iterator[Span]:
+    """A current span (cloverq's spans, the API's request span) whose exception is recorded by its
+    type only (``error.type``, an ERROR status naming the type): the SDK's default records the
+    message and stack trace, and a database error's message quotes the statement's parameters, a
+    job's input among them."""
     with tracer().start_as_current_span(name, context=context, kind=kind, attributes=attributes,
                                         record_exception=False, set_status_on_exception=False) as span:
         try:
             yield span
         except BaseException as exc:
-            mark_error(span, exc)
+            _mark_error(span, exc)
             raise
 
 
-def mark_error(span: Span, error: BaseException) -> None:
+def _mark_error(span: Span, error: BaseException) -> None:
     """``error`` on ``span`` by its type alone (never its message: it may quote input)."""
     name = type(error).__name__
     span.set_attribute("error.type", name)
@@ -371,7 +372,7 @@ def step(name: str, *, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
     if not current.is_recording():
         return nullcontext()
     if _step_spans:
-        return _current_span(name, kind=kind, attributes=attributes)
+        return start_current_span(name, kind=kind, attributes=attributes)
     return _StepEvent(current, name)
 
 
@@ -422,7 +423,7 @@ def job_span(name: str, parent: otel_context.Context | None, *,
         finally:
             otel_context.detach(token)
         return
-    with _current_span(name, context=parent, kind=kind, attributes=attributes) as span:
+    with start_current_span(name, context=parent, kind=kind, attributes=attributes) as span:
         yield span
 
 
