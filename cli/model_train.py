@@ -63,6 +63,12 @@ from cli.model import guarded, model_group
 @click.option("--headings", is_flag=True, default=False,
               help="Contracts with section headings that the questions repeat (evaluate with "
                    "bench.demo_quality --headings).")  # fmt: skip
+@click.option("--vocab", type=int, default=None,
+              help="Size of the corpus-trained tokenizer (default 512; the BPE stops at the "
+                   "corpus's last merge).")  # fmt: skip
+@click.option("--value-share", type=float, default=None,
+              help="Share of decision rows asking a value question instead (\"Which law "
+                   "governs?\").")  # fmt: skip
 @guarded
 def train_demo_command(
     init_from: str | None,
@@ -77,6 +83,8 @@ def train_demo_command(
     layers: int | None,
     layer_pattern: str | None,
     headings: bool,
+    vocab: int | None,
+    value_share: float | None,
     directory: Path,
     arch: str,
     steps: int,
@@ -98,7 +106,7 @@ def train_demo_command(
                          served_slots=served_slots or None, decision_weight=decision_weight,
                          parallel_slots=parallel_slots, groups=groups, easy_steps=easy_steps, buckets=buckets,
                          hidden=hidden, layers=layers, layer_pattern=layer_pattern,
-                         headings=headings or None)  # fmt: skip
+                         headings=headings or None, vocab=vocab, value_share=value_share)  # fmt: skip
     if (directory / RESUME_FILE).is_file():
         click.echo(f"resuming from {directory / RESUME_FILE}", err=True)
     columns = (TextColumn("[bold]train-demo"), BarColumn(), MofNCompleteColumn(),

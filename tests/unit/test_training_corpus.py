@@ -85,3 +85,29 @@ def test_headings_add_a_shared_keyword_and_change_nothing_else() -> None:
                 assert question.text.startswith(f"{heading}: ") and f". {heading}. " in h.context
     plain_gen, headed_gen = generation_cases("eval", 2, 10), generation_cases("eval", 2, 10, headings=True)
     assert [c.answer for c in plain_gen] == [c.answer for c in headed_gen]
+
+
+def test_a_value_question_asks_for_the_clause_value_among_every_value_the_corpus_writes() -> None:
+    """``value_case``: the case's own contract, asked the value of one of its groups' clauses; the
+    answer is among the choices, the same draw gives the same case, and a kind with no clause
+    (no cap, no renewal) answers "none"."""
+    from worker.training.corpus import _facts, decision_case, value_case
+    from worker.training.questions import NONE, value_question
+
+    kinds = set()
+    for i in range(60):
+        case = decision_case("train", 0, i)
+        value = value_case("train", 0, i, 0.99)
+        assert value == value_case("train", 0, i, 0.99) and value.context == case.context
+        (group,) = value.groups
+        (question,) = group.questions
+        assert group.rule == "value" and group.kind == case.groups[-1].kind
+        assert question.answer in question.choices and len(set(question.choices)) == len(question.choices)
+        assert value.answers == (question.answer,)
+        kinds.add(group.kind)
+    assert len(kinds) == 7
+    facts, _ = _facts("train", 0, 0, "decide")
+    assert value_question("law", facts).questions[0].answer == facts.law
+    capless = next(f for f in (_facts("train", 0, i, "decide")[0] for i in range(50)) if f.cap is None)
+    assert value_question("liability", capless).questions[0].answer == NONE
+    assert not violates("value", YES, NO)

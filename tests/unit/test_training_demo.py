@@ -69,7 +69,7 @@ def test_served_slots_noise_a_decision_row_as_the_engine_feeds_each_block_of_its
                 continue
             crossing += 1
             request.params = SamplingParams(max_new_tokens=1, steps_per_block=4, strategy="static")
-            layout = build_layout(request, 4, 512, 4096)
+            layout = build_layout(request, 4, tokenizer.vocab_size, 4096)
             state = SequenceState.start(request, layout, block_size=4, mask_token_id=mask,
                                         eos_token_ids=frozenset(tokenizer.eos_token_ids))  # fmt: skip
             for n in blocks:
@@ -153,6 +153,21 @@ def test_the_bucketed_loss_is_the_one_pass_loss_and_easy_steps_ask_first_questio
             assert abs(float(split) - float(one)) < 1e-4, buckets
 
 
+def test_value_share_asks_value_questions_alone_and_leaves_the_first_recipe_unset() -> None:
+    """``value_share``: that share of the decision rows is a value question asked alone (one
+    slot, its choices the clause's values); unset, no row asks one."""
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    asks = ("Which law", "How many days", "How long", "What is the liability cap", "Within how many",
+            "To whom")  # fmt: skip
+    unset = _batch(3, TrainConfig(batch=8, decision_share=1.0), lm.tokenizer, 4)
+    assert not any(a in lm.tokenizer.decode(list(r.ids)) for r in unset for a in asks)
+    everything = TrainConfig(batch=8, decision_share=1.0, value_share=1.0)
+    rows = _batch(3, everything, lm.tokenizer, 4)
+    assert all(len(r.units) == 1 for r in rows)
+    texts = [lm.tokenizer.decode(list(r.ids)) for r in rows]
+    assert all(any(a in t for a in asks) for t in texts), texts
+
+
 def test_a_shaped_demo_scales_the_widths_and_keeps_the_layer_pattern(tmp_path: Path) -> None:
     from worker.model.demo_tokenizer import build_demo_tokenizer
     from worker.training.shape import write_shaped_demo
@@ -185,6 +200,20 @@ def test_a_short_run_repeats_bit_for_bit_and_resumes_to_the_same_bytes(tmp_path:
     assert result.finished and result.steps == 4 and not (resumed / RESUME_FILE).exists()
     for name in (SINGLE_NAME, "tokenizer.json", "config.json", "training.json", "manifest.json"):
         assert (straight / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def test_the_shipped_recipe_s_options_repeat_bit_for_bit(tmp_path: Path) -> None:
+    """The shipped checkpoint's options (value questions, the larger tokenizer, a GDN layer then
+    attention, buckets, served and parallel slots) keep a run deterministic: twice, the same bytes."""
+    torch.set_num_threads(1)
+    config = TrainConfig(steps=2, batch=3, served_slots=True, decision_share=0.9, decision_weight=3.0,
+                         parallel_slots=0.5, buckets=2, layer_pattern="LAAA", vocab=2048,
+                         value_share=0.5)  # fmt: skip
+    for name in ("a", "b"):
+        train_demo(tmp_path / name, config)
+    for name in (SINGLE_NAME, "tokenizer.json", "config.json", "training.json", "manifest.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert load_checkpoint(tmp_path / "a").config.vocab_size > 512
 
 
 def test_the_shipped_trained_demo_loads_with_its_special_tokens() -> None:

@@ -36,7 +36,7 @@ from worker.training.contracts import (
     render_contract,
     years,
 )
-from worker.training.questions import QuestionGroup, draw_groups
+from worker.training.questions import QuestionGroup, draw_groups, value_question
 
 GROUP_CLAUSES = {  # the clause a question group is about
     "liability": "liability", "termination": "termination", "renewal": "term", "confidentiality":
@@ -97,8 +97,9 @@ class DecisionCase:
 def headed(group: QuestionGroup) -> QuestionGroup:
     """``group`` with each question opening with its clause's heading ("Termination: May ...")."""
     heading = HEADINGS[GROUP_CLAUSES[group.kind]]
-    first, second = (dataclasses.replace(q, text=f"{heading}: {q.text}") for q in group.questions)
-    return dataclasses.replace(group, questions=(first, second))
+    return dataclasses.replace(
+        group, questions=tuple(dataclasses.replace(q, text=f"{heading}: {q.text}") for q in group.questions)
+    )
 
 
 def decision_case(
@@ -113,6 +114,17 @@ def decision_case(
     required = tuple(GROUP_CLAUSES[g.kind] for g in drawn)
     text = render_contract(facts, rng, phrasings_of(split), required, headings)
     return DecisionCase(context=text, groups=tuple(headed(g) for g in drawn) if headings else drawn)
+
+
+def value_case(split: Split, seed: int, index: int, kind_draw: float, headings: bool = False) -> DecisionCase:
+    """Decision case ``index``'s contract asked the value question (``questions.value_question``)
+    of one of its groups' kinds, the ``kind_draw`` (in [0, 1)) share along them: a retrieval row
+    for training (``TrainConfig.value_share``)."""
+    case = decision_case(split, seed, index, headings=headings)
+    facts, _ = _facts(split, seed, index, "decide")  # the case's facts (the same draws)
+    group = case.groups[int(kind_draw * len(case.groups))]
+    value = value_question(group.kind, facts)
+    return DecisionCase(context=case.context, groups=(headed(value) if headings else value,))
 
 
 def decision_cases(

@@ -10,6 +10,14 @@ questions derived from one premise:
 - ``exclusive``: not both "yes" (two different governing laws);
 - ``implies``: a "yes" to the first forces a "yes" to the second (paid within 14 days, so within 30);
 - ``opposite``: exactly one "yes" (assign freely / consent needed).
+
+A *value question* (``value_question``, rule ``value``: one question, nothing to tie) asks for the
+clause's value itself, among all the values the corpus writes ("Which law governs the agreement?",
+"Within how many days must invoices be paid?"). Training rows only (``TrainConfig.value_share``):
+the answer is copied from one place of the contract, a signal each of its tokens carries alone,
+while "Is it governed by the laws of France?" is answered by no single token (only the pair of
+the question's country and the clause's tells), and a model trained on such comparisons alone
+stays at its prior (docs/demo-training.md, fourth round).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from worker.training.contracts import (
+    ASSIGNMENT,
     CAP_AMOUNTS,
     LAWS,
     NOTICE_DAYS,
@@ -34,7 +43,7 @@ from worker.training.contracts import (
 YES, NO, NA = "yes", "no", "not applicable"
 YES_NO: tuple[str, ...] = (YES, NO)
 YES_NO_NA: tuple[str, ...] = (YES, NO, NA)
-Rule = Literal["gate", "exclusive", "implies", "opposite"]
+Rule = Literal["gate", "exclusive", "implies", "opposite", "value"]
 
 
 @dataclass(frozen=True)
@@ -48,11 +57,13 @@ class Question:
 class QuestionGroup:
     kind: str  # the premise: liability, termination, renewal, ...
     rule: Rule
-    questions: tuple[Question, Question]
+    questions: tuple[Question, ...]  # two tied questions; one for a value question
 
 
 def violates(rule: Rule, first: str, second: str) -> bool:
     """Whether answers ``first`` / ``second`` to a group contradict each other under ``rule``."""
+    if rule == "value":
+        return False
     if rule == "gate":
         return (first == NO) != (second == NA)
     if rule == "exclusive":
@@ -110,7 +121,7 @@ def _law(f: ContractFacts, rng: random.Random) -> QuestionGroup:
     others = [law for law in LAWS if law != f.law]
     pair = [f.law, rng.choice(others)] if rng.random() < 0.7 else rng.sample(others, 2)
     rng.shuffle(pair)
-    return QuestionGroup("law", "exclusive", tuple(  # type: ignore[arg-type]
+    return QuestionGroup("law", "exclusive", tuple(
         Question(f"Is the agreement governed by the laws of {law}?", YES_NO, _yn(law == f.law))
         for law in pair
     ))  # fmt: skip
@@ -118,7 +129,7 @@ def _law(f: ContractFacts, rng: random.Random) -> QuestionGroup:
 
 def _payment(f: ContractFacts, rng: random.Random) -> QuestionGroup:
     low, high = sorted(rng.sample(PAYMENT_DAYS, 2))
-    return QuestionGroup("payment", "implies", tuple(  # type: ignore[arg-type]
+    return QuestionGroup("payment", "implies", tuple(
         Question(f"Must invoices be paid within {d} days?", YES_NO, _yn(f.payment_days <= d))
         for d in (low, high)
     ))  # fmt: skip
@@ -148,3 +159,57 @@ GROUPS: dict[str, Callable[[ContractFacts, random.Random], QuestionGroup]] = {
 def draw_groups(facts: ContractFacts, rng: random.Random, count: int) -> list[QuestionGroup]:
     """``count`` groups of different kinds about ``facts``."""
     return [GROUPS[kind](facts, rng) for kind in rng.sample(sorted(GROUPS), count)]
+
+
+NONE = "none"  # a value question's answer when the contract has no such clause (or right)
+
+
+def _value(kind: str, f: ContractFacts) -> tuple[str, tuple[str, ...], str]:
+    """(question, choices, answer) of ``kind``'s value question about ``f``."""
+    ra, rb = f.roles
+    if kind == "liability":
+        return (
+            f"What is the liability cap of the {ra}?",
+            (*map(money, CAP_AMOUNTS), NONE),
+            money(f.cap) if f.cap is not None else NONE,
+        )
+    if kind == "termination":
+        return (
+            f"How many days notice does the {rb} need to terminate for convenience?",
+            (*map(str, NOTICE_DAYS), NONE),
+            str(f.notice_days) if f.notice_days is not None else NONE,
+        )
+    if kind == "renewal":
+        return (
+            "How long is each automatic renewal?",
+            (*map(years, RENEWAL_YEARS), NONE),
+            years(f.renewal_years) if f.renewal_years is not None else NONE,
+        )
+    if kind == "confidentiality":
+        return (
+            "How long does confidentiality last after termination?",
+            (*map(years, SURVIVAL_YEARS), NONE),
+            years(f.survival_years) if f.survival_years is not None else NONE,
+        )
+    if kind == "law":
+        return "Which law governs the agreement?", LAWS, f.law
+    if kind == "payment":
+        return (
+            "Within how many days must invoices be paid?",
+            tuple(map(str, PAYMENT_DAYS)),
+            str(f.payment_days),
+        )
+    if kind == "assignment":
+        return (
+            f"To whom may the {ra} assign the agreement without consent?",
+            ("anyone", "affiliates", "no one"),
+            {"free": "anyone", "affiliates": "affiliates", "consent": "no one"}[f.assignment],
+        )
+    raise ValueError(f"no value question for {kind!r}")
+
+
+def value_question(kind: str, facts: ContractFacts) -> QuestionGroup:
+    """The value question of ``kind`` about ``facts``, as a one-question group (rule ``value``)."""
+    text, choices, answer = _value(kind, facts)
+    assert answer in choices and len(ASSIGNMENT) == 3
+    return QuestionGroup(kind, "value", (Question(text, choices, answer),))

@@ -11,7 +11,8 @@ Options left unset keep the first recipe's draws and loss (the shipped checkpoin
 ``served_slots`` (decision rows noised as the engine decodes them), ``parallel_slots`` and
 ``groups`` (more answer targets per pass), ``easy_steps`` (first questions first), ``buckets``
 (passes over rows of like length), ``hidden``/``layers``/``layer_pattern`` (a bigger or
-attention-only random start), ``headings`` (headed clauses, questions naming them); what each did
+attention-only random start), ``headings`` (headed clauses, questions naming them), ``vocab`` (a
+larger corpus tokenizer), ``value_share`` (value questions: retrieval rows); what each did
 is measured in docs/demo-training.md.
 
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
@@ -42,7 +43,7 @@ from worker.model.demo import DemoArch
 from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
-from worker.training.corpus import decision_case, generation_case
+from worker.training.corpus import decision_case, generation_case, value_case
 from worker.training.rows import Row, decision_rows, generation_row
 from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, write_shaped_demo
 from worker.training.tokenizer import train_tokenizer
@@ -85,6 +86,12 @@ class TrainConfig:
     # the corpus with section headings that questions repeat (``corpus.decision_case``), the
     # tokenizer learned on it; a checkpoint trained so is evaluated on headed cases too
     headings: bool | None = None
+    # the corpus tokenizer's size (None: 512); the BPE stops where the corpus has no more merges
+    # (2048 asked gives 882 ids: whole words, every country and day count one token, rows ~25% shorter)
+    vocab: int | None = None
+    # share of the decision rows that ask a value question about the contract instead
+    # (``corpus.value_case``: "Which law governs?"), the retrieval the comparisons are built on
+    value_share: float | None = None
 
 
 def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> list[Row]:
@@ -94,6 +101,10 @@ def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> 
     for i in range(config.batch):
         index = step * config.batch + i
         if rng.random() < config.decision_share:
+            if config.value_share is not None and rng.random() < config.value_share:  # draws only when set
+                value = value_case("train", config.seed, index, rng.random(), bool(config.headings))
+                rows.append(decision_rows(value, "independent", tokenizer, block)[0])
+                continue
             case = decision_case("train", config.seed, index, config.groups, bool(config.headings))
             if config.easy_steps is not None and step < config.easy_steps:
                 # first a group's first question, asked alone (one hop: question -> clause)
@@ -331,7 +342,8 @@ def train_demo(
             write_manifest(folder)
         else:  # the tiny demo's random start, or a wider / deeper one (the tiny demo when unset)
             write_shaped_demo(folder, seed=config.seed, arch=config.arch,
-                              tokenizer=train_tokenizer(config.seed, headings=bool(config.headings)),
+                              tokenizer=train_tokenizer(config.seed, total_vocab=config.vocab or 512,
+                                                        headings=bool(config.headings)),
                               hidden=config.hidden or TINY_HIDDEN, layers=config.layers or TINY_LAYERS,
                               pattern=config.layer_pattern or "LA")  # fmt: skip
     lm = load_checkpoint(folder, dtype=torch.float32)
