@@ -88,26 +88,49 @@ def test_headings_add_a_shared_keyword_and_change_nothing_else() -> None:
 
 
 def test_a_value_question_asks_for_the_clause_value_among_every_value_the_corpus_writes() -> None:
-    """``value_case``: the case's own contract, asked the value of one of its groups' clauses; the
-    answer is among the choices, the same draw gives the same case, and a kind with no clause
-    (no cap, no renewal) answers "none"."""
+    """``value_case``: the case's own contract (headed too), asked the value of the group the draw
+    picks; the answer is among the choices and follows the facts, "none" where the contract has no
+    such clause or right; a one-question group breaks no rule."""
     from worker.training.corpus import _facts, decision_case, value_case
     from worker.training.questions import NONE, value_question
 
     kinds = set()
     for i in range(60):
-        case = decision_case("train", 0, i)
-        value = value_case("train", 0, i, 0.99)
-        assert value == value_case("train", 0, i, 0.99) and value.context == case.context
-        (group,) = value.groups
-        (question,) = group.questions
-        assert group.rule == "value" and group.kind == case.groups[-1].kind
-        assert question.answer in question.choices and len(set(question.choices)) == len(question.choices)
-        assert value.answers == (question.answer,)
-        kinds.add(group.kind)
+        for headings in (False, True):
+            case = decision_case("train", 0, i, headings=headings)
+            for draw, picked in ((0.0, 0), (0.99, -1)):
+                value = value_case("train", 0, i, draw, headings)
+                assert value == value_case("train", 0, i, draw, headings) and value.context == case.context
+                (group,) = value.groups
+                (question,) = group.questions
+                assert group.rule == "value" and group.kind == case.groups[picked].kind
+                assert question.answer in question.choices
+                assert len(set(question.choices)) == len(question.choices)
+                assert value.answers == (question.answer,)
+                assert question.text.startswith("Governing Law: ") == (headings and group.kind == "law")
+                kinds.add(group.kind)
     assert len(kinds) == 7
-    facts, _ = _facts("train", 0, 0, "decide")
-    assert value_question("law", facts).questions[0].answer == facts.law
-    capless = next(f for f in (_facts("train", 0, i, "decide")[0] for i in range(50)) if f.cap is None)
-    assert value_question("liability", capless).questions[0].answer == NONE
+    facts = [_facts("train", 0, i, "decide")[0] for i in range(200)]
+    ASSIGNEES = {"free": "anyone", "affiliates": "affiliates", "consent": "no one"}
+
+    def span(n: int | None) -> str:
+        return NONE if n is None else ("one year" if n == 1 else f"{n} years")
+
+    expected = {
+        "law": lambda f: f.law,
+        "payment": lambda f: str(f.payment_days),
+        "liability": lambda f: NONE if f.cap is None else f"EUR {f.cap:,}",
+        "termination": lambda f: NONE if f.notice_days is None else str(f.notice_days),
+        "renewal": lambda f: span(f.renewal_years),
+        "confidentiality": lambda f: span(f.survival_years),
+        "assignment": lambda f: ASSIGNEES[f.assignment],
+    }
+    answers: dict[str, set[str]] = {}
+    for f in facts:
+        for kind, want in expected.items():
+            got = value_question(kind, f).questions[0].answer
+            assert got == want(f), (kind, f)
+            answers.setdefault(kind, set()).add(got)
+    assert all(NONE in answers[k] for k in ("liability", "termination", "renewal", "confidentiality"))
+    assert answers["assignment"] == {"anyone", "affiliates", "no one"}
     assert not violates("value", YES, NO)

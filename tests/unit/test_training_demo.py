@@ -30,6 +30,10 @@ from worker.training.trainer import (
     train_demo,
 )
 
+# how each kind's value question opens (``worker.training.questions._value``)
+VALUE_ASKS = ("Which law", "How many days", "How long", "What is the liability cap", "Within how many",
+              "To whom")  # fmt: skip
+
 
 def test_decision_rows_are_the_planner_prompts_with_the_true_choices_in_the_slots() -> None:
     tokenizer = Tokenizer.from_dir(TRAINED_CLOVER_DEMO)
@@ -153,19 +157,39 @@ def test_the_bucketed_loss_is_the_one_pass_loss_and_easy_steps_ask_first_questio
             assert abs(float(split) - float(one)) < 1e-4, buckets
 
 
-def test_value_share_asks_value_questions_alone_and_leaves_the_first_recipe_unset() -> None:
-    """``value_share``: that share of the decision rows is a value question asked alone (one
-    slot, its choices the clause's values); unset, no row asks one."""
+def test_value_share_asks_value_questions_alone() -> None:
+    """``value_share``: that share of the decision rows is a value question asked alone (one slot,
+    its choices the clause's values)."""
     lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
-    asks = ("Which law", "How many days", "How long", "What is the liability cap", "Within how many",
-            "To whom")  # fmt: skip
-    unset = _batch(3, TrainConfig(batch=8, decision_share=1.0), lm.tokenizer, 4)
-    assert not any(a in lm.tokenizer.decode(list(r.ids)) for r in unset for a in asks)
-    everything = TrainConfig(batch=8, decision_share=1.0, value_share=1.0)
-    rows = _batch(3, everything, lm.tokenizer, 4)
+    rows = _batch(3, TrainConfig(batch=8, decision_share=1.0, value_share=1.0), lm.tokenizer, 4)
     assert all(len(r.units) == 1 for r in rows)
     texts = [lm.tokenizer.decode(list(r.ids)) for r in rows]
-    assert all(any(a in t for a in asks) for t in texts), texts
+    assert all(any(a in t for a in VALUE_ASKS) for t in texts), texts
+
+
+def test_unset_options_keep_the_first_recipe_s_batches_draw_for_draw() -> None:
+    """The rows of the first recipe and of the second round's options, steps 0-2, hashed: the
+    digest was computed at f8a914a, before ``vocab`` and ``value_share`` existed (with the random
+    demo's tokenizer, which no option changes). A new option that draws when unset changes it;
+    ``value_share=0`` must not draw either."""
+    import hashlib
+
+    from worker.model.demo_tokenizer import build_demo_tokenizer
+    from worker.training.tokenizer import wrap
+
+    tokenizer = wrap(build_demo_tokenizer(512))
+    for zero in (False, True):
+        digest = hashlib.sha256()
+        share = 0.0 if zero else None
+        configs = (
+            TrainConfig(batch=8, value_share=share),
+            TrainConfig(batch=8, decision_share=0.9, served_slots=True, groups=3, value_share=share),
+        )
+        for config in configs:
+            for step in range(3):
+                for row in _batch(step, config, tokenizer, 4):
+                    digest.update(repr((row.ids, row.predicted, row.units)).encode())
+        assert digest.hexdigest() == "5c43c2946cffd9489ac294593e62a6e5a296d53e056f77823fb069bd1b77c034", zero
 
 
 def test_a_shaped_demo_scales_the_widths_and_keeps_the_layer_pattern(tmp_path: Path) -> None:
@@ -209,6 +233,9 @@ def test_the_shipped_recipe_s_options_repeat_bit_for_bit(tmp_path: Path) -> None
     config = TrainConfig(steps=2, batch=3, served_slots=True, decision_share=0.9, decision_weight=3.0,
                          parallel_slots=0.5, buckets=2, layer_pattern="LAAA", vocab=2048,
                          value_share=0.5)  # fmt: skip
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    drawn = [lm.tokenizer.decode(list(r.ids)) for s in (0, 1) for r in _batch(s, config, lm.tokenizer, 4)]
+    assert any(a in t for t in drawn for a in VALUE_ASKS)  # the run trains a value question
     for name in ("a", "b"):
         train_demo(tmp_path / name, config)
     for name in (SINGLE_NAME, "tokenizer.json", "config.json", "training.json", "manifest.json"):

@@ -46,7 +46,8 @@ class DecisionTally:
             self.correct += right
             self.groups += 1
             self.groups_all_correct += right == len(truth)
-            if answers is not None and violates(group.rule, str(given[0]), str(given[1])):
+            tied = len(given) == 2  # a value question (one question) has no rule to break
+            if answers is not None and tied and violates(group.rule, str(given[0]), str(given[1])):
                 self.violations += 1
             kind = self.per_kind.setdefault(group.kind, [0, 0])
             kind[0] += right

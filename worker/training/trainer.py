@@ -101,7 +101,7 @@ def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> 
     for i in range(config.batch):
         index = step * config.batch + i
         if rng.random() < config.decision_share:
-            if config.value_share is not None and rng.random() < config.value_share:  # draws only when set
+            if config.value_share and rng.random() < config.value_share:  # draws only when set and > 0
                 value = value_case("train", config.seed, index, rng.random(), bool(config.headings))
                 rows.append(decision_rows(value, "independent", tokenizer, block)[0])
                 continue
@@ -331,6 +331,10 @@ def train_demo(
     the model, optimizer and schedule; the finished run writes the trained weights, a new
     manifest and ``training.json``, and removes ``resume.pt``.
     """
+    shaped = {"vocab": config.vocab, "hidden": config.hidden, "layers": config.layers,
+              "layer_pattern": config.layer_pattern}  # fmt: skip
+    if config.init_from is not None and any(v is not None for v in shaped.values()):
+        raise ValueError(f"init_from continues a trained demo's shape and tokenizer; drop {shaped}")
     torch.use_deterministic_algorithms(True)
     resume = folder / RESUME_FILE
     if not resume.is_file():
