@@ -109,19 +109,24 @@ def decision_case(
     tokenizer corpus's draw), or ``groups`` of them (training rows that ask more per contract).
     ``headings``: clauses carry section headings and questions repeat their clause's heading (the
     same draws, facts and answers; the phrasings of clause bodies stay split)."""
+    return _decision_case_and_facts(split, seed, index, groups, headings)[0]
+
+
+def _decision_case_and_facts(
+    split: Split, seed: int, index: int, groups: int | None, headings: bool
+) -> tuple[DecisionCase, ContractFacts]:
     facts, rng = _facts(split, seed, index, "decide")
     drawn = tuple(draw_groups(facts, rng, rng.choice((1, 2)) if groups is None else groups))
     required = tuple(GROUP_CLAUSES[g.kind] for g in drawn)
     text = render_contract(facts, rng, phrasings_of(split), required, headings)
-    return DecisionCase(context=text, groups=tuple(headed(g) for g in drawn) if headings else drawn)
+    return DecisionCase(context=text, groups=tuple(headed(g) for g in drawn) if headings else drawn), facts
 
 
 def value_case(split: Split, seed: int, index: int, kind_draw: float, headings: bool = False) -> DecisionCase:
     """Decision case ``index``'s contract asked the value question (``questions.value_question``)
     of one of its groups' kinds, the ``kind_draw`` (in [0, 1)) share along them: a retrieval row
     for training (``TrainConfig.value_share``)."""
-    case = decision_case(split, seed, index, headings=headings)
-    facts, _ = _facts(split, seed, index, "decide")  # the case's facts (the same draws)
+    case, facts = _decision_case_and_facts(split, seed, index, None, headings)
     group = case.groups[int(kind_draw * len(case.groups))]
     value = value_question(group.kind, facts)
     return DecisionCase(context=case.context, groups=(headed(value) if headings else value,))
