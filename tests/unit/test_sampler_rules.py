@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker.engine.types import FinishReason, GenerationRequest, SamplingParams
 from worker.sampler.commit import choose_commits, expand_to_groups, rank_by_confidence
+from worker.sampler.layout import build_layout
 from worker.sampler.schedule import plan_block_steps, step_quotas
 from worker.sampler.selection import RowSampling, filter_logits, select_tokens
+from worker.sampler.sequence import SequenceState
 
 
 def _params(r: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> RowSampling:
@@ -144,3 +147,33 @@ def test_groups_commit_as_a_unit() -> None:
     chosen = torch.tensor([[False, True, False, False]])
     groups = torch.tensor([[0, 0, -1, 1]])
     assert expand_to_groups(chosen, groups, 2).tolist() == [[True, True, False, False]]
+
+
+def _plain_state(prompt_len: int, new: int, eos: int = 99) -> SequenceState:
+    params = SamplingParams(max_new_tokens=new, steps_per_block=4, strategy="static")
+    request = GenerationRequest("r", list(range(1, prompt_len + 1)), params)
+    layout = build_layout(request, 4, 128, 4096)
+    return SequenceState.start(request, layout, block_size=4, mask_token_id=0, eos_token_ids=frozenset({eos}))
+
+
+def test_a_block_ends_once_its_output_is_settled_by_an_eos() -> None:
+    """An EOS with every output position before it committed ends the request at that pass:
+    the masks after it cannot change the output (fewer passes, the same tokens)."""
+    state = _plain_state(prompt_len=4, new=8)  # region: blocks 1 and 2, four masks each
+    state.apply_pass([7, 8, 9, 10], [True, False, False, False])  # block 1: one token per pass
+    state.apply_pass([7, 8, 9, 10], [False, True, False, False])
+    state.apply_pass([7, 8, 9, 10], [False, False, True, False])
+    state.apply_pass([7, 8, 9, 10], [False, False, False, True])
+    assert not state.finished and state.block_index == 2
+    state.apply_pass([5, 99, 6, 6], [False, True, False, False])  # an EOS, a mask before it
+    assert not state.finished
+    state.apply_pass([5, 99, 6, 6], [True, False, False, False])  # settled: two masks left after it
+    assert state.finished and state.finish_reason is FinishReason.EOS
+    assert state.output_ids() == [7, 8, 9, 10, 5] and state.steps_used == 6 and state.blocks_done == 2
+
+
+def test_an_eos_after_a_mask_does_not_end_early() -> None:
+    state = _plain_state(prompt_len=4, new=4)
+    state.apply_pass([5, 6, 99, 6], [False, False, True, False])  # EOS with two masks before it
+    state.apply_pass([5, 6, 99, 6], [True, False, False, False])
+    assert not state.finished and state.steps_used == 2

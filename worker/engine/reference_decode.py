@@ -32,7 +32,8 @@ The rules, in the order the loop applies them:
    committed is done (its remaining quotas are skipped).
 5. After a block, generation stops if an EOS token was committed in the output so far (``eos``),
    or when the region is done (``length``). The output is cut to ``max_new_tokens`` and before
-   its first EOS.
+   its first EOS. A block whose output positions up to a committed EOS are all committed ends
+   with that pass: the passes that would fill the masks after the EOS cannot change the output.
 
 The random draws match the engine's exactly: one ``torch.Generator`` seeded with the request's
 seed, and ``torch.rand(B)`` per pass (one uniform per block position, prompt positions included),
@@ -196,6 +197,8 @@ def reference_decode(
             for p in commits:
                 seq[p] = chosen[p]
             steps_used += 1
+            if _settled(seq[max(lo, start) : min(hi, start + new)], mask_token_id, eos_token_ids):
+                break  # Rule 5: the output ends at this EOS whatever the other masks become
         blocks += 1
         # Rule 5: stop after the block holding an EOS (within the output), or at the region's end.
         if any(t in eos_token_ids for t in seq[start : min(hi, start + new)]):
@@ -208,3 +211,13 @@ def reference_decode(
             break
         out.append(t)
     return ReferenceResult(out, steps_used, blocks, finish)
+
+
+def _settled(block: Sequence[int], mask_token_id: int, eos_token_ids: Collection[int]) -> bool:
+    """Rule 5's early end: an EOS with no mask before it in the block's output positions."""
+    for t in block:
+        if t == mask_token_id:
+            return False
+        if t in eos_token_ids:
+            return True
+    return False

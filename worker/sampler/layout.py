@@ -53,7 +53,7 @@ class RegionLayout:
     allowed_ids: tuple[torch.Tensor | None, ...]  # [region_len] per position: [V] bool mask or None
     sequence_slots: tuple[SequenceSlot, ...]
     slot_of_position: tuple[int, ...]  # [region_len] index into sequence_slots, -1 if none
-    stop_at_eos: bool  # plain requests stop after the block with an EOS; templates never do
+    stop_at_eos: bool  # plain requests stop at a settled EOS (its block); templates never do
     unrestricted_slots: tuple[int, ...]  # template slot indexes decoded as plain masks
     pad_tail_slots: tuple[PadTailSlot, ...] = ()
 

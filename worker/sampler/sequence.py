@@ -341,7 +341,7 @@ class SequenceState:
             self._record_groups(offsets, group_choices)
         forced = self._enforce_pad_tails() if self.layout.pad_tail_slots and offsets else 0
         self.block_masks_left[self.block_index - self.first_block] -= len(offsets) + forced
-        if self.block_masks_left[self.block_index - self.first_block] > 0:
+        if self.block_masks_left[self.block_index - self.first_block] > 0 and not self._output_settled():
             if self.step_in_block >= len(self.quotas):
                 raise RuntimeError("schedule exhausted with masks left (commit rule broke its quota)")
             return False
@@ -350,6 +350,21 @@ class SequenceState:
         if not self.finished:
             self._begin_block()
         return True
+
+    def _output_settled(self) -> bool:
+        """A plain request whose current block holds a committed EOS with every position before
+        it committed: ``output_ids`` ends there whatever the block's other masks become, so the
+        block (and the request) is done without the passes that would only fill the positions
+        after the EOS. Earlier blocks are whole and hold no EOS (the request would have ended)."""
+        if not self.layout.stop_at_eos:
+            return False
+        r0 = self.layout.region_start
+        for j in range(max(self.block_start - r0, 0), min(self.block_end - r0, self.layout.output_len)):
+            if not self.committed[j]:
+                return False
+            if self.tokens[r0 + j] in self.eos_token_ids:
+                return True
+        return False
 
     def _record_groups(self, offsets: list[int], group_choices: Sequence[tuple[int, float]]) -> None:
         """Decide each restricted slot committed this pass: its choice, its probability among
