@@ -11,7 +11,9 @@ question (first or second of its group, choices yes/no or yes/no/n.a.) shows a c
 and the majority-class baseline (always the commonest true answer of that question type) is
 printed next to it.
 
-``--generation N`` also decodes N generation cases (thinking as the case says, 48 new tokens)
+``--extraction N`` also runs N extraction cases per split as ``worker.extract_job`` runs them (the
+extract prompt, the schema's canvas, the value read back): field accuracy, every field right,
+schema-valid. ``--generation N`` also decodes N generation cases (thinking as the case says, 48 new tokens)
 with one token per pass and with ``dynamic`` at 0.9: tokens per pass and the exact-line score.
 Run it niced with one torch thread on the shared machine.
 """
@@ -29,10 +31,12 @@ import torch
 from worker.decisions import DecisionSpec, run_decision
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import GenerationRequest, SamplingParams
+from worker.extract_job import render_extract_prompt
 from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
-from worker.training.corpus import decision_cases, generation_cases
-from worker.training.evaluation import DecisionTally, GenerationTally
+from worker.structured.job import read_structured, structured_request
+from worker.training.corpus import decision_cases, extraction_cases, generation_cases
+from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally
 from worker.training.rows import MODES, generation_prompt
 
 
@@ -77,6 +81,20 @@ def decision_report(
     return report
 
 
+def extraction_report(
+    engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int, headings: bool = False
+) -> dict[str, object]:
+    cases = extraction_cases(split, seed, count, headings=headings)  # type: ignore[arg-type]
+    tally = ExtractionTally()
+    for i, case in enumerate(cases):
+        prompt = render_extract_prompt(tokenizer, case.context, case.schema)
+        request = GenerationRequest(f"x{i}", prompt, SamplingParams(max_new_tokens=1))
+        request, canvas = structured_request(request, case.schema, tokenizer)
+        result = engine.submit(request).result()
+        tally.add(case, read_structured(canvas, result, tokenizer).value)
+    return tally.as_dict()
+
+
 def generation_report(
     engine: Engine, tokenizer: Tokenizer, seed: int, count: int, headings: bool = False
 ) -> dict[str, object]:
@@ -110,6 +128,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=60)
     parser.add_argument("--splits", default="eval", help="comma-separated: eval, heldout")
     parser.add_argument("--generation", type=int, default=0)
+    parser.add_argument("--extraction", type=int, default=0, help="extraction cases per split")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--headings", action="store_true",
                         help="the headed corpus (a checkpoint trained with headings)")  # fmt: skip
@@ -131,6 +150,10 @@ def main() -> None:
     try:
         for split in args.splits.split(","):
             report[split] = decision_report(engine, lm.tokenizer, split, args.seed, args.count, args.headings)
+            if args.extraction:
+                report[f"extraction/{split}"] = extraction_report(
+                    engine, lm.tokenizer, split, args.seed, args.extraction, args.headings
+                )
         if args.generation:
             report["generation"] = generation_report(
                 engine, lm.tokenizer, args.seed, args.generation, args.headings

@@ -1,4 +1,4 @@
-"""``cloverq model eval --suite decisions|generation``: the trained demo's quality, through jobs.
+"""``cloverq model eval --suite decisions|generation|extraction``: the demo's quality, through jobs.
 
 Every case of the suite (``worker.training.corpus``, an evaluation split: contracts whose facts no
 training contract has) is submitted as a real job to the running service (the Python client,
@@ -11,10 +11,12 @@ training contract has) is submitted as a real job to the running service (the Py
 - ``generation``: each case as a ``generate`` job (chat messages, thinking as the case says),
   decoded with one token per pass (``static``, steps = block size), then ``static`` with fewer
   steps and ``dynamic`` at thresholds 0.5 to 0.99: tokens per pass and the exact-line score.
+- ``extraction``: each case as an ``extract`` job (a contract and a schema of two or three of its
+  facts, ``worker.training.extraction``), on both splits: field accuracy, cases with every field
+  right, values valid against the schema (judged by ``jsonschema``), failed jobs.
 
 ``--version V``: only jobs that ran on V count; a job a canary routed elsewhere at submit is
-cancelled and submitted again (a canary pins each job by the hash of its id). An ``extraction``
-suite needs the ``extract`` job kind, which this build does not have.
+cancelled and submitted again (a canary pins each job by the hash of its id).
 """
 
 from __future__ import annotations
@@ -30,19 +32,35 @@ from rich.table import Table
 
 from cli.api_client import api_client
 from client import Client, Job
-from worker.training.corpus import DecisionCase, GenerationCase, Split, decision_cases, generation_cases
-from worker.training.evaluation import DecisionTally, GenerationTally
+from worker.training.corpus import (
+    DecisionCase,
+    GenerationCase,
+    Split,
+    decision_cases,
+    extraction_cases,
+    generation_cases,
+)
+from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally
+from worker.training.extraction import ExtractionCase
 from worker.training.rows import MODES
 
 EVAL_SEED = 1  # any seed gives evaluation contracts (the split is by facts); this is the reported one
 REROUTE_TRIES = 50
-GENERATION_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("static, 1 token/pass", {"strategy": "static", "steps_per_block": 4}),
-    ("static, 2 steps/block", {"strategy": "static", "steps_per_block": 2}),
-    ("static, 1 step/block", {"strategy": "static", "steps_per_block": 1}),
-    *((f"dynamic {t:g}", {"strategy": "dynamic", "threshold": t, "steps_per_block": 4})
-      for t in (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)),
-)  # fmt: skip
+DEMO_BLOCK = 4  # the shipped demo's block size (``--block-size`` for a checkpoint trained otherwise)
+
+
+def generation_configs(block: int) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The generation suite's decodings for a model with blocks of ``block`` tokens."""
+    fixed = {"block_size": block}
+    return (
+        ("static, 1 token/pass", {**fixed, "strategy": "static", "steps_per_block": block}),
+        ("static, 2 steps/block", {**fixed, "strategy": "static", "steps_per_block": 2}),
+        ("static, 1 step/block", {**fixed, "strategy": "static", "steps_per_block": 1}),
+        *((f"dynamic {t:g}", {**fixed, "strategy": "dynamic", "threshold": t, "steps_per_block": block})
+          for t in (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)),
+    )  # fmt: skip
+
+
 GENERATION_TOKENS = 48
 
 _console = Console()
@@ -89,6 +107,39 @@ def evaluate_decisions(cq: Client, cases: list[DecisionCase], version: str | Non
     return tallies
 
 
+def evaluate_extraction(
+    cq: Client, cases: list[ExtractionCase], version: str | None, timeout: float
+) -> ExtractionTally:
+    tally = ExtractionTally()
+    jobs = run_jobs(cq, [{"kind": "extract", "input": c.job_input()} for c in cases], version, timeout)
+    for case, job in zip(cases, jobs, strict=True):
+        ok = job is not None and job.status == "succeeded" and job.result is not None
+        result = job.result if ok and job is not None else None
+        attempts = int(((result.usage if result else None) or {}).get("attempts", 1))
+        tally.add(case, result.data if result is not None else None, attempts - 1)
+    return tally
+
+
+def _extraction_table(tallies: dict[str, ExtractionTally]) -> Table:
+    table = Table(title="extraction (extract jobs)")
+    table.add_column("")
+    for split in tallies:
+        table.add_column(f"{split} split", justify="right")
+    summaries = [t.as_dict() for t in tallies.values()]
+    rows = (
+        ("jobs", "jobs"),
+        ("field accuracy", "field_accuracy"),
+        ("every field right", "all_fields_correct"),
+        ("schema-valid", "schema_valid"),
+        ("invalid-output retries", "invalid_output_retries"),
+        ("failed jobs", "failed_jobs"),
+    )
+    for label, key in rows:
+        cells = (_percent(d[key]) if isinstance(d[key], float) else str(d[key]) for d in summaries)
+        table.add_row(label, *cells)
+    return table
+
+
 def generation_body(case: GenerationCase, params: dict[str, Any]) -> dict[str, Any]:
     return {
         "kind": "generate",
@@ -97,10 +148,10 @@ def generation_body(case: GenerationCase, params: dict[str, Any]) -> dict[str, A
     }
 
 
-def evaluate_generation(cq: Client, cases: list[GenerationCase], version: str | None, timeout: float
-                        ) -> dict[str, GenerationTally]:  # fmt: skip
+def evaluate_generation(cq: Client, cases: list[GenerationCase], version: str | None, timeout: float,
+                        block: int = DEMO_BLOCK) -> dict[str, GenerationTally]:  # fmt: skip
     tallies = {}
-    for label, params in GENERATION_CONFIGS:
+    for label, params in generation_configs(block):
         tally = GenerationTally()
         jobs = run_jobs(cq, [generation_body(c, params) for c in cases], version, timeout)
         for case, job in zip(cases, jobs, strict=True):
@@ -139,18 +190,17 @@ def _decision_table(split: str, tallies: dict[str, DecisionTally]) -> Table:
 @click.command("eval")
 @click.option("--suite", type=click.Choice(["decisions", "generation", "extraction"]), required=True)
 @click.option("--seed", type=int, default=EVAL_SEED, show_default=True, help="Seed of the evaluation cases.")
-@click.option("--count", type=int, default=None, help="Cases per split [decisions: 60, generation: 30].")
+@click.option("--count", type=int, default=None,
+              help="Cases per split [decisions: 60, generation: 30, extraction: 60].")  # fmt: skip
 @click.option("--version", default=None, help="Count only jobs that ran on this model version.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the JSON report here.")  # fmt: skip
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait per job.")
+@click.option("--block-size", type=click.IntRange(min=1), default=DEMO_BLOCK, show_default=True,
+              help="generation: the model's block size (the steps of each decoding follow it).")  # fmt: skip
 def eval_command(suite: str, seed: int, count: int | None, version: str | None, report_path: Path | None,
-                 timeout: float) -> None:  # fmt: skip
+                 timeout: float, block_size: int) -> None:  # fmt: skip
     """Run an evaluation suite as jobs on the running service and print the scores."""
-    if suite == "extraction":
-        raise click.ClickException(
-            "the extraction suite needs the 'extract' job kind, which this build lacks"
-        )
     report: dict[str, Any] = {"suite": suite, "seed": seed, "version": version}
     with api_client() as cq:
         if suite == "decisions":
@@ -159,8 +209,16 @@ def eval_command(suite: str, seed: int, count: int | None, version: str | None, 
                 tallies = evaluate_decisions(cq, decision_cases(split, seed, count or 60), version, timeout)
                 report[split] = {mode: t.as_dict() for mode, t in tallies.items()}
                 _console.print(_decision_table(split, tallies))
+        elif suite == "extraction":
+            extraction = {
+                split: evaluate_extraction(cq, extraction_cases(split, seed, count or 60), version, timeout)
+                for split in ("eval", "heldout")
+            }
+            report |= {split: t.as_dict() for split, t in extraction.items()}
+            _console.print(_extraction_table(extraction))
         else:
-            gen = evaluate_generation(cq, generation_cases("eval", seed, count or 30), version, timeout)
+            cases = generation_cases("eval", seed, count or 30)
+            gen = evaluate_generation(cq, cases, version, timeout, block_size)
             report["configs"] = {label: t.as_dict() for label, t in gen.items()}
             table = Table(title="generation, eval split (exact one-line score)")
             for column in ("decoding", "tokens/pass", "score", "failed jobs"):

@@ -69,6 +69,11 @@ from cli.model import guarded, model_group
 @click.option("--value-share", type=float, default=None,
               help="Share of decision rows asking a value question instead (\"Which law "
                    "governs?\").")  # fmt: skip
+@click.option("--extract-share", type=float, default=None,
+              help="Share of decision rows that are extraction rows instead (an extract job's "
+                   "schema canvas).")  # fmt: skip
+@click.option("--block-size", type=int, default=None,
+              help="Block size of the random start (default the demo's 4).")  # fmt: skip
 @guarded
 def train_demo_command(
     init_from: str | None,
@@ -85,6 +90,8 @@ def train_demo_command(
     headings: bool,
     vocab: int | None,
     value_share: float | None,
+    extract_share: float | None,
+    block_size: int | None,
     directory: Path,
     arch: str,
     steps: int,
@@ -100,7 +107,8 @@ def train_demo_command(
 
     from worker.training.trainer import RESUME_FILE, TrainConfig, train_demo
 
-    shaped = {"--vocab": vocab, "--hidden": hidden, "--layers": layers, "--layer-pattern": layer_pattern}
+    shaped = {"--vocab": vocab, "--hidden": hidden, "--layers": layers, "--layer-pattern": layer_pattern,
+              "--block-size": block_size}
     if init_from is not None and any(v is not None for v in shaped.values()):
         given = ", ".join(k for k, v in shaped.items() if v is not None)
         raise click.UsageError(f"--init-from continues that demo's shape and tokenizer; drop {given}")
@@ -110,7 +118,8 @@ def train_demo_command(
                          served_slots=served_slots or None, decision_weight=decision_weight,
                          parallel_slots=parallel_slots, groups=groups, easy_steps=easy_steps, buckets=buckets,
                          hidden=hidden, layers=layers, layer_pattern=layer_pattern,
-                         headings=headings or None, vocab=vocab, value_share=value_share)  # fmt: skip
+                         headings=headings or None, vocab=vocab, value_share=value_share,
+                         block_size=block_size, extract_share=extract_share)  # fmt: skip
     if (directory / RESUME_FILE).is_file():
         click.echo(f"resuming from {directory / RESUME_FILE}", err=True)
     columns = (TextColumn("[bold]train-demo"), BarColumn(), MofNCompleteColumn(),

@@ -9,6 +9,8 @@ are the ones of ``response_schema`` (``worker/structured_job.py``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from scheduler.jobs.extract_prompt import extract_messages
 from scheduler.jobs.retry import InputJobError
 from worker.engine.types import GenerationRequest
@@ -23,11 +25,17 @@ def extract_prompt_ids(job: JobSpec, tokenizer: ChatTokenizer) -> list[int]:
         raise InputJobError("input.context must be a non-empty document")
     if instructions is not None and not isinstance(instructions, str):
         raise InputJobError("input.instructions must be text")
-    messages = extract_messages(context, job.input.get("schema"), instructions)
     try:
-        text = tokenizer.render_chat(messages, enable_thinking=False)
+        return render_extract_prompt(tokenizer, context, job.input.get("schema"), instructions)
     except Exception as exc:  # a template error is the caller's input problem, not a fault
         raise InputJobError(f"the extract prompt cannot be rendered: {exc}") from exc
+
+
+def render_extract_prompt(
+    tokenizer: ChatTokenizer, context: str, schema: Any, instructions: str | None = None
+) -> list[int]:
+    """The prompt's token ids for valid input (also the demo's training rows, so they match)."""
+    text = tokenizer.render_chat(extract_messages(context, schema, instructions), enable_thinking=False)
     return tokenizer.encode(text)
 
 

@@ -171,7 +171,7 @@ def test_unset_options_keep_the_first_recipe_s_batches_draw_for_draw() -> None:
     """The rows of the first recipe and of the second round's options, steps 0-2, hashed: the
     digest was computed at f8a914a, before ``vocab`` and ``value_share`` existed (with the random
     demo's tokenizer, which no option changes). A new option that draws when unset changes it;
-    ``value_share=0`` must not draw either."""
+    ``value_share=0`` and ``extract_share=0`` must not draw either."""
     import hashlib
 
     from worker.model.demo_tokenizer import build_demo_tokenizer
@@ -182,8 +182,9 @@ def test_unset_options_keep_the_first_recipe_s_batches_draw_for_draw() -> None:
         digest = hashlib.sha256()
         share = 0.0 if zero else None
         configs = (
-            TrainConfig(batch=8, value_share=share),
-            TrainConfig(batch=8, decision_share=0.9, served_slots=True, groups=3, value_share=share),
+            TrainConfig(batch=8, value_share=share, extract_share=share),
+            TrainConfig(batch=8, decision_share=0.9, served_slots=True, groups=3, value_share=share,
+                        extract_share=share),
         )
         for config in configs:
             for step in range(3):
@@ -201,6 +202,11 @@ def test_a_shaped_demo_scales_the_widths_and_keeps_the_layer_pattern(tmp_path: P
     lm = load_checkpoint(tmp_path / "d", dtype=torch.float32)
     assert lm.config.num_hidden_layers == 6 and lm.config.hidden_size == 64
     assert lm.config.layer_types == ("linear_attention", "full_attention") * 3
+    write_shaped_demo(tmp_path / "b", seed=0, arch="clover", tokenizer=build_demo_tokenizer(512), hidden=64,
+                      layers=4, block_size=8)  # fmt: skip
+    wide = load_checkpoint(tmp_path / "b", dtype=torch.float32)
+    assert wide.config.block_size == 8 and lm.config.block_size == 4  # only the block changed
+    assert wide.config.layer_types == lm.config.layer_types[:4] and wide.config.hidden_size == 64
 
 
 def test_a_short_run_repeats_bit_for_bit_and_resumes_to_the_same_bytes(tmp_path: Path) -> None:
@@ -230,7 +236,7 @@ def test_the_shipped_recipe_s_options_repeat_bit_for_bit(tmp_path: Path) -> None
     """The shipped checkpoint's options (value questions, the larger tokenizer, a GDN layer then
     attention, buckets, served and parallel slots) keep a run deterministic: twice, the same bytes."""
     torch.set_num_threads(1)
-    config = TrainConfig(steps=2, batch=3, served_slots=True, decision_share=0.9, decision_weight=3.0,
+    config = TrainConfig(steps=2, batch=3, served_slots=True, decision_share=0.75, decision_weight=3.0,
                          parallel_slots=0.5, buckets=2, layer_pattern="LAAA", vocab=2048,
                          value_share=0.5)  # fmt: skip
     lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
@@ -263,3 +269,13 @@ def test_a_layer_pattern_sets_the_clover_layer_types() -> None:
     assert layer_types("LAA", 6) == ("linear_attention", "full_attention", "full_attention") * 2
     with pytest.raises(ValueError):
         layer_types("LA", 5)
+
+
+@pytest.mark.parametrize("shape", [{"vocab": 2048}, {"layers": 8}, {"block_size": 8}])
+def test_a_further_stage_refuses_options_that_reshape_it(tmp_path: Path, shape: dict[str, int]) -> None:
+    """``init_from`` continues a trained demo's weights and tokenizer: a shape option would be
+    silently ignored, so it is refused before anything is written."""
+    config = TrainConfig(steps=1, init_from=str(TRAINED_CLOVER_DEMO), **shape)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="init_from continues"):
+        train_demo(tmp_path / "stage", config)
+    assert not (tmp_path / "stage").exists()

@@ -37,3 +37,14 @@ def test_decision_tally_counts_accuracy_groups_and_violations() -> None:
     gt = GenerationTally()
     gt.add(gen, gen.answer + "\n", tokens=8, passes=4)
     assert gt.as_dict()["score"] == 1.0 and gt.as_dict()["tokens_per_pass"] == 2.0
+
+
+def test_the_generation_suite_s_decodings_follow_the_model_s_block() -> None:
+    from cli.model_eval import generation_configs
+
+    for block in (4, 8):
+        configs = dict(generation_configs(block))
+        assert all(p["block_size"] == block for p in configs.values())
+        assert configs["static, 1 token/pass"]["steps_per_block"] == block
+        assert configs["dynamic 0.9"] == {"block_size": block, "strategy": "dynamic", "threshold": 0.9,
+                                          "steps_per_block": block}  # fmt: skip

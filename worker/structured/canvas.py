@@ -223,6 +223,27 @@ class Canvas:
         value = self.root.read(reader, "")
         return ReadResult(value, json.dumps(value, ensure_ascii=False), reader.confidence)
 
+    def choice_fills(self, value: Any) -> list[tuple[int, tuple[int, ...]]]:
+        """The inverse of ``read`` for a canvas of choices: ``(slot index, tokens)`` per slot such
+        that the decoded canvas reads back as ``value`` (training rows of the demo). Only a choice,
+        or an object whose members are all required choices or constants, has one; anything else
+        raises ``ValueError``."""
+        members = self.root.members if isinstance(self.root, _Object) else [("", self.root, None)]
+        fills = []
+        for name, node, gate in members:
+            if isinstance(node, _Const) and gate is None:
+                continue
+            if not isinstance(node, _Choice) or gate is not None:
+                raise ValueError("only a canvas of required choices has fills")
+            wanted = value[name] if isinstance(self.root, _Object) else value
+            matches = [i for i, v in enumerate(node.values) if v == wanted and type(v) is type(wanted)]
+            if not matches:
+                raise ValueError(f"{wanted!r} is not a value of {name or 'the choice'}")
+            sequences = self.template.slots[node.slot].allowed_sequences
+            assert sequences is not None  # a choice slot always lists its sequences
+            fills.append((node.slot, sequences[matches[0]]))
+        return fills
+
 
 class _Builder:
     """Appends fixed text and slots; one per canvas."""

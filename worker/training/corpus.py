@@ -15,7 +15,8 @@ deterministically), so a case depends only on (split, seed, index).
 A ``DecisionCase`` is one contract and one or two ``QuestionGroup``s, asked as a ``decide`` job
 asks them (``spec(mode)``); a ``GenerationCase`` is a chat whose target is a one-line answer or
 a one-line clause summary, with thinking off or on (then the target starts with the reasoning in
-a think block, as a thinking model writes it).
+a think block, as a thinking model writes it); an ``ExtractionCase`` is a contract and a schema of
+some of its facts (``worker.training.extraction``), asked as an ``extract`` job asks.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from worker.training.contracts import (
     render_contract,
     years,
 )
+from worker.training.extraction import FIELDS as EXTRACT_FIELDS
+from worker.training.extraction import ExtractionCase, clauses_of, draw_kinds, field_value
 from worker.training.questions import QuestionGroup, draw_groups, value_question
 
 GROUP_CLAUSES = {  # the clause a question group is about
@@ -136,6 +139,22 @@ def decision_cases(
     split: Split, seed: int, count: int, start: int = 0, headings: bool = False
 ) -> list[DecisionCase]:
     return [decision_case(split, seed, i, headings=headings) for i in range(start, start + count)]
+
+
+def extraction_case(split: Split, seed: int, index: int, headings: bool = False) -> ExtractionCase:
+    """Extraction case ``index`` of ``split``: a contract and two or three of its facts as the
+    fields of a schema (``worker.training.extraction``), drawn from their own stream ("extract")."""
+    facts, rng = _facts(split, seed, index, "extract")
+    kinds = draw_kinds(rng)
+    text = render_contract(facts, rng, phrasings_of(split), clauses_of(kinds), headings)
+    answer = {EXTRACT_FIELDS[k].name: field_value(k, facts) for k in kinds}
+    return ExtractionCase(context=text, kinds=kinds, answer=answer)
+
+
+def extraction_cases(
+    split: Split, seed: int, count: int, start: int = 0, headings: bool = False
+) -> list[ExtractionCase]:
+    return [extraction_case(split, seed, i, headings) for i in range(start, start + count)]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@
 case is scored per question (accuracy), per group (all its questions right) and for consistency
 (a group whose answers break its rule, ``worker.training.questions.violates``, whatever the
 truth). A generation case is right when its one line equals the expected one (whitespace
-trimmed); the tokens per pass are the job's completion tokens over its denoising passes.
+trimmed); the tokens per pass are the job's completion tokens over its denoising passes. An
+extraction case is scored per field (the value equals the truth, ``null`` included) and per case
+(every field right), and its value is judged against the case's schema by ``jsonschema``, an
+implementation independent of the canvas that built it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import jsonschema
+
 from worker.training.corpus import DecisionCase, GenerationCase
+from worker.training.extraction import ExtractionCase
 from worker.training.questions import violates
 
 
@@ -93,6 +99,53 @@ class GenerationTally:
             "tokens": self.tokens,
             "passes": self.passes,
         }
+
+
+@dataclass
+class ExtractionTally:
+    jobs: int = 0
+    failed_jobs: int = 0  # jobs that ended without a value (their fields count as wrong)
+    schema_valid: int = 0
+    fields: int = 0
+    correct: int = 0
+    all_correct: int = 0
+    invalid_output_retries: int = 0
+    per_field: dict[str, list[int]] = field(default_factory=dict)  # field name -> [correct, asked]
+
+    def add(self, case: ExtractionCase, value: object | None, retries: int = 0) -> None:
+        """Score one job's value (``None``: the job failed) for ``case``."""
+        self.jobs += 1
+        self.invalid_output_retries += retries
+        if value is None:
+            self.failed_jobs += 1
+        else:
+            self.schema_valid += jsonschema.Draft202012Validator(case.schema).is_valid(value)
+        right = 0
+        for name, truth in case.answer.items():
+            given = value.get(name, _MISSING) if isinstance(value, dict) else _MISSING
+            ok = given == truth and type(given) is type(truth)  # 1 is not True, 0 is not None
+            right += ok
+            tally = self.per_field.setdefault(name, [0, 0])
+            tally[0] += ok
+            tally[1] += 1
+        self.fields += len(case.answer)
+        self.correct += right
+        self.all_correct += right == len(case.answer)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "jobs": self.jobs,
+            "failed_jobs": self.failed_jobs,
+            "schema_valid": _share(self.schema_valid, self.jobs - self.failed_jobs),
+            "fields": self.fields,
+            "field_accuracy": _share(self.correct, self.fields),
+            "all_fields_correct": _share(self.all_correct, self.jobs),
+            "invalid_output_retries": self.invalid_output_retries,
+            "accuracy_by_field": {k: _share(c, n) for k, (c, n) in sorted(self.per_field.items())},
+        }
+
+
+_MISSING = object()
 
 
 def _share(part: int, whole: int) -> float | None:

@@ -7,10 +7,12 @@ each a job body and one or more checks of its result:
 - ``equals``: the result field (``text``, or ``answers``: the choices in question order) equals
   ``expected``;
 - ``contains``: the ``text`` contains ``expected``;
-- ``in_choices``: every answer is one of its question's choices (a format check).
+- ``in_choices``: every answer is one of its question's choices (a format check);
+- ``schema_valid``: the result's ``data`` is valid against the job's schema (``jsonschema``, an
+  implementation independent of the canvas that decoded it).
 
 ``golden_inputs`` makes the default inputs from the corpus's evaluation split (greedy decisions
-in both modes, greedy generation with thinking off); ``record`` turns results into checks;
+in both modes, greedy generation with thinking off, extractions); ``record`` turns results into checks;
 ``differences`` lists how a result breaks its case's checks. Pure logic: ``cloverq model golden``
 runs the jobs.
 """
@@ -23,15 +25,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
-from worker.training.corpus import decision_cases, generation_cases
+from worker.training.corpus import decision_cases, extraction_cases, generation_cases
 
 GOLDEN_FILE = TRAINED_CLOVER_DEMO.parent / "clover-golden.json"
 GOLDEN_SEED = 7
 GOLDEN_TOKENS = 32
 
 
-def golden_inputs(decisions: int = 6, generations: int = 6) -> list[dict[str, Any]]:
+def golden_inputs(decisions: int = 6, generations: int = 6, extractions: int = 4) -> list[dict[str, Any]]:
     """``{"id", "body"}`` of the default golden cases (greedy: the same version gives the same output)."""
     cases: list[dict[str, Any]] = []
     for i, case in enumerate(decision_cases("eval", GOLDEN_SEED, decisions)):
@@ -43,6 +47,9 @@ def golden_inputs(decisions: int = 6, generations: int = 6) -> list[dict[str, An
         body = {"kind": "generate", "input": {"messages": list(gen.messages)},
                 "params": {"max_new_tokens": GOLDEN_TOKENS, "thinking": False}}  # fmt: skip
         cases.append({"id": f"generate-{i}", "body": body})
+    for i, extraction in enumerate(extraction_cases("eval", GOLDEN_SEED, extractions)):
+        body = {"kind": "extract", "input": extraction.job_input(), "params": {}}
+        cases.append({"id": f"extract-{i}", "body": body})
     return cases
 
 
@@ -58,6 +65,9 @@ def record(case: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]
             {"type": "in_choices"},
             {"type": "equals", "field": "answers", "expected": _answers(result)},
         ]
+    elif case["body"]["kind"] == "extract":
+        checks = [{"type": "schema_valid"},
+                  {"type": "equals", "field": "data", "expected": result.get("data")}]  # fmt: skip
     else:
         line = str(result.get("text", "")).strip().split("\n")[0][:24]
         checks = [{"type": "tokens", "expected": list(result.get("token_ids") or [])},
@@ -94,6 +104,10 @@ def differences(case: Mapping[str, Any], result: Mapping[str, Any] | None) -> li
                 a not in (q.get("choices") or ["yes", "no"]) for a, q in zip(given, questions, strict=False)
             ):
                 problems.append("an answer is not one of its question's choices")
+        elif kind == "schema_valid":
+            schema = case["body"]["input"]["schema"]
+            if not jsonschema.Draft202012Validator(schema).is_valid(result.get("data")):
+                problems.append("data is not valid against the schema")
         else:
             problems.append(f"unknown check {kind!r}")
     return problems
@@ -106,4 +120,6 @@ def load_golden(path: Path) -> tuple[list[dict[str, Any]], str]:
 
 
 def write_golden(path: Path, cases: list[dict[str, Any]]) -> None:
-    path.write_text(json.dumps({"cases": cases}, indent=1, sort_keys=True) + "\n")
+    """Keys in their order, not sorted: a schema's ``properties`` order is the order its canvas
+    lays the fields out (and the prompt lists them), so a sorted file would ask another job."""
+    path.write_text(json.dumps({"cases": cases}, indent=1) + "\n")

@@ -4,8 +4,9 @@ A decision row is what ``worker.decisions.planner.plan_decision`` submits (the s
 the same infill template) with the true choices written into the choice slots; only slot
 positions are predicted (the template's JSON is fixed in the engine, never decoded). A
 generation row is the chat template's prompt (``enable_thinking`` as the case says) then the
-target and ``<|im_end|>``; every position after the prompt is predicted. Rows are padded with
-EOS to a whole block, so a final partial block trains the model to stop.
+target and ``<|im_end|>``; every position after the prompt is predicted. An extraction row is an
+``extract`` job's prompt and its schema's canvas, the true values in the choice slots (predicted).
+Rows are padded with EOS to a whole block, so a final partial block trains the model to stop.
 
 A decision row also lists its choice slots (``units``: absolute start and length): the engine
 masks a slot whole and commits it as one unit (``worker.sampler.sequence``), and while a slot that
@@ -20,12 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
+from scheduler.jobs.schema_subset import parse_schema
 from worker.decisions.planner import plan_decision
 from worker.decisions.spec import DecisionMode
 from worker.decisions.templates import choice_sequences
-from worker.engine.types import SamplingParams
+from worker.engine.types import InfillTemplate, SamplingParams
+from worker.extract_job import render_extract_prompt
 from worker.model.tokenizer import Tokenizer
+from worker.structured.canvas import compile_canvas
 from worker.training.corpus import DecisionCase, GenerationCase
+from worker.training.extraction import ExtractionCase
 
 MODES: tuple[DecisionMode, ...] = get_args(DecisionMode)
 
@@ -42,6 +47,27 @@ def _padded(ids: list[int], predicted: list[bool], block: int, eos: int) -> Row:
     return Row(tuple(ids + [eos] * extra), tuple(predicted + [True] * extra))
 
 
+def _template_row(
+    prompt: list[int],
+    template: InfillTemplate,
+    fills: list[tuple[int, tuple[int, ...]]],
+    block: int,
+    eos: int,
+) -> Row:
+    """``prompt`` then ``template`` with each ``(slot index, tokens)`` of ``fills`` written into its
+    slot: only those positions predicted, each slot a unit."""
+    region = list(template.token_ids)
+    predicted = [False] * len(region)
+    units = []
+    for index, chosen in fills:
+        slot = template.slots[index]
+        region[slot.start : slot.start + slot.length] = chosen
+        predicted[slot.start : slot.start + slot.length] = [True] * slot.length
+        units.append((len(prompt) + slot.start, slot.length))
+    row = _padded(prompt + region, [False] * len(prompt) + predicted, block, eos)
+    return Row(row.ids, row.predicted, tuple(units))
+
+
 def decision_rows(case: DecisionCase, mode: DecisionMode, tokenizer: Tokenizer, block: int) -> list[Row]:
     """The rows of ``case`` asked in ``mode`` (one per question when independent)."""
     spec = case.spec(mode)
@@ -50,21 +76,26 @@ def decision_rows(case: DecisionCase, mode: DecisionMode, tokenizer: Tokenizer, 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_ids[0]
     rows = []
     for request, layout in zip(plan.requests, plan.templates, strict=True):
-        region = list(layout.template.token_ids)
-        predicted = [False] * len(region)
-        units = []
+        fills = []
         for answer in layout.answers:
             question = spec.questions[answer.question_index]
             sequences = choice_sequences(question, tokenizer, pad)  # type: ignore[arg-type]
-            chosen = sequences[question.choices.index(case.answers[answer.question_index])]
-            slot = layout.template.slots[answer.choice_slot]
-            region[slot.start : slot.start + slot.length] = chosen
-            predicted[slot.start : slot.start + slot.length] = [True] * slot.length
-            units.append((len(request.prompt_ids) + slot.start, slot.length))
-        prompt = list(request.prompt_ids)
-        row = _padded(prompt + region, [False] * len(prompt) + predicted, block, tokenizer.eos_token_ids[0])
-        rows.append(Row(row.ids, row.predicted, tuple(units)))
+            fills.append(
+                (answer.choice_slot, sequences[question.choices.index(case.answers[answer.question_index])])
+            )
+        rows.append(
+            _template_row(list(request.prompt_ids), layout.template, fills, block, tokenizer.eos_token_ids[0])
+        )
     return rows
+
+
+def extraction_row(case: ExtractionCase, tokenizer: Tokenizer, block: int) -> Row:
+    """The row of an ``extract`` job asking ``case``: its prompt (``worker.extract_job``) and the
+    schema's canvas (``worker.structured``) with the true value of each field in its choice slot."""
+    prompt = render_extract_prompt(tokenizer, case.context, case.schema)
+    canvas = compile_canvas(parse_schema(case.schema), tokenizer)
+    fills = canvas.choice_fills(case.answer)
+    return _template_row(prompt, canvas.template, fills, block, tokenizer.eos_token_ids[0])
 
 
 def generation_prompt(case: GenerationCase, tokenizer: Tokenizer) -> list[int]:

@@ -39,13 +39,19 @@ def layer_types(pattern: str, layers: int) -> tuple[str, ...]:
     return tuple(LAYER_CODES[c] for c in pattern * (layers // len(pattern)))
 
 
-def shaped_config(config: ModelConfig, hidden: int, layers: int, pattern: str = "LA") -> ModelConfig:
+def shaped_config(
+    config: ModelConfig, hidden: int, layers: int, pattern: str = "LA", block_size: int | None = None
+) -> ModelConfig:
     """``config`` (the tiny demo's) with ``hidden`` and ``layers``, the other widths scaled along;
-    a Clover's layers follow ``pattern`` (``layer_types``)."""
+    a Clover's layers follow ``pattern`` (``layer_types``); ``block_size`` when given."""
     if hidden % 16 or layers % len(pattern):
         raise ValueError(f"hidden must be a multiple of 16, layers of the pattern, not {hidden} / {layers}")
     head = hidden // config.num_attention_heads
     fields: dict[str, object] = {"hidden_size": hidden, "num_hidden_layers": layers, "head_dim": head}
+    if block_size is not None:
+        if block_size < 1:
+            raise ValueError(f"a block size is a positive number of tokens, not {block_size}")
+        fields["block_size"] = block_size
     if config.family == "clover":
         fields |= {"layer_types": layer_types(pattern, layers),
                    "linear_key_head_dim": head, "linear_value_head_dim": head}  # fmt: skip
@@ -65,14 +71,16 @@ def write_shaped_demo(
     hidden: int,
     layers: int,
     pattern: str = "LA",
+    block_size: int | None = None,
 ) -> None:
     """The random demo of ``seed`` in ``folder`` at ``hidden`` x ``layers`` (fp32 weights), a
-    Clover's layers after ``pattern`` (the tiny demo itself for 64 x 4 "LA")."""
+    Clover's layers after ``pattern``, blocks of ``block_size`` (None: the demo's); the tiny demo
+    itself for 64 x 4 "LA" and no block size."""
     write_demo_checkpoint(folder, seed=seed, size="tiny", arch=arch, tokenizer=tokenizer)
-    if (hidden, layers, pattern) == (TINY_HIDDEN, TINY_LAYERS, "LA"):
+    if (hidden, layers, pattern, block_size) == (TINY_HIDDEN, TINY_LAYERS, "LA", None):
         return
     hf = json.loads((folder / "config.json").read_text())
-    config = shaped_config(ModelConfig.from_hf_dict(hf), hidden, layers, pattern)
+    config = shaped_config(ModelConfig.from_hf_dict(hf), hidden, layers, pattern, block_size)
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
     never = [tokenizer.token_to_id(t) for t in (MASK, PAD, IM_START)]
     weights = random_weights(config, seed=seed, dtype=torch.float32, never_generated=never)  # type: ignore[arg-type]

@@ -12,7 +12,8 @@ Options left unset keep the first recipe's draws and loss (the shipped checkpoin
 ``groups`` (more answer targets per pass), ``easy_steps`` (first questions first), ``buckets``
 (passes over rows of like length), ``hidden``/``layers``/``layer_pattern`` (a bigger or
 attention-only random start), ``headings`` (headed clauses, questions naming them), ``vocab`` (a
-larger corpus tokenizer), ``value_share`` (value questions: retrieval rows); what each did
+larger corpus tokenizer), ``value_share`` (value questions: retrieval rows), ``block_size`` (a
+larger block), ``extract_share`` (extraction rows); what each did
 is measured in docs/demo-training.md.
 
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
@@ -43,8 +44,8 @@ from worker.model.demo import DemoArch
 from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
-from worker.training.corpus import decision_case, generation_case, value_case
-from worker.training.rows import Row, decision_rows, generation_row
+from worker.training.corpus import decision_case, extraction_case, generation_case, value_case
+from worker.training.rows import Row, decision_rows, extraction_row, generation_row
 from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, write_shaped_demo
 from worker.training.tokenizer import train_tokenizer
 
@@ -92,6 +93,12 @@ class TrainConfig:
     # share of the decision rows that ask a value question about the contract instead
     # (``corpus.value_case``: "Which law governs?"), the retrieval the comparisons are built on
     value_share: float | None = None
+    # the random start's block size (None: the demo's 4); a larger block lets a confident model
+    # commit more tokens per pass (the preview operator scales with ln(B/32), CLOVER.md)
+    block_size: int | None = None
+    # share of the decision rows (after value questions) that are extraction rows instead
+    # (``corpus.extraction_case``: an extract job's prompt and its schema's canvas)
+    extract_share: float | None = None
 
 
 def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> list[Row]:
@@ -104,6 +111,10 @@ def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> 
             if config.value_share and rng.random() < config.value_share:  # draws only when set and > 0
                 value = value_case("train", config.seed, index, rng.random(), bool(config.headings))
                 rows.append(decision_rows(value, "independent", tokenizer, block)[0])
+                continue
+            if config.extract_share and rng.random() < config.extract_share:  # the same: only when set
+                extraction = extraction_case("train", config.seed, index, bool(config.headings))
+                rows.append(extraction_row(extraction, tokenizer, block))
                 continue
             case = decision_case("train", config.seed, index, config.groups, bool(config.headings))
             if config.easy_steps is not None and step < config.easy_steps:
@@ -332,7 +343,7 @@ def train_demo(
     manifest and ``training.json``, and removes ``resume.pt``.
     """
     shaped = {"vocab": config.vocab, "hidden": config.hidden, "layers": config.layers,
-              "layer_pattern": config.layer_pattern}  # fmt: skip
+              "layer_pattern": config.layer_pattern, "block_size": config.block_size}  # fmt: skip
     if config.init_from is not None and any(v is not None for v in shaped.values()):
         raise ValueError(f"init_from continues a trained demo's shape and tokenizer; drop {shaped}")
     torch.use_deterministic_algorithms(True)
@@ -349,7 +360,8 @@ def train_demo(
                               tokenizer=train_tokenizer(config.seed, total_vocab=config.vocab or 512,
                                                         headings=bool(config.headings)),
                               hidden=config.hidden or TINY_HIDDEN, layers=config.layers or TINY_LAYERS,
-                              pattern=config.layer_pattern or "LA")  # fmt: skip
+                              pattern=config.layer_pattern or "LA",
+                              block_size=config.block_size)  # fmt: skip
     lm = load_checkpoint(folder, dtype=torch.float32)
     model, block = lm.model, lm.config.block_size or 4
     mask_id = lm.config.mask_token_id
