@@ -167,6 +167,15 @@ def test_value_share_asks_value_questions_alone() -> None:
     assert all(any(a in t for a in VALUE_ASKS) for t in texts), texts
 
 
+def test_extract_share_turns_decision_rows_into_extraction_rows() -> None:
+    """``extract_share``: that share of the decision rows (after value questions) is an extract
+    job's prompt and canvas, a choice slot per field."""
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    rows = _batch(3, TrainConfig(batch=8, decision_share=1.0, extract_share=1.0), lm.tokenizer, 4)
+    for row in rows:
+        assert "Answer with JSON holding:" in lm.tokenizer.decode(list(row.ids)) and 2 <= len(row.units) <= 3
+
+
 def test_unset_options_keep_the_first_recipe_s_batches_draw_for_draw() -> None:
     """The rows of the first recipe and of the second round's options, steps 0-2, hashed: the
     digest was computed at f8a914a, before ``vocab`` and ``value_share`` existed (with the random
