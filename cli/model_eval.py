@@ -13,7 +13,8 @@ training contract has) is submitted as a real job to the running service (the Py
   steps and ``dynamic`` at thresholds 0.5 to 0.99: tokens per pass and the exact-line score.
 - ``extraction``: each case as an ``extract`` job (a contract and a schema of two or three of its
   facts, ``worker.training.extraction``), on both splits: field accuracy, cases with every field
-  right, values valid against the schema (judged by ``jsonschema``), failed jobs.
+  right, values valid against the schema (judged by ``jsonschema``), failed jobs (and
+  invalid-output retries, which an extract job never makes: its canvas decodes only valid values).
 
 ``--version V``: only jobs that ran on V count; a job a canary routed elsewhere at submit is
 cancelled and submitted again (a canary pins each job by the hash of its id).

@@ -161,6 +161,30 @@ def test_eos_and_budget_stops_equal_the_reference(tiny: LoadedModel) -> None:
     _same(short, budget)
 
 
+def test_an_eos_settled_mid_block_ends_it_early_in_engine_and_reference(tiny: LoadedModel) -> None:
+    """One token per pass: an EOS committed while the positions after it are still masks, with
+    every position before it committed, ends the block at that pass (rule 5), in the engine as in
+    the reference; the tokens are those of the run that filled the block."""
+    prompt = [11, 12, 13, 14, 15]
+    params = SamplingParams(max_new_tokens=24, block_size=4, steps_per_block=4, strategy="static")
+    free = reference(tiny, prompt, params, eos=())
+    fired = []
+    for token in dict.fromkeys(free.token_ids):  # each generated token, declared the EOS in turn
+        first = free.token_ids.index(token)
+        expected = reference(tiny, prompt, params, eos=[token])
+        assert expected.token_ids == free.token_ids[:first]
+        masks = ((len(prompt) + first) // 4 + 1) * 4 - len(prompt)  # up to the end of the EOS's block
+        if expected.steps_used < masks:  # one mask per pass: the block ended before it was full
+            fired.append((token, expected))
+    assert fired, "no EOS choice ended a block early: the test would check nothing"
+    for token, expected in fired[:3]:
+        eos_engine = make_engine(tiny, eos=[token], max_batch=2)
+        try:
+            _same(run(eos_engine, prompt, **vars(params)), expected)
+        finally:
+            eos_engine.stop()
+
+
 def test_partial_prompt_block_is_decoded_first_with_its_prompt_fixed(engine: Engine) -> None:
     # prompt of 5 with block 4: block 1 holds position 4 (prompt) and 5..7 (3 masks)
     result = run(engine, [1, 2, 3, 4, 5], max_new_tokens=3, block_size=4, steps_per_block=4)

@@ -173,7 +173,9 @@ def test_extract_share_turns_decision_rows_into_extraction_rows() -> None:
     lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
     rows = _batch(3, TrainConfig(batch=8, decision_share=1.0, extract_share=1.0), lm.tokenizer, 4)
     for row in rows:
-        assert "Answer with JSON holding:" in lm.tokenizer.decode(list(row.ids)) and 2 <= len(row.units) <= 3
+        text = lm.tokenizer.decode(list(row.ids))
+        fields = text.count(": one of ")  # the prompt's field list: "- name: one of ..."
+        assert "Answer with JSON holding:" in text and 2 <= len(row.units) == fields <= 3
 
 
 def test_unset_options_keep_the_first_recipe_s_batches_draw_for_draw() -> None:
@@ -280,8 +282,10 @@ def test_a_layer_pattern_sets_the_clover_layer_types() -> None:
         layer_types("LA", 5)
 
 
-@pytest.mark.parametrize("shape", [{"vocab": 2048}, {"layers": 8}, {"block_size": 8}])
-def test_a_further_stage_refuses_options_that_reshape_it(tmp_path: Path, shape: dict[str, int]) -> None:
+@pytest.mark.parametrize(
+    "shape", [{"vocab": 2048}, {"hidden": 96}, {"layers": 8}, {"layer_pattern": "A"}, {"block_size": 8}]
+)
+def test_a_further_stage_refuses_options_that_reshape_it(tmp_path: Path, shape: dict[str, object]) -> None:
     """``init_from`` continues a trained demo's weights and tokenizer: a shape option would be
     silently ignored, so it is refused before anything is written."""
     config = TrainConfig(steps=1, init_from=str(TRAINED_CLOVER_DEMO), **shape)  # type: ignore[arg-type]
