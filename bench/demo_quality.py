@@ -11,11 +11,10 @@ question (first or second of its group, choices yes/no or yes/no/n.a.) shows a c
 and the majority-class baseline (always the commonest true answer of that question type) is
 printed next to it.
 
-``--extraction N`` also runs N extraction cases per split as ``worker.extract_job`` runs them (the
-extract prompt, the schema's canvas, the value read back): field accuracy, every field right,
-schema-valid. ``--generation N`` also decodes N generation cases (thinking as the case says, 48 new tokens)
-with one token per pass and with ``dynamic`` at 0.9: tokens per pass and the exact-line score.
-Run it niced with one torch thread on the shared machine.
+``--extraction N`` also runs N extraction cases per split through the worker's extract handler:
+field accuracy, every field right, schema-valid. ``--generation N`` also decodes N generation
+cases (thinking as the case says, 48 new tokens) with one token per pass and with ``dynamic`` at
+0.9: tokens per pass and the exact-line score. Run it niced with one torch thread on the shared machine.
 """
 
 from __future__ import annotations
@@ -23,18 +22,20 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import threading
 import time
 from pathlib import Path
 
 import torch
 
+from scheduler.infra.settings import Settings
 from worker.decisions import DecisionSpec, run_decision
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import GenerationRequest, SamplingParams
-from worker.extract_job import render_extract_prompt
+from worker.execution import run_kind
+from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
-from worker.structured.job import read_structured, structured_request
 from worker.training.corpus import decision_cases, extraction_cases, generation_cases
 from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally
 from worker.training.rows import MODES, generation_prompt
@@ -84,14 +85,16 @@ def decision_report(
 def extraction_report(
     engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int, headings: bool = False
 ) -> dict[str, object]:
+    """Each case through the worker's own handler (``worker.execution.run_kind``: the extract
+    prompt, the schema's canvas, the value read back), on this engine."""
     cases = extraction_cases(split, seed, count, headings=headings)  # type: ignore[arg-type]
     tally = ExtractionTally()
+    ctx = EngineContext(submit=engine.submit, tokenizer=tokenizer, settings=Settings(), deadline=None,  # type: ignore[arg-type]
+                        cancel_event=threading.Event(), on_progress=lambda _: None,
+                        default_block_size=engine.default_block_size)  # fmt: skip
     for i, case in enumerate(cases):
-        prompt = render_extract_prompt(tokenizer, case.context, case.schema)
-        request = GenerationRequest(f"x{i}", prompt, SamplingParams(max_new_tokens=1))
-        request, canvas = structured_request(request, case.schema, tokenizer)
-        result = engine.submit(request).result()
-        tally.add(case, read_structured(canvas, result, tokenizer).value)
+        outcome = run_kind(JobSpec(f"x{i}", "extract", "standard", 1, case.job_input(), {}), ctx)
+        tally.add(case, outcome.result.get("data") if outcome.result is not None else None)
     return tally.as_dict()
 
 

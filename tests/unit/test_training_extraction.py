@@ -60,8 +60,15 @@ def _written(name: str, value: object) -> str:
 def test_evaluation_extractions_use_evaluation_facts_only() -> None:
     train = {c.context for c in extraction_cases("train", 0, 200)}
     assert not train & {c.context for c in extraction_cases("eval", 0, 200)}
-    assert extraction_case("eval", 0, 5) != extraction_case("train", 0, 5)
-    assert in_split is not None  # the split is by facts (``corpus._facts``), as every case kind's
+    for i in range(50):  # the facts of case i are the first draw of its stream that fits the split
+        for split in ("train", "eval"):
+            rng = random.Random(f"{split}/0/extract/{i}")
+            facts = draw_facts(rng)
+            while not in_split(facts, split):  # type: ignore[arg-type]
+                facts = draw_facts(rng)
+            assert in_split(facts, split) and not in_split(facts, "eval" if split == "train" else "train")  # type: ignore[arg-type]
+            case = extraction_case(split, 0, i)  # type: ignore[arg-type]
+            assert case.answer == {FIELDS[k].name: field_value(k, facts) for k in case.kinds}
 
 
 def test_a_training_row_holds_the_canvas_with_the_true_value_in_each_choice_slot() -> None:
