@@ -24,8 +24,9 @@ At the end it checks and prints:
   only at a leadership change (``beat.leader_acquired`` lines): more hand-overs than changes would
   be two leaders at once. Each dispatched task's executions (``Task NAME[id] succeeded`` / ``raised``
   lines of the beat that consumed it) are counted too: an id run twice is a duplicate execution (a
-  message handed back unstarted by a stopping beat and received again elsewhere is a redelivery,
-  counted apart);
+  message handed back by a stopping beat and received again elsewhere is a redelivery, counted
+  apart, and one whose id a run already claimed is dropped, ``Task NAME[id] ignored``: counted as
+  dropped, not as a run; ``scheduler/infra/periodic_tick.py``);
 - **errors by kind**: every answer that was not a 2xx, by request kind and status (a 503 with or
   without ``Retry-After``), and transport errors by exception; a 5xx other than a 503 with
   ``Retry-After`` fails the run;
@@ -550,7 +551,7 @@ def check_jobs(fleet: Fleet, accepted: list[str], timeout: float) -> dict[str, A
 
 
 _DUE = re.compile(r"Sending due task (\S+) \((\S+)\)")
-_TASK = re.compile(r"Task (cloverq\.\w+)\[([0-9a-f-]+)\] (received|succeeded|raised|failed)")
+_TASK = re.compile(r"Task (cloverq\.\w+)\[([0-9a-f-]+)\] (received|succeeded|raised|failed|ignored)")
 
 
 def _stamp(record: dict[str, Any]) -> float | None:
@@ -565,6 +566,7 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
     dispatches: dict[str, list[tuple[float, str]]] = defaultdict(list)
     received: Counter[tuple[str, str]] = Counter()
     finished: Counter[tuple[str, str]] = Counter()
+    dropped: Counter[tuple[str, str]] = Counter()  # a redelivered tick whose id was claimed: not run
     acquired: list[tuple[float, str]] = []
     last_seen = 0.0  # the latest log line of any beat: the end of the counted time
     for role in fleet.beats:
@@ -588,7 +590,9 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
                     acquired.append((at, service.name))
                 got = _TASK.search(event)
                 if got:
-                    (received if got.group(3) == "received" else finished)[(got.group(1), got.group(2))] += 1
+                    outcome = got.group(3)
+                    counter = {"received": received, "ignored": dropped}.get(outcome, finished)
+                    counter[(got.group(1), got.group(2))] += 1
     changes = max(0, len(acquired) - 1)  # the first acquisition is the start, not a change
     tasks: dict[str, Any] = {}
     ok = True
@@ -607,6 +611,7 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
                                    if task_name == task and count > 1)
         redeliveries = sum(count - 1 for (task_name, _), count in received.items()
                            if task_name == task and count > 1)
+        dropped_here = sum(count for (task_name, _), count in dropped.items() if task_name == task)
         # none twice, and none missing: a task whose period fits the run was sent about as often as
         # the leaders' time allows (a restart's hand-over may cost a period or two)
         enough = interval >= led or len(times) >= 0.8 * expected - 2
@@ -617,7 +622,7 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
                        "short_gaps_same_process": same_short,
                        "handovers": handovers, "max_gap_s": round(max_gap, 2), "executions": executions,
                        "duplicate_executions": duplicate_executions, "redeliveries": redeliveries,
-                       "ok": row_ok}
+                       "redeliveries_dropped": dropped_here, "ok": row_ok}
     return {"leader_changes": changes, "leaders": [p for _, p in acquired], "tasks": tasks, "ok": ok}
 
 
@@ -777,7 +782,8 @@ def render(report: dict[str, Any]) -> str:
                    f"(expected about {row['expected_about']})  executions {row['executions']:5d}  "
                    f"same-process short gaps {row['short_gaps_same_process']}  "
                    f"hand-overs {row['handovers']}  max gap {row['max_gap_s']} s  "
-                   f"run twice {row['duplicate_executions']}  redelivered {row['redeliveries']}  "
+                   f"run twice {row['duplicate_executions']}  redelivered {row['redeliveries']} "
+                   f"(dropped {row['redeliveries_dropped']})  "
                    f"{'ok' if row['ok'] else 'DUPLICATE'}")
     out.append(f"result: {'OK' if report['ok'] else 'FAILED'}")
     return "\n".join(out)

@@ -15,6 +15,7 @@ from celery import shared_task
 from scheduler.fairness.gate import enabled, release_quietly, releaser
 from scheduler.fairness.held import drop_index, held_count
 from scheduler.infra.celery_app import get_celery_app
+from scheduler.infra.periodic_tick import TICK_TASK_OPTIONS
 from scheduler.infra.queue_names import JOB_QUEUES
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import get_settings
@@ -25,7 +26,7 @@ RELEASE_FAIR_TASK = "cloverq.release_fair"
 TICK_PASSES = 16
 
 
-@shared_task(name=RELEASE_FAIR_TASK, ignore_result=True, acks_late=False)  # a tick: see maintenance
+@shared_task(name=RELEASE_FAIR_TASK, **TICK_TASK_OPTIONS)  # a tick: see maintenance
 def release_fair_task() -> int:
     settings = get_settings()
     client = get_redis(settings.resolved_redis_url)

@@ -42,6 +42,7 @@ from scheduler.fairness.held import HeldJob
 from scheduler.infra import redis_keys
 from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.db import get_session_factory
+from scheduler.infra.periodic_tick import TICK_TASK_OPTIONS
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.jobs.enqueue import try_publish_job
@@ -122,7 +123,7 @@ def release_due_delayed(
     return published
 
 
-@shared_task(name=RELEASE_DELAYED_TASK, ignore_result=True, acks_late=False)  # a tick: see maintenance
+@shared_task(name=RELEASE_DELAYED_TASK, **TICK_TASK_OPTIONS)  # a tick: see maintenance
 def release_delayed_task() -> int:
     settings = get_settings()
     with get_session_factory(settings.resolved_database_url)() as session:

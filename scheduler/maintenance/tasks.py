@@ -30,6 +30,7 @@ from scheduler.fleet.operator_state import restore_quietly
 from scheduler.infra import redis_keys
 from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.db import get_session_factory, rowcount
+from scheduler.infra.periodic_tick import TICK_TASK_OPTIONS
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.jobs.dead_messages import job_id_of_message, purge_dead_messages
@@ -421,7 +422,8 @@ def expire_finished_jobs(
 # restarts: closing the broken channel "restores" it, and kombu's Redis transport then raises
 # AttributeError ('NoneType' object has no attribute 'hostname', conninfo already gone), which
 # Celery treats as unrecoverable, so the one process running reconciler and reaper exits.
-MAINTENANCE_TASK_OPTIONS: dict[str, Any] = {"ignore_result": True, "acks_late": False}
+# Each tick message runs at most once (scheduler/infra/periodic_tick.py: a handed-back delivery).
+MAINTENANCE_TASK_OPTIONS: dict[str, Any] = TICK_TASK_OPTIONS
 
 
 def _resources() -> tuple[Session, redis.Redis, Settings]:

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from scheduler.batches.service import Batch, batch_webhook
 from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.db import get_session_factory
+from scheduler.infra.periodic_tick import TICK_TASK_OPTIONS
 from scheduler.infra.queue_names import WEBHOOKS_QUEUE
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.jobs.models import FINAL_STATUSES, Job, JobStatus, utcnow
@@ -156,7 +157,7 @@ def deliver_webhook_task(self: Task, delivery_id: str) -> str:
     return step.status.value
 
 
-@shared_task(name=SWEEP_TASK, ignore_result=True, acks_late=False)  # a periodic tick: see maintenance
+@shared_task(name=SWEEP_TASK, **TICK_TASK_OPTIONS)  # a periodic tick: see maintenance
 def sweep_webhooks_task() -> int:
     settings = get_settings()
     with _sessions(settings)() as session:

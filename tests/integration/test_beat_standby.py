@@ -5,7 +5,9 @@ states (``scheduler/maintenance/beat_leader.py``: leader or not, tasks dispatche
 that only the lease holder dispatches. The leader is first hung (SIGSTOP): the standby leads within
 the bound (lease x 4/3), and the old leader, resumed, dispatches nothing more (it sees its lease
 expired on its own clock before its next tick). Then the new leader is killed (SIGKILL): the
-resumed one leads again within the bound and dispatches.
+resumed one leads again within the bound and dispatches. Last, one tick message delivered twice to
+the beat left (what a stopping beat's hand-back of an unacked delivery can cause) runs once: the
+second delivery is dropped (``scheduler/infra/periodic_tick.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +24,10 @@ import pytest
 import redis as redis_lib
 from prometheus_client.parser import text_string_to_metric_families
 
+from scheduler.infra.celery_app import create_celery_app
 from scheduler.infra.leader_lease import parse_value
-from scheduler.infra.redis_keys import BEAT_LEADER_KEY, BEAT_MEMBERS_SET, beat_member
+from scheduler.infra.queue_names import MAINTENANCE_QUEUE
+from scheduler.infra.redis_keys import BEAT_LEADER_KEY, BEAT_MEMBERS_SET, beat_member, tick_claim
 from scheduler.infra.settings import Settings
 from scheduler.observability.cluster_metrics import render_metrics
 from tests.conftest import ProcessLauncher, ServiceProcess, wait_for
@@ -73,7 +78,8 @@ def test_standby_takes_over_from_a_hung_then_a_killed_leader(
     launcher: ProcessLauncher, make_settings: Callable[..., Settings], redis_client: redis_lib.Redis
 ) -> None:
     redis_client.delete(BEAT_LEADER_KEY, BEAT_MEMBERS_SET)  # no lease left by an earlier test's beat
-    services = [launcher.start_beat(make_settings(beat_lease_seconds=LEASE)) for _ in range(2)]
+    settings = make_settings(beat_lease_seconds=LEASE)
+    services = [launcher.start_beat(settings) for _ in range(2)]
 
     def both_up() -> tuple[str, str] | None:
         names = sorted(redis_client.smembers(BEAT_MEMBERS_SET))
@@ -111,3 +117,15 @@ def test_standby_takes_over_from_a_hung_then_a_killed_leader(
     led_at = time.time()
     wait_for(lambda: (_state(redis_client, first).get("last_dispatch") or 0) > led_at, timeout=5,
              interval=0.1, message="the new leader to dispatch")
+
+    # The same reconcile message twice, as a handed-back delivery arrives: one run, one drop.
+    message_id = str(uuid.uuid4())
+    app = create_celery_app(settings)
+    for _ in range(2):
+        app.send_task("cloverq.reconcile", task_id=message_id, queue=MAINTENANCE_QUEUE, expires=60)
+    first_log = _service(first, services).log
+    wait_for(lambda: f'"message_id": "{message_id}"' in first_log(), timeout=20, interval=0.1,
+             message="the second delivery to be dropped")
+    drops = [line for line in first_log().splitlines() if message_id in line]
+    assert len(drops) == 1 and "tick.redelivery_dropped" in drops[0]
+    assert redis_client.exists(tick_claim("cloverq.reconcile", message_id))

@@ -1,0 +1,99 @@
+"""A periodic tick's message runs once: a second delivery of the same message id (a delivery a
+stopping beat handed back while a thread of it was already running the tick) is dropped, on real
+Redis, and a tick whose claim cannot reach Redis is dropped rather than run unclaimed
+(``scheduler/infra/periodic_tick.py``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import redis as redis_lib
+from celery import states
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from scheduler.infra import periodic_tick, redis_keys
+from scheduler.infra.db import get_session_factory
+from scheduler.infra.settings import Settings
+from scheduler.maintenance import tasks
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def settings(make_settings: Any, fresh_db_url: str) -> Settings:
+    return make_settings(database_url=fresh_db_url, fair_share=False)
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[redis_lib.Redis]:
+    c = redis_lib.Redis.from_url(settings.resolved_redis_url, decode_responses=True)
+    c.flushdb()
+    yield c
+    c.flushdb()
+
+
+@pytest.fixture
+def runs(settings: Settings, client: redis_lib.Redis, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The reconcile tick on this test's database and Redis; each run of its body is recorded."""
+    seen: list[str] = []
+    sessions = get_session_factory(settings.resolved_database_url)
+
+    def resources() -> tuple[Any, redis_lib.Redis, Settings]:
+        seen.append("run")
+        return sessions(), client, settings
+
+    monkeypatch.setattr(tasks, "_resources", resources)
+    monkeypatch.setattr(periodic_tick, "tick_redis", lambda: client)
+    return seen
+
+
+def test_the_same_tick_message_delivered_twice_runs_once(client: redis_lib.Redis, runs: list[str]) -> None:
+    message_id = str(uuid.uuid4())
+    first = tasks.reconcile_task.apply(task_id=message_id)
+    again = tasks.reconcile_task.apply(task_id=message_id)
+    assert first.state == states.SUCCESS
+    assert again.state == states.IGNORED
+    assert runs == ["run"]
+    key = redis_keys.tick_claim("cloverq.reconcile", message_id)
+    assert 0 < client.ttl(key) <= periodic_tick.CLAIM_DEFAULT_SECONDS  # no expires: the default TTL
+    assert tasks.reconcile_task.apply(task_id=str(uuid.uuid4())).state == states.SUCCESS  # another tick runs
+    assert runs == ["run", "run"]
+
+
+def test_a_tick_called_as_a_function_runs_without_a_claim(client: redis_lib.Redis, runs: list[str]) -> None:
+    tasks.reconcile_task()
+    tasks.reconcile_task()
+    assert runs == ["run", "run"]
+    assert not list(client.scan_iter(redis_keys.tick_claim("*", "*")))
+
+
+def test_a_tick_whose_claim_cannot_reach_redis_is_dropped(runs: list[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    unreachable = redis_lib.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))  # nothing listens
+    monkeypatch.setattr(periodic_tick, "tick_redis", lambda: unreachable)
+    assert tasks.reconcile_task.apply(task_id=str(uuid.uuid4())).state == states.IGNORED
+    assert runs == []
+
+
+def test_every_periodic_task_claims_its_message() -> None:
+    from scheduler.infra.beat_schedule import beat_schedule
+    from scheduler.infra.celery_app import create_celery_app
+    from scheduler.infra.settings import Settings as S
+
+    app = create_celery_app(S())
+    app.loader.import_default_modules()
+    names = {entry["task"] for entry in beat_schedule(S()).values()}
+    assert names and all(isinstance(app.tasks[name], periodic_tick.OncePerMessage) for name in names)
+
+
+def test_a_claim_lasts_until_a_minute_after_its_message_expires() -> None:
+    now = datetime(2026, 12, 5, 12, 0, 0, tzinfo=UTC)
+    in_ten = (now + timedelta(seconds=10)).isoformat()
+    assert periodic_tick.claim_seconds(in_ten, now=now) == 10 + periodic_tick.CLAIM_MARGIN_SECONDS
+    assert periodic_tick.claim_seconds(now - timedelta(hours=1), now=now) == 1  # expired: a short claim
+    assert periodic_tick.claim_seconds(None, now=now) == periodic_tick.CLAIM_DEFAULT_SECONDS
