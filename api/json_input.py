@@ -3,7 +3,7 @@
 ``json.loads`` alone turns hostile bodies into server errors: 10,000 nested brackets raise
 ``RecursionError``, a 5,000-digit integer raises a ``ValueError`` (Python's int-to-str digit
 limit), and the non-standard literals ``NaN`` / ``Infinity`` (or ``1e999``, which overflows to
-infinity) are accepted although strict JSON, PostgreSQL JSONB and our own error renderer refuse
+infinity) are accepted although strict JSON, PostgreSQL's json type and our own error renderer refuse
 them. :func:`loads` bounds the nesting depth and the length of every number literal, refuses
 non-finite numbers, and reports every refusal as :class:`JsonInputError`, a
 ``json.JSONDecodeError``: every caller that already handles malformed JSON handles these too.

@@ -26,7 +26,6 @@ from sqlalchemy import (
     Uuid,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -91,8 +90,10 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-# JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere.
-JSONType = JSON().with_variant(JSONB(), "postgresql")
+# JSON text on every backend (PostgreSQL's ``json``, not ``jsonb``): a document comes back with the
+# key order it was sent in, which is meaning for a schema's properties and a tool's parameters
+# (migrations/versions/0016_json_keeps_key_order.py says why; no query reads inside these columns).
+JSONType = JSON()
 
 
 class JobStatus(enum.StrEnum):

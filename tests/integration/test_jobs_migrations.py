@@ -74,9 +74,15 @@ LATER_JOBS_INDEXES = {"ix_jobs_status_scheduled",  # added by 0013_schedule_and_
                       "ix_jobs_routed_version"}  # added by 0015_routed_version_index
 
 
+# jsonb at 0001_jobs, json from 0016_json_keeps_key_order on (PostgreSQL; SQLite had json throughout)
+RETYPED_LATER_JOBS_COLUMNS = {"input", "params", "metadata", "progress", "result"}
+
+
 def _added_later(diff: object) -> bool:
     """An ``add_column`` (``add_index``) of a ``jobs`` column (index) that a revision after
-    0001_jobs adds."""
+    0001_jobs adds, or the ``modify_type`` of a column a later revision retypes."""
+    if isinstance(diff, list):
+        return all(item[0] == "modify_type" and item[3] in RETYPED_LATER_JOBS_COLUMNS for item in diff)
     return isinstance(diff, tuple) and (
         (diff[0] == "add_column" and getattr(diff[-1], "name", None) in LATER_JOBS_COLUMNS)
         or (diff[0] == "add_index" and getattr(diff[-1], "name", None) in LATER_JOBS_INDEXES))
