@@ -12,7 +12,9 @@ and the majority-class baseline (always the commonest true answer of that questi
 printed next to it.
 
 ``--extraction N`` also runs N extraction cases per split through the worker's extract handler:
-field accuracy, every field right, schema-valid. ``--generation N`` also decodes N generation
+field accuracy, every field right, schema-valid. ``--tools N`` runs N tool-call cases per split
+through the worker's generate handler (the chat with the tools, ``tool_choice`` auto, the parser):
+the right call, no call for a question. ``--generation N`` also decodes N generation
 cases (thinking as the case says, 48 new tokens) with one token per pass and with ``dynamic`` at
 0.9: tokens per pass and the exact-line score. Run it niced with one torch thread on the shared machine.
 """
@@ -36,9 +38,11 @@ from worker.execution import run_kind
 from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
-from worker.training.corpus import decision_cases, extraction_cases, generation_cases
-from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally
+from worker.training.corpus import decision_cases, extraction_cases, generation_cases, tool_call_cases
+from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally, ToolCallTally
 from worker.training.rows import MODES, generation_prompt
+
+TOOL_TOKENS = 96  # a call in the demo's format is 35-70 tokens
 
 
 def decision_report(
@@ -89,12 +93,32 @@ def extraction_report(
     prompt, the schema's canvas, the value read back), on this engine."""
     cases = extraction_cases(split, seed, count, headings=headings)  # type: ignore[arg-type]
     tally = ExtractionTally()
-    ctx = EngineContext(submit=engine.submit, tokenizer=tokenizer, settings=Settings(), deadline=None,  # type: ignore[arg-type]
-                        cancel_event=threading.Event(), on_progress=lambda _: None,
-                        default_block_size=engine.default_block_size)  # fmt: skip
+    ctx = _context(engine, tokenizer)
     for i, case in enumerate(cases):
         outcome = run_kind(JobSpec(f"x{i}", "extract", "standard", 1, case.job_input(), {}), ctx)
         tally.add(case, outcome.result.get("data") if outcome.result is not None else None)
+    return tally.as_dict()
+
+
+def _context(engine: Engine, tokenizer: Tokenizer) -> EngineContext:
+    """What the worker hands a job's handler, on this engine (no deadline, no progress)."""
+    return EngineContext(submit=engine.submit, tokenizer=tokenizer, settings=Settings(), deadline=None,  # type: ignore[arg-type]
+                         cancel_event=threading.Event(), on_progress=lambda _: None,
+                         default_block_size=engine.default_block_size)  # fmt: skip
+
+
+def tool_call_report(
+    engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int, headings: bool = False
+) -> dict[str, object]:
+    """Each case as a ``generate`` job with its tools through the worker's own handler (the chat
+    template with the tools, ``tool_choice`` auto, the call parser), 96 new tokens."""
+    tally = ToolCallTally()
+    ctx = _context(engine, tokenizer)
+    for i, case in enumerate(tool_call_cases(split, seed, count, headings=headings)):  # type: ignore[arg-type]
+        job = JobSpec(f"t{i}", "generate", "standard", 1, case.job_input(), {"max_new_tokens": TOOL_TOKENS})
+        outcome = run_kind(job, ctx)
+        result = outcome.result or {}
+        tally.add(case, result.get("text") if outcome.result is not None else None, result.get("tool_calls"))
     return tally.as_dict()
 
 
@@ -132,6 +156,7 @@ def main() -> None:
     parser.add_argument("--splits", default="eval", help="comma-separated: eval, heldout")
     parser.add_argument("--generation", type=int, default=0)
     parser.add_argument("--extraction", type=int, default=0, help="extraction cases per split")
+    parser.add_argument("--tools", type=int, default=0, help="tool-call cases per split")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--headings", action="store_true",
                         help="the headed corpus (a checkpoint trained with headings)")  # fmt: skip
@@ -156,6 +181,10 @@ def main() -> None:
             if args.extraction:
                 report[f"extraction/{split}"] = extraction_report(
                     engine, lm.tokenizer, split, args.seed, args.extraction, args.headings
+                )
+            if args.tools:
+                report[f"tools/{split}"] = tool_call_report(
+                    engine, lm.tokenizer, split, args.seed, args.tools, args.headings
                 )
         if args.generation:
             report["generation"] = generation_report(

@@ -1,4 +1,4 @@
-"""``cloverq model eval --suite decisions|generation|extraction``: the demo's quality, through jobs.
+"""``cloverq model eval --suite decisions|generation|extraction|tools``: the demo's quality, through jobs.
 
 Every case of the suite (``worker.training.corpus``, an evaluation split: contracts whose facts no
 training contract has) is submitted as a real job to the running service (the Python client,
@@ -15,6 +15,10 @@ training contract has) is submitted as a real job to the running service (the Py
   facts, ``worker.training.extraction``), on both splits: field accuracy, cases with every field
   right, values valid against the schema (judged by ``jsonschema``), failed jobs (and
   invalid-output retries, which an extract job never makes: its canvas decodes only valid values).
+- ``tools``: each case as a ``generate`` job with the corpus's tools and ``tool_choice`` ``auto``
+  (``worker.training.tool_calls``: a request that calls for one call, or a question to answer in
+  text), on both splits: the right function, the right call (arguments too), no call for a
+  question and its right line, malformed calls.
 
 ``--version V``: only jobs that ran on V count; a job a canary routed elsewhere at submit is
 cancelled and submitted again (a canary pins each job by the hash of its id).
@@ -40,14 +44,17 @@ from worker.training.corpus import (
     decision_cases,
     extraction_cases,
     generation_cases,
+    tool_call_cases,
 )
-from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally
+from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally, ToolCallTally
 from worker.training.extraction import ExtractionCase
 from worker.training.rows import MODES
+from worker.training.tool_calls import ToolCallCase
 
 EVAL_SEED = 1  # any seed gives evaluation contracts (the split is by facts); this is the reported one
 REROUTE_TRIES = 50
 DEMO_BLOCK = 4  # the shipped demo's block size (``--block-size`` for a checkpoint trained otherwise)
+TOOL_TOKENS = 96  # new tokens of a tool-call case: a call in the demo's format is 35-70 tokens
 
 
 def generation_configs(block: int) -> tuple[tuple[str, dict[str, Any]], ...]:
@@ -141,6 +148,40 @@ def _extraction_table(tallies: dict[str, ExtractionTally]) -> Table:
     return table
 
 
+def evaluate_tool_calls(cq: Client, cases: list[ToolCallCase], version: str | None,
+                        timeout: float) -> ToolCallTally:  # fmt: skip
+    tally = ToolCallTally()
+    bodies = [{"kind": "generate", "input": c.job_input(), "params": {"max_new_tokens": TOOL_TOKENS}}
+              for c in cases]  # fmt: skip
+    for case, job in zip(cases, run_jobs(cq, bodies, version, timeout), strict=True):
+        ok = job is not None and job.status == "succeeded" and job.result is not None
+        result = job.result if ok and job is not None else None
+        tally.add(case, result.text if result is not None else None, result.tool_calls if result else None)
+    return tally
+
+
+def _tool_table(tallies: dict[str, ToolCallTally]) -> Table:
+    table = Table(title="tool calls (generate jobs with tools, tool_choice auto)")
+    table.add_column("")
+    for split in tallies:
+        table.add_column(f"{split} split", justify="right")
+    summaries = [t.as_dict() for t in tallies.values()]
+    rows = (
+        ("jobs", "jobs"),
+        ("all right", "accuracy"),
+        ("requests: right function", "right_function"),
+        ("requests: right call", "right_call"),
+        ("questions: no call", "no_call_when_none_needed"),
+        ("questions: right line", "right_answer"),
+        ("malformed calls", "malformed_calls"),
+        ("failed jobs", "failed_jobs"),
+    )
+    for label, key in rows:
+        cells = (_percent(d[key]) if isinstance(d[key], float) else str(d[key]) for d in summaries)
+        table.add_row(label, *cells)
+    return table
+
+
 def generation_body(case: GenerationCase, params: dict[str, Any]) -> dict[str, Any]:
     return {
         "kind": "generate",
@@ -189,10 +230,10 @@ def _decision_table(split: str, tallies: dict[str, DecisionTally]) -> Table:
 
 
 @click.command("eval")
-@click.option("--suite", type=click.Choice(["decisions", "generation", "extraction"]), required=True)
+@click.option("--suite", type=click.Choice(["decisions", "generation", "extraction", "tools"]), required=True)
 @click.option("--seed", type=int, default=EVAL_SEED, show_default=True, help="Seed of the evaluation cases.")
 @click.option("--count", type=int, default=None,
-              help="Cases per split [decisions: 60, generation: 30, extraction: 60].")  # fmt: skip
+              help="Cases per split [decisions: 60, generation: 30, extraction: 60, tools: 60].")  # fmt: skip
 @click.option("--version", default=None, help="Count only jobs that ran on this model version.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the JSON report here.")  # fmt: skip
@@ -217,6 +258,12 @@ def eval_command(suite: str, seed: int, count: int | None, version: str | None, 
             }
             report |= {split: t.as_dict() for split, t in extraction.items()}
             _console.print(_extraction_table(extraction))
+        elif suite == "tools":
+            tools = {split: evaluate_tool_calls(cq, tool_call_cases(split, seed, count or 60), version,
+                                                timeout)
+                     for split in ("eval", "heldout")}  # fmt: skip
+            report |= {split: t.as_dict() for split, t in tools.items()}
+            _console.print(_tool_table(tools))
         else:
             cases = generation_cases("eval", seed, count or 30)
             gen = evaluate_generation(cq, cases, version, timeout, block_size)

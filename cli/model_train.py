@@ -72,6 +72,10 @@ from cli.model import guarded, model_group
 @click.option("--extract-share", type=float, default=None,
               help="Share of decision rows that are extraction rows instead (an extract job's "
                    "schema canvas).")  # fmt: skip
+@click.option("--tool-share", type=float, default=None,
+              help="Share of generation rows that are tool-call rows instead (a chat with tools "
+                   "on offer: the call to make, or a one-line answer); the tokenizer learns them "
+                   "too.")  # fmt: skip
 @click.option("--block-size", type=int, default=None,
               help="Block size of the random start (default the demo's 4).")  # fmt: skip
 @guarded
@@ -91,6 +95,7 @@ def train_demo_command(
     vocab: int | None,
     value_share: float | None,
     extract_share: float | None,
+    tool_share: float | None,
     block_size: int | None,
     directory: Path,
     arch: str,
@@ -119,7 +124,8 @@ def train_demo_command(
                          parallel_slots=parallel_slots, groups=groups, easy_steps=easy_steps, buckets=buckets,
                          hidden=hidden, layers=layers, layer_pattern=layer_pattern,
                          headings=headings or None, vocab=vocab, value_share=value_share,
-                         block_size=block_size, extract_share=extract_share)  # fmt: skip
+                         block_size=block_size, extract_share=extract_share,
+                         tool_share=tool_share)  # fmt: skip
     if (directory / RESUME_FILE).is_file():
         click.echo(f"resuming from {directory / RESUME_FILE}", err=True)
     columns = (TextColumn("[bold]train-demo"), BarColumn(), MofNCompleteColumn(),

@@ -115,7 +115,7 @@ def test_the_tally_scores_fields_cases_and_schema_validity() -> None:
 
 
 def test_a_golden_extraction_checks_the_schema_and_the_recorded_value() -> None:
-    extract = next(c for c in golden_inputs(decisions=0, generations=0, extractions=1))
+    extract = next(c for c in golden_inputs(decisions=0, generations=0, extractions=1, tools=0))
     assert extract["body"]["kind"] == "extract"
     schema = extract["body"]["input"]["schema"]
     data = {name: prop["enum"][0] for name, prop in schema["properties"].items()}
@@ -138,7 +138,8 @@ def test_the_schema_lists_every_field_required_with_its_enum() -> None:
 def test_a_golden_file_keeps_each_schema_s_property_order(tmp_path: Path) -> None:
     """The canvas lays fields out in the schema's order: a file with sorted keys would ask
     another job than the one recorded."""
-    cases = [record(c, {"data": None}) for c in golden_inputs(decisions=0, generations=0, extractions=6)]
+    inputs = golden_inputs(decisions=0, generations=0, extractions=6, tools=0)
+    cases = [record(c, {"data": None}) for c in inputs]
     write_golden(tmp_path / "g.json", cases)
     loaded, _ = load_golden(tmp_path / "g.json")
     for before, after in zip(cases, loaded, strict=True):

@@ -16,7 +16,9 @@ A ``DecisionCase`` is one contract and one or two ``QuestionGroup``s, asked as a
 asks them (``spec(mode)``); a ``GenerationCase`` is a chat whose target is a one-line answer or
 a one-line clause summary, with thinking off or on (then the target starts with the reasoning in
 a think block, as a thinking model writes it); an ``ExtractionCase`` is a contract and a schema of
-some of its facts (``worker.training.extraction``), asked as an ``extract`` job asks.
+some of its facts (``worker.training.extraction``), asked as an ``extract`` job asks; a
+``ToolCallCase`` is a contract, a request and the tool call it calls for, or a question to answer
+in text with the same tools on offer (``worker.training.tool_calls``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from worker.training.contracts import (
 from worker.training.extraction import FIELDS as EXTRACT_FIELDS
 from worker.training.extraction import ExtractionCase, clauses_of, draw_kinds, field_value
 from worker.training.questions import QuestionGroup, draw_groups, value_question
+from worker.training.tool_calls import NO_CALL_SHARE, ToolCallCase, draw_call
 
 GROUP_CLAUSES = {  # the clause a question group is about
     "liability": "liability", "termination": "termination", "renewal": "term", "confidentiality":
@@ -225,3 +228,24 @@ def generation_cases(
     split: Split, seed: int, count: int, start: int = 0, headings: bool = False
 ) -> list[GenerationCase]:
     return [generation_case(split, seed, i, headings) for i in range(start, start + count)]
+
+
+def tool_call_case(split: Split, seed: int, index: int, headings: bool = False) -> ToolCallCase:
+    """Tool-call case ``index`` of ``split`` (``worker.training.tool_calls``), from its own stream."""
+    facts, rng = _facts(split, seed, index, "tool")
+    if rng.random() < NO_CALL_SHARE:
+        clause, (question, answer, _summary) = rng.choice(sorted(_summaries(facts).items()))
+        required = () if clause == "parties" else (clause,)
+        text = render_contract(facts, rng, phrasings_of(split), required, headings)
+        content = f"Contract:\n{text}\n\nQuestion: {question}\nAnswer in one line."
+        return ToolCallCase(messages=({"role": "user", "content": content},), call=None, answer=answer)
+    name, arguments, request, needs = draw_call(facts, rng)
+    text = render_contract(facts, rng, phrasings_of(split), (needs,) if needs else (), headings)
+    content = f"Contract:\n{text}\n\n{request}"
+    return ToolCallCase(messages=({"role": "user", "content": content},), call=(name, arguments), answer="")
+
+
+def tool_call_cases(
+    split: Split, seed: int, count: int, start: int = 0, headings: bool = False
+) -> list[ToolCallCase]:
+    return [tool_call_case(split, seed, i, headings) for i in range(start, start + count)]

@@ -7,19 +7,24 @@ truth). A generation case is right when its one line equals the expected one (wh
 trimmed); the tokens per pass are the job's completion tokens over its denoising passes. An
 extraction case is scored per field (the value equals the truth, ``null`` included) and per case
 (every field right), and its value is judged against the case's schema by ``jsonschema``, an
-implementation independent of the canvas that built it.
+implementation independent of the canvas that built it. A tool-call case is right when the answer
+makes exactly the expected call (the function, and arguments equal to the truth, types included)
+or, for a question, makes no call and its one line equals the expected one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jsonschema
 
 from worker.training.corpus import DecisionCase, GenerationCase
 from worker.training.extraction import ExtractionCase
 from worker.training.questions import violates
+from worker.training.tool_calls import ToolCallCase
 
 
 @dataclass
@@ -146,6 +151,75 @@ class ExtractionTally:
 
 
 _MISSING = object()
+
+
+@dataclass
+class ToolCallTally:
+    jobs: int = 0
+    failed_jobs: int = 0  # jobs that ended without an answer (counted wrong)
+    call_cases: int = 0  # cases whose request calls for a tool
+    right_function: int = 0  # ... answered by exactly one call of the right function
+    right_call: int = 0  # ... and its arguments right too
+    question_cases: int = 0  # cases to answer in text
+    no_call: int = 0  # ... answered without a call
+    right_answer: int = 0  # ... and with the expected line
+    malformed: int = 0  # answers that opened a call the parser could not read (returned as text)
+    per_function: dict[str, list[int]] = field(default_factory=dict)  # name -> [right calls, asked]
+
+    def add(self, case: ToolCallCase, text: str | None, calls: Sequence[Mapping[str, Any]] | None) -> None:
+        """Score one job's answer (``text``, ``calls`` in OpenAI's shape; ``text`` None: it failed)."""
+        self.jobs += 1
+        if text is None:
+            self.failed_jobs += 1
+        made = [_call_of(c) for c in calls or ()]
+        self.malformed += not made and text is not None and "<tool_call>" in text
+        if case.call is None:
+            self.question_cases += 1
+            quiet = text is not None and not made
+            self.no_call += quiet
+            self.right_answer += quiet and (text or "").strip() == case.answer
+            return
+        self.call_cases += 1
+        name, arguments = case.call
+        function_ok = len(made) == 1 and made[0][0] == name
+        call_ok = function_ok and _same(made[0][1], arguments)
+        self.right_function += function_ok
+        self.right_call += call_ok
+        tally = self.per_function.setdefault(name, [0, 0])
+        tally[0] += call_ok
+        tally[1] += 1
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "jobs": self.jobs,
+            "failed_jobs": self.failed_jobs,
+            "accuracy": _share(self.right_call + self.right_answer, self.jobs),
+            "call_cases": self.call_cases,
+            "right_function": _share(self.right_function, self.call_cases),
+            "right_call": _share(self.right_call, self.call_cases),
+            "question_cases": self.question_cases,
+            "no_call_when_none_needed": _share(self.no_call, self.question_cases),
+            "right_answer": _share(self.right_answer, self.question_cases),
+            "malformed_calls": self.malformed,
+            "right_call_by_function": {k: _share(c, n) for k, (c, n) in sorted(self.per_function.items())},
+        }
+
+
+def _call_of(call: Mapping[str, Any]) -> tuple[str, Any]:
+    """(name, arguments) of an OpenAI-shaped call (``arguments`` JSON text, or a mapping)."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        value = _MISSING
+    return str(function.get("name")), value
+
+
+def _same(given: Any, truth: Mapping[str, Any]) -> bool:
+    """Arguments equal to the truth, value and type (``30`` is not ``"30"``)."""
+    return (isinstance(given, dict) and given.keys() == truth.keys()
+            and all(given[k] == v and type(given[k]) is type(v) for k, v in truth.items()))
 
 
 def _share(part: int, whole: int) -> float | None:

@@ -9,12 +9,16 @@ each a job body and one or more checks of its result:
 - ``contains``: the ``text`` contains ``expected``;
 - ``in_choices``: every answer is one of its question's choices (a format check);
 - ``schema_valid``: the result's ``data`` is valid against the job's schema (``jsonschema``, an
-  implementation independent of the canvas that decoded it).
+  implementation independent of the canvas that decoded it);
+- ``calls``: the result's tool calls, as ``[name, arguments]`` pairs, equal ``expected`` (a call's
+  id names its job, so the calls are compared without it);
+- ``calls_valid``: each tool call names one of the job's tools and its arguments are valid
+  against that tool's parameters (``jsonschema``).
 
 ``golden_inputs`` makes the default inputs from the corpus's evaluation split (greedy decisions
-in both modes, greedy generation with thinking off, extractions); ``record`` turns results into checks;
-``differences`` lists how a result breaks its case's checks. Pure logic: ``cloverq model golden``
-runs the jobs.
+in both modes, greedy generation with thinking off, extractions, tool-call chats); ``record``
+turns results into checks; ``differences`` lists how a result breaks its case's checks. Pure
+logic: ``cloverq model golden`` runs the jobs.
 """
 
 from __future__ import annotations
@@ -28,14 +32,17 @@ from typing import Any
 import jsonschema
 
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
-from worker.training.corpus import decision_cases, extraction_cases, generation_cases
+from worker.training.corpus import decision_cases, extraction_cases, generation_cases, tool_call_cases
 
 GOLDEN_FILE = TRAINED_CLOVER_DEMO.parent / "clover-golden.json"
 GOLDEN_SEED = 7
 GOLDEN_TOKENS = 32
+GOLDEN_TOOL_TOKENS = 96  # a call in the demo's format is 35-70 tokens
 
 
-def golden_inputs(decisions: int = 6, generations: int = 6, extractions: int = 4) -> list[dict[str, Any]]:
+def golden_inputs(
+    decisions: int = 6, generations: int = 6, extractions: int = 4, tools: int = 4
+) -> list[dict[str, Any]]:
     """``{"id", "body"}`` of the default golden cases (greedy: the same version gives the same output)."""
     cases: list[dict[str, Any]] = []
     for i, case in enumerate(decision_cases("eval", GOLDEN_SEED, decisions)):
@@ -50,7 +57,25 @@ def golden_inputs(decisions: int = 6, generations: int = 6, extractions: int = 4
     for i, extraction in enumerate(extraction_cases("eval", GOLDEN_SEED, extractions)):
         body = {"kind": "extract", "input": extraction.job_input(), "params": {}}
         cases.append({"id": f"extract-{i}", "body": body})
+    for i, chat in enumerate(tool_call_cases("eval", GOLDEN_SEED, tools)):
+        body = {"kind": "generate", "input": chat.job_input(),
+                "params": {"max_new_tokens": GOLDEN_TOOL_TOKENS, "thinking": False}}  # fmt: skip
+        cases.append({"id": f"tools-{i}", "body": body})
     return cases
+
+
+def _calls(result: Mapping[str, Any]) -> list[list[Any]]:
+    """``[name, arguments]`` of each tool call of ``result`` (arguments decoded from JSON text)."""
+    out = []
+    for call in result.get("tool_calls") or []:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        try:
+            value = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            value = arguments
+        out.append([function.get("name"), value])
+    return out
 
 
 def _answers(result: Mapping[str, Any]) -> list[str] | None:
@@ -65,6 +90,9 @@ def record(case: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]
             {"type": "in_choices"},
             {"type": "equals", "field": "answers", "expected": _answers(result)},
         ]
+    elif case["body"]["input"].get("tools"):
+        checks = [{"type": "calls_valid"}, {"type": "calls", "expected": _calls(result)},
+                  {"type": "tokens", "expected": list(result.get("token_ids") or [])}]  # fmt: skip
     elif case["body"]["kind"] == "extract":
         checks = [{"type": "schema_valid"},
                   {"type": "equals", "field": "data", "expected": result.get("data")}]  # fmt: skip
@@ -108,8 +136,25 @@ def differences(case: Mapping[str, Any], result: Mapping[str, Any] | None) -> li
             schema = case["body"]["input"]["schema"]
             if not jsonschema.Draft202012Validator(schema).is_valid(result.get("data")):
                 problems.append("data is not valid against the schema")
+        elif kind == "calls":
+            if _calls(result) != check["expected"]:
+                problems.append(f"tool calls: {_calls(result)!r} != {check['expected']!r}")
+        elif kind == "calls_valid":
+            problems.extend(_invalid_calls(case["body"]["input"].get("tools") or [], _calls(result)))
         else:
             problems.append(f"unknown check {kind!r}")
+    return problems
+
+
+def _invalid_calls(tools: list[Mapping[str, Any]], calls: list[list[Any]]) -> list[str]:
+    """Calls of a function the job does not offer, or with arguments its parameters refuse."""
+    parameters = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+    problems = []
+    for name, arguments in calls:
+        if name not in parameters:
+            problems.append(f"a call of {name!r}, which is not one of the job's tools")
+        elif not jsonschema.Draft202012Validator(parameters[name]).is_valid(arguments):
+            problems.append(f"the arguments of {name!r} are not valid against its parameters")
     return problems
 
 

@@ -6,6 +6,8 @@ positions are predicted (the template's JSON is fixed in the engine, never decod
 generation row is the chat template's prompt (``enable_thinking`` as the case says) then the
 target and ``<|im_end|>``; every position after the prompt is predicted. An extraction row is an
 ``extract`` job's prompt and its schema's canvas, the true values in the choice slots (predicted).
+A tool-call row is a generation row whose prompt carries the tools and whose target is the
+assistant turn as the chat template renders it: the call in the checkpoint's format, or the text.
 Rows are padded with EOS to a whole block, so a final partial block trains the model to stop.
 
 A decision row also lists its choice slots (``units``: absolute start and length): the engine
@@ -31,6 +33,7 @@ from worker.model.tokenizer import Tokenizer
 from worker.structured.canvas import compile_canvas
 from worker.training.corpus import DecisionCase, GenerationCase
 from worker.training.extraction import ExtractionCase
+from worker.training.tool_calls import ToolCallCase
 
 MODES: tuple[DecisionMode, ...] = get_args(DecisionMode)
 
@@ -107,4 +110,27 @@ def generation_row(case: GenerationCase, tokenizer: Tokenizer, block: int) -> Ro
     prompt = generation_prompt(case, tokenizer)
     eos = tokenizer.eos_token_ids[0]
     target = [*tokenizer.encode(case.target), eos]
+    return _padded(prompt + target, [False] * len(prompt) + [True] * len(target), block, eos)
+
+
+def tool_call_target(case: ToolCallCase, tokenizer: Tokenizer) -> str:
+    """The assistant turn of ``case`` as the chat template renders it in a conversation (the call
+    in the template's own format), without its end marker: what the model writes after the prompt."""
+    history = tokenizer.render_chat([*case.messages, case.assistant_turn()], enable_thinking=False,
+                                    add_generation_prompt=False, tools=case.tools)  # fmt: skip
+    opening = "<|im_start|>assistant\n"
+    turn = history[history.rindex(opening) + len(opening):]
+    return turn[: turn.rindex("<|im_end|>")]
+
+
+def tool_call_prompt(case: ToolCallCase, tokenizer: Tokenizer) -> list[int]:
+    """The prompt a ``generate`` job of ``case.job_input()`` builds (thinking off)."""
+    text = tokenizer.render_chat(list(case.messages), enable_thinking=False, tools=case.tools)
+    return tokenizer.encode(text)
+
+
+def tool_call_row(case: ToolCallCase, tokenizer: Tokenizer, block: int) -> Row:
+    prompt = tool_call_prompt(case, tokenizer)
+    eos = tokenizer.eos_token_ids[0]
+    target = [*tokenizer.encode(tool_call_target(case, tokenizer)), eos]
     return _padded(prompt + target, [False] * len(prompt) + [True] * len(target), block, eos)

@@ -17,8 +17,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from worker.model.demo import CHAT_TEMPLATE
 from worker.model.demo_tokenizer import IM_END, MASK, PAD, SPECIAL_TOKENS, build_demo_tokenizer
 from worker.model.tokenizer import Tokenizer
-from worker.training.corpus import decision_cases, generation_cases
-from worker.training.rows import MODES, decision_rows, generation_row
+from worker.training.corpus import decision_cases, generation_cases, tool_call_cases
+from worker.training.rows import MODES, decision_rows, generation_row, tool_call_row
 
 TOKENIZER_CASES = 400  # of each kind: ~1 MB of text, enough for 500 ids
 
@@ -35,7 +35,9 @@ def wrap(backend: HFTokenizer) -> Tokenizer:
                      eos_token_ids=(ids[IM_END],), pad_token_id=ids[PAD])  # fmt: skip
 
 
-def corpus_texts(seed: int, cases: int = TOKENIZER_CASES, headings: bool = False) -> Iterator[str]:
+def corpus_texts(
+    seed: int, cases: int = TOKENIZER_CASES, headings: bool = False, tools: bool = False
+) -> Iterator[str]:
     provisional = wrap(build_demo_tokenizer(512))
     for case in decision_cases("train", seed, cases, headings=headings):
         for mode in MODES:
@@ -45,13 +47,19 @@ def corpus_texts(seed: int, cases: int = TOKENIZER_CASES, headings: bool = False
         yield provisional.decode(
             list(generation_row(gen, provisional, block=1).ids), skip_special_tokens=True
         )
+    if tools:  # only for a run with tool-call rows: the shipped recipe's tokenizer stays as it was
+        for chat in tool_call_cases("train", seed, cases, headings=headings):
+            row = tool_call_row(chat, provisional, block=1)
+            yield provisional.decode(list(row.ids), skip_special_tokens=True)
 
 
 def train_tokenizer(
-    seed: int, total_vocab: int = 512, cases: int = TOKENIZER_CASES, headings: bool = False
+    seed: int, total_vocab: int = 512, cases: int = TOKENIZER_CASES, headings: bool = False,
+    tools: bool = False,
 ) -> HFTokenizer:
     """A byte-level BPE of at most ``total_vocab`` ids (special tokens last) learned on the corpus
-    (``headings``: the headed corpus, ``worker.training.corpus.decision_case``)."""
+    (``headings``: the headed corpus, ``worker.training.corpus.decision_case``; ``tools``: its
+    tool-call chats too, ``worker.training.tool_calls``)."""
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre
@@ -61,6 +69,6 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus_texts(seed, cases, headings), trainer=trainer)
+    tokenizer.train_from_iterator(corpus_texts(seed, cases, headings, tools), trainer=trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tokenizer

@@ -13,8 +13,8 @@ Options left unset keep the first recipe's draws and loss (the shipped checkpoin
 (passes over rows of like length), ``hidden``/``layers``/``layer_pattern`` (a bigger or
 attention-only random start), ``headings`` (headed clauses, questions naming them), ``vocab`` (a
 larger corpus tokenizer), ``value_share`` (value questions: retrieval rows), ``block_size`` (a
-larger block), ``extract_share`` (extraction rows); what each did
-is measured in docs/demo-training.md.
+larger block), ``extract_share`` (extraction rows), ``tool_share`` (tool-call rows, and a tokenizer
+that has seen their chats); what each did is measured in docs/demo-training.md.
 
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
@@ -44,8 +44,8 @@ from worker.model.demo import DemoArch
 from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
-from worker.training.corpus import decision_case, extraction_case, generation_case, value_case
-from worker.training.rows import Row, decision_rows, extraction_row, generation_row
+from worker.training.corpus import decision_case, extraction_case, generation_case, tool_call_case, value_case
+from worker.training.rows import Row, decision_rows, extraction_row, generation_row, tool_call_row
 from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, write_shaped_demo
 from worker.training.tokenizer import train_tokenizer
 
@@ -99,6 +99,10 @@ class TrainConfig:
     # share of the decision rows (after value questions) that are extraction rows instead
     # (``corpus.extraction_case``: an extract job's prompt and its schema's canvas)
     extract_share: float | None = None
+    # share of the generation rows that are tool-call rows instead (``corpus.tool_call_case``: a
+    # chat with the tools on offer, the call to make or a one-line answer); the corpus tokenizer
+    # then learns those chats too
+    tool_share: float | None = None
 
 
 def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> list[Row]:
@@ -123,6 +127,9 @@ def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> 
                 continue
             mode: DecisionMode = rng.choice(("joint", "independent"))
             rows.append(rng.choice(decision_rows(case, mode, tokenizer, block)))
+        elif config.tool_share and rng.random() < config.tool_share:  # draws only when set and > 0
+            rows.append(tool_call_row(tool_call_case("train", config.seed, index, bool(config.headings)),
+                                      tokenizer, block))
         else:
             generation = generation_case("train", config.seed, index, bool(config.headings))
             rows.append(generation_row(generation, tokenizer, block))
@@ -358,7 +365,8 @@ def train_demo(
         else:  # the tiny demo's random start, or a wider / deeper one (the tiny demo when unset)
             write_shaped_demo(folder, seed=config.seed, arch=config.arch,
                               tokenizer=train_tokenizer(config.seed, total_vocab=config.vocab or 512,
-                                                        headings=bool(config.headings)),
+                                                        headings=bool(config.headings),
+                                                        tools=bool(config.tool_share)),
                               hidden=config.hidden or TINY_HIDDEN, layers=config.layers or TINY_LAYERS,
                               pattern=config.layer_pattern or "LA",
                               block_size=config.block_size)  # fmt: skip

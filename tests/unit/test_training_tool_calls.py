@@ -1,0 +1,156 @@
+"""Tool-call examples of the demo corpus: the cases, their training rows (the call in the chat
+template's own format, read back by the worker's parser), their scoring and the trainer option
+(pure logic, the shipped demo's tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from scheduler.jobs.tool_spec import parse_tools
+from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+from worker.model.tokenizer import Tokenizer
+from worker.structured.tool_parsers import ParsedCall, call_format, parse_calls
+from worker.structured.tool_render import openai_calls
+from worker.training.contracts import draw_facts
+from worker.training.corpus import in_split, tool_call_case, tool_call_cases
+from worker.training.evaluation import ToolCallTally
+from worker.training.rows import tool_call_prompt, tool_call_row, tool_call_target
+from worker.training.tool_calls import NO_CALL_SHARE, TOOLS, ToolCallCase, calls_seen
+from worker.training.trainer import TrainConfig, _batch
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(TRAINED_CLOVER_DEMO)
+
+
+@pytest.mark.parametrize("split", ["train", "eval", "heldout"])
+def test_cases_are_deterministic_and_their_contract_states_the_argument(split: str) -> None:
+    cases = tool_call_cases(split, 2, 80)  # type: ignore[arg-type]
+    assert cases == tool_call_cases(split, 2, 80)  # type: ignore[arg-type]
+    seen = calls_seen(cases)
+    assert set(seen) == {"none", "schedule_payment", "send_copy", "file_contract"}
+    assert 0.1 < seen["none"] / len(cases) < 0.4  # about NO_CALL_SHARE
+    for case in cases:
+        content = case.messages[0]["content"]
+        if case.call is None:
+            assert case.answer and content.endswith("Answer in one line.")
+            continue
+        name, arguments = case.call
+        (value,) = arguments.values()
+        if name == "schedule_payment":
+            assert isinstance(value, int) and f"{value} days" in content
+        else:
+            assert isinstance(value, str) and value in content
+
+
+def test_a_case_s_facts_are_its_split_s() -> None:
+    assert not {c.messages[0]["content"] for c in tool_call_cases("train", 0, 100)} & {
+        c.messages[0]["content"] for c in tool_call_cases("eval", 0, 100)}
+    for i in range(30):
+        for split in ("train", "eval"):
+            rng = random.Random(f"{split}/0/tool/{i}")
+            facts = draw_facts(rng)
+            while not in_split(facts, split):  # type: ignore[arg-type]
+                facts = draw_facts(rng)
+            case = tool_call_case(split, 0, i)  # type: ignore[arg-type]
+            if case.call is not None and case.call[0] == "file_contract":
+                assert case.call[1] == {"law": facts.law}
+            if case.call is not None and case.call[0] == "schedule_payment":
+                assert case.call[1] == {"days": facts.payment_days}
+
+
+def test_the_target_is_the_template_s_call_and_the_worker_s_parser_reads_it_back(
+    tokenizer: Tokenizer,
+) -> None:
+    fmt = call_format(tokenizer.chat_template)
+    assert fmt == "qwen3_xml"
+    spec = parse_tools(list(TOOLS), "auto", max_tools=8)
+    for case in tool_call_cases("train", 0, 40):
+        target = tool_call_target(case, tokenizer)
+        parsed = parse_calls(target, spec, fmt)
+        assert parsed.malformed is None
+        if case.call is None:
+            assert target == case.answer and not parsed.calls
+        else:
+            assert [(c.name, c.arguments) for c in parsed.calls] == [case.call]
+            assert target.startswith("<tool_call>\n<function=") and target.endswith("</tool_call>")
+
+
+def test_a_row_is_the_served_prompt_with_the_tools_then_the_target_then_eos(tokenizer: Tokenizer) -> None:
+    from worker.execution import prompt_ids
+
+    eos = tokenizer.eos_token_ids[0]
+    for case in tool_call_cases("train", 1, 12):
+        row = tool_call_row(case, tokenizer, block=4)
+        prompt = tool_call_prompt(case, tokenizer)
+        assert prompt == prompt_ids(case.job_input(), {}, tokenizer)  # what the worker builds for the job
+        assert list(row.ids[: len(prompt)]) == prompt and not any(row.predicted[: len(prompt)])
+        target = tokenizer.encode(tool_call_target(case, tokenizer))
+        assert list(row.ids[len(prompt) : len(prompt) + len(target)]) == target
+        assert row.ids[len(prompt) + len(target)] == eos and all(row.predicted[len(prompt):])
+        assert len(row.ids) % 4 == 0 and "<tools>" in tokenizer.decode(prompt, skip_special_tokens=True)
+
+
+def test_the_tally_scores_calls_questions_and_malformed_answers() -> None:
+    chat = ({"role": "user", "content": "c"},)
+    call = ToolCallCase(messages=chat, call=("send_copy", {"party": "Acme Ltd"}), answer="")
+    pay = ToolCallCase(messages=chat, call=("schedule_payment", {"days": 30}), answer="")
+    question = ToolCallCase(messages=chat, call=None, answer="The laws of Spain.")
+
+    tally = ToolCallTally()
+    tally.add(call, "", openai_calls([ParsedCall("send_copy", {"party": "Acme Ltd"})], "j1"))  # right
+    tally.add(pay, "", openai_calls([ParsedCall("schedule_payment", {"days": "30"})], "j2"))  # "30" is not 30
+    tally.add(pay, "<tool_call>\n<function=schedule_payment>", None)  # malformed: returned as text
+    tally.add(question, "The laws of Spain.", None)  # right
+    needless = openai_calls([ParsedCall("file_contract", {"law": "Spain"})], "j3")
+    tally.add(question, "", needless)  # a call where none was needed
+    tally.add(call, None, None)  # failed job
+    d = tally.as_dict()
+    assert (d["jobs"], d["failed_jobs"], d["call_cases"], d["question_cases"]) == (6, 1, 4, 2)
+    assert d["right_function"] == 0.5 and d["right_call"] == 0.25 and d["accuracy"] == round(2 / 6, 4)
+    assert d["no_call_when_none_needed"] == 0.5 and d["right_answer"] == 0.5 and d["malformed_calls"] == 1
+    assert d["right_call_by_function"] == {"schedule_payment": 0.0, "send_copy": 0.5}
+    assert json.dumps(d)
+
+
+def test_tool_share_turns_generation_rows_into_tool_chats(tokenizer: Tokenizer) -> None:
+    """Every generation row a tool chat at share 1 (decision rows stay; the unset option draws
+    nothing: test_training_demo's hashes of the first recipe's batches)."""
+    config = TrainConfig(arch="clover", steps=2, batch=8, decision_share=0.5, tool_share=1.0)
+    kinds = {"decision": 0, "tools": 0}
+    for step in range(2):
+        for row in _batch(step, config, tokenizer, 4):
+            text = tokenizer.decode(list(row.ids), skip_special_tokens=True)
+            if row.units:
+                kinds["decision"] += 1
+                assert "<tools>" not in text
+            else:
+                kinds["tools"] += 1
+                assert "<tools>" in text
+    assert kinds["decision"] and kinds["tools"]
+    assert NO_CALL_SHARE == 0.25
+
+
+def test_a_golden_tool_case_checks_the_calls_and_their_validity() -> None:
+    from worker.training.golden import differences, golden_inputs, record
+
+    (case,) = golden_inputs(decisions=0, generations=0, extractions=0, tools=1)
+    assert case["id"] == "tools-0" and case["body"]["input"]["tool_choice"] == "auto"
+    good = {"text": "", "token_ids": [1, 2],
+            "tool_calls": openai_calls([ParsedCall("file_contract", {"law": "Spain"})], "job-a")}  # fmt: skip
+    golden = record(case, good)
+    assert [c["type"] for c in golden["checks"]] == ["calls_valid", "calls", "tokens"]
+    again = {**good, "tool_calls": openai_calls([ParsedCall("file_contract", {"law": "Spain"})], "job-b")}
+    assert differences(golden, again) == []  # another job's call ids: the same calls
+    wrong = {**good, "tool_calls": openai_calls([ParsedCall("file_contract", {"law": "Italy"})], "job-c")}
+    assert differences(golden, wrong) == ["tool calls: [['file_contract', {'law': 'Italy'}]] != "
+                                          "[['file_contract', {'law': 'Spain'}]]"]  # fmt: skip
+    invalid = {**good, "tool_calls": openai_calls([ParsedCall("schedule_payment", {"days": "soon"}),
+                                                   ParsedCall("delete_all", {})], "job-d")}  # fmt: skip
+    problems = differences(golden, invalid)
+    assert "the arguments of 'schedule_payment' are not valid against its parameters" in problems
+    assert "a call of 'delete_all', which is not one of the job's tools" in problems
