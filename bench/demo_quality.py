@@ -108,14 +108,17 @@ def _context(engine: Engine, tokenizer: Tokenizer) -> EngineContext:
 
 
 def tool_call_report(
-    engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int, headings: bool = False
+    engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int, headings: bool = False,
+    tool_choice: str = "auto",
 ) -> dict[str, object]:
     """Each case as a ``generate`` job with its tools through the worker's own handler (the chat
-    template with the tools, ``tool_choice`` auto, the call parser), 96 new tokens."""
+    template with the tools, the call parser for ``auto``; for ``required`` the name a choice slot
+    and the arguments a canvas), 96 new tokens."""
     tally = ToolCallTally()
     ctx = _context(engine, tokenizer)
     for i, case in enumerate(tool_call_cases(split, seed, count, headings=headings)):  # type: ignore[arg-type]
-        job = JobSpec(f"t{i}", "generate", "standard", 1, case.job_input(), {"max_new_tokens": TOOL_TOKENS})
+        body = {**case.job_input(), "tool_choice": tool_choice}
+        job = JobSpec(f"t{i}", "generate", "standard", 1, body, {"max_new_tokens": TOOL_TOKENS})
         outcome = run_kind(job, ctx)
         result = outcome.result or {}
         tally.add(case, result.get("text") if outcome.result is not None else None, result.get("tool_calls"))
@@ -157,6 +160,8 @@ def main() -> None:
     parser.add_argument("--generation", type=int, default=0)
     parser.add_argument("--extraction", type=int, default=0, help="extraction cases per split")
     parser.add_argument("--tools", type=int, default=0, help="tool-call cases per split")
+    parser.add_argument("--tool-choice", default="auto", choices=("auto", "required"),
+                        help="required: every case calls (a question then scores wrong)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--headings", action="store_true",
                         help="the headed corpus (a checkpoint trained with headings)")  # fmt: skip
@@ -184,7 +189,7 @@ def main() -> None:
                 )
             if args.tools:
                 report[f"tools/{split}"] = tool_call_report(
-                    engine, lm.tokenizer, split, args.seed, args.tools, args.headings
+                    engine, lm.tokenizer, split, args.seed, args.tools, args.headings, args.tool_choice
                 )
         if args.generation:
             report["generation"] = generation_report(

@@ -154,3 +154,19 @@ def test_a_golden_tool_case_checks_the_calls_and_their_validity() -> None:
     problems = differences(golden, invalid)
     assert "the arguments of 'schedule_payment' are not valid against its parameters" in problems
     assert "a call of 'delete_all', which is not one of the job's tools" in problems
+
+
+def test_a_tokenizer_that_learned_the_tool_chats_has_one_id_per_call_tag() -> None:
+    from worker.training.tokenizer import TOOL_TAGS, train_tokenizer, wrap
+
+    plain = wrap(train_tokenizer(0, total_vocab=2048, cases=40))
+    tools = wrap(train_tokenizer(0, total_vocab=2048, cases=40, tools=True))
+    assert all(len(tools.encode(tag)) == 1 for tag in TOOL_TAGS)
+    assert all(len(plain.encode(tag)) > 1 for tag in TOOL_TAGS)  # the option changes nothing unset
+    case = next(c for c in tool_call_cases("train", 0, 20) if c.call is not None)
+    target = tool_call_target(case, tools)
+    ids = tools.encode(target)
+    assert tools.decode(ids, skip_special_tokens=True) == target  # decoded as text: the parser reads it
+    assert len(ids) < len(plain.encode(target))
+    special = [tools.mask_token_id, *tools.eos_token_ids]
+    assert min(special) > max(tools.encode("".join(TOOL_TAGS)))  # the special tokens stay last

@@ -21,6 +21,10 @@ from worker.training.corpus import decision_cases, generation_cases, tool_call_c
 from worker.training.rows import MODES, decision_rows, generation_row, tool_call_row
 
 TOKENIZER_CASES = 400  # of each kind: ~1 MB of text, enough for 500 ids
+# The tool-call format's tags (worker/structured/tool_render.py), one id each in a tokenizer that
+# learned the tool chats (as Qwen's own tokenizer has ``<tool_call>``): byte-level BPE splits each
+# into 3-5 pieces, so a call of one argument was 35 tokens of which 3 say what to call.
+TOOL_TAGS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
 
 
 def wrap(backend: HFTokenizer) -> Tokenizer:
@@ -59,7 +63,7 @@ def train_tokenizer(
 ) -> HFTokenizer:
     """A byte-level BPE of at most ``total_vocab`` ids (special tokens last) learned on the corpus
     (``headings``: the headed corpus, ``worker.training.corpus.decision_case``; ``tools``: its
-    tool-call chats too, ``worker.training.tool_calls``)."""
+    tool-call chats too, ``worker.training.tool_calls``, and ``TOOL_TAGS`` one id each)."""
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre
@@ -70,5 +74,7 @@ def train_tokenizer(
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus_texts(seed, cases, headings, tools), trainer=trainer)
+    if tools:  # plain added tokens (decoded as text, so the call parser reads them), before the specials
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tokenizer
