@@ -260,7 +260,7 @@ async def _database_unavailable_handler(request: Request, exc: Exception) -> JSO
 
 async def _data_error_handler(request: Request, exc: Exception) -> JSONResponse:
     # The database refused a value the request schema let through, e.g. a NUL character in a
-    # string on PostgreSQL (text and JSONB cannot hold U+0000): a client mistake, never a 5xx.
+    # string on PostgreSQL (a text column cannot hold U+0000): a client mistake, never a 5xx.
     log.info("request_data_refused_by_database", error=type(getattr(exc, "orig", exc)).__name__)
     return error_response(422, "invalid_request",
                           "The request holds a value that cannot be stored (e.g. a NUL character).",

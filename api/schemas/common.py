@@ -4,7 +4,7 @@ Each rule lives here once and every model uses it, so a field added later cannot
 
 - :data:`Text` (with length bounds: ``Annotated[str, StringConstraints(...),
   AfterValidator(storable_text)]``): text that can be encoded, stored and echoed — no
-  NUL (PostgreSQL text/JSONB cannot hold U+0000) and no lone surrogate (``"\\ud800"`` is legal
+  NUL (a PostgreSQL text column cannot hold U+0000) and no lone surrogate (``"\\ud800"`` is legal
   in a JSON string but is not Unicode text: UTF-8 encoding, the tokenizer and the JSON
   renderer all fail on it).
 - :data:`UtcDateTime`: a timestamp with an offset that is still a valid datetime in UTC.

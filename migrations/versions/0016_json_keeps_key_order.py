@@ -9,7 +9,9 @@ case recorded on one asked another job on the other); results and metadata came 
 too. ``json`` keeps the text as sent. Nothing here queries inside these columns (no ``->``, no
 GIN index, no equality), so nothing needed ``jsonb``'s operators.
 
-Rows written before this revision keep the order ``jsonb`` gave them: that order is gone.
+Rows written before this revision keep the order ``jsonb`` gave them: that order is gone. Unlike
+``jsonb``, ``json`` holds a ``\u0000`` escape (a NUL inside a schema, say, as SQLite always held
+it); a row holding one makes the downgrade's cast to ``jsonb`` fail, and the downgrade with it.
 
 On PostgreSQL each ``ALTER COLUMN ... TYPE`` rewrites its table under an exclusive lock: on a
 large ``jobs`` table, plan the upgrade for a quiet moment (or a short retention window first).

@@ -9,7 +9,9 @@ same instant: the tick runs here and, handed back, once more on the other beat w
 tick's first act is to claim its message id in Redis (``SET NX`` until a little after the message
 expires, when Celery would discard a redelivery anyway); a second delivery of a claimed id is
 dropped with Celery's ``Ignore`` (logged ``Task NAME[id] ignored``, not run). A tick whose claim
-cannot reach Redis is dropped too: at most once, and the next period's tick replaces it.
+cannot reach Redis is dropped too: at most once, and the next period's tick replaces it (so is the
+redelivery of a tick whose beat died mid-run). A failover can lose a claim written just before it,
+as it can the ack: there the window is narrowed, not closed (every tick is idempotent anyway).
 
 A tick called as a plain function (no message id: tests, a shell) runs without a claim.
 """
@@ -58,8 +60,6 @@ def tick_redis() -> redis.Redis:
 
 class OncePerMessage(Task):
     """A Celery task that runs each of its messages at most once (see the module docstring)."""
-
-    abstract = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request

@@ -38,9 +38,10 @@ def sql_safe_text(text: str) -> str:
 def _sql_safe(value: Any) -> Any:
     """``value`` with NUL characters replaced (U+FFFD) in every string, recursively.
 
-    PostgreSQL cannot store U+0000 in ``text`` or ``jsonb`` (``UntranslatableCharacter``), and
-    a model can decode a token to it: without this the outcome write fails and the job hangs
-    in ``running`` until its lease expires.
+    PostgreSQL cannot store U+0000 in ``text`` (``UntranslatableCharacter``; nor in ``jsonb``,
+    which the JSON columns were before migration 0016), and a model can decode a token to it:
+    without this an outcome write that reaches a text column fails and the job hangs in
+    ``running`` until its lease expires; the stored text and the streamed deltas stay alike.
     """
     if isinstance(value, str):
         return sql_safe_text(value)

@@ -423,7 +423,7 @@ def expire_finished_jobs(
 # AttributeError ('NoneType' object has no attribute 'hostname', conninfo already gone), which
 # Celery treats as unrecoverable, so the one process running reconciler and reaper exits.
 # Each tick message runs at most once (scheduler/infra/periodic_tick.py: a handed-back delivery).
-MAINTENANCE_TASK_OPTIONS: dict[str, Any] = TICK_TASK_OPTIONS
+MAINTENANCE_TASK_OPTIONS: dict[str, Any] = dict(TICK_TASK_OPTIONS)
 
 
 def _resources() -> tuple[Session, redis.Redis, Settings]:

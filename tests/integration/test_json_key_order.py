@@ -2,8 +2,9 @@
 
 PostgreSQL's ``jsonb`` sorted object keys (shorter first), so an extract schema's properties, the
 order its canvas lays fields out and its prompt lists them, came back reordered there and not on
-SQLite: one request, two decodings (migration ``0016_json_keeps_key_order``). Each key order below
-is one ``jsonb`` would change."""
+SQLite: one request, two decodings (migration ``0016_json_keeps_key_order``). ``jsonb`` puts shorter
+keys first: it would change the order of the schema's properties, of the params, of the metadata
+and of the result's value below."""
 
 from __future__ import annotations
 
