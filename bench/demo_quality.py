@@ -41,8 +41,7 @@ from worker.model.tokenizer import Tokenizer
 from worker.training.corpus import decision_cases, extraction_cases, generation_cases, tool_call_cases
 from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally, ToolCallTally
 from worker.training.rows import MODES, generation_prompt
-
-TOOL_TOKENS = 96  # a call in the demo's format is 35-70 tokens
+from worker.training.tool_calls import TOOL_TOKENS
 
 
 def decision_report(

@@ -49,12 +49,11 @@ from worker.training.corpus import (
 from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally, ToolCallTally
 from worker.training.extraction import ExtractionCase
 from worker.training.rows import MODES
-from worker.training.tool_calls import ToolCallCase
+from worker.training.tool_calls import TOOL_TOKENS, ToolCallCase
 
 EVAL_SEED = 1  # any seed gives evaluation contracts (the split is by facts); this is the reported one
 REROUTE_TRIES = 50
 DEMO_BLOCK = 4  # the shipped demo's block size (``--block-size`` for a checkpoint trained otherwise)
-TOOL_TOKENS = 96  # new tokens of a tool-call case: a call in the demo's format is 35-70 tokens
 
 
 def generation_configs(block: int) -> tuple[tuple[str, dict[str, Any]], ...]:

@@ -74,8 +74,8 @@ from cli.model import guarded, model_group
                    "schema canvas).")  # fmt: skip
 @click.option("--tool-share", type=float, default=None,
               help="Share of generation rows that are tool-call rows instead (a chat with tools "
-                   "on offer: the call to make, or a one-line answer); the tokenizer learns them "
-                   "too.")  # fmt: skip
+                   "on offer: the call to make, or a one-line answer); a fresh run's tokenizer "
+                   "learns them too.")  # fmt: skip
 @click.option("--block-size", type=int, default=None,
               help="Block size of the random start (default the demo's 4).")  # fmt: skip
 @guarded

@@ -182,7 +182,7 @@ def test_unset_options_keep_the_first_recipe_s_batches_draw_for_draw() -> None:
     """The rows of the first recipe and of the second round's options, steps 0-2, hashed: the
     digest was computed at f8a914a, before ``vocab`` and ``value_share`` existed (with the random
     demo's tokenizer, which no option changes). A new option that draws when unset changes it;
-    ``value_share=0`` and ``extract_share=0`` must not draw either."""
+    ``value_share=0``, ``extract_share=0`` and ``tool_share=0`` must not draw either."""
     import hashlib
 
     from worker.model.demo_tokenizer import build_demo_tokenizer
@@ -193,9 +193,9 @@ def test_unset_options_keep_the_first_recipe_s_batches_draw_for_draw() -> None:
         digest = hashlib.sha256()
         share = 0.0 if zero else None
         configs = (
-            TrainConfig(batch=8, value_share=share, extract_share=share),
+            TrainConfig(batch=8, value_share=share, extract_share=share, tool_share=share),
             TrainConfig(batch=8, decision_share=0.9, served_slots=True, groups=3, value_share=share,
-                        extract_share=share),
+                        extract_share=share, tool_share=share),
         )
         for config in configs:
             for step in range(3):

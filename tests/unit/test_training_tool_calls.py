@@ -18,7 +18,7 @@ from worker.training.contracts import draw_facts
 from worker.training.corpus import in_split, tool_call_case, tool_call_cases
 from worker.training.evaluation import ToolCallTally
 from worker.training.rows import tool_call_prompt, tool_call_row, tool_call_target
-from worker.training.tool_calls import NO_CALL_SHARE, TOOLS, ToolCallCase, calls_seen
+from worker.training.tool_calls import TOOLS, ToolCallCase, calls_seen
 from worker.training.trainer import TrainConfig, _batch
 
 
@@ -33,7 +33,7 @@ def test_cases_are_deterministic_and_their_contract_states_the_argument(split: s
     assert cases == tool_call_cases(split, 2, 80)  # type: ignore[arg-type]
     seen = calls_seen(cases)
     assert set(seen) == {"none", "schedule_payment", "send_copy", "file_contract"}
-    assert 0.1 < seen["none"] / len(cases) < 0.4  # about NO_CALL_SHARE
+    assert 0.1 < seen["none"] / len(cases) < 0.4  # about NO_CALL_SHARE (0.25)
     for case in cases:
         content = case.messages[0]["content"]
         if case.call is None:
@@ -106,13 +106,15 @@ def test_the_tally_scores_calls_questions_and_malformed_answers() -> None:
     tally.add(pay, "", openai_calls([ParsedCall("schedule_payment", {"days": "30"})], "j2"))  # "30" is not 30
     tally.add(pay, "<tool_call>\n<function=schedule_payment>", None)  # malformed: returned as text
     tally.add(question, "The laws of Spain.", None)  # right
+    tally.add(question, "<tool_call>\n<function=file_contract>", None)  # an unreadable call is a call
     needless = openai_calls([ParsedCall("file_contract", {"law": "Spain"})], "j3")
     tally.add(question, "", needless)  # a call where none was needed
     tally.add(call, None, None)  # failed job
     d = tally.as_dict()
-    assert (d["jobs"], d["failed_jobs"], d["call_cases"], d["question_cases"]) == (6, 1, 4, 2)
-    assert d["right_function"] == 0.5 and d["right_call"] == 0.25 and d["accuracy"] == round(2 / 6, 4)
-    assert d["no_call_when_none_needed"] == 0.5 and d["right_answer"] == 0.5 and d["malformed_calls"] == 1
+    assert (d["jobs"], d["failed_jobs"], d["call_cases"], d["question_cases"]) == (7, 1, 4, 3)
+    assert d["right_function"] == 0.5 and d["right_call"] == 0.25 and d["accuracy"] == round(2 / 7, 4)
+    assert d["no_call_when_none_needed"] == round(1 / 3, 4) and d["right_answer"] == round(1 / 3, 4)
+    assert d["malformed_calls"] == 2
     assert d["right_call_by_function"] == {"schedule_payment": 0.0, "send_copy": 0.5}
     assert json.dumps(d)
 
@@ -132,7 +134,6 @@ def test_tool_share_turns_generation_rows_into_tool_chats(tokenizer: Tokenizer) 
                 kinds["tools"] += 1
                 assert "<tools>" in text
     assert kinds["decision"] and kinds["tools"]
-    assert NO_CALL_SHARE == 0.25
 
 
 def test_a_golden_tool_case_checks_the_calls_and_their_validity() -> None:
@@ -162,7 +163,7 @@ def test_a_tokenizer_that_learned_the_tool_chats_has_one_id_per_call_tag() -> No
     plain = wrap(train_tokenizer(0, total_vocab=2048, cases=40))
     tools = wrap(train_tokenizer(0, total_vocab=2048, cases=40, tools=True))
     assert all(len(tools.encode(tag)) == 1 for tag in TOOL_TAGS)
-    assert all(len(plain.encode(tag)) > 1 for tag in TOOL_TAGS)  # the option changes nothing unset
+    assert all(len(plain.encode(tag)) > 1 for tag in TOOL_TAGS)  # without the option: pieces
     case = next(c for c in tool_call_cases("train", 0, 20) if c.call is not None)
     target = tool_call_target(case, tools)
     ids = tools.encode(target)

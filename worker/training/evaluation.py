@@ -163,7 +163,9 @@ class ToolCallTally:
     question_cases: int = 0  # cases to answer in text
     no_call: int = 0  # ... answered without a call
     right_answer: int = 0  # ... and with the expected line
-    malformed: int = 0  # answers that opened a call the parser could not read (returned as text)
+    # answers that opened a call the parser could not read (returned as text), after the one retry
+    # a ``tool_choice`` ``auto`` job makes (``worker/tool_job.py``)
+    malformed: int = 0
     per_function: dict[str, list[int]] = field(default_factory=dict)  # name -> [right calls, asked]
 
     def add(self, case: ToolCallCase, text: str | None, calls: Sequence[Mapping[str, Any]] | None) -> None:
@@ -172,10 +174,11 @@ class ToolCallTally:
         if text is None:
             self.failed_jobs += 1
         made = [_call_of(c) for c in calls or ()]
-        self.malformed += not made and text is not None and "<tool_call>" in text
+        broken = not made and text is not None and "<tool_call>" in text
+        self.malformed += broken
         if case.call is None:
             self.question_cases += 1
-            quiet = text is not None and not made
+            quiet = text is not None and not made and not broken  # an unreadable call is a call
             self.no_call += quiet
             self.right_answer += quiet and (text or "").strip() == case.answer
             return

@@ -33,11 +33,11 @@ import jsonschema
 
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 from worker.training.corpus import decision_cases, extraction_cases, generation_cases, tool_call_cases
+from worker.training.tool_calls import TOOL_TOKENS
 
 GOLDEN_FILE = TRAINED_CLOVER_DEMO.parent / "clover-golden.json"
 GOLDEN_SEED = 7
 GOLDEN_TOKENS = 32
-GOLDEN_TOOL_TOKENS = 96  # a call in the demo's format is 35-70 tokens
 
 
 def golden_inputs(
@@ -59,7 +59,7 @@ def golden_inputs(
         cases.append({"id": f"extract-{i}", "body": body})
     for i, chat in enumerate(tool_call_cases("eval", GOLDEN_SEED, tools)):
         body = {"kind": "generate", "input": chat.job_input(),
-                "params": {"max_new_tokens": GOLDEN_TOOL_TOKENS, "thinking": False}}  # fmt: skip
+                "params": {"max_new_tokens": TOOL_TOKENS, "thinking": False}}  # fmt: skip
         cases.append({"id": f"tools-{i}", "body": body})
     return cases
 

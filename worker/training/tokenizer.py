@@ -63,7 +63,8 @@ def train_tokenizer(
 ) -> HFTokenizer:
     """A byte-level BPE of at most ``total_vocab`` ids (special tokens last) learned on the corpus
     (``headings``: the headed corpus, ``worker.training.corpus.decision_case``; ``tools``: its
-    tool-call chats too, ``worker.training.tool_calls``, and ``TOOL_TAGS`` one id each)."""
+    tool-call chats too, ``worker.training.tool_calls``, and ``TOOL_TAGS`` one id each on top of
+    ``total_vocab``)."""
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre

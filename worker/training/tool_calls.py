@@ -17,6 +17,7 @@ parser agree on the format by construction. Plain Python.
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from worker.training.contracts import ContractFacts
 
 NO_CALL_SHARE = 0.25
+TOOL_TOKENS = 96  # new tokens of a tool-call job: a call is ~70 tokens (shipped tokenizer), 19 with tags
 
 
 def _tool(name: str, description: str, argument: str, kind: str) -> dict[str, Any]:
@@ -62,7 +64,7 @@ class ToolCallCase:
 
     @property
     def tools(self) -> list[dict[str, Any]]:
-        return [dict(t) for t in TOOLS]
+        return copy.deepcopy(list(TOOLS))  # a caller may change its copy, never the corpus's
 
     def job_input(self) -> dict[str, object]:
         """The body's ``input`` of a ``generate`` job asking this case (the OpenAI routes' shape)."""
