@@ -127,12 +127,20 @@ def evaluate_extraction(
     return tally
 
 
-def _extraction_table(tallies: dict[str, ExtractionTally]) -> Table:
-    table = Table(title="extraction (extract jobs)")
+def _split_table(title: str, tallies: dict[str, Any], rows: tuple[tuple[str, str], ...]) -> Table:
+    """A column per split, a row per ``(label, key)`` of the tallies' ``as_dict`` (shares in %)."""
+    table = Table(title=title)
     table.add_column("")
     for split in tallies:
         table.add_column(f"{split} split", justify="right")
     summaries = [t.as_dict() for t in tallies.values()]
+    for label, key in rows:
+        cells = (_percent(d[key]) if isinstance(d[key], float) else str(d[key]) for d in summaries)
+        table.add_row(label, *cells)
+    return table
+
+
+def _extraction_table(tallies: dict[str, ExtractionTally]) -> Table:
     rows = (
         ("jobs", "jobs"),
         ("field accuracy", "field_accuracy"),
@@ -141,10 +149,7 @@ def _extraction_table(tallies: dict[str, ExtractionTally]) -> Table:
         ("invalid-output retries", "invalid_output_retries"),
         ("failed jobs", "failed_jobs"),
     )
-    for label, key in rows:
-        cells = (_percent(d[key]) if isinstance(d[key], float) else str(d[key]) for d in summaries)
-        table.add_row(label, *cells)
-    return table
+    return _split_table("extraction (extract jobs)", tallies, rows)
 
 
 def evaluate_tool_calls(cq: Client, cases: list[ToolCallCase], version: str | None,
@@ -160,11 +165,6 @@ def evaluate_tool_calls(cq: Client, cases: list[ToolCallCase], version: str | No
 
 
 def _tool_table(tallies: dict[str, ToolCallTally]) -> Table:
-    table = Table(title="tool calls (generate jobs with tools, tool_choice auto)")
-    table.add_column("")
-    for split in tallies:
-        table.add_column(f"{split} split", justify="right")
-    summaries = [t.as_dict() for t in tallies.values()]
     rows = (
         ("jobs", "jobs"),
         ("all right", "accuracy"),
@@ -175,10 +175,7 @@ def _tool_table(tallies: dict[str, ToolCallTally]) -> Table:
         ("malformed calls", "malformed_calls"),
         ("failed jobs", "failed_jobs"),
     )
-    for label, key in rows:
-        cells = (_percent(d[key]) if isinstance(d[key], float) else str(d[key]) for d in summaries)
-        table.add_row(label, *cells)
-    return table
+    return _split_table("tool calls (generate jobs with tools, tool_choice auto)", tallies, rows)
 
 
 def generation_body(case: GenerationCase, params: dict[str, Any]) -> dict[str, Any]:

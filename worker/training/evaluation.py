@@ -14,7 +14,6 @@ or, for a question, makes no call and its one line equals the expected one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,7 @@ import jsonschema
 from worker.training.corpus import DecisionCase, GenerationCase
 from worker.training.extraction import ExtractionCase
 from worker.training.questions import violates
-from worker.training.tool_calls import ToolCallCase
+from worker.training.tool_calls import ToolCallCase, call_parts
 
 
 @dataclass
@@ -173,7 +172,7 @@ class ToolCallTally:
         self.jobs += 1
         if text is None:
             self.failed_jobs += 1
-        made = [_call_of(c) for c in calls or ()]
+        made = [call_parts(c) for c in calls or ()]
         broken = not made and text is not None and "<tool_call>" in text
         self.malformed += broken
         if case.call is None:
@@ -206,17 +205,6 @@ class ToolCallTally:
             "malformed_calls": self.malformed,
             "right_call_by_function": {k: _share(c, n) for k, (c, n) in sorted(self.per_function.items())},
         }
-
-
-def _call_of(call: Mapping[str, Any]) -> tuple[str, Any]:
-    """(name, arguments) of an OpenAI-shaped call (``arguments`` JSON text, or a mapping)."""
-    function = call.get("function") or {}
-    arguments = function.get("arguments")
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
-        value = _MISSING
-    return str(function.get("name")), value
 
 
 def _same(given: Any, truth: Mapping[str, Any]) -> bool:

@@ -33,7 +33,7 @@ import jsonschema
 
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 from worker.training.corpus import decision_cases, extraction_cases, generation_cases, tool_call_cases
-from worker.training.tool_calls import TOOL_TOKENS
+from worker.training.tool_calls import TOOL_TOKENS, call_parts
 
 GOLDEN_FILE = TRAINED_CLOVER_DEMO.parent / "clover-golden.json"
 GOLDEN_SEED = 7
@@ -66,16 +66,7 @@ def golden_inputs(
 
 def _calls(result: Mapping[str, Any]) -> list[list[Any]]:
     """``[name, arguments]`` of each tool call of ``result`` (arguments decoded from JSON text)."""
-    out = []
-    for call in result.get("tool_calls") or []:
-        function = call.get("function") or {}
-        arguments = function.get("arguments")
-        try:
-            value = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            value = arguments
-        out.append([function.get("name"), value])
-    return out
+    return [list(call_parts(call)) for call in result.get("tool_calls") or []]
 
 
 def _answers(result: Mapping[str, Any]) -> list[str] | None:

@@ -18,7 +18,9 @@ parser agree on the format by construction. Plain Python.
 from __future__ import annotations
 
 import copy
+import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +94,17 @@ def draw_call(facts: ContractFacts, rng: random.Random) -> tuple[str, dict[str, 
     else:
         arguments = {"law": facts.law}
     return name, arguments, request, CLAUSE_OF[name]
+
+
+def call_parts(call: Mapping[str, Any]) -> tuple[str | None, Any]:
+    """(name, arguments) of an OpenAI-shaped call: ``arguments`` decoded from its JSON text (kept
+    as given when it is not JSON), the id left out (it names the job that made the call)."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    try:
+        return function.get("name"), json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return function.get("name"), arguments
 
 
 def calls_seen(cases: list[ToolCallCase]) -> dict[str, int]:
