@@ -128,14 +128,16 @@ def evaluate_extraction(
 
 
 def _split_table(title: str, tallies: dict[str, Any], rows: tuple[tuple[str, str], ...]) -> Table:
-    """A column per split, a row per ``(label, key)`` of the tallies' ``as_dict`` (shares in %)."""
+    """A column per split, a row per ``(label, key)`` of the tallies' ``as_dict`` (shares in %, "-"
+    for a share of nothing)."""
     table = Table(title=title)
     table.add_column("")
     for split in tallies:
         table.add_column(f"{split} split", justify="right")
     summaries = [t.as_dict() for t in tallies.values()]
     for label, key in rows:
-        cells = (_percent(d[key]) if isinstance(d[key], float) else str(d[key]) for d in summaries)
+        cells = (_percent(d[key]) if d[key] is None or isinstance(d[key], float) else str(d[key])
+                 for d in summaries)  # fmt: skip
         table.add_row(label, *cells)
     return table
 
