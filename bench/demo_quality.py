@@ -120,7 +120,9 @@ def tool_call_report(
         job = JobSpec(f"t{i}", "generate", "standard", 1, body, {"max_new_tokens": TOOL_TOKENS})
         outcome = run_kind(job, ctx)
         result = outcome.result or {}
-        tally.add(case, result.get("text") if outcome.result is not None else None, result.get("tool_calls"))
+        attempts = int((result.get("usage") or {}).get("attempts", 1))
+        tally.add(case, result.get("text") if outcome.result is not None else None, result.get("tool_calls"),
+                  attempts - 1)
     return tally.as_dict()
 
 

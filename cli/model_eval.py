@@ -162,7 +162,9 @@ def evaluate_tool_calls(cq: Client, cases: list[ToolCallCase], version: str | No
     for case, job in zip(cases, run_jobs(cq, bodies, version, timeout), strict=True):
         ok = job is not None and job.status == "succeeded" and job.result is not None
         result = job.result if ok and job is not None else None
-        tally.add(case, result.text if result is not None else None, result.tool_calls if result else None)
+        attempts = int(((result.usage if result else None) or {}).get("attempts", 1))
+        tally.add(case, result.text if result is not None else None, result.tool_calls if result else None,
+                  attempts - 1)
     return tally
 
 
@@ -174,7 +176,8 @@ def _tool_table(tallies: dict[str, ToolCallTally]) -> Table:
         ("requests: right call", "right_call"),
         ("questions: no call", "no_call_when_none_needed"),
         ("questions: right line", "right_answer"),
-        ("malformed calls", "malformed_calls"),
+        ("malformed calls (after the retry)", "malformed_calls"),
+        ("invalid-output retries", "invalid_output_retries"),
         ("failed jobs", "failed_jobs"),
     )
     return _split_table("tool calls (generate jobs with tools, tool_choice auto)", tallies, rows)

@@ -14,6 +14,7 @@ the tools (the chat template rendered them). Then, by ``tool_choice``:
   A malformed call is retried once with a new seed at ``decide_retry_temperature`` (the
   decisions' rule), counted in ``cloverq_invalid_output_retries_total{kind="tool_call"}`` with a
   log line; if the retry is malformed too, the answer is returned as text content, no calls.
+  The result's ``usage.attempts`` says how many decodes were made (as a decision's does).
 
 The result's ``text`` is the content outside the calls, ``tool_calls`` the calls in OpenAI's
 shape (``arguments`` as JSON text), ``data`` the arguments of a laid-out call.
@@ -135,6 +136,8 @@ def _auto(request: GenerationRequest, spec: ToolSpec, fmt: CallFormat, job: JobS
     if parsed.malformed is not None:
         log.warning("tool_call.returned_as_text", alert=True, job_id=job.job_id, reason=parsed.malformed)
     result: dict[str, Any] = outcome.result or {}
+    if isinstance(result.get("usage"), dict):  # decodes made, as a decision's usage says (1 or 2)
+        result["usage"]["attempts"] = attempt
     result["text"] = parsed.content
     if parsed.calls:
         result["tool_calls"] = openai_calls(parsed.calls, job.job_id)

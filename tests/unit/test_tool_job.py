@@ -79,7 +79,7 @@ def _no_redis(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_auto_reads_the_calls_and_the_prompt_holds_the_tools() -> None:
     outcome, engine = _run([GOOD])
     assert outcome.status is JobStatus.SUCCEEDED
-    assert outcome.result["text"] == "Sure."
+    assert outcome.result["text"] == "Sure." and outcome.result["usage"]["attempts"] == 1
     (call,) = outcome.result["tool_calls"]
     assert call["function"] == {"name": "get_time", "arguments": json.dumps({"zone": "CET"})}
     prompt = engine.tok.decode(engine.requests[0].prompt_ids, skip_special_tokens=False)
@@ -92,7 +92,7 @@ def test_a_malformed_auto_call_is_retried_once_then_returned_as_text(_no_redis: 
     retry = engine.requests[1].params
     assert retry.seed != 5 and retry.temperature == Settings().decisions.retry_temperature
     assert outcome.result["tool_calls"][0]["function"]["name"] == "get_time"
-    assert outcome.steps_used == 6  # both decodes counted
+    assert outcome.steps_used == 6 and outcome.result["usage"]["attempts"] == 2  # both decodes counted
 
     outcome, engine = _run([BAD, BAD])
     assert len(engine.requests) == 2

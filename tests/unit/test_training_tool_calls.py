@@ -104,7 +104,7 @@ def test_the_tally_scores_calls_questions_and_malformed_answers() -> None:
     tally = ToolCallTally()
     tally.add(call, "", openai_calls([ParsedCall("send_copy", {"party": "Acme Ltd"})], "j1"))  # right
     tally.add(pay, "", openai_calls([ParsedCall("schedule_payment", {"days": "30"})], "j2"))  # "30" is not 30
-    tally.add(pay, "<tool_call>\n<function=schedule_payment>", None)  # malformed: returned as text
+    tally.add(pay, "<tool_call>\n<function=schedule_payment>", None, retries=1)  # malformed after a retry
     tally.add(question, "The laws of Spain.", None)  # right
     tally.add(question, "<tool_call>\n<function=file_contract>", None)  # an unreadable call is a call
     needless = openai_calls([ParsedCall("file_contract", {"law": "Spain"})], "j3")
@@ -114,7 +114,7 @@ def test_the_tally_scores_calls_questions_and_malformed_answers() -> None:
     assert (d["jobs"], d["failed_jobs"], d["call_cases"], d["question_cases"]) == (7, 1, 4, 3)
     assert d["right_function"] == 0.5 and d["right_call"] == 0.25 and d["accuracy"] == round(2 / 7, 4)
     assert d["no_call_when_none_needed"] == round(1 / 3, 4) and d["right_answer"] == round(1 / 3, 4)
-    assert d["malformed_calls"] == 2
+    assert d["malformed_calls"] == 2 and d["invalid_output_retries"] == 1
     assert d["right_call_by_function"] == {"schedule_payment": 0.0, "send_copy": 0.5}
     assert json.dumps(d)
 

@@ -165,11 +165,14 @@ class ToolCallTally:
     # answers that opened a call the parser could not read (returned as text), after the one retry
     # a ``tool_choice`` ``auto`` job makes (``worker/tool_job.py``)
     malformed: int = 0
+    invalid_output_retries: int = 0  # decodes an auto job made again after a malformed call
     per_function: dict[str, list[int]] = field(default_factory=dict)  # name -> [right calls, asked]
 
-    def add(self, case: ToolCallCase, text: str | None, calls: Sequence[Mapping[str, Any]] | None) -> None:
+    def add(self, case: ToolCallCase, text: str | None, calls: Sequence[Mapping[str, Any]] | None,
+            retries: int = 0) -> None:  # fmt: skip
         """Score one job's answer (``text``, ``calls`` in OpenAI's shape; ``text`` None: it failed)."""
         self.jobs += 1
+        self.invalid_output_retries += retries
         if text is None:
             self.failed_jobs += 1
         made = [call_parts(c) for c in calls or ()]
@@ -203,6 +206,7 @@ class ToolCallTally:
             "no_call_when_none_needed": _share(self.no_call, self.question_cases),
             "right_answer": _share(self.right_answer, self.question_cases),
             "malformed_calls": self.malformed,
+            "invalid_output_retries": self.invalid_output_retries,
             "right_call_by_function": {k: _share(c, n) for k, (c, n) in sorted(self.per_function.items())},
         }
 
