@@ -39,7 +39,7 @@ from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
 from worker.training.corpus import decision_cases, extraction_cases, generation_cases, tool_call_cases
-from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally, ToolCallTally
+from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally, ToolCallTally, retries
 from worker.training.rows import MODES, generation_prompt
 from worker.training.tool_calls import TOOL_TOKENS
 
@@ -120,9 +120,8 @@ def tool_call_report(
         job = JobSpec(f"t{i}", "generate", "standard", 1, body, {"max_new_tokens": TOOL_TOKENS})
         outcome = run_kind(job, ctx)
         result = outcome.result or {}
-        attempts = int((result.get("usage") or {}).get("attempts", 1))
         tally.add(case, result.get("text") if outcome.result is not None else None, result.get("tool_calls"),
-                  attempts - 1)
+                  retries(result.get("usage")))
     return tally.as_dict()
 
 

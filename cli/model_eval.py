@@ -46,7 +46,7 @@ from worker.training.corpus import (
     generation_cases,
     tool_call_cases,
 )
-from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally, ToolCallTally
+from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally, ToolCallTally, retries
 from worker.training.extraction import ExtractionCase
 from worker.training.rows import MODES
 from worker.training.tool_calls import TOOL_TOKENS, ToolCallCase
@@ -96,8 +96,7 @@ def run_jobs(
 def _answers(job: Job | None) -> tuple[list[str] | None, int]:
     if job is None or job.status != "succeeded" or job.result is None or job.result.answers is None:
         return None, 0
-    attempts = int((job.result.usage or {}).get("attempts", 1))
-    return [str(a["choice"]) for a in job.result.answers], attempts - 1
+    return [str(a["choice"]) for a in job.result.answers], retries(job.result.usage)
 
 
 def evaluate_decisions(cq: Client, cases: list[DecisionCase], version: str | None, timeout: float,
@@ -122,8 +121,8 @@ def evaluate_extraction(
     for case, job in zip(cases, jobs, strict=True):
         ok = job is not None and job.status == "succeeded" and job.result is not None
         result = job.result if ok and job is not None else None
-        attempts = int(((result.usage if result else None) or {}).get("attempts", 1))
-        tally.add(case, result.data if result is not None else None, attempts - 1)
+        usage = result.usage if result is not None else None
+        tally.add(case, result.data if result is not None else None, retries(usage))
     return tally
 
 
@@ -162,9 +161,8 @@ def evaluate_tool_calls(cq: Client, cases: list[ToolCallCase], version: str | No
     for case, job in zip(cases, run_jobs(cq, bodies, version, timeout), strict=True):
         ok = job is not None and job.status == "succeeded" and job.result is not None
         result = job.result if ok and job is not None else None
-        attempts = int(((result.usage if result else None) or {}).get("attempts", 1))
         tally.add(case, result.text if result is not None else None, result.tool_calls if result else None,
-                  attempts - 1)
+                  retries(result.usage if result else None))
     return tally
 
 

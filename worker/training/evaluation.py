@@ -127,7 +127,7 @@ class ExtractionTally:
         right = 0
         for name, truth in case.answer.items():
             given = value.get(name, _MISSING) if isinstance(value, dict) else _MISSING
-            ok = given == truth and type(given) is type(truth)  # 1 is not True, 0 is not None
+            ok = _same_value(given, truth)
             right += ok
             tally = self.per_field.setdefault(name, [0, 0])
             tally[0] += ok
@@ -214,7 +214,17 @@ class ToolCallTally:
 def _same(given: Any, truth: Mapping[str, Any]) -> bool:
     """Arguments equal to the truth, value and type (``30`` is not ``"30"``)."""
     return (isinstance(given, dict) and given.keys() == truth.keys()
-            and all(given[k] == v and type(given[k]) is type(v) for k, v in truth.items()))
+            and all(_same_value(given[k], v) for k, v in truth.items()))
+
+
+def _same_value(given: Any, truth: Any) -> bool:
+    """Equal and of the same type: ``1`` is not ``True``, ``0`` is not ``None``, ``30`` not ``"30"``."""
+    return bool(given == truth) and type(given) is type(truth)
+
+
+def retries(usage: Mapping[str, Any] | None) -> int:
+    """Invalid-output retries of a job, from its result's ``usage.attempts`` (absent: one decode)."""
+    return int((usage or {}).get("attempts", 1)) - 1
 
 
 def _share(part: int, whole: int) -> float | None:

@@ -28,6 +28,7 @@ from worker.decisions.planner import plan_decision
 from worker.decisions.spec import DecisionMode
 from worker.decisions.templates import choice_sequences
 from worker.engine.types import InfillTemplate, SamplingParams
+from worker.execution import prompt_ids
 from worker.extract_job import render_extract_prompt
 from worker.model.tokenizer import Tokenizer
 from worker.structured.canvas import compile_canvas
@@ -101,16 +102,20 @@ def extraction_row(case: ExtractionCase, tokenizer: Tokenizer, block: int) -> Ro
     return _template_row(prompt, canvas.template, fills, block, tokenizer.eos_token_ids[0])
 
 
+def _answer_row(prompt: list[int], answer: str, tokenizer: Tokenizer, block: int) -> Row:
+    """``prompt`` then ``answer`` and EOS, every position after the prompt predicted."""
+    eos = tokenizer.eos_token_ids[0]
+    target = [*tokenizer.encode(answer), eos]
+    return _padded(prompt + target, [False] * len(prompt) + [True] * len(target), block, eos)
+
+
 def generation_prompt(case: GenerationCase, tokenizer: Tokenizer) -> list[int]:
-    """The prompt a ``generate`` job with ``messages`` and ``thinking`` builds (``worker.execution``)."""
-    return tokenizer.encode(tokenizer.render_chat(list(case.messages), enable_thinking=case.thinking))
+    """The prompt a ``generate`` job with ``messages`` and ``thinking`` builds (the worker's own)."""
+    return prompt_ids({"messages": list(case.messages)}, {"thinking": case.thinking}, tokenizer)
 
 
 def generation_row(case: GenerationCase, tokenizer: Tokenizer, block: int) -> Row:
-    prompt = generation_prompt(case, tokenizer)
-    eos = tokenizer.eos_token_ids[0]
-    target = [*tokenizer.encode(case.target), eos]
-    return _padded(prompt + target, [False] * len(prompt) + [True] * len(target), block, eos)
+    return _answer_row(generation_prompt(case, tokenizer), case.target, tokenizer, block)
 
 
 def tool_call_target(case: ToolCallCase, tokenizer: Tokenizer) -> str:
@@ -124,13 +129,9 @@ def tool_call_target(case: ToolCallCase, tokenizer: Tokenizer) -> str:
 
 
 def tool_call_prompt(case: ToolCallCase, tokenizer: Tokenizer) -> list[int]:
-    """The prompt a ``generate`` job of ``case.job_input()`` builds (thinking off)."""
-    text = tokenizer.render_chat(list(case.messages), enable_thinking=False, tools=case.tools)
-    return tokenizer.encode(text)
+    """The prompt a ``generate`` job of ``case.job_input()`` builds (thinking off; the worker's own)."""
+    return prompt_ids(case.job_input(), {}, tokenizer)
 
 
 def tool_call_row(case: ToolCallCase, tokenizer: Tokenizer, block: int) -> Row:
-    prompt = tool_call_prompt(case, tokenizer)
-    eos = tokenizer.eos_token_ids[0]
-    target = [*tokenizer.encode(tool_call_target(case, tokenizer)), eos]
-    return _padded(prompt + target, [False] * len(prompt) + [True] * len(target), block, eos)
+    return _answer_row(tool_call_prompt(case, tokenizer), tool_call_target(case, tokenizer), tokenizer, block)
