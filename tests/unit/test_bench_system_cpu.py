@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,21 +31,26 @@ def test_cpu_seconds_counts_this_process_and_its_threads() -> None:
     assert 0.2 <= used.top_threads["me"] <= used.seconds["me"] + 0.02  # this (main) thread spun
 
 
-def test_a_group_counts_its_descendants() -> None:
-    child = ("import time; end = time.process_time() + 0.3\\nwhile time.process_time() < end: pass\\n"
-             "time.sleep(30)")  # ~0.3 s of CPU, then idle
+def test_a_group_counts_its_descendants(tmp_path: Path) -> None:
+    spun = tmp_path / "spun"
+    child = tmp_path / "child.py"
+    child.write_text("import sys, time\n"
+                     "end = time.process_time() + 0.3\n"
+                     "while time.process_time() < end: pass\n"  # ~0.3 s of CPU
+                     "open(sys.argv[1], 'w').close()\n"  # says so: on a loaded machine the
+                     "time.sleep(30)\n")  # spin takes longer than any fixed wait (a CI run saw 0.16 s)
     # the parent spins too: a process's /proc CPU counts whole clock ticks, and a bare interpreter's
     # start-up (~20 ms) sometimes counted none (a CI run saw "alone" at 0.0)
     code = ("import subprocess, sys, time; end = time.process_time() + 0.1\n"
             "while time.process_time() < end: pass\n"
-            f"subprocess.run([sys.executable, '-c', '{child}'])")
-    parent = subprocess.Popen([sys.executable, "-c", code])
+            "subprocess.run([sys.executable, sys.argv[1], sys.argv[2]])")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(child), str(spun)])
     try:
-        deadline = time.monotonic() + 10
-        while len(system_cpu.descendants(parent.pid)) < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30
+        while not spun.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert spun.exists()  # the child's spin is done
         assert len(system_cpu.descendants(parent.pid)) == 2
-        time.sleep(0.5)  # the child's spin is done
         taken = system_cpu.snapshot({"tree": [parent.pid], "alone": [parent.pid]}, alone=["alone"])
         assert taken.groups["alone"] > 0.0
         assert taken.groups["tree"] - taken.groups["alone"] >= 0.2  # the child's seconds only in "tree"
