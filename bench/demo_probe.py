@@ -193,7 +193,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         noisy, clean, masked, commit, valid = _noisy_batch(rows, block, mask_id, gen, served_slots=True)
         model.train()
-        loss = bucketed_loss(model, noisy, clean, masked, commit, valid, torch.ones(len(rows)), 2)
+        loss = bucketed_loss(model, noisy, clean, masked, commit, valid, torch.ones(masked.shape), 2)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -76,6 +76,12 @@ from cli.model import guarded, model_group
               help="Share of generation rows that are tool-call rows instead (a chat with tools "
                    "on offer: the call to make, or a one-line answer); a fresh run's tokenizer "
                    "learns them too.")  # fmt: skip
+@click.option("--tool-keys", type=float, default=None,
+              help="Noise tool-call rows at their deciding tokens (the first answer token, the "
+                   "function's name, the argument's value), weighted this much (needs "
+                   "--buckets).")  # fmt: skip
+@click.option("--joint-share", type=float, default=None,
+              help="Share of the question decision rows asked jointly (default: half).")  # fmt: skip
 @click.option("--block-size", type=int, default=None,
               help="Block size of the random start (default the demo's 4).")  # fmt: skip
 @guarded
@@ -96,6 +102,8 @@ def train_demo_command(
     value_share: float | None,
     extract_share: float | None,
     tool_share: float | None,
+    tool_keys: float | None,
+    joint_share: float | None,
     block_size: int | None,
     directory: Path,
     arch: str,
@@ -125,7 +133,7 @@ def train_demo_command(
                          hidden=hidden, layers=layers, layer_pattern=layer_pattern,
                          headings=headings or None, vocab=vocab, value_share=value_share,
                          block_size=block_size, extract_share=extract_share,
-                         tool_share=tool_share)  # fmt: skip
+                         tool_share=tool_share, tool_keys=tool_keys, joint_share=joint_share)  # fmt: skip
     if (directory / RESUME_FILE).is_file():
         click.echo(f"resuming from {directory / RESUME_FILE}", err=True)
     columns = (TextColumn("[bold]train-demo"), BarColumn(), MofNCompleteColumn(),

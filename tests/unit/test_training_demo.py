@@ -153,7 +153,8 @@ def test_the_bucketed_loss_is_the_one_pass_loss_and_easy_steps_ask_first_questio
         ce = torch.nn.functional.cross_entropy(logits[masked], clean[masked], reduction="none")
         one = (ce * w).sum() / w.sum()
         for buckets in (1, 2, 3):
-            split = bucketed_loss(lm.model, noisy, clean, masked, commit, valid, weight, buckets)
+            split = bucketed_loss(lm.model, noisy, clean, masked, commit, valid,
+                                  weight[:, None].expand_as(masked), buckets)  # fmt: skip
             assert abs(float(split) - float(one)) < 1e-4, buckets
 
 
@@ -176,6 +177,15 @@ def test_extract_share_turns_decision_rows_into_extraction_rows() -> None:
         text = lm.tokenizer.decode(list(row.ids))
         fields = text.count(": one of ")  # the prompt's field list: "- name: one of ..."
         assert "Answer with JSON holding:" in text and 2 <= len(row.units) == fields <= 3
+
+
+def test_joint_share_asks_that_share_of_the_question_rows_jointly() -> None:
+    """``joint_share`` 1: every question row is a joint row (all its group's slots); 0: every one
+    asks one question alone."""
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    joint = _batch(3, TrainConfig(batch=8, decision_share=1.0, joint_share=1.0), lm.tokenizer, 4)
+    alone = _batch(3, TrainConfig(batch=8, decision_share=1.0, joint_share=0.0), lm.tokenizer, 4)
+    assert all(len(r.units) >= 2 for r in joint) and all(len(r.units) == 1 for r in alone)
 
 
 def test_unset_options_keep_the_first_recipe_s_batches_draw_for_draw() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -95,6 +96,22 @@ def test_a_row_is_the_served_prompt_with_the_tools_then_the_target_then_eos(toke
         assert len(row.ids) % 4 == 0 and "<tools>" in tokenizer.decode(prompt, skip_special_tokens=True)
 
 
+def test_a_rows_keys_are_its_first_token_the_functions_name_and_the_arguments_value(
+    tokenizer: Tokenizer,
+) -> None:
+    for case in tool_call_cases("train", 1, 16):
+        row = tool_call_row(case, tokenizer, block=4)
+        start = len(tool_call_prompt(case, tokenizer))
+        assert row.keys[0] == start and all(row.predicted[p] for p in row.keys)
+        read = tokenizer.decode([row.ids[p] for p in row.keys[1:]], skip_special_tokens=False)
+        if case.call is None:
+            assert row.keys == (start,)
+        else:  # the keys may reach into the neighbouring markup by a token piece, never miss a character
+            name, arguments = case.call
+            assert name in read and str(next(iter(arguments.values()))) in read
+            assert "parameter" not in read.replace(name, "").replace(str(next(iter(arguments.values()))), "")
+
+
 def test_the_tally_scores_calls_questions_and_malformed_answers() -> None:
     chat = ({"role": "user", "content": "c"},)
     call = ToolCallCase(messages=chat, call=("send_copy", {"party": "Acme Ltd"}), answer="")
@@ -134,6 +151,38 @@ def test_tool_share_turns_generation_rows_into_tool_chats(tokenizer: Tokenizer) 
                 kinds["tools"] += 1
                 assert "<tools>" in text
     assert kinds["decision"] and kinds["tools"]
+
+
+def test_tool_keys_noise_a_tool_row_at_a_block_of_its_keys_and_weigh_them(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """``tool_keys``: each tool row's pass is at a block holding a deciding token, every one of
+    them there a target, weighted ``tool_keys``; a decision row keeps ``decision_weight``. It needs
+    the per-target loss (``buckets``)."""
+    import torch
+
+    from worker.training.trainer import _noisy_batch, target_weights, train_demo
+
+    config = TrainConfig(batch=8, decision_share=0.5, tool_share=1.0, tool_keys=4.0, decision_weight=3.0,
+                         served_slots=True, buckets=2)  # fmt: skip
+    rows = _batch(0, config, tokenizer, 4) + _batch(1, config, tokenizer, 4)
+    assert any(r.keys for r in rows) and any(r.units for r in rows)
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        noisy, _, masked, commit, _ = _noisy_batch(rows, 4, tokenizer.mask_token_id, gen, True, None, True)
+        weight = target_weights(rows, config, masked.shape[1])
+        for r, row in enumerate(rows):
+            start = int(commit[r])
+            if row.units:
+                assert bool((weight[r] == 3.0).all())
+                continue
+            here = [p for p in row.keys if start <= p < start + 4]
+            assert here and all(masked[r, p] for p in here)
+            assert all(noisy[r, p] == tokenizer.mask_token_id for p in here)
+            assert {float(weight[r, p]) for p in row.keys if p < masked.shape[1]} == {4.0}
+            assert {float(weight[r, p]) for p in range(start, start + 4) if p not in row.keys} <= {1.0}
+    with pytest.raises(ValueError, match="buckets"):
+        train_demo(tmp_path / "demo", TrainConfig(tool_share=0.3, tool_keys=3.0))
 
 
 def test_a_golden_tool_case_checks_the_calls_and_their_validity() -> None:

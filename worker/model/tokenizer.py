@@ -153,6 +153,11 @@ class Tokenizer:
         """Ids of ``text``; special-token strings in it become their ids (chat markup)."""
         return self._backend.encode(text, add_special_tokens=False).ids
 
+    def encode_spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` (as ``encode``) and each one's (start, end) characters in ``text``."""
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(span) for span in encoding.offsets]  # type: ignore[misc]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -44,6 +44,9 @@ class Row:
     ids: tuple[int, ...]
     predicted: tuple[bool, ...]  # per position: a target of the denoising loss
     units: tuple[tuple[int, int], ...] = ()  # decision rows: (start, length) of each choice slot
+    # tool-call rows: the positions that decide the answer (its first token: a call or text; the
+    # function's name; the argument's value), the rest of a call being fixed by the format
+    keys: tuple[int, ...] = ()
 
 
 def _padded(ids: list[int], predicted: list[bool], block: int, eos: int) -> Row:
@@ -133,5 +136,29 @@ def tool_call_prompt(case: ToolCallCase, tokenizer: Tokenizer) -> list[int]:
     return prompt_ids(case.job_input(), {}, tokenizer)
 
 
+def deciding_spans(case: ToolCallCase, target: str) -> list[tuple[int, int]]:
+    """The character spans of ``target`` (``tool_call_target``) that decide it: its first character
+    (a call or a text answer) and, for a call, the function's name and the argument's value as the
+    template writes them (``<function=NAME>`` ... ``<parameter=ARG>`` newline VALUE newline)."""
+    spans = [(0, 1)]
+    if case.call is not None:
+        name, arguments = case.call
+        start = target.index("<function=") + len("<function=")
+        spans.append((start, start + len(name)))
+        for argument in arguments:
+            opening = f"<parameter={argument}>\n"
+            begin = target.index(opening) + len(opening)
+            spans.append((begin, target.index("\n</parameter>", begin)))
+    return spans
+
+
 def tool_call_row(case: ToolCallCase, tokenizer: Tokenizer, block: int) -> Row:
-    return _answer_row(tool_call_prompt(case, tokenizer), tool_call_target(case, tokenizer), tokenizer, block)
+    """A generation row of ``case``'s prompt and target, its deciding tokens listed as ``keys``."""
+    prompt = tool_call_prompt(case, tokenizer)
+    target = tool_call_target(case, tokenizer)
+    row = _answer_row(prompt, target, tokenizer, block)
+    _, offsets = tokenizer.encode_spans(target)
+    spans = deciding_spans(case, target)
+    keys = tuple(len(prompt) + i for i, (a, b) in enumerate(offsets)
+                 if any(a < end and start < b for start, end in spans))  # fmt: skip
+    return Row(row.ids, row.predicted, keys=keys)

@@ -14,7 +14,9 @@ Options left unset keep the first recipe's draws and loss (the shipped checkpoin
 attention-only random start), ``headings`` (headed clauses, questions naming them), ``vocab`` (a
 larger corpus tokenizer), ``value_share`` (value questions: retrieval rows), ``block_size`` (a
 larger block), ``extract_share`` (extraction rows), ``tool_share`` (tool-call rows, and a tokenizer
-that has seen their chats); what each did is measured in docs/demo-training.md.
+that has seen their chats), ``tool_keys`` (tool rows noised and weighted at the tokens that decide
+the call), ``joint_share`` (more question rows asked jointly); what each did is measured in
+docs/demo-training.md.
 
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
@@ -103,6 +105,14 @@ class TrainConfig:
     # chat with the tools on offer, the call to make or a one-line answer); the corpus tokenizer
     # then learns those chats too
     tool_share: float | None = None
+    # tool-call rows noised at their deciding tokens (``Row.keys``: the first answer token, the
+    # function's name, the argument's value): the block is drawn among those holding one, they are
+    # always targets there, weighted this much (None: a tool row is noised as any generation row,
+    # whose random block holds the name in about one row of five)
+    tool_keys: float | None = None
+    # share of the (question) decision rows asked jointly (None: half, drawn as the first recipe
+    # drew it); joint mode's extra hop (a slot finds its question by its id) gets more practice
+    joint_share: float | None = None
 
 
 def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> list[Row]:
@@ -125,7 +135,10 @@ def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> 
                 # first a group's first question, asked alone (one hop: question -> clause)
                 rows.append(rng.choice(decision_rows(case, "independent", tokenizer, block)[0::2]))
                 continue
-            mode: DecisionMode = rng.choice(("joint", "independent"))
+            if config.joint_share is None:
+                mode: DecisionMode = rng.choice(("joint", "independent"))
+            else:  # another draw than the default's: only when set
+                mode = "joint" if rng.random() < config.joint_share else "independent"
             rows.append(rng.choice(decision_rows(case, mode, tokenizer, block)))
         elif config.tool_share and rng.random() < config.tool_share:  # draws only when set and > 0
             rows.append(tool_call_row(tool_call_case("train", config.seed, index, bool(config.headings)),
@@ -167,7 +180,7 @@ def bucketed_loss(
     masked: torch.Tensor,
     commit: torch.Tensor,
     valid: torch.Tensor,
-    row_weight: torch.Tensor,
+    weight: torch.Tensor,
     buckets: int,
 ) -> torch.Tensor:
     """The step's weighted mean cross-entropy over its targets, the same quantity as one pass over
@@ -175,7 +188,8 @@ def bucketed_loss(
     valid length, each pass cut to its longest row) with logits only at the targets. A step mixes
     prompts of 200 to 500 tokens and a [B, T] pass pays for the longest; the LM head over every
     position costs about as much as a layer. Not bit-identical to the one-pass loss (another sum
-    order), hence an option: a checkpoint made without it still matches its command."""
+    order), hence an option: a checkpoint made without it still matches its command. ``weight``
+    ``[B, T]``: each target's loss weight."""
     lengths = valid.sum(dim=1)
     order = sorted(range(len(lengths)), key=lambda r: (int(lengths[r]), r))
     size = -(-len(order) // buckets)
@@ -191,9 +205,9 @@ def bucketed_loss(
         logits = denoise(model, noisy[rows, :width], commit[rows], valid[rows, :width], index)  # [b, K, V]
         gold = clean[rows].gather(1, index)
         ce = F.cross_entropy(logits.flatten(0, 1), gold.flatten(), reduction="none").view_as(gold)
-        weight = row_weight[rows][:, None] * real
-        total = total + (ce * weight).sum()
-        weight_sum = weight_sum + weight.sum()
+        counted = weight[rows].gather(1, index) * real
+        total = total + (ce * counted).sum()
+        weight_sum = weight_sum + counted.sum()
     return total / weight_sum
 
 
@@ -239,10 +253,12 @@ def _noisy_batch(
     gen: torch.Generator,
     served_slots: bool = False,
     parallel_slots: float | None = None,
+    keyed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(noisy ids ``[B, T]``, clean ids ``[B, T]``, masked ``[B, T]``, commit lens ``[B]``,
     valid ``[B, T]``). ``served_slots``: rows with ``units`` (decisions) by ``served_decision``;
-    ``parallel_slots``: that share of the rows with several slots by ``parallel_decision``."""
+    ``parallel_slots``: that share of the rows with several slots by ``parallel_decision``;
+    ``keyed``: rows with ``keys`` (tool calls) at a block holding a key, every key there a target."""
     # (row, first block of the pass, its last block, fixed targets or None, hidden positions)
     picked: list[tuple[Row, int, int, list[int] | None, list[int]]] = []
     for row in rows:
@@ -257,7 +273,10 @@ def _noisy_batch(
             targets, hidden = served_decision(row, block, n)
             picked.append((row, n, n, targets, hidden))
             continue
-        candidates = sorted({i // block for i, p in enumerate(row.predicted) if p})
+        if keyed and row.keys:
+            candidates = sorted({p // block for p in row.keys})
+        else:
+            candidates = sorted({i // block for i, p in enumerate(row.predicted) if p})
         n = candidates[int(torch.randint(len(candidates), (1,), generator=gen))]
         picked.append((row, n, n, None, []))
     width = max((last + 1) * block for _, _, last, _, _ in picked)
@@ -276,6 +295,8 @@ def _noisy_batch(
         targets = torch.tensor(row.predicted[n * block : end])  # [block]
         ratio = torch.rand(1, generator=gen)
         chosen = targets & (torch.rand(block, generator=gen) < ratio)
+        if keyed and row.keys:  # the deciding tokens of this block are always targets
+            chosen[[p - n * block for p in row.keys if p // block == n]] = True
         if not chosen.any():  # at least one masked target per row
             where = targets.nonzero().flatten()
             chosen[where[int(torch.randint(len(where), (1,), generator=gen))]] = True
@@ -283,6 +304,17 @@ def _noisy_batch(
     noisy = clean.masked_fill(masked | hide, mask_id)
     commit = torch.tensor([n * block for _, n, _, _, _ in picked])
     return noisy, clean, masked, commit, valid
+
+
+def target_weights(rows: list[Row], config: TrainConfig, width: int) -> torch.Tensor:
+    """``[B, width]`` loss weights: a decision row's targets ``decision_weight`` (1 unset), a tool
+    row's deciding tokens ``tool_keys`` (``Row.keys``), every other target 1."""
+    row_weight = torch.tensor([config.decision_weight or 1.0 if row.units else 1.0 for row in rows])
+    weight = row_weight[:, None].expand(len(rows), width).clone()
+    if config.tool_keys is not None:
+        for r, row in enumerate(rows):
+            weight[r, [p for p in row.keys if p < width]] = config.tool_keys
+    return weight
 
 
 def optimizer_and_schedule(
@@ -353,6 +385,8 @@ def train_demo(
               "layer_pattern": config.layer_pattern, "block_size": config.block_size}  # fmt: skip
     if config.init_from is not None and any(v is not None for v in shaped.values()):
         raise ValueError(f"init_from continues a trained demo's shape and tokenizer; drop {shaped}")
+    if config.tool_keys is not None and config.buckets is None:
+        raise ValueError("tool_keys weighs single targets: it needs buckets (the per-target loss)")
     torch.use_deterministic_algorithms(True)
     resume = folder / RESUME_FILE
     if not resume.is_file():
@@ -401,11 +435,11 @@ def train_demo(
         rows = _batch(step, config, lm.tokenizer, block)
         served = bool(config.served_slots)
         noisy, clean, masked, commit, valid = _noisy_batch(
-            rows, block, mask_id, gen, served, config.parallel_slots
+            rows, block, mask_id, gen, served, config.parallel_slots, config.tool_keys is not None
         )
         if config.buckets is not None:
-            row_weight = torch.tensor([config.decision_weight or 1.0 if row.units else 1.0 for row in rows])
-            loss = bucketed_loss(model, noisy, clean, masked, commit, valid, row_weight, config.buckets)
+            weight = target_weights(rows, config, masked.shape[1])
+            loss = bucketed_loss(model, noisy, clean, masked, commit, valid, weight, config.buckets)
         elif config.decision_weight is None:
             logits = denoise(model, noisy, commit, valid)  # [B, T, V]
             loss = F.cross_entropy(logits[masked], clean[masked])
