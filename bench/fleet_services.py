@@ -271,10 +271,13 @@ class SentinelSet:
         except (redis_lib.RedisError, OSError):
             return False
 
-    def wait_quorum(self, timeout: float = 30.0) -> None:
+    def wait_quorum(self, timeout: float = 60.0) -> None:
         """Every sentinel knows the replica and both other sentinels (they meet through hello
         messages every 2 s): only then can they agree that a dead master is down and elect one
-        of them to fail over. ``start`` does not wait for it, so clients start meanwhile."""
+        of them to fail over. ``start`` does not wait for it, so clients start meanwhile. A
+        sentinel learns the replica from the master's INFO, which it reads every 10 s: a replica
+        that attached just after a read waits for the next (one fleet run, in an earlier session,
+        timed out at the former 30 s bound; its cause was not found)."""
 
         def met() -> bool:
             try:
