@@ -156,9 +156,9 @@ def test_tool_share_turns_generation_rows_into_tool_chats(tokenizer: Tokenizer) 
 def test_tool_keys_noise_a_tool_row_at_a_block_of_its_keys_and_weigh_them(
     tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
-    """``tool_keys``: each tool row's pass is at a block holding a deciding token, every one of
-    them there a target, weighted ``tool_keys``; a decision row keeps ``decision_weight``. It needs
-    the per-target loss (``buckets``)."""
+    """``tool_keys``: a tool row's pass is at a block holding a deciding token in about half the
+    rows (else any block), every one of them in the block a target, weighted ``tool_keys``; a
+    decision row keeps ``decision_weight``. It needs the per-target loss (``buckets``)."""
     import torch
 
     from worker.training.trainer import _noisy_batch, target_weights, train_demo
@@ -167,6 +167,7 @@ def test_tool_keys_noise_a_tool_row_at_a_block_of_its_keys_and_weigh_them(
                          served_slots=True, buckets=2)  # fmt: skip
     rows = _batch(0, config, tokenizer, 4) + _batch(1, config, tokenizer, 4)
     assert any(r.keys for r in rows) and any(r.units for r in rows)
+    at_keys = 0
     for seed in range(5):
         gen = torch.Generator().manual_seed(seed)
         noisy, _, masked, commit, _ = _noisy_batch(rows, 4, tokenizer.mask_token_id, gen, True, None, True)
@@ -177,10 +178,13 @@ def test_tool_keys_noise_a_tool_row_at_a_block_of_its_keys_and_weigh_them(
                 assert bool((weight[r] == 3.0).all())
                 continue
             here = [p for p in row.keys if start <= p < start + 4]
-            assert here and all(masked[r, p] for p in here)
+            at_keys += bool(here)
+            assert all(masked[r, p] for p in here)
             assert all(noisy[r, p] == tokenizer.mask_token_id for p in here)
             assert {float(weight[r, p]) for p in row.keys if p < masked.shape[1]} == {4.0}
             assert {float(weight[r, p]) for p in range(start, start + 4) if p not in row.keys} <= {1.0}
+    tool_rows = 5 * sum(1 for r in rows if not r.units)
+    assert 0.5 * tool_rows < at_keys < tool_rows  # half at a key block, some others by chance
     with pytest.raises(ValueError, match="buckets"):
         train_demo(tmp_path / "demo", TrainConfig(tool_share=0.3, tool_keys=3.0))
 

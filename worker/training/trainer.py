@@ -106,9 +106,10 @@ class TrainConfig:
     # then learns those chats too
     tool_share: float | None = None
     # tool-call rows noised at their deciding tokens (``Row.keys``: the first answer token, the
-    # function's name, the argument's value): the block is drawn among those holding one, they are
-    # always targets there, weighted this much (None: a tool row is noised as any generation row,
-    # whose random block holds the name in about one row of five)
+    # function's name, the argument's value): in half the rows the block is drawn among those
+    # holding one; in every row they are targets wherever the block holds them, weighted this much
+    # (None: a tool row is noised as any generation row, whose random block holds the name in
+    # about one row of five)
     tool_keys: float | None = None
     # share of the (question) decision rows asked jointly (None: half, drawn as the first recipe
     # drew it); joint mode's extra hop (a slot finds its question by its id) gets more practice
@@ -258,7 +259,8 @@ def _noisy_batch(
     """(noisy ids ``[B, T]``, clean ids ``[B, T]``, masked ``[B, T]``, commit lens ``[B]``,
     valid ``[B, T]``). ``served_slots``: rows with ``units`` (decisions) by ``served_decision``;
     ``parallel_slots``: that share of the rows with several slots by ``parallel_decision``;
-    ``keyed``: rows with ``keys`` (tool calls) at a block holding a key, every key there a target."""
+    ``keyed``: rows with ``keys`` (tool calls) at a block holding a key in half the rows, every key
+    in the block a target."""
     # (row, first block of the pass, its last block, fixed targets or None, hidden positions)
     picked: list[tuple[Row, int, int, list[int] | None, list[int]]] = []
     for row in rows:
@@ -273,7 +275,9 @@ def _noisy_batch(
             targets, hidden = served_decision(row, block, n)
             picked.append((row, n, n, targets, hidden))
             continue
-        if keyed and row.keys:
+        # a tool row's pass at a block of its keys in half the rows, else at any block (as a
+        # generation row): the markup around them is learned too (keys only broke the format)
+        if keyed and row.keys and float(torch.rand(1, generator=gen)) < 0.5:
             candidates = sorted({p // block for p in row.keys})
         else:
             candidates = sorted({i // block for i, p in enumerate(row.predicted) if p})
