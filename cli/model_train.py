@@ -77,9 +77,9 @@ from cli.model import guarded, model_group
                    "on offer: the call to make, or a one-line answer); a fresh run's tokenizer "
                    "learns them too.")  # fmt: skip
 @click.option("--tool-keys", type=float, default=None,
-              help="Noise tool-call rows at their deciding tokens (the first answer token, the "
-                   "function's name, the argument's value), weighted this much (needs "
-                   "--buckets).")  # fmt: skip
+              help="Weigh the tokens that decide a tool call (the first answer token, the "
+                   "function's name, the argument's value) this much, and noise half the tool rows "
+                   "at a block holding one (needs --buckets and --tool-share).")  # fmt: skip
 @click.option("--joint-share", type=float, default=None,
               help="Share of the question decision rows asked jointly (default: half).")  # fmt: skip
 @click.option("--block-size", type=int, default=None,

@@ -185,8 +185,11 @@ def test_tool_keys_noise_a_tool_row_at_a_block_of_its_keys_and_weigh_them(
             assert {float(weight[r, p]) for p in range(start, start + 4) if p not in row.keys} <= {1.0}
     tool_rows = 5 * sum(1 for r in rows if not r.units)
     assert 0.5 * tool_rows < at_keys < tool_rows  # half at a key block, some others by chance
-    with pytest.raises(ValueError, match="buckets"):
-        train_demo(tmp_path / "demo", TrainConfig(tool_share=0.3, tool_keys=3.0))
+    for wrong in (TrainConfig(tool_share=0.3, tool_keys=3.0), TrainConfig(buckets=2, tool_keys=3.0),
+                  TrainConfig(buckets=2, tool_share=0.3, tool_keys=0.0), TrainConfig(joint_share=1.5)):
+        with pytest.raises(ValueError, match=r"tool_share and buckets|joint_share is a share"):
+            train_demo(tmp_path / "demo", wrong)
+    assert not (tmp_path / "demo").exists()  # refused before anything is written
 
 
 def test_a_golden_tool_case_checks_the_calls_and_their_validity() -> None:

@@ -7,7 +7,9 @@ generation row is the chat template's prompt (``enable_thinking`` as the case sa
 target and ``<|im_end|>``; every position after the prompt is predicted. An extraction row is an
 ``extract`` job's prompt and its schema's canvas, the true values in the choice slots (predicted).
 A tool-call row is a generation row whose prompt carries the tools and whose target is the
-assistant turn as the chat template renders it: the call in the checkpoint's format, or the text.
+assistant turn as the chat template renders it: the call in the checkpoint's format, or the text;
+it lists the tokens that decide it (``keys``: the first, the function's name, the argument's
+value), which the trainer's ``tool_keys`` option weighs.
 Rows are padded with EOS to a whole block, so a final partial block trains the model to stop.
 
 A decision row also lists its choice slots (``units``: absolute start and length): the engine

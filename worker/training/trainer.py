@@ -389,8 +389,12 @@ def train_demo(
               "layer_pattern": config.layer_pattern, "block_size": config.block_size}  # fmt: skip
     if config.init_from is not None and any(v is not None for v in shaped.values()):
         raise ValueError(f"init_from continues a trained demo's shape and tokenizer; drop {shaped}")
-    if config.tool_keys is not None and config.buckets is None:
-        raise ValueError("tool_keys weighs single targets: it needs buckets (the per-target loss)")
+    keys = config.tool_keys
+    if keys is not None and (config.buckets is None or not config.tool_share or keys <= 0):
+        raise ValueError("tool_keys (> 0) weighs the tokens of tool rows: it needs tool_share and buckets "
+                         "(the per-target loss)")
+    if config.joint_share is not None and not 0.0 <= config.joint_share <= 1.0:
+        raise ValueError(f"joint_share is a share: {config.joint_share}")
     torch.use_deterministic_algorithms(True)
     resume = folder / RESUME_FILE
     if not resume.is_file():
