@@ -20,7 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from cli.model import guarded, model_group
+from cli.model import guarded, model_group, one_line
 
 
 @click.command("train-demo")
@@ -118,7 +118,7 @@ def train_demo_command(
     """Train the tiny demo (ARCH) into DIRECTORY, resuming from DIRECTORY/resume.pt if present."""
     import torch
 
-    from worker.training.trainer import RESUME_FILE, TrainConfig, train_demo
+    from worker.training.trainer import RESUME_FILE, TrainConfig, TrainConfigError, train_demo
 
     shaped = {"--vocab": vocab, "--hidden": hidden, "--layers": layers, "--layer-pattern": layer_pattern,
               "--block-size": block_size}
@@ -145,8 +145,11 @@ def train_demo_command(
         def progress(step: int, loss: float) -> None:
             bar.update(task, completed=step, loss=f"{loss:.3f}")
 
-        result = train_demo(directory, config, max_seconds=None if max_minutes is None else max_minutes * 60,
-                            progress=progress)  # fmt: skip
+        budget = None if max_minutes is None else max_minutes * 60
+        try:
+            result = train_demo(directory, config, max_seconds=budget, progress=progress)
+        except TrainConfigError as exc:  # options that cannot go together, or another run's resume point
+            raise click.UsageError(one_line(exc)) from None
     state = (
         "done"
         if result.finished

@@ -161,7 +161,7 @@ def test_tool_keys_noise_a_tool_row_at_a_block_of_its_keys_and_weigh_them(
     decision row keeps ``decision_weight``. It needs the per-target loss (``buckets``)."""
     import torch
 
-    from worker.training.trainer import _noisy_batch, target_weights, train_demo
+    from worker.training.trainer import TrainConfigError, _noisy_batch, target_weights, train_demo
 
     config = TrainConfig(batch=8, decision_share=0.5, tool_share=1.0, tool_keys=4.0, decision_weight=3.0,
                          served_slots=True, buckets=2)  # fmt: skip
@@ -187,7 +187,7 @@ def test_tool_keys_noise_a_tool_row_at_a_block_of_its_keys_and_weigh_them(
     assert 0.5 * tool_rows < at_keys < tool_rows  # half at a key block, some others by chance
     for wrong in (TrainConfig(tool_share=0.3, tool_keys=3.0), TrainConfig(buckets=2, tool_keys=3.0),
                   TrainConfig(buckets=2, tool_share=0.3, tool_keys=0.0), TrainConfig(joint_share=1.5)):
-        with pytest.raises(ValueError, match=r"tool_share and buckets|joint_share is a share"):
+        with pytest.raises(TrainConfigError, match=r"tool_share and buckets|joint_share is a share"):
             train_demo(tmp_path / "demo", wrong)
     assert not (tmp_path / "demo").exists()  # refused before anything is written
 
@@ -227,3 +227,17 @@ def test_a_tokenizer_that_learned_the_tool_chats_has_one_id_per_call_tag() -> No
     assert len(ids) < len(plain.encode(target))
     special = [tools.mask_token_id, *tools.eos_token_ids]
     assert min(special) > max(tools.encode("".join(TOOL_TAGS)))  # the special tokens stay last
+
+
+def test_train_demo_says_which_options_cannot_go_together_as_a_usage_error(tmp_path: Path) -> None:
+    """A user's mistake on the command line is a one-line usage error (exit 2), no traceback, and
+    nothing is written."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    result = CliRunner().invoke(cli, ["model", "train-demo", str(tmp_path / "demo"), "--steps", "1",
+                                      "--tool-keys", "3"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "needs tool_share and buckets" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "demo").exists()

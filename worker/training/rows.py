@@ -22,7 +22,7 @@ template is then not predicted either (a template region never decodes past its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import get_args
 
 from scheduler.jobs.schema_subset import parse_schema
@@ -107,10 +107,10 @@ def extraction_row(case: ExtractionCase, tokenizer: Tokenizer, block: int) -> Ro
     return _template_row(prompt, canvas.template, fills, block, tokenizer.eos_token_ids[0])
 
 
-def _answer_row(prompt: list[int], answer: str, tokenizer: Tokenizer, block: int) -> Row:
-    """``prompt`` then ``answer`` and EOS, every position after the prompt predicted."""
+def _answer_row(prompt: list[int], answer: list[int], tokenizer: Tokenizer, block: int) -> Row:
+    """``prompt`` then the ``answer`` ids and EOS, every position after the prompt predicted."""
     eos = tokenizer.eos_token_ids[0]
-    target = [*tokenizer.encode(answer), eos]
+    target = [*answer, eos]
     return _padded(prompt + target, [False] * len(prompt) + [True] * len(target), block, eos)
 
 
@@ -120,7 +120,7 @@ def generation_prompt(case: GenerationCase, tokenizer: Tokenizer) -> list[int]:
 
 
 def generation_row(case: GenerationCase, tokenizer: Tokenizer, block: int) -> Row:
-    return _answer_row(generation_prompt(case, tokenizer), case.target, tokenizer, block)
+    return _answer_row(generation_prompt(case, tokenizer), tokenizer.encode(case.target), tokenizer, block)
 
 
 def tool_call_target(case: ToolCallCase, tokenizer: Tokenizer) -> str:
@@ -158,9 +158,8 @@ def tool_call_row(case: ToolCallCase, tokenizer: Tokenizer, block: int) -> Row:
     """A generation row of ``case``'s prompt and target, its deciding tokens listed as ``keys``."""
     prompt = tool_call_prompt(case, tokenizer)
     target = tool_call_target(case, tokenizer)
-    row = _answer_row(prompt, target, tokenizer, block)
-    _, offsets = tokenizer.encode_spans(target)
+    ids, offsets = tokenizer.encode_spans(target)
     spans = deciding_spans(case, target)
     keys = tuple(len(prompt) + i for i, (a, b) in enumerate(offsets)
                  if any(a < end and start < b for start, end in spans))  # fmt: skip
-    return Row(row.ids, row.predicted, keys=keys)
+    return replace(_answer_row(prompt, ids, tokenizer, block), keys=keys)

@@ -313,7 +313,8 @@ def _noisy_batch(
 def target_weights(rows: list[Row], config: TrainConfig, width: int) -> torch.Tensor:
     """``[B, width]`` loss weights: a decision row's targets ``decision_weight`` (1 unset), a tool
     row's deciding tokens ``tool_keys`` (``Row.keys``), every other target 1."""
-    row_weight = torch.tensor([config.decision_weight or 1.0 if row.units else 1.0 for row in rows])
+    decision = 1.0 if config.decision_weight is None else config.decision_weight
+    row_weight = torch.tensor([decision if row.units else 1.0 for row in rows])
     weight = row_weight[:, None].expand(len(rows), width).clone()
     if config.tool_keys is not None:
         for r, row in enumerate(rows):
@@ -375,6 +376,25 @@ class TrainResult:
 Progress = Callable[[int, float], None]  # (steps done, loss of that step)
 
 
+class TrainConfigError(ValueError):
+    """A configuration (or a resume point's) that ``train_demo`` refuses before it trains: a user's
+    mistake, said in one line (``cloverq model train-demo`` prints it as a usage error)."""
+
+
+def check_config(config: TrainConfig) -> None:
+    """Raise :class:`TrainConfigError` for options that cannot go together."""
+    shaped = {"vocab": config.vocab, "hidden": config.hidden, "layers": config.layers,
+              "layer_pattern": config.layer_pattern, "block_size": config.block_size}  # fmt: skip
+    if config.init_from is not None and any(v is not None for v in shaped.values()):
+        raise TrainConfigError(f"init_from continues a trained demo's shape and tokenizer; drop {shaped}")
+    keys = config.tool_keys
+    if keys is not None and (config.buckets is None or not config.tool_share or keys <= 0):
+        raise TrainConfigError("tool_keys (> 0) weighs the tokens of tool rows: it needs tool_share and "
+                               "buckets (the per-target loss)")
+    if config.joint_share is not None and not 0.0 <= config.joint_share <= 1.0:
+        raise TrainConfigError(f"joint_share is a share: {config.joint_share}")
+
+
 def train_demo(
     folder: Path, config: TrainConfig, *, max_seconds: float | None = None, progress: Progress | None = None
 ) -> TrainResult:
@@ -385,16 +405,7 @@ def train_demo(
     the model, optimizer and schedule; the finished run writes the trained weights, a new
     manifest and ``training.json``, and removes ``resume.pt``.
     """
-    shaped = {"vocab": config.vocab, "hidden": config.hidden, "layers": config.layers,
-              "layer_pattern": config.layer_pattern, "block_size": config.block_size}  # fmt: skip
-    if config.init_from is not None and any(v is not None for v in shaped.values()):
-        raise ValueError(f"init_from continues a trained demo's shape and tokenizer; drop {shaped}")
-    keys = config.tool_keys
-    if keys is not None and (config.buckets is None or not config.tool_share or keys <= 0):
-        raise ValueError("tool_keys (> 0) weighs the tokens of tool rows: it needs tool_share and buckets "
-                         "(the per-target loss)")
-    if config.joint_share is not None and not 0.0 <= config.joint_share <= 1.0:
-        raise ValueError(f"joint_share is a share: {config.joint_share}")
+    check_config(config)
     torch.use_deterministic_algorithms(True)
     resume = folder / RESUME_FILE
     if not resume.is_file():
@@ -423,7 +434,7 @@ def train_demo(
     if resume.is_file():
         state = torch.load(resume, weights_only=False)
         if state["config"] != asdict(config):
-            raise ValueError(f"{resume} was made with another configuration: {state['config']}")
+            raise TrainConfigError(f"{resume} was made with another configuration: {state['config']}")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -453,8 +464,7 @@ def train_demo(
             loss = F.cross_entropy(logits[masked], clean[masked])
         else:  # a weighted mean over the targets: a decision row's count decision_weight times
             logits = denoise(model, noisy, commit, valid)  # [B, T, V]
-            row_weight = torch.tensor([config.decision_weight if row.units else 1.0 for row in rows])
-            weight = row_weight[:, None].expand_as(masked)[masked]
+            weight = target_weights(rows, config, masked.shape[1])[masked]
             ce = F.cross_entropy(logits[masked], clean[masked], reduction="none")
             loss = (ce * weight).sum() / weight.sum()
         opt.zero_grad(set_to_none=True)
