@@ -32,7 +32,7 @@ from cli.model import guarded, model_group, one_line
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the initial weights, the tokenizer's corpus, every batch.")  # fmt: skip
 @click.option("--save-every", type=int, default=100, show_default=True, help="Steps between resume points.")
-@click.option("--max-minutes", type=float, default=None,
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop after this long (saving a resume point); run again to continue.")  # fmt: skip
 @click.option("--threads", type=int, default=1, show_default=True,
               help="torch threads (1: deterministic bytes, fastest for tiny matrices).")  # fmt: skip

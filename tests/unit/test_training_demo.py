@@ -3,6 +3,8 @@ resumes to the same bytes; the shipped trained checkpoint loads with its special
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from worker.training.rows import decision_rows
 from worker.training.trainer import (
     RESUME_FILE,
     TrainConfig,
+    TrainConfigError,
     _batch,
     _noisy_batch,
     bucketed_loss,
@@ -251,6 +254,24 @@ def test_a_short_run_repeats_bit_for_bit_and_resumes_to_the_same_bytes(tmp_path:
     assert result.finished and result.steps == 4 and not (resumed / RESUME_FILE).exists()
     for name in (SINGLE_NAME, "tokenizer.json", "config.json", "training.json", "manifest.json"):
         assert (straight / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def test_a_resume_point_older_than_an_option_resumes_and_another_run_s_is_refused(tmp_path: Path) -> None:
+    """A resume point holds the whole configuration; one written before an option existed has no
+    entry for it (the option was unset then), so it must still resume. One made with another
+    setting must not. A budget spent before the first step leaves a resume point, not a crash."""
+    torch.set_num_threads(1)
+    config = TrainConfig(steps=2, batch=2, save_every=1)
+    folder = tmp_path / "run"
+    result = train_demo(folder, config, max_seconds=-1.0)  # stops before its first step
+    assert not result.finished and result.steps == 0 and math.isnan(result.first_loss)
+    state = torch.load(folder / RESUME_FILE, weights_only=False)
+    older = dict(state, config={k: v for k, v in state["config"].items() if k != "joint_share"})
+    torch.save(older, folder / RESUME_FILE)
+    assert train_demo(folder, config).finished
+    train_demo(folder, config, max_seconds=-1.0)  # a fresh run again: the folder had no resume point
+    with pytest.raises(TrainConfigError, match="another configuration"):
+        train_demo(folder, dataclasses.replace(config, lr=1e-3))
 
 
 def test_the_shipped_recipe_s_options_repeat_bit_for_bit(tmp_path: Path) -> None:

@@ -361,7 +361,13 @@ def save_hf(model: Any, folder: Path) -> None:
 def _recorded(config: TrainConfig) -> dict[str, object]:
     """The configuration as ``training.json`` records it: options left unset are left out (so a
     checkpoint made before an option existed still matches what its command writes now)."""
-    return {k: v for k, v in asdict(config).items() if v is not None}
+    return _recorded_of(asdict(config))
+
+
+def _recorded_of(fields: dict[str, object]) -> dict[str, object]:
+    """``fields`` without the options left unset (None): a resume point written before an option
+    existed holds no entry for it, or None; either way it was unset."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 @dataclass
@@ -433,7 +439,7 @@ def train_demo(
     step = 0
     if resume.is_file():
         state = torch.load(resume, weights_only=False)
-        if state["config"] != asdict(config):
+        if _recorded_of(state["config"]) != _recorded(config):  # options added since compare as unset
             raise TrainConfigError(f"{resume} was made with another configuration: {state['config']}")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -480,8 +486,9 @@ def train_demo(
             save_resume()
     model.eval()
     seconds = time.monotonic() - began
-    tail = losses[-50:]
-    result = TrainResult(step, seconds, losses[0], sum(tail) / len(tail), step >= config.steps)
+    tail = losses[-50:] or [math.nan]  # no step yet: a budget spent before the first one
+    result = TrainResult(step, seconds, losses[0] if losses else math.nan, sum(tail) / len(tail),
+                         step >= config.steps)  # fmt: skip
     if result.finished:
         save_hf(model, folder)
         (folder / TRAINING_FILE).write_text(json.dumps(
