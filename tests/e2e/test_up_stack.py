@@ -4,12 +4,14 @@ The stack runs in a fresh temp dir with its defaults (SQLite, the embedded redis
 demo checkpoint, API + worker + beat), on free ports, with the API's planes split
 (``--admin-port``/``--ops-port``; the dashboard's browser test runs ``up`` in one-port mode).
 Checks: each plane on its own port only, submit -> poll -> succeeded with generated tokens,
-decisions (a 16K-token contract too), cancel, client mistakes as 4xx JSON, then SIGTERM and
+decisions (a 16K-token contract too), `cloverq model eval` against the engine in-process, cancel,
+client mistakes as 4xx JSON, then SIGTERM and
 every process ``up`` started is gone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,9 +24,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
+from bench.demo_quality import decision_report, tool_call_report
 from bench.fleet_services import free_port
 from tests.long_contract import QUESTIONS, contract
+from worker.engine.engine import Engine, EngineConfig
+from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -251,6 +257,45 @@ def test_client_mistakes_are_4xx_json(client: httpx.Client, stack: Stack) -> Non
     anonymous = httpx.post(f"{stack.base_url}/v1/jobs", json={"kind": "generate", "input": {"prompt": "x"}})
     assert anonymous.status_code == 401
     assert anonymous.json()["error"]["code"] == "unauthorized"
+
+
+def test_model_eval_runs_its_suites_as_jobs_and_agrees_with_the_engine_in_process(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """`cloverq model eval` (README "Quality") submits a suite's cases as jobs to the running
+    stack; its figures must be what `bench.demo_quality` gets for the same cases on the same
+    checkpoint in-process (the same handlers on an engine of its own), case for case."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CLOVERQ_")}
+    env.update({"CLOVERQ_API_URL": stack.base_url, "CLOVERQ_API_KEY": stack.api_key})
+    reports = {}
+    for suite in ("decisions", "tools"):
+        path = tmp_path / f"{suite}.json"
+        run = subprocess.run(
+            [sys.executable, "-m", "cli", "model", "eval", "--suite", suite, "--count", "3",
+             "--report", str(path)],
+            cwd=stack.output.parent, env=env, capture_output=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr.decode(errors="replace")[-3000:]
+        reports[suite] = json.loads(path.read_text())
+        assert reports[suite]["suite"] == suite and reports[suite]["seed"] == 1
+    lm = load_checkpoint(stack.output.parent / ".cloverq" / "models" / "demo", dtype=torch.float32)
+    assert lm.config.mask_token_id is not None
+    engine = Engine(lm.model, EngineConfig(max_batch=16, max_len=2048),
+                    mask_token_id=lm.config.mask_token_id, eos_token_ids=lm.config.eos_token_ids,
+                    default_block_size=lm.config.block_size)  # fmt: skip
+    engine.start()
+    try:
+        for split in ("eval", "heldout"):
+            local = decision_report(engine, lm.tokenizer, split, 1, 3)
+            for mode in ("independent", "joint"):
+                served, alone = reports["decisions"][split][mode], local[mode]
+                assert isinstance(alone, dict) and served["jobs"] == 3 and served["failed_jobs"] == 0
+                assert served == {k: v for k, v in alone.items() if k in served}, (split, mode)
+            served_tools = reports["tools"][split]
+            assert served_tools["jobs"] == 3 and served_tools["failed_jobs"] == 0
+            assert served_tools == tool_call_report(engine, lm.tokenizer, split, 1, 3), split
+    finally:
+        engine.stop()
 
 
 def test_sigterm_stops_every_child(stack: Stack) -> None:
