@@ -5,8 +5,7 @@ demo checkpoint, API + worker + beat), on free ports, with the API's planes spli
 (``--admin-port``/``--ops-port``; the dashboard's browser test runs ``up`` in one-port mode).
 Checks: each plane on its own port only, submit -> poll -> succeeded with generated tokens,
 decisions (a 16K-token contract too), `cloverq model eval` against the engine in-process, cancel,
-client mistakes as 4xx JSON, then SIGTERM and
-every process ``up`` started is gone.
+client mistakes as 4xx JSON, then SIGTERM and every process ``up`` started is gone.
 """
 
 from __future__ import annotations
