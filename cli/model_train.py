@@ -120,11 +120,6 @@ def train_demo_command(
 
     from worker.training.trainer import RESUME_FILE, TrainConfig, TrainConfigError, train_demo
 
-    shaped = {"--vocab": vocab, "--hidden": hidden, "--layers": layers, "--layer-pattern": layer_pattern,
-              "--block-size": block_size}
-    if init_from is not None and any(v is not None for v in shaped.values()):
-        given = ", ".join(k for k, v in shaped.items() if v is not None)
-        raise click.UsageError(f"--init-from continues that demo's shape and tokenizer; drop {given}")
     torch.set_num_threads(threads)
     config = TrainConfig(arch=arch, steps=steps, batch=batch, lr=lr, seed=seed,  # type: ignore[arg-type]
                          save_every=save_every, init_from=init_from, decision_share=decision_share,

@@ -25,10 +25,9 @@ import httpx
 import pytest
 import torch
 
-from bench.demo_quality import decision_report, tool_call_report
+from bench.demo_quality import decision_report, started_engine, tool_call_report
 from bench.fleet_services import free_port
 from tests.long_contract import QUESTIONS, contract
-from worker.engine.engine import Engine, EngineConfig
 from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
 
@@ -278,11 +277,7 @@ def test_model_eval_runs_its_suites_as_jobs_and_agrees_with_the_engine_in_proces
         reports[suite] = json.loads(path.read_text())
         assert reports[suite]["suite"] == suite and reports[suite]["seed"] == 1
     lm = load_checkpoint(stack.output.parent / ".cloverq" / "models" / "demo", dtype=torch.float32)
-    assert lm.config.mask_token_id is not None
-    engine = Engine(lm.model, EngineConfig(max_batch=16, max_len=2048),
-                    mask_token_id=lm.config.mask_token_id, eos_token_ids=lm.config.eos_token_ids,
-                    default_block_size=lm.config.block_size)  # fmt: skip
-    engine.start()
+    engine = started_engine(lm)
     try:
         for split in ("eval", "heldout"):
             local = decision_report(engine, lm.tokenizer, split, 1, 3)

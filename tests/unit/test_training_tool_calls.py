@@ -231,13 +231,21 @@ def test_a_tokenizer_that_learned_the_tool_chats_has_one_id_per_call_tag() -> No
 
 def test_train_demo_says_which_options_cannot_go_together_as_a_usage_error(tmp_path: Path) -> None:
     """A user's mistake on the command line is a one-line usage error (exit 2), no traceback, and
-    nothing is written."""
+    nothing is written: options that cannot go together, and a shape option on a further stage
+    (the trainer's own check, which the command no longer repeats)."""
     from click.testing import CliRunner
 
     from cli.main import cli
+    from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 
     result = CliRunner().invoke(cli, ["model", "train-demo", str(tmp_path / "demo"), "--steps", "1",
                                       "--tool-keys", "3"])  # fmt: skip
     assert result.exit_code == 2, result.output
     assert "needs tool_share and buckets" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "demo").exists()
+    further = ["--init-from", str(TRAINED_CLOVER_DEMO), "--vocab", "2048"]  # a shape option: refused
+    result = CliRunner().invoke(cli, ["model", "train-demo", str(tmp_path / "demo"), "--steps", "1",
+                                      *further])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "drop vocab" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "demo").exists()

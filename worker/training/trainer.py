@@ -391,8 +391,9 @@ def check_config(config: TrainConfig) -> None:
     """Raise :class:`TrainConfigError` for options that cannot go together."""
     shaped = {"vocab": config.vocab, "hidden": config.hidden, "layers": config.layers,
               "layer_pattern": config.layer_pattern, "block_size": config.block_size}  # fmt: skip
-    if config.init_from is not None and any(v is not None for v in shaped.values()):
-        raise TrainConfigError(f"init_from continues a trained demo's shape and tokenizer; drop {shaped}")
+    given = ", ".join(name for name, value in shaped.items() if value is not None)
+    if config.init_from is not None and given:
+        raise TrainConfigError(f"init_from continues a trained demo's shape and tokenizer; drop {given}")
     keys = config.tool_keys
     if keys is not None and (config.buckets is None or not config.tool_share or keys <= 0):
         raise TrainConfigError("tool_keys (> 0) weighs the tokens of tool rows: it needs tool_share and "
