@@ -30,9 +30,17 @@ def test_decision_tally_counts_accuracy_groups_and_violations() -> None:
     tally = DecisionTally()
     tally.add(case, list(case.answers))
     assert tally.as_dict()["accuracy"] == 1.0 and tally.violations == 0
+    n = len(case.answers)
+    assert tally.as_dict()["correct_of_asked_by_slot"] == {f"{n}q/{k}": [1, 1] for k in range(1, n + 1)}
+    flipped = [case.answers[0], *("no" if a == "yes" else "yes" for a in case.answers[1:])]
+    tally.add(case, flipped)  # the first answer right again, every later one wrong
+    assert tally.as_dict()["correct_of_asked_by_slot"] == {f"{n}q/1": [2, 2]} | {
+        f"{n}q/{k}": [1, 2] for k in range(2, n + 1)
+    }
     wrong = DecisionTally()
     wrong.add(case, None, retries=1)
     assert wrong.as_dict()["accuracy"] == 0.0 and wrong.failed_jobs == 1 and wrong.invalid_output_retries == 1
+    assert wrong.as_dict()["correct_of_asked_by_slot"] == {f"{n}q/{k}": [0, 1] for k in range(1, n + 1)}
     gen = generation_case("eval", 0, 0)
     gt = GenerationTally()
     gt.add(gen, gen.answer + "\n", tokens=8, passes=4)

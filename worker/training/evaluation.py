@@ -37,6 +37,8 @@ class DecisionTally:
     violations: int = 0
     invalid_output_retries: int = 0
     per_kind: dict[str, list[int]] = field(default_factory=dict)  # group kind -> [correct, questions]
+    # "4q/3" (the third answer of a four-question case) -> [correct, asked]: where a mode loses
+    per_slot: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, case: DecisionCase, answers: Sequence[str] | None, retries: int = 0) -> None:
         """Score one job's answers (``None``: the job failed) to ``case``, in question order."""
@@ -62,6 +64,10 @@ class DecisionTally:
             kind = self.per_kind.setdefault(group.kind, [0, 0])
             kind[0] += right
             kind[1] += len(truth)
+        for position, expected in enumerate(case.answers, 1):
+            slot = self.per_slot.setdefault(f"{len(case.answers)}q/{position}", [0, 0])
+            slot[0] += answers is not None and answers[position - 1] == expected
+            slot[1] += 1
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -74,6 +80,7 @@ class DecisionTally:
             "consistency_violations": self.violations,
             "invalid_output_retries": self.invalid_output_retries,
             "accuracy_by_kind": {k: _share(c, n) for k, (c, n) in sorted(self.per_kind.items())},
+            "correct_of_asked_by_slot": {k: list(v) for k, v in sorted(self.per_slot.items())},
         }
 
 
