@@ -10,8 +10,14 @@ tick's first act is to claim its message id in Redis (``SET NX`` until a little 
 expires, when Celery would discard a redelivery anyway); a second delivery of a claimed id is
 dropped with Celery's ``Ignore`` (logged ``Task NAME[id] ignored``, not run). A tick whose claim
 cannot reach Redis is dropped too: at most once, and the next period's tick replaces it (so is the
-redelivery of a tick whose beat died mid-run). A failover can lose a claim written just before it,
-as it can the ack: there the window is narrowed, not closed (every tick is idempotent anyway).
+redelivery of a tick whose beat died mid-run).
+
+A failover loses what the old master had not yet sent to its replica: the ack and the claim alike.
+The redelivered tick then finds no claim on the promoted replica and runs twice (CI saw it once:
+``release-delayed`` at a sentinel failover). So where the master has replicas, a claim counts only
+once one of them holds it (``WAIT``, ``CLAIM_REPLICA_WAIT_MS``); a claim no replica confirmed in
+time is dropped like one that could not reach Redis. With several replicas the window is narrowed
+to a promotion of one that missed the claim, not closed (every tick is idempotent anyway).
 
 A tick called as a plain function (no message id: tests, a shell) runs without a claim.
 """
@@ -36,6 +42,9 @@ log = structlog.get_logger(__name__)
 # its lifetime when the message carries no ``expires``.
 CLAIM_MARGIN_SECONDS = 60
 CLAIM_DEFAULT_SECONDS = 3600
+# How long a claim waits for a replica to confirm it (a master with replicas: sentinel deployments);
+# a tick runs every second or more, and one dropped is replaced by the next.
+CLAIM_REPLICA_WAIT_MS = 500
 
 
 def claim_seconds(expires: str | datetime | None, *, now: datetime) -> int:
@@ -48,9 +57,26 @@ def claim_seconds(expires: str | datetime | None, *, now: datetime) -> int:
     return max(1, int((at - now).total_seconds()) + CLAIM_MARGIN_SECONDS)
 
 
-def claim_delivery(client: redis.Redis, task: str, message_id: str, *, ttl_seconds: int) -> bool:
-    """True for the first claim of ``message_id``; False when it was claimed before."""
-    return bool(client.set(redis_keys.tick_claim(task, message_id), "1", nx=True, ex=ttl_seconds))
+def claim_delivery(
+    client: redis.Redis, task: str, message_id: str, *, ttl_seconds: int, wait_ms: int = CLAIM_REPLICA_WAIT_MS
+) -> tuple[bool, bool]:
+    """(first, durable): whether this is the first claim of ``message_id``, and whether it would
+    outlive a failover: always where the master has no replica connected (nothing a failover could
+    promote), else whether a replica confirmed it within ``wait_ms`` (``WAIT`` counts the writes
+    of its own connection, so the claim and the wait go down one pipeline)."""
+    key = redis_keys.tick_claim(task, message_id)
+    try:
+        replicas = int(client.info("replication").get("connected_slaves", 0))
+    except redis.ResponseError:  # INFO not granted to this user: the claim as before, unconfirmed
+        replicas = 0
+    if replicas == 0:
+        first = bool(client.set(key, "1", nx=True, ex=ttl_seconds))
+        return first, first
+    with client.pipeline(transaction=False) as pipe:
+        pipe.set(key, "1", nx=True, ex=ttl_seconds)
+        pipe.wait(1, wait_ms)
+        claimed, confirmed = pipe.execute()
+    return bool(claimed), bool(claimed) and int(confirmed) >= 1
 
 
 def tick_redis() -> redis.Redis:
@@ -67,13 +93,16 @@ class OncePerMessage(Task):
         if message_id is not None and not request.called_directly:
             ttl = claim_seconds(request.expires, now=datetime.now().astimezone())
             try:
-                first = claim_delivery(tick_redis(), self.name, message_id, ttl_seconds=ttl)
+                first, durable = claim_delivery(tick_redis(), self.name, message_id, ttl_seconds=ttl)
             except (OSError, redis.RedisError) as exc:
                 log.warning("tick.claim_failed", task=self.name, message_id=message_id,
                             error=f"{type(exc).__name__}: {exc}")
                 raise Ignore() from exc
             if not first:
                 log.warning("tick.redelivery_dropped", task=self.name, message_id=message_id)
+                raise Ignore()
+            if not durable:
+                log.warning("tick.claim_unreplicated", task=self.name, message_id=message_id)
                 raise Ignore()
         return super().__call__(*args, **kwargs)
 

