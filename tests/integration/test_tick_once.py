@@ -5,7 +5,6 @@ master with a replica a claim counts once the replica holds it (``scheduler/infr
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import uuid
@@ -142,7 +141,7 @@ def master_and_replica(
         yield master, replica, procs[1]
     finally:
         for proc in procs:
-            os.kill(proc.pid, signal.SIGCONT)
+            proc.send_signal(signal.SIGCONT)  # a stopped replica ends too (a dead one is skipped)
             proc.terminate()
             proc.wait(timeout=10)
 
@@ -161,14 +160,11 @@ def test_behind_a_replica_a_claim_counts_once_the_replica_holds_it(
     assert replica.get(redis_keys.tick_claim("cloverq.reconcile", message_id)) == "1"  # before it ran
     assert tasks.reconcile_task.apply(task_id=message_id).state == states.IGNORED
     assert runs == ["run"]
-    os.kill(replica_proc.pid, signal.SIGSTOP)  # still connected, confirms nothing
-    try:
-        assert periodic_tick.claim_delivery(master, "t", "m1", ttl_seconds=60, wait_ms=100) == (True, False)
-        assert periodic_tick.claim_delivery(master, "t", "m1", ttl_seconds=60, wait_ms=100) == (False, False)
-        assert tasks.reconcile_task.apply(task_id=str(uuid.uuid4())).state == states.IGNORED  # waits 0.5 s
-        assert runs == ["run"]
-    finally:
-        os.kill(replica_proc.pid, signal.SIGCONT)
+    replica_proc.send_signal(signal.SIGSTOP)  # still connected, confirms nothing (the fixture resumes it)
+    assert periodic_tick.claim_delivery(master, "t", "m1", ttl_seconds=60, wait_ms=100) == (True, False)
+    assert periodic_tick.claim_delivery(master, "t", "m1", ttl_seconds=60, wait_ms=100) == (False, False)
+    assert tasks.reconcile_task.apply(task_id=str(uuid.uuid4())).state == states.IGNORED  # waits 0.5 s
+    assert runs == ["run"]
 
 
 @pytest.mark.parametrize("master_and_replica", ["no-wait"], indirect=True)
