@@ -32,6 +32,7 @@ import torch
 
 from scheduler.infra.settings import Settings
 from worker.decisions import DecisionSpec, run_decision
+from worker.decisions.runner import DecisionOptions
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.execution import run_kind
@@ -45,7 +46,8 @@ from worker.training.tool_calls import TOOL_TOKENS
 
 
 def decision_report(
-    engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int, headings: bool = False
+    engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int, headings: bool = False,
+    joint_one_pass: bool = False,
 ) -> dict[str, object]:
     cases = decision_cases(split, seed, count, headings=headings)  # type: ignore[arg-type]
     report: dict[str, object] = {}
@@ -73,6 +75,7 @@ def decision_report(
                 params=SamplingParams(max_new_tokens=1),
                 slot_class="standard",
                 submit_many=engine.submit_many,
+                options=DecisionOptions(joint_one_pass=joint_one_pass),
             )
             answers = None
             if outcome.result is not None:
@@ -179,6 +182,8 @@ def main() -> None:
     parser.add_argument("--tool-choice", default="auto", choices=("auto", "required"),
                         help="required: every case calls (a question then scores wrong)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--joint-decode", default="blockwise", choices=("blockwise", "one_pass"),
+                        help="as the worker's decide_joint_decode setting")  # fmt: skip
     parser.add_argument("--headings", action="store_true",
                         help="the headed corpus (a checkpoint trained with headings)")  # fmt: skip
     args = parser.parse_args()
@@ -186,10 +191,12 @@ def main() -> None:
     lm = load_checkpoint(args.checkpoint, dtype=torch.float32)
     engine = started_engine(lm)
     began = time.monotonic()
-    report: dict[str, object] = {"checkpoint": str(args.checkpoint), "seed": args.seed, "count": args.count}
+    report: dict[str, object] = {"checkpoint": str(args.checkpoint), "seed": args.seed, "count": args.count,
+                                 "joint_decode": args.joint_decode}
     try:
         for split in args.splits.split(","):
-            report[split] = decision_report(engine, lm.tokenizer, split, args.seed, args.count, args.headings)
+            report[split] = decision_report(engine, lm.tokenizer, split, args.seed, args.count, args.headings,
+                                            args.joint_decode == "one_pass")
             if args.extraction:
                 report[f"extraction/{split}"] = extraction_report(
                     engine, lm.tokenizer, split, args.seed, args.extraction, args.headings

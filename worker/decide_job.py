@@ -85,6 +85,7 @@ def run_decide(job: JobSpec, ctx: EngineContext) -> Outcome:
         rationale_tokens=settings.decisions.rationale_tokens,
         rationale_max_chars=settings.decisions.rationale_max_chars,
         retry_temperature=settings.decisions.retry_temperature,
+        joint_one_pass=settings.decisions.joint_decode == "one_pass",
     )
 
     def on_invalid_output(attempt: int, reason: str) -> None:

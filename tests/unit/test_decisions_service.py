@@ -119,6 +119,17 @@ def test_filled_template_decodes_to_valid_json_with_allowed_choices(mode: str, r
             assert ("rationale" in obj) == rationale
 
 
+@pytest.mark.parametrize(("mode", "rationale", "expected"),
+                         [("joint", False, True), ("joint", True, False), ("independent", False, False)])
+def test_joint_one_pass_marks_a_joint_template_without_rationales(mode: str, rationale: bool,
+                                                                  expected: bool) -> None:
+    """``CLOVERQ_DECIDE_JOINT_DECODE=one_pass``: only a joint template with every slot a choice
+    is decided in one pass (free-text rationales need the block-by-block decode)."""
+    plan = plan_decision(_spec(mode, rationale), CharTokenizer(), request_id="j", params=SamplingParams(),
+                         rationale_tokens=8, slot_class="standard", joint_one_pass=True)  # fmt: skip
+    assert {r.template.one_pass for r in plan.requests if r.template is not None} == {expected}
+
+
 def test_independent_prompts_never_see_other_questions() -> None:
     spec = _spec("independent")
     plan = plan_decision(spec, CharTokenizer(), request_id="j", params=SamplingParams(seed=3),

@@ -233,3 +233,44 @@ def test_choices_sharing_their_first_block_are_not_split_by_it(
         assert choice.confidence >= 1.0 / choices - 1e-6
         assert choice.index == int(probs.argmax())
         assert choice.confidence == pytest.approx(float(probs.max()), abs=2e-4)
+
+
+def test_a_one_pass_template_decides_every_slot_from_one_pass_over_its_span(
+    tiny: LoadedModel, engine: Engine
+) -> None:
+    """``InfillTemplate.one_pass``: every slot masked, the prefix committed up to the first slot's
+    block, ONE pass over the blocks up to the last slot's; each slot's choice is the argmax of its
+    candidates' summed log-probs in that pass (the reference: ``block_logits`` over the span)."""
+    rng = random.Random(77)
+    vocab, pad, mask, block = _vocab(tiny), tiny.config.pad_token_id, tiny.config.mask_token_id, 4
+    for _ in range(12):
+        prompt = [rng.choice(vocab) for _ in range(rng.randint(1, 9))]
+        tokens: list[int] = [rng.choice(vocab) for _ in range(rng.randint(0, 5))]
+        slots = []
+        for _ in range(rng.randint(2, 3)):
+            length = rng.randint(1, 4)
+            choices = {tuple(rng.choice(vocab) for _ in range(rng.randint(1, length))) for _ in range(3)}
+            slots.append(InfillSlot(len(tokens), length, allowed_sequences=tuple(sorted(choices))))
+            tokens += [0] * length + [rng.choice(vocab) for _ in range(rng.randint(1, 6))]
+        template = InfillTemplate(tuple(tokens), tuple(slots), pad_id=pad, one_pass=True)
+        result = _run(engine, prompt, template, block_size=block, steps_per_block=rng.randint(1, 4))
+        r0 = len(prompt)
+        lo = (r0 + slots[0].start) // block * block
+        hi = min(((r0 + slots[-1].start + slots[-1].length - 1) // block + 1) * block, r0 + len(tokens))
+        assert result.steps_used == 1
+        seq = torch.tensor([prompt + [mask if any(s.start <= j < s.start + s.length for s in slots) else t
+                                      for j, t in enumerate(tokens)]])  # fmt: skip
+        with torch.no_grad():
+            logits = block_logits(tiny.model, seq, lo, hi, block)[0].float()  # [hi - lo, V]
+        logits[:, mask] = float("-inf")
+        logp = torch.log_softmax(logits, dim=-1)
+        for slot, choice in zip(slots, result.slot_choices, strict=True):
+            assert slot.allowed_sequences is not None
+            padded = [(*c, *(pad,) * (slot.length - len(c))) for c in slot.allowed_sequences]
+            at = r0 + slot.start - lo
+            scores = torch.stack([sum(logp[at + k, t] for k, t in enumerate(c)) for c in padded])
+            probs = torch.softmax(scores, dim=-1)
+            assert choice.confidence == pytest.approx(float(probs[choice.index]), abs=2e-4)
+            top = torch.topk(probs, 2).values if len(probs) > 1 else probs
+            if len(probs) == 1 or float(top[0] - top[1]) > 1e-4:
+                assert choice.index == int(probs.argmax())

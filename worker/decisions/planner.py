@@ -71,6 +71,7 @@ def plan_decision(
     deadline: float | None = None,
     cancel_event: threading.Event | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    joint_one_pass: bool = False,
 ) -> DecisionPlan:
     """Build the requests of one attempt.
 
@@ -78,7 +79,9 @@ def plan_decision(
     length. Independent sequences get ``seed + i`` so each question draws on its own stream.
     ``cancel_event`` is shared by every request so one cancel stops them all; ``on_progress``
     gets a joint decision's one sequence's reports, and the sum of an independent decision's
-    sequences' latest reports (:class:`SummedProgress`).
+    sequences' latest reports (:class:`SummedProgress`). ``joint_one_pass``: a joint template
+    without rationales is decided in one pass (``InfillTemplate.one_pass``); free-text rationales
+    need the block-by-block decode, so with them the flag is ignored.
     """
     pad_id = _pad_id(tokenizer)
     rationale = rationale_tokens if spec.rationale else None
@@ -87,7 +90,8 @@ def plan_decision(
         prompts = [joint_prompt(spec, tokenizer)]
         templates = [
             answer_template(spec.questions, first_index=0, tokenizer=tokenizer, pad_id=pad_id,
-                            rationale_tokens=rationale, as_list=True)
+                            rationale_tokens=rationale, as_list=True,
+                            one_pass=joint_one_pass and rationale is None)
         ]
     else:
         prompts = independent_prompts(spec, tokenizer)

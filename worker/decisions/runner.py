@@ -41,6 +41,7 @@ class DecisionOptions:
     rationale_max_chars: int = 400
     retry_temperature: float = 0.7  # the retry samples: a greedy retry would repeat the failure
     max_attempts: int = 2  # the first try plus ONE automatic retry
+    joint_one_pass: bool = False  # a joint decision without rationales: every answer in one pass
 
 
 @dataclass
@@ -111,7 +112,7 @@ def run_decision(
         plan = plan_decision(
             spec, tokenizer, request_id=f"{request_id}:a{attempt}", params=attempt_params,
             rationale_tokens=options.rationale_tokens, slot_class=slot_class, deadline=deadline,
-            cancel_event=cancel, on_progress=on_progress,
+            cancel_event=cancel, on_progress=on_progress, joint_one_pass=options.joint_one_pass,
         )
         if on_plan is not None:
             on_plan(plan)

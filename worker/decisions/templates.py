@@ -110,11 +110,13 @@ def answer_template(
     pad_id: int,
     rationale_tokens: int | None,
     as_list: bool,
+    one_pass: bool = False,
 ) -> AnswerTemplate:
     """Build the template for ``questions`` (a JSON list when ``as_list``, else one object).
 
     ``first_index`` is the position of ``questions[0]`` in the whole decision, so layouts of
-    independent templates still point at the right question.
+    independent templates still point at the right question. ``one_pass``: every choice decided
+    in one pass (``InfillTemplate.one_pass``; no rationale slots).
     """
     builder = _Builder(tokenizer, pad_id)
     layouts: list[AnswerLayout] = []
@@ -128,5 +130,6 @@ def answer_template(
         )
     if as_list:
         builder.text("]")
-    template = InfillTemplate(token_ids=tuple(builder.ids), slots=tuple(builder.slots), pad_id=pad_id)
+    template = InfillTemplate(token_ids=tuple(builder.ids), slots=tuple(builder.slots), pad_id=pad_id,
+                              one_pass=one_pass)
     return AnswerTemplate(template=template, answers=tuple(layouts))

@@ -76,6 +76,12 @@ class InfillTemplate:
     token_ids: tuple[int, ...]  # full template; slot positions hold anything (they are masked)
     slots: tuple[InfillSlot, ...]
     pad_id: int | None = None  # filler for allowed sequences shorter than their slot
+    # Decide every restricted slot in ONE pass over one span: the blocks from the first slot's
+    # block to the last slot's block are denoised together, every slot masked, the prefix up to
+    # the span committed (``worker/sampler/sequence.py``). A joint decision decoded as a model
+    # trained with ``--parallel-slots`` saw it; one pass instead of one per slot block. Needs every
+    # slot restricted (``allowed_sequences``): free text cannot be written in one pass.
+    one_pass: bool = False
 
 
 @dataclass

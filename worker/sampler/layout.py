@@ -56,6 +56,7 @@ class RegionLayout:
     stop_at_eos: bool  # plain requests stop at a settled EOS (its block); templates never do
     unrestricted_slots: tuple[int, ...]  # template slot indexes decoded as plain masks
     pad_tail_slots: tuple[PadTailSlot, ...] = ()
+    one_pass: bool = False  # every restricted slot decided in one pass over one span of blocks
 
     @property
     def total_len(self) -> int:
@@ -142,6 +143,8 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
         seq_slots.append(SequenceSlot(i, slot.start, slot.length, tuple(candidates)))
     if any(t is not None and not 0 <= t < vocab_size for t in fixed):
         raise RequestError("template has token ids out of range")
+    if template.one_pass and (unrestricted or not seq_slots):
+        raise RequestError("a one_pass template needs every slot restricted to allowed_sequences")
     return RegionLayout(
         region_start=start,
         region_len=n,
@@ -153,6 +156,7 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
         stop_at_eos=False,
         unrestricted_slots=tuple(unrestricted),
         pad_tail_slots=tuple(tails),
+        one_pass=template.one_pass,
     )
 
 

@@ -19,6 +19,13 @@ tokens are written to every position. So the reported confidence is a proper pro
 the choices (never the product of per-block probabilities), and at temperature 0 the choice is
 its argmax (confidence >= 1 / number of choices). The price: blocks after such a slot's first
 block see its earlier positions as masks in their context (their K/V were cached as masks).
+
+A ``one_pass`` template (every slot restricted) is decoded over one *span* instead: the blocks
+from the first slot's block to the last slot's block are the current block of a single pass,
+every slot position masked, the prefix up to the span committed; the pass decides every slot at
+once (no deferral: each slot lies whole in the span) and the span completes. That is the pass a
+model trained with ``--parallel-slots`` saw for a joint row (``worker.training.trainer.
+parallel_decision``); a later slot no longer sees an earlier one's answer.
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ class SequenceState:
     block_masks_left: list[int] = field(default_factory=list)  # masks per region block
     deferred: list[bool] = field(default_factory=list)  # [region_len] slot positions decided later
     block_deferred: list[bool] = field(default_factory=list)  # per region block: holds deferred ones
+    span: tuple[int, int] | None = None  # one_pass: (first, last) absolute block decoded as one
     _pass_groups: list[SlotGroup] = field(default_factory=list)
 
     @classmethod
@@ -129,10 +137,15 @@ class SequenceState:
         ]
         r0 = layout.region_start
         state.deferred = [False] * layout.region_len
-        for slot in layout.sequence_slots:  # positions before the block of the slot's last one
-            last_block = (r0 + slot.start + slot.length - 1) // block_size
-            for j in range(slot.start, slot.start + slot.length):
-                state.deferred[j] = (r0 + j) // block_size < last_block
+        slots = layout.sequence_slots
+        if layout.one_pass:  # each slot lies whole in the span: nothing is deferred
+            end = slots[-1].start + slots[-1].length - 1
+            state.span = ((r0 + slots[0].start) // block_size, (r0 + end) // block_size)
+        else:
+            for slot in slots:  # positions before the block of the slot's last one
+                last_block = (r0 + slot.start + slot.length - 1) // block_size
+                for j in range(slot.start, slot.start + slot.length):
+                    state.deferred[j] = (r0 + j) // block_size < last_block
         first = r0 // block_size
         last = (layout.total_len - 1) // block_size
         spans = [(max(b * block_size - r0, 0), (b + 1) * block_size - r0) for b in range(first, last + 1)]
@@ -141,6 +154,9 @@ class SequenceState:
             for lo, hi in spans
         ]
         state.block_deferred = [any(state.deferred[lo:hi]) for lo, hi in spans]
+        if state.span is not None:  # the span's masks count as its first block's
+            lo, hi = state.span[0] - first, state.span[1] - first + 1
+            state.block_masks_left[lo:hi] = [sum(state.block_masks_left[lo:hi])] + [0] * (hi - lo - 1)
         state.block_index = first
         state._begin_block()
         return state
@@ -156,7 +172,17 @@ class SequenceState:
 
     @property
     def block_end(self) -> int:
-        return min(self.block_start + self.block_size, self.layout.total_len)
+        return min(self.block_start + self.blocks_in_pass * self.block_size, self.layout.total_len)
+
+    @property
+    def blocks_in_pass(self) -> int:
+        """Blocks the current block covers: 1, or a one_pass span's count."""
+        return self.span[1] - self.span[0] + 1 if self.span is not None and self.in_span else 1
+
+    @property
+    def in_span(self) -> bool:
+        """The current block is a one_pass span (several blocks decoded as one)."""
+        return self.span is not None and self.block_index == self.span[0]
 
     @property
     def finished(self) -> bool:
@@ -194,7 +220,8 @@ class SequenceState:
             steps_per_block = self.request.params.steps_per_block
             if steps_per_block is None:  # the engine resolves the family's default before a sequence starts
                 raise ValueError("steps_per_block is unresolved")
-            steps = plan_block_steps(steps_per_block, blocks_left, self.budget_left)
+            # a span is decided in one pass, whatever the steps per block
+            steps = plan_block_steps(1 if self.in_span else steps_per_block, blocks_left, self.budget_left)
             if steps == 0:
                 self.finish_reason = FinishReason.BUDGET
                 return
@@ -204,7 +231,8 @@ class SequenceState:
             return
 
     def _complete_block(self) -> None:
-        self.blocks_done += 1
+        spanned = self.blocks_in_pass - 1
+        self.blocks_done += 1 + spanned
         layout = self.layout
         if layout.stop_at_eos:
             upto = min(self.block_end - layout.region_start, layout.output_len)
@@ -216,7 +244,7 @@ class SequenceState:
         if self.block_end >= layout.total_len:
             self.finish_reason = FinishReason.LENGTH
             return
-        self.block_index += 1
+        self.block_index += 1 + spanned
 
     # ---- passes ----------------------------------------------------------------------------
     def pass_input(self) -> PassInput:
@@ -238,8 +266,8 @@ class SequenceState:
             groups = self._slot_groups(masked, group_ids)
         self._pass_groups = groups
         uniforms = None
-        if self.request.params.temperature > 0:
-            uniforms = torch.rand(self.block_size, generator=self.generator)  # [block_size]
+        if self.request.params.temperature > 0:  # [block_size], or [block_len] for a longer span
+            uniforms = torch.rand(max(self.block_size, block_len), generator=self.generator)
         return PassInput(
             tokens=self.tokens[self.cached_len : hi],
             start_pos=self.cached_len,
