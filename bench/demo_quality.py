@@ -47,7 +47,7 @@ from worker.training.tool_calls import TOOL_TOKENS
 
 def decision_report(
     engine: Engine, tokenizer: Tokenizer, split: str, seed: int, count: int, headings: bool = False,
-    joint_one_pass: bool = False,
+    joint_one_pass: bool = False, constraints: bool = False,
 ) -> dict[str, object]:
     cases = decision_cases(split, seed, count, headings=headings)  # type: ignore[arg-type]
     report: dict[str, object] = {}
@@ -66,7 +66,7 @@ def decision_report(
         tally = DecisionTally()
         given: collections.Counter[str] = collections.Counter()
         for i, case in enumerate(cases):
-            spec = DecisionSpec.from_input(case.job_input(mode))
+            spec = DecisionSpec.from_input(case.job_input(mode, constraints))
             outcome = run_decision(
                 spec,
                 tokenizer=tokenizer,  # type: ignore[arg-type]  # the worker Tokenizer has every member
@@ -184,6 +184,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--joint-decode", default="blockwise", choices=("blockwise", "one_pass"),
                         help="as the worker's decide_joint_decode setting")  # fmt: skip
+    parser.add_argument("--constraints", action="store_true",
+                        help="joint decisions declare each group's rule as a constraint")  # fmt: skip
     parser.add_argument("--headings", action="store_true",
                         help="the headed corpus (a checkpoint trained with headings)")  # fmt: skip
     args = parser.parse_args()
@@ -192,11 +194,11 @@ def main() -> None:
     engine = started_engine(lm)
     began = time.monotonic()
     report: dict[str, object] = {"checkpoint": str(args.checkpoint), "seed": args.seed, "count": args.count,
-                                 "joint_decode": args.joint_decode}
+                                 "joint_decode": args.joint_decode, "constraints": args.constraints}
     try:
         for split in args.splits.split(","):
             report[split] = decision_report(engine, lm.tokenizer, split, args.seed, args.count, args.headings,
-                                            args.joint_decode == "one_pass")
+                                            args.joint_decode == "one_pass", args.constraints)
             if args.extraction:
                 report[f"extraction/{split}"] = extraction_report(
                     engine, lm.tokenizer, split, args.seed, args.extraction, args.headings

@@ -211,6 +211,16 @@ def _wait_with_progress(cq: Client, job: Job, poll_interval: float) -> Job:
     return job
 
 
+def _constraints(constraints_json: str | None) -> list[dict[str, Any]] | None:
+    if not constraints_json:
+        return None
+    source = Path(constraints_json[1:]).read_text() if constraints_json.startswith("@") else constraints_json
+    raw = json.loads(source)
+    if not isinstance(raw, list):
+        raise click.UsageError('--constraints must be a JSON list of {"questions", "allowed"}')
+    return raw
+
+
 def _questions(questions_json: str | None, question: tuple[str, ...],
                choices: str | None) -> list[dict[str, Any]]:
     parsed: list[dict[str, Any]] = []
@@ -243,18 +253,22 @@ def _questions(questions_json: str | None, question: tuple[str, ...],
               help='Questions as JSON: [{"id", "text", "choices"}] (or @FILE).')
 @click.option("--mode", type=click.Choice(["independent", "joint"]), default="independent", show_default=True)
 @click.option("--rationale", is_flag=True, help="A short free-text rationale with every answer.")
+@click.option("--constraints", "constraints_json",
+              help='Joint mode: answers that must agree, as JSON [{"questions": [ids], "allowed": '
+                   '[[choice, ...]]}] (or @FILE).')
 @template_job_options
 @click.option("--wait", is_flag=True, help="Wait for the answers and print the job.")
 def decide(context: str | None, context_file: Any, question: tuple[str, ...], choices: str | None,
-           questions_json: str | None, mode: str, rationale: bool, priority: str | None,
-           idempotency_key: str | None, wait: bool, **params: Any) -> None:
+           questions_json: str | None, mode: str, rationale: bool, constraints_json: str | None,
+           priority: str | None, idempotency_key: str | None, wait: bool, **params: Any) -> None:
     """Submit a decision job: multiple-choice answers about a document, always valid JSON."""
     if (context is None) == (context_file is None):
         raise click.UsageError("give exactly one of --context or --context-file")
     text = context if context is not None else context_file.read()
     with api_client() as cq:
         job = cq.decide(text, _questions(questions_json, question, choices), mode=mode, rationale=rationale,
-                        params=_params(params), priority=priority, idempotency_key=idempotency_key)
+                        params=_params(params), priority=priority, idempotency_key=idempotency_key,
+                        constraints=_constraints(constraints_json))
         if not wait:
             echo_json(job)
             return

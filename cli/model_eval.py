@@ -100,11 +100,14 @@ def _answers(job: Job | None) -> tuple[list[str] | None, int]:
 
 
 def evaluate_decisions(cq: Client, cases: list[DecisionCase], version: str | None, timeout: float,
-                       params: dict[str, Any] | None = None) -> dict[str, DecisionTally]:  # fmt: skip
-    """Tallies by mode for ``cases`` (each submitted once per mode)."""
+                       params: dict[str, Any] | None = None,
+                       constraints: bool = False) -> dict[str, DecisionTally]:  # fmt: skip
+    """Tallies by mode for ``cases`` (each submitted once per mode); ``constraints``: joint jobs
+    declare each tied group's rule (``DecisionCase.constraints``)."""
     tallies: dict[str, DecisionTally] = {}
     for mode in MODES:
-        bodies = [{"kind": "decide", "input": c.job_input(mode), "params": dict(params or {})} for c in cases]
+        bodies = [{"kind": "decide", "input": c.job_input(mode, constraints), "params": dict(params or {})}
+                  for c in cases]  # fmt: skip
         tally = DecisionTally()
         for case, job in zip(cases, run_jobs(cq, bodies, version, timeout), strict=True):
             answers, retries = _answers(job)
@@ -239,15 +242,20 @@ def _decision_table(split: str, tallies: dict[str, DecisionTally]) -> Table:
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait per job.")
 @click.option("--block-size", type=click.IntRange(min=1), default=DEMO_BLOCK, show_default=True,
               help="generation: the model's block size (the steps of each decoding follow it).")  # fmt: skip
+@click.option("--constraints", is_flag=True,
+              help="decisions: joint jobs declare each question group's rule as a constraint.")  # fmt: skip
 def eval_command(suite: str, seed: int, count: int | None, version: str | None, report_path: Path | None,
-                 timeout: float, block_size: int) -> None:  # fmt: skip
+                 timeout: float, block_size: int, constraints: bool) -> None:  # fmt: skip
     """Run an evaluation suite as jobs on the running service and print the scores."""
     report: dict[str, Any] = {"suite": suite, "seed": seed, "version": version}
+    if suite == "decisions":
+        report["constraints"] = constraints
     with api_client() as cq:
         if suite == "decisions":
             splits: tuple[Split, ...] = ("eval", "heldout")
             for split in splits:
-                tallies = evaluate_decisions(cq, decision_cases(split, seed, count or 60), version, timeout)
+                tallies = evaluate_decisions(cq, decision_cases(split, seed, count or 60), version, timeout,
+                                             constraints=constraints)
                 report[split] = {mode: t.as_dict() for mode, t in tallies.items()}
                 _console.print(_decision_table(split, tallies))
         elif suite == "extraction":

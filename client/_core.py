@@ -113,9 +113,12 @@ def generate_body(prompt: str | None, messages: Sequence[Mapping[str, str]] | No
 
 def decide_body(context: str, questions: Sequence[Mapping[str, Any]], *, mode: str, rationale: bool,
                 params: Mapping[str, Any] | None, priority: str | None,
-                metadata: Mapping[str, Any] | None, webhook_url: str | None) -> dict[str, Any]:
-    job_input = {"context": context, "questions": [dict(q) for q in questions], "mode": mode,
-                 "rationale": rationale}
+                metadata: Mapping[str, Any] | None, webhook_url: str | None,
+                constraints: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    job_input: dict[str, Any] = {"context": context, "questions": [dict(q) for q in questions], "mode": mode,
+                                 "rationale": rationale}
+    if constraints:
+        job_input["constraints"] = [dict(c) for c in constraints]
     return _job_body("decide", job_input, params, priority=priority, metadata=metadata,
                      webhook_url=webhook_url)
 

@@ -109,10 +109,13 @@ class AsyncClient:
     async def decide(self, context: str, questions: Sequence[Mapping[str, Any]], *, mode: str = "independent",
                rationale: bool = False, params: Mapping[str, Any] | None = None, priority: str | None = None,
                metadata: Mapping[str, Any] | None = None, webhook_url: str | None = None,
-               idempotency_key: str | None = None) -> Job:
-        """Queue a decision job: ``questions`` as ``{"id", "text", "choices"?}`` about ``context``."""
+               idempotency_key: str | None = None,
+               constraints: Sequence[Mapping[str, Any]] | None = None) -> Job:
+        """Queue a decision job: ``questions`` as ``{"id", "text", "choices"?}`` about ``context``;
+        ``constraints`` (joint mode) as ``{"questions": [ids], "allowed": [[choice, ...], ...]}``."""
         body = decide_body(context, questions, mode=mode, rationale=rationale, params=params,
-                           priority=priority, metadata=metadata, webhook_url=webhook_url)
+                           priority=priority, metadata=metadata, webhook_url=webhook_url,
+                           constraints=constraints)
         return await self.submit_job(body, idempotency_key=idempotency_key)
 
     async def extract(self, context: str, schema: Mapping[str, Any], *, instructions: str | None = None,

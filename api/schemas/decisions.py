@@ -45,6 +45,33 @@ class DecisionQuestionIn(StrictModel):
         return self
 
 
+MAX_CONSTRAINT_QUESTIONS = 8
+MAX_CONSTRAINT_COMBINATIONS = 256
+
+
+class DecisionConstraintIn(StrictModel):
+    """Answers that must agree: the answers to ``questions`` are always one of ``allowed``."""
+
+    questions: list[QuestionId] = Field(
+        min_length=2, max_length=MAX_CONSTRAINT_QUESTIONS,
+        description="Ids of the questions tied (two or more; a question is in at most one constraint).",
+    )
+    allowed: list[list[Choice]] = Field(
+        min_length=1, max_length=MAX_CONSTRAINT_COMBINATIONS,
+        description="The combinations that may be answered, one choice per question in that order.",
+    )
+
+    @model_validator(mode="after")
+    def _shape(self) -> DecisionConstraintIn:
+        if len(set(self.questions)) != len(self.questions):
+            raise ValueError(f"constraint {self.questions}: question ids must be distinct")
+        if any(len(combo) != len(self.questions) for combo in self.allowed):
+            raise ValueError(f"constraint {self.questions}: each combination needs one choice per question")
+        if len({tuple(combo) for combo in self.allowed}) != len(self.allowed):
+            raise ValueError(f"constraint {self.questions}: allowed combinations must be distinct")
+        return self
+
+
 class DecideInput(StrictModel):
     """A document and the questions to judge against it."""
 
@@ -55,12 +82,36 @@ class DecideInput(StrictModel):
         description="independent: one sequence per question (batched); joint: all answered together.",
     )
     rationale: bool = Field(False, description="Add a short free-text rationale to every answer.")
+    constraints: list[DecisionConstraintIn] | None = Field(
+        None, max_length=64,
+        description="Joint mode: answers that must agree (the answers are always an allowed combination).",
+    )
 
     @model_validator(mode="after")
     def _distinct_ids(self) -> DecideInput:
         ids = [q.id for q in self.questions]
         if len(set(ids)) != len(ids):
             raise ValueError("question ids must be distinct")
+        return self
+
+    @model_validator(mode="after")
+    def _constraints_fit(self) -> DecideInput:
+        constraints = self.constraints or []
+        if constraints and self.mode != "joint":
+            raise ValueError('constraints need mode "joint": independent questions never see each other')
+        choices = {q.id: q.choices for q in self.questions}
+        tied: set[str] = set()
+        for c in constraints:
+            for q in c.questions:
+                if q not in choices:
+                    raise ValueError(f"constraint {c.questions}: no question {q!r}")
+                if q in tied:
+                    raise ValueError(f"question {q!r} is in two constraints (merge them into one)")
+                tied.add(q)
+            for combo in c.allowed:
+                for q, answer in zip(c.questions, combo, strict=True):
+                    if answer not in choices[q]:
+                        raise ValueError(f"constraint {c.questions}: {answer!r} is not a choice of {q!r}")
         return self
 
     def text_parts(self) -> list[str]:

@@ -105,6 +105,29 @@ def test_both_modes_answer_every_question_within_its_choices(stack, mode: str, r
     assert progress["blocks_done"] == progress["blocks_total"]
 
 
+CONSTRAINTS = [{"questions": ["terminate", "notice"], "allowed": [["yes", "yes"], ["no", "no"]]},
+               {"questions": ["risk", "law"],
+                "allowed": [["low", "english"], ["high", "none"], ["medium", "german"]]}]
+
+
+def test_a_joint_decisions_answers_always_keep_its_declared_constraints(stack) -> None:  # type: ignore[no-untyped-def]
+    """Over HTTP on the random demo (whose lone answers ignore any rule): every answer pair is one
+    of its constraint's allowed combinations; independent mode refuses constraints (422)."""
+    _, client, _ = stack
+    body = {"kind": "decide", "input": {"context": CONTEXT, "questions": QUESTIONS, "mode": "joint",
+                                        "constraints": CONSTRAINTS}}
+    ids = [client.post("/v1/jobs", json={**body, "params": {"seed": seed}}).json()["id"] for seed in range(4)]
+    for job_id in ids:
+        job = _final(client, job_id)
+        assert job["status"] == "succeeded", job
+        choice = {a["id"]: a["choice"] for a in job["result"]["answers"]}
+        for constraint in CONSTRAINTS:
+            assert [choice[q] for q in constraint["questions"]] in constraint["allowed"]
+    refused = client.post("/v1/jobs", json={**body, "input": {**body["input"], "mode": "independent"}})
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_request"
+    assert 'need mode "joint"' in refused.json()["error"]["details"][0]["message"]
+
+
 def _invalid_output_count(client: TestClient) -> float:
     """``cloverq_invalid_output_retries_total{kind="decide"}`` as ``/metrics`` exports it."""
     text = client.get("/metrics").text

@@ -53,6 +53,33 @@ def test_invalid_decide_bodies_rejected(bad: dict) -> None:
         ADAPTER.validate_python(_decide(**bad))
 
 
+GATE = {"questions": ["a", "b"], "allowed": [["yes", "yes"], ["yes", "no"], ["no", "no"]]}
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ({"constraints": [GATE]}, 'need mode "joint"'),  # independent questions never see each other
+        ({"mode": "joint", "constraints": [{**GATE, "questions": ["a", "z"]}]}, "no question 'z'"),
+        ({"mode": "joint", "constraints": [{**GATE, "allowed": [["yes", "maybe"]]}]}, "'maybe' is not a"),
+        ({"mode": "joint", "constraints": [{**GATE, "allowed": [["yes"]]}]}, "one choice per question"),
+        ({"mode": "joint", "constraints": [{**GATE, "allowed": [["yes", "no"], ["yes", "no"]]}]}, "distinct"),
+        ({"mode": "joint", "constraints": [{**GATE, "questions": ["a", "a"]}]}, "distinct"),
+        ({"mode": "joint", "constraints": [{"questions": ["a"], "allowed": [["yes"]]}]}, "at least 2"),
+        ({"mode": "joint", "constraints": [{**GATE, "allowed": []}]}, "at least 1"),
+        ({"mode": "joint", "constraints": [GATE, {**GATE, "questions": ["b", "a"]}]}, "in two constraints"),
+    ],
+)
+def test_constraints_that_do_not_fit_their_questions_are_refused(bad: dict, says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        ADAPTER.validate_python(_decide(**bad))
+
+
+def test_joint_constraints_are_accepted_and_stored_as_given() -> None:
+    job = ADAPTER.validate_python(_decide(mode="joint", constraints=[GATE]))
+    assert job.input.model_dump()["constraints"] == [GATE]
+
+
 def _check(job, *, faults: bool = False) -> dict:
     return check_decide_limits(job.input, job.params, settings=SETTINGS, counter=COUNTER,
                                faults_enabled=faults)

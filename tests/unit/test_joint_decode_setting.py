@@ -17,7 +17,8 @@ from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import load_checkpoint
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 from worker.model.tokenizer import Tokenizer
-from worker.training.corpus import decision_cases
+from worker.training.corpus import DecisionCase, decision_cases
+from worker.training.questions import violates
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +56,26 @@ def test_one_pass_answers_a_joint_decision_in_one_pass_and_rationales_keep_the_b
     # rationales are free text: the setting leaves such a decision block by block
     with_rationale = _decide(engine, "one_pass", {**job_input, "rationale": True})
     assert with_rationale["usage"]["steps_used"] > 4
+
+
+def _violations(case: DecisionCase, answers: list[str]) -> int:
+    at, broken = 0, 0
+    for group in case.groups:
+        given = answers[at : at + len(group.questions)]
+        at += len(group.questions)
+        broken += len(given) == 2 and violates(group.rule, given[0], given[1])
+    return broken
+
+
+def test_declared_constraints_are_never_broken_in_either_decode(engine: tuple[Engine, Tokenizer]) -> None:
+    """Each group's rule declared as a constraint: no answer breaks it, in one pass or block by
+    block, where the same model undeclared breaks some (so the constraint did the work)."""
+    cases = decision_cases("eval", 1, 30)
+    undeclared = 0
+    for case in cases:
+        plain = _decide(engine, "one_pass", case.job_input("joint"))
+        undeclared += _violations(case, [a["choice"] for a in plain["answers"]])
+        for decode in ("one_pass", "blockwise"):
+            result = _decide(engine, decode, case.job_input("joint", constraints=True))
+            assert _violations(case, [a["choice"] for a in result["answers"]]) == 0
+    assert undeclared > 0

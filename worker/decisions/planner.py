@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from worker.decisions.prompts import independent_prompts, joint_prompt
 from worker.decisions.spec import DecisionSpec, DecisionTokenizer
 from worker.decisions.templates import AnswerTemplate, answer_template
-from worker.engine.types import GenerationRequest, Progress, SamplingParams
+from worker.engine.types import GenerationRequest, Progress, SamplingParams, SlotConstraint
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,25 @@ def _pad_id(tokenizer: DecisionTokenizer) -> int:
     return tokenizer.eos_token_ids[0]
 
 
+def with_constraints(template: AnswerTemplate, spec: DecisionSpec) -> AnswerTemplate:
+    """``template`` (a joint one) with ``spec``'s constraints as ``SlotConstraint``s over its
+    choice slots (a choice's index is its position in the question's ``choices``, as in the
+    slot's ``allowed_sequences``)."""
+    if not spec.constraints:
+        return template
+    index = {q.id: i for i, q in enumerate(spec.questions)}
+    slot_of = {layout.question_index: layout.choice_slot for layout in template.answers}
+    constraints = []
+    for constraint in spec.constraints:
+        questions = [spec.questions[index[q]] for q in constraint.questions]
+        constraints.append(SlotConstraint(
+            slots=tuple(slot_of[index[q]] for q in constraint.questions),
+            allowed=tuple(tuple(q.choices.index(a) for q, a in zip(questions, combo, strict=True))
+                          for combo in constraint.allowed),
+        ))  # fmt: skip
+    return replace(template, template=replace(template.template, constraints=tuple(constraints)))
+
+
 def plan_decision(
     spec: DecisionSpec,
     tokenizer: DecisionTokenizer,
@@ -88,11 +107,10 @@ def plan_decision(
     cancel = cancel_event or threading.Event()
     if spec.mode == "joint":
         prompts = [joint_prompt(spec, tokenizer)]
-        templates = [
-            answer_template(spec.questions, first_index=0, tokenizer=tokenizer, pad_id=pad_id,
-                            rationale_tokens=rationale, as_list=True,
-                            one_pass=joint_one_pass and rationale is None)
-        ]
+        joint = answer_template(spec.questions, first_index=0, tokenizer=tokenizer, pad_id=pad_id,
+                                rationale_tokens=rationale, as_list=True,
+                                one_pass=joint_one_pass and rationale is None)  # fmt: skip
+        templates = [with_constraints(joint, spec)]
     else:
         prompts = independent_prompts(spec, tokenizer)
         templates = [

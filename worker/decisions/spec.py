@@ -44,6 +44,15 @@ class DecisionQuestion:
 
 
 @dataclass(frozen=True)
+class DecisionConstraint:
+    """Answers to ``questions`` (ids) must be one of the ``allowed`` combinations (one choice per
+    question, in that order); joint mode enforces it (``worker/sampler/constraints.py``)."""
+
+    questions: tuple[str, ...]
+    allowed: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
 class DecisionSpec:
     """A whole decision job: every question is judged against ``context``."""
 
@@ -51,6 +60,7 @@ class DecisionSpec:
     questions: tuple[DecisionQuestion, ...]
     mode: DecisionMode = "independent"
     rationale: bool = False
+    constraints: tuple[DecisionConstraint, ...] = ()
 
     @classmethod
     def from_input(cls, data: Mapping[str, Any]) -> DecisionSpec:
@@ -68,9 +78,26 @@ class DecisionSpec:
             raise ValueError(f"unknown decision mode {mode!r}")
         if not questions:
             raise ValueError("a decision needs at least one question")
+        constraints = tuple(
+            DecisionConstraint(tuple(str(q) for q in c["questions"]),
+                               tuple(tuple(str(a) for a in combo) for combo in c["allowed"]))
+            for c in data.get("constraints") or ()
+        )  # fmt: skip
+        if constraints and mode != "joint":
+            raise ValueError("constraints need mode 'joint' (independent questions never see each other)")
+        choices = {q.id: q.choices for q in questions}
+        for c in constraints:
+            fits = all(q in choices for q in c.questions) and all(
+                len(combo) == len(c.questions)
+                and all(a in choices[q] for q, a in zip(c.questions, combo, strict=True))
+                for combo in c.allowed
+            )
+            if not fits:
+                raise ValueError(f"constraint over {list(c.questions)}: unknown question or choice")
         return cls(
             context=str(data.get("context", "")),
             questions=questions,
             mode=mode,
             rationale=bool(data.get("rationale", False)),
+            constraints=constraints,
         )

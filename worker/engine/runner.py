@@ -433,10 +433,12 @@ class ModelRunner:
         confidence of its positions (in place). A deferred group (not the slot's last block) is
         only scored: its per-candidate sums are returned as ``(row, group, [C] scores)`` and the
         caller writes them to ``SlotGroup.scores`` after the pass's one host copy; its pick stays
-        (0, 0.0).
+        (0, 0.0). A ``scored`` final group (a constrained slot) is picked as any final group and
+        its scores (prior included) are returned too: the host makes the choice over the allowed
+        combinations (``SequenceState._record_groups``).
 
         Returns ([R, G, 2] (candidate index, normalised probability) or None without slots, the
-        deferred groups' scores).
+        deferred and scored groups' scores).
         """
         num_groups = max((len(row.inp.groups) for row in rows), default=0)
         if num_groups == 0:
@@ -456,6 +458,8 @@ class ModelRunner:
                     continue
                 if group.prior is not None:
                     scores = scores + torch.tensor(group.prior, dtype=scores.dtype, device=scores.device)
+                if group.scored:  # a constrained slot: the host picks over the allowed combinations
+                    deferred.append((i, g, scores))
                 pick, prob = _pick_candidate(scores, row.temperature, uniforms[i, group.offsets[0]])
                 tokens[i, offs] = cands[pick]
                 confidence[i, offs] = prob.to(confidence.dtype)

@@ -70,6 +70,21 @@ class InfillSlot:
 
 
 @dataclass(frozen=True)
+class SlotConstraint:
+    """Restricted slots whose choices must agree: only the listed combinations are allowed.
+
+    ``slots``: template slot indexes (each with ``allowed_sequences``); ``allowed``: per allowed
+    combination, one candidate index (into that slot's ``allowed_sequences``) per slot. A slot
+    belongs to at most one constraint. The sampler picks a constrained slot's choice as the best
+    allowed combination given the slots already decided and the scores of those decided with it
+    (``worker/sampler/constraints.py``), so the answers never break it.
+    """
+
+    slots: tuple[int, ...]
+    allowed: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class InfillTemplate:
     """Structured output: fixed tokens plus masked slots; only slots are denoised."""
 
@@ -82,6 +97,7 @@ class InfillTemplate:
     # trained with ``--parallel-slots`` saw it; one pass instead of one per slot block. Needs every
     # slot restricted (``allowed_sequences``): free text cannot be written in one pass.
     one_pass: bool = False
+    constraints: tuple[SlotConstraint, ...] = ()
 
 
 @dataclass

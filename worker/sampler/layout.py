@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.types import GenerationRequest, InfillSlot, InfillTemplate
+from worker.engine.types import GenerationRequest, InfillSlot, InfillTemplate, SlotConstraint
 
 
 class RequestError(ValueError):
@@ -57,6 +57,9 @@ class RegionLayout:
     unrestricted_slots: tuple[int, ...]  # template slot indexes decoded as plain masks
     pad_tail_slots: tuple[PadTailSlot, ...] = ()
     one_pass: bool = False  # every restricted slot decided in one pass over one span of blocks
+    # the template's constraints with ``slots`` as indexes into ``sequence_slots``
+    constraints: tuple[SlotConstraint, ...] = ()
+    constraint_of: tuple[int, ...] = ()  # per sequence slot: its constraint's index, -1 if none
 
     @property
     def total_len(self) -> int:
@@ -145,6 +148,7 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
         raise RequestError("template has token ids out of range")
     if template.one_pass and (unrestricted or not seq_slots):
         raise RequestError("a one_pass template needs every slot restricted to allowed_sequences")
+    constraints, constraint_of = _constraints(template, seq_slots)
     return RegionLayout(
         region_start=start,
         region_len=n,
@@ -157,7 +161,38 @@ def _template_layout(template: InfillTemplate, start: int, vocab_size: int) -> R
         unrestricted_slots=tuple(unrestricted),
         pad_tail_slots=tuple(tails),
         one_pass=template.one_pass,
+        constraints=constraints,
+        constraint_of=constraint_of,
     )
+
+
+def _constraints(
+    template: InfillTemplate, seq_slots: list[SequenceSlot]
+) -> tuple[tuple[SlotConstraint, ...], tuple[int, ...]]:
+    """Check the template's constraints; return them over sequence-slot indexes, and each
+    sequence slot's constraint (-1: none)."""
+    sequence_index = {s.index: k for k, s in enumerate(seq_slots)}
+    constraint_of = [-1] * len(seq_slots)
+    mapped = []
+    for n, constraint in enumerate(template.constraints):
+        members = []
+        for i in constraint.slots:
+            k = sequence_index.get(i, -1)
+            if k < 0:
+                raise RequestError(f"constraint {n}: slot {i} is not a slot with allowed_sequences")
+            if constraint_of[k] >= 0:
+                raise RequestError(f"constraint {n}: slot {i} is in another constraint already")
+            constraint_of[k] = n
+            members.append(k)
+        if len(members) < 2 or not constraint.allowed:
+            raise RequestError(f"constraint {n}: needs two slots or more and an allowed combination")
+        for combo in constraint.allowed:
+            if len(combo) != len(members) or any(
+                not 0 <= c < len(seq_slots[k].candidates) for c, k in zip(combo, members, strict=False)
+            ):
+                raise RequestError(f"constraint {n}: combination {combo} does not fit its slots' candidates")
+        mapped.append(SlotConstraint(tuple(members), tuple(constraint.allowed)))
+    return tuple(mapped), tuple(constraint_of)
 
 
 def _one_hot(token: int, vocab_size: int) -> torch.Tensor:

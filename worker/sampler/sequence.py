@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.engine.types import FinishReason, GenerationRequest, Progress, SlotChoice
+from worker.sampler.constraints import agreeing, candidates_left, choose_combination
 from worker.sampler.layout import PadTailSlot, RegionLayout
 from worker.sampler.pad_tail import content_required_before, forced_pads
 from worker.sampler.schedule import plan_block_steps, step_quotas
@@ -64,9 +65,13 @@ class SlotGroup:
     slot: int  # index into RegionLayout.sequence_slots
     offsets: list[int]  # block offsets of its still-masked (final) or deferred positions
     candidates: list[tuple[int, ...]]  # per consistent candidate: its tokens at ``offsets``
+    candidate_ids: list[int] = field(default_factory=list)  # those candidates' indexes in the slot
     final: bool = True
     prior: list[float] | None = None  # per candidate: summed log-probs of its earlier blocks
-    scores: list[float] | None = None  # set by the runner for a deferred group
+    scores: list[float] | None = None  # set by the runner for a deferred or a scored group
+    # a final group of a constrained slot: the runner reports its scores (prior included) too,
+    # and the choice is made here over the allowed combinations (``_record_groups``)
+    scored: bool = False
 
 
 @dataclass
@@ -341,8 +346,10 @@ class SequenceState:
             decision = self.slot_decisions[g.slot]
             rel = [lo + o - r0 - slot.start for o in g.offsets]  # slot-relative
             g.candidates = [tuple(slot.candidates[c][k] for k in rel) for c in decision.candidates]
+            g.candidate_ids = list(decision.candidates)  # a constraint may narrow the slot's list later
             if g.final and any(self.deferred[slot.start : slot.start + slot.length]):
                 g.prior = [decision.scores[c] for c in decision.candidates]
+            g.scored = g.final and bool(self.layout.constraints) and self.layout.constraint_of[g.slot] >= 0
         return groups
 
     def apply_pass(
@@ -399,20 +406,64 @@ class SequenceState:
         the candidates, and its tokens at the positions deferred in earlier blocks."""
         done = set(offsets)
         r0 = self.layout.region_start
-        for group, (choice, prob) in zip(self._pass_groups, group_choices, strict=True):
-            if not group.final or not done.issuperset(group.offsets):
-                continue
+        decided = [
+            (group, group.candidate_ids[choice], prob)
+            for group, (choice, prob) in zip(self._pass_groups, group_choices, strict=True)
+            if group.final and done.issuperset(group.offsets)
+        ]
+        constrained = {}
+        if self.layout.constraints:
+            constrained = self._constrained_choices([group.slot for group, _, _ in decided])
+        for group, picked, prob in decided:
+            picked, prob = constrained.get(group.slot, (picked, prob))
             decision = self.slot_decisions[group.slot]
             slot = self.layout.sequence_slots[group.slot]
-            picked = decision.candidates[choice]
             decision.candidates = [picked]
             decision.confidence = prob
             decision.chosen = picked
-            for k in range(slot.length):
+            for k in range(slot.length):  # a constrained pick may differ from the pass's tokens
                 j = slot.start + k
-                if self.deferred[j] and not self.committed[j]:
+                if (self.deferred[j] and not self.committed[j]) or group.slot in constrained:
                     self.tokens[r0 + j] = slot.candidates[picked][k]
                     self.committed[j] = True
+        if constrained:
+            self._narrow_constrained(constrained)
+
+    def _constrained_choices(self, slots: list[int]) -> dict[int, tuple[int, float]]:
+        """slot -> (candidate, probability) for the constrained ``slots`` decided this pass: per
+        constraint, the best combination agreeing with its slots decided earlier, scored by this
+        pass's final groups of its slots (``worker/sampler/constraints.py``)."""
+        scores: dict[int, dict[int, float]] = {}  # sequence slot -> candidate -> score
+        for group in self._pass_groups:
+            if group.scored:
+                if group.scores is None:
+                    raise RuntimeError("a constrained restricted slot was not scored by the pass")
+                scores[group.slot] = dict(zip(group.candidate_ids, group.scores, strict=True))
+        picks: dict[int, tuple[int, float]] = {}
+        for n in sorted({self.layout.constraint_of[s] for s in slots} - {-1}):
+            constraint = self.layout.constraints[n]
+            members = constraint.slots
+            earlier = {p: self.slot_decisions[s].chosen for p, s in enumerate(members) if s not in slots}
+            combos = agreeing(constraint.allowed, {p: c for p, c in earlier.items() if c is not None})
+            u, temperature = None, self.request.params.temperature
+            if temperature > 0:
+                u = float(torch.rand(1, generator=self.generator))
+            member_scores = {p: scores[s] for p, s in enumerate(members) if s in scores}
+            combo, probs = choose_combination(combos, member_scores, u, temperature)
+            picks.update({s: (combo[p], probs[p]) for p, s in enumerate(members) if s in slots})
+        return picks
+
+    def _narrow_constrained(self, picks: dict[int, tuple[int, float]]) -> None:
+        """After constrained slots were decided, their constraints' undecided slots keep only the
+        candidates of the combinations still allowed."""
+        for n in sorted({self.layout.constraint_of[s] for s in picks}):
+            constraint = self.layout.constraints[n]
+            chosen = [self.slot_decisions[s].chosen for s in constraint.slots]
+            combos = agreeing(constraint.allowed, {p: c for p, c in enumerate(chosen) if c is not None})
+            for p, s in enumerate(constraint.slots):
+                if chosen[p] is None:
+                    decision = self.slot_decisions[s]
+                    decision.candidates = candidates_left(combos, p, decision.candidates)
 
     def _carry_deferred_scores(self) -> None:
         """At a block's end, add its deferred positions' log-probs (scored by the block's last
@@ -423,7 +474,7 @@ class SequenceState:
             if group.scores is None or len(group.scores) != len(group.candidates):
                 raise RuntimeError("a deferred restricted slot was not scored by the pass")
             decision = self.slot_decisions[group.slot]
-            for c, score in zip(decision.candidates, group.scores, strict=True):
+            for c, score in zip(group.candidate_ids, group.scores, strict=True):
                 decision.scores[c] += score
 
     def finish(self, reason: FinishReason) -> None:

@@ -41,7 +41,7 @@ from worker.training.contracts import (
 )
 from worker.training.extraction import FIELDS as EXTRACT_FIELDS
 from worker.training.extraction import ExtractionCase, clauses_of, draw_kinds, field_value
-from worker.training.questions import QuestionGroup, draw_groups, value_question
+from worker.training.questions import QuestionGroup, draw_groups, value_question, violates
 from worker.training.tool_calls import NO_CALL_SHARE, ToolCallCase, draw_call
 
 GROUP_CLAUSES = {  # the clause a question group is about
@@ -91,13 +91,32 @@ class DecisionCase:
     def spec(self, mode: DecisionMode) -> DecisionSpec:
         return DecisionSpec(context=self.context, questions=self.questions, mode=mode)
 
-    def job_input(self, mode: DecisionMode) -> dict[str, object]:
-        """The body's ``input`` of a ``decide`` job asking this case."""
-        return {
+    def job_input(self, mode: DecisionMode, constraints: bool = False) -> dict[str, object]:
+        """The body's ``input`` of a ``decide`` job asking this case; ``constraints`` (joint mode):
+        each tied group's rule declared as the combinations it allows."""
+        body: dict[str, object] = {
             "context": self.context,
             "mode": mode,
             "questions": [{"id": q.id, "text": q.text, "choices": list(q.choices)} for q in self.questions],
         }
+        if constraints and mode == "joint":
+            body["constraints"] = self.constraints()
+        return body
+
+    def constraints(self) -> list[dict[str, object]]:
+        """Each two-question group's rule as a decision constraint (the pairs it does not break)."""
+        out: list[dict[str, object]] = []
+        at = 1
+        for group in self.groups:
+            ids = [f"q{at + k}" for k in range(len(group.questions))]
+            at += len(ids)
+            if len(ids) != 2 or group.rule == "value":
+                continue
+            first, second = group.questions
+            allowed = [[a, b] for a in first.choices for b in second.choices
+                       if not violates(group.rule, a, b)]  # fmt: skip
+            out.append({"questions": ids, "allowed": allowed})
+        return out
 
 
 def headed(group: QuestionGroup) -> QuestionGroup:
