@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from scheduler.infra.settings import Settings
+from worker.decide_job import joint_decode
 from worker.decisions import DecisionSpec, run_decision
 from worker.decisions.runner import DecisionOptions
 from worker.engine.engine import Engine, EngineConfig
@@ -38,6 +39,7 @@ from worker.engine.types import GenerationRequest, SamplingParams
 from worker.execution import run_kind
 from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import LoadedModel, load_checkpoint
+from worker.model.hf_defaults import GenerationDefaults
 from worker.model.tokenizer import Tokenizer
 from worker.training.corpus import decision_cases, extraction_cases, generation_cases, tool_call_cases
 from worker.training.evaluation import DecisionTally, ExtractionTally, GenerationTally, ToolCallTally, retries
@@ -182,8 +184,8 @@ def main() -> None:
     parser.add_argument("--tool-choice", default="auto", choices=("auto", "required"),
                         help="required: every case calls (a question then scores wrong)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--joint-decode", default="blockwise", choices=("blockwise", "one_pass"),
-                        help="as the worker's decide_joint_decode setting")  # fmt: skip
+    parser.add_argument("--joint-decode", default="auto", choices=("auto", "blockwise", "one_pass"),
+                        help="the decide_joint_decode setting (auto: the checkpoint's)")  # fmt: skip
     parser.add_argument("--constraints", action="store_true",
                         help="joint decisions declare each group's rule as a constraint")  # fmt: skip
     parser.add_argument("--headings", action="store_true",
@@ -191,14 +193,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_checkpoint(args.checkpoint, dtype=torch.float32)
+    decode = joint_decode(args.joint_decode, GenerationDefaults.from_dict(lm.generation_config).joint_decode)
     engine = started_engine(lm)
     began = time.monotonic()
     report: dict[str, object] = {"checkpoint": str(args.checkpoint), "seed": args.seed, "count": args.count,
-                                 "joint_decode": args.joint_decode, "constraints": args.constraints}
+                                 "joint_decode": decode, "constraints": args.constraints}
     try:
         for split in args.splits.split(","):
             report[split] = decision_report(engine, lm.tokenizer, split, args.seed, args.count, args.headings,
-                                            args.joint_decode == "one_pass", args.constraints)
+                                            decode == "one_pass", args.constraints)
             if args.extraction:
                 report[f"extraction/{split}"] = extraction_report(
                     engine, lm.tokenizer, split, args.seed, args.extraction, args.headings

@@ -73,6 +73,12 @@ def _outcome(decision: DecisionOutcome) -> Outcome:
     return Outcome(JobStatus.FAILED, None, error_code=code, error_message=decision.error_message, **common)
 
 
+def joint_decode(setting: str, checkpoint: str | None) -> str:
+    """The joint decode a job runs with: the setting, or for ``auto`` the checkpoint's declared
+    one (``generation_config.json`` ``joint_decode``), else ``blockwise``."""
+    return (checkpoint or "blockwise") if setting == "auto" else setting
+
+
 def run_decide(job: JobSpec, ctx: EngineContext) -> Outcome:
     """A ``decide`` job: all its sequences through the engine at once, gathered, assembled."""
     try:
@@ -85,7 +91,7 @@ def run_decide(job: JobSpec, ctx: EngineContext) -> Outcome:
         rationale_tokens=settings.decisions.rationale_tokens,
         rationale_max_chars=settings.decisions.rationale_max_chars,
         retry_temperature=settings.decisions.retry_temperature,
-        joint_one_pass=settings.decisions.joint_decode == "one_pass",
+        joint_one_pass=joint_decode(settings.decisions.joint_decode, ctx.joint_decode) == "one_pass",
     )
 
     def on_invalid_output(attempt: int, reason: str) -> None:

@@ -58,6 +58,7 @@ class EngineContext:
     # ids -> (answer, reasoning or None)) for the progress and the event stream (worker/monitor.py).
     on_plan: Callable[..., None] | None = None
     default_block_size: int | None = None  # the checkpoint's (used when params give none)
+    joint_decode: str | None = None  # the checkpoint's generation_config.json ``joint_decode``
     # queues several requests in one admission round (Engine.submit_many: shared prompt prefixes)
     submit_many: Callable[[Sequence[GenerationRequest]], list[Future[GenerationResult]]] | None = None
 

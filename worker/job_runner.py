@@ -244,6 +244,7 @@ class JobRunner:
             cancel_event=running.cancel_event, on_progress=self.monitor.on_progress(lease.job_id),
             on_plan=self.monitor.on_plan(lease.job_id),
             default_block_size=engine.default_block_size,
+            joint_decode=self.model.joint_decode,
         )
 
     def _execute(self, spec: JobSpec, lease: Lease, running: RunningJob) -> RunOutcome:

@@ -51,6 +51,7 @@ class ResidentModel:
         self.model_version: str | None = None  # "<folder>@<manifest digest[:12]>", on every job
         self.model_name: str | None = None  # served_model, else the checkpoint folder's name
         self.served_version: str | None = None  # the version of served_model loaded now
+        self.joint_decode: str | None = None  # the checkpoint's generation_config.json joint_decode
 
     def load(self, path: Path) -> LoadedModel:
         """Load (and verify) the checkpoint at ``path``, start and warm up its engine, and make it
@@ -87,6 +88,7 @@ class ResidentModel:
             engine.stop(drain=False, timeout=30)
             raise
         self.engine, self.tokenizer = engine, loaded.tokenizer
+        self.joint_decode = GenerationDefaults.from_dict(loaded.generation_config).joint_decode
         self.model_version = f"{loaded.path.name}@{loaded.manifest_digest[:12]}"
         self.info.model_version = self.model_version
         set_process_version(version_label(self.model_version), self.info.stats.get("lane"))

@@ -32,11 +32,13 @@ def engine() -> Iterator[tuple[Engine, Tokenizer]]:
     eng.stop()
 
 
-def _decide(engine: tuple[Engine, Tokenizer], decode: str, job_input: dict[str, Any]) -> dict[str, Any]:
+def _decide(engine: tuple[Engine, Tokenizer], decode: str, job_input: dict[str, Any],
+            checkpoint: str | None = None) -> dict[str, Any]:
+    """``decode``: the setting; ``checkpoint``: the checkpoint's declared ``joint_decode``."""
     eng, tok = engine
     ctx = EngineContext(submit=eng.submit, tokenizer=tok, settings=Settings(decide_joint_decode=decode),
                         deadline=None, cancel_event=threading.Event(), on_progress=lambda _p: None,
-                        default_block_size=eng.default_block_size)  # fmt: skip
+                        default_block_size=eng.default_block_size, joint_decode=checkpoint)  # fmt: skip
     outcome = run_kind(JobSpec("j", "decide", "joint", 1, job_input, {}), ctx)
     assert outcome.status is JobStatus.SUCCEEDED and outcome.result is not None
     return outcome.result
@@ -53,6 +55,10 @@ def test_one_pass_answers_a_joint_decision_in_one_pass_and_rationales_keep_the_b
     assert blockwise["usage"]["steps_used"] > 4  # a pass per answer block at least
     for result in (blockwise, one_pass):
         assert [a["id"] for a in result["answers"]] == [q["id"] for q in job_input["questions"]]
+    # auto: the checkpoint's declaration, else block by block
+    assert _decide(engine, "auto", job_input, checkpoint="one_pass")["usage"]["steps_used"] == 1
+    assert _decide(engine, "auto", job_input)["usage"]["steps_used"] > 4
+    assert _decide(engine, "blockwise", job_input, checkpoint="one_pass")["usage"]["steps_used"] > 4
     # rationales are free text: the setting leaves such a decision block by block
     with_rationale = _decide(engine, "one_pass", {**job_input, "rationale": True})
     assert with_rationale["usage"]["steps_used"] > 4

@@ -238,6 +238,8 @@ def test_generation_defaults() -> None:
     assert sampled.unsupported == {"repetition_penalty": 1.05}
     assert GenerationDefaults.from_dict({"do_sample": False, "temperature": 0.7}).temperature == 0.0
     assert GenerationDefaults.from_dict({"top_p": 1.0, "top_k": 0}).as_log() == {}
+    assert GenerationDefaults.from_dict({"joint_decode": "one_pass"}).as_log() == {"joint_decode": "one_pass"}
+    assert GenerationDefaults.from_dict({"joint_decode": "sideways"}).joint_decode is None  # not a decode
 
 
 def test_default_model_paths_follow_the_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,8 @@
   nested ``text_config``; ``CLOVERQ_DTYPE`` overrides it; float32 when the config names none.
 - **generation defaults**: ``generation_config.json``'s ``do_sample``, ``temperature``, ``top_p``,
   ``top_k`` and ``max_new_tokens`` (plus the block-diffusion keys some checkpoints add:
-  ``block_size``/``block_length``, ``steps_per_block``, ``threshold``). ``cloverq
+  ``block_size``/``block_length``, ``steps_per_block``, ``threshold``; and cloverq's own
+  ``joint_decode``, how the checkpoint's joint decisions decode best). ``cloverq
   generate`` uses them for every flag it is not given; the worker logs them at load. API jobs do
   not inherit them: a job's row records what it runs with (``api/limits.py`` fills the
   deployment's defaults at submit, greedy unless the request says otherwise). Keys cloverq has no
@@ -20,6 +21,7 @@ import torch
 
 from worker.model.config import ConfigError, ModelConfig
 
+JOINT_DECODES = ("blockwise", "one_pass")
 DEFAULT_DTYPE = "float32"  # when neither the config nor CLOVERQ_DTYPE names one
 _DTYPE_ALIASES: dict[str, str] = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -75,6 +77,9 @@ class GenerationDefaults:
     block_size: int | None = None
     steps_per_block: int | None = None
     threshold: float | None = None
+    # how a joint decision decodes best, "blockwise" or "one_pass" (a cloverq key: the worker's
+    # CLOVERQ_DECIDE_JOINT_DECODE=auto follows it; docs/decisions.md)
+    joint_decode: str | None = None
     unsupported: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -95,14 +100,16 @@ class GenerationDefaults:
             block_size=_number(gen.get("block_size", gen.get("block_length")), int),
             steps_per_block=_number(gen.get("steps_per_block"), int),
             threshold=_number(gen.get("threshold"), float),
+            joint_decode=gen["joint_decode"] if gen.get("joint_decode") in JOINT_DECODES else None,
             unsupported={k: gen[k] for k in _UNSUPPORTED_SAMPLING_KEYS
                          if gen.get(k) not in (None, 1, 1.0, 0, 0.0)},
         )
 
     def as_log(self) -> dict[str, Any]:
         """The non-empty defaults (for a log line)."""
-        values = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "max_new_tokens",
-                                                 "block_size", "steps_per_block", "threshold")}
+        keys = ("temperature", "top_p", "top_k", "max_new_tokens", "block_size", "steps_per_block",
+                "threshold", "joint_decode")
+        values = {k: getattr(self, k) for k in keys}
         out: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
         if self.unsupported:
             out["unsupported"] = self.unsupported

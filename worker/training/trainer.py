@@ -322,6 +322,17 @@ def target_weights(rows: list[Row], config: TrainConfig, width: int) -> torch.Te
     return weight
 
 
+def declare_joint_decode(folder: Path, decode: str) -> None:
+    """Record in ``generation_config.json`` how the checkpoint's joint decisions decode best
+    (``joint_decode``, read by the worker when ``CLOVERQ_DECIDE_JOINT_DECODE`` is ``auto``): a
+    model that saw every joint row in the parallel pass (``--parallel-slots 1.0``) never trained
+    the block-by-block one."""
+    path = folder / "generation_config.json"
+    gen = json.loads(path.read_text())
+    gen["joint_decode"] = decode
+    path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+
 def optimizer_and_schedule(
     params: list[torch.nn.Parameter], *, lr: float, steps: int
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
@@ -495,6 +506,8 @@ def train_demo(
                          step >= config.steps)  # fmt: skip
     if result.finished:
         save_hf(model, folder)
+        if config.parallel_slots is not None and config.parallel_slots >= 1.0:
+            declare_joint_decode(folder, "one_pass")
         (folder / TRAINING_FILE).write_text(json.dumps(
             {"config": _recorded(config), "steps": step, "first_loss": round(losses[0], 4),
              "final_loss": round(result.final_loss, 4)}, indent=2, sort_keys=True) + "\n")  # fmt: skip

@@ -31,11 +31,12 @@ class DecisionSettings(SettingsGroup):
         description="The one retry after an invalid rationale samples at least this hot.",
     )
     joint_default_step_budget: int = Field(4096, ge=1, description="Default step budget of a joint job.")
-    joint_decode: Literal["blockwise", "one_pass"] = Field(
-        "blockwise", alias="decide_joint_decode",
+    joint_decode: Literal["auto", "blockwise", "one_pass"] = Field(
+        "auto", alias="decide_joint_decode",
         description="How a joint decision without rationales is decoded: block by block (each answer"
         " sees the earlier ones) or one_pass (every answer in one pass; for checkpoints trained with"
-        " --parallel-slots).",
+        " --parallel-slots 1.0); auto: the checkpoint's generation_config.json joint_decode, else"
+        " blockwise.",
     )
 
 
