@@ -265,6 +265,8 @@ def decide(context: str | None, context_file: Any, question: tuple[str, ...], ch
     if (context is None) == (context_file is None):
         raise click.UsageError("give exactly one of --context or --context-file")
     text = context if context is not None else context_file.read()
+    if constraints_json and mode != "joint":
+        raise click.UsageError("--constraints needs --mode joint (an independent question sees no other)")
     with api_client() as cq:
         job = cq.decide(text, _questions(questions_json, question, choices), mode=mode, rationale=rationale,
                         params=_params(params), priority=priority, idempotency_key=idempotency_key,

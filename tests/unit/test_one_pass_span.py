@@ -96,6 +96,15 @@ def test_fixed_blocks_after_the_span_complete_without_a_pass() -> None:
     assert state.output_ids()[-6:] == [64, 65, 66, 67, 68, 69]
 
 
+def test_a_sampled_span_draws_a_uniform_per_position_of_the_span() -> None:
+    params = SamplingParams(max_new_tokens=1, steps_per_block=4, temperature=0.8, seed=3)
+    request = GenerationRequest("r", [1, 2, 3, 4, 5], params, template=_template(one_pass=True))
+    state = SequenceState.start(request, build_layout(request, BLOCK, 128, 4096), block_size=BLOCK,
+                                mask_token_id=MASK, eos_token_ids=frozenset())  # fmt: skip
+    p = state.pass_input()
+    assert p.uniforms is not None and len(p.uniforms) == p.block_len == 11
+
+
 def test_one_pass_refuses_a_slot_of_free_text() -> None:
     request = GenerationRequest("r", [1, 2, 3], SamplingParams(max_new_tokens=1),
                                 template=_template(one_pass=True, free_slot=True))  # fmt: skip

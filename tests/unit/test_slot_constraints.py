@@ -18,27 +18,40 @@ GATE = ((0, 0), (0, 1), (1, 2))  # yes/no, then yes/no/n.a.: "no" goes with "n.a
 
 
 def test_the_choice_is_the_best_allowed_total_and_probabilities_are_its_marginals() -> None:
+    """Against a brute force over the scored members' part of each allowed combination."""
     rng = random.Random(5)
     for _ in range(200):
         sizes = [rng.randint(2, 4) for _ in range(rng.randint(2, 3))]
         every = list(itertools.product(*[range(n) for n in sizes]))
         combos = rng.sample(every, rng.randint(1, min(6, len(every))))
         scores = {p: {c: rng.uniform(-6, 0) for c in range(n)}
-                  for p, n in enumerate(sizes) if rng.random() < 0.8}  # a member unscored counts zero
-        combo, probs = choose_combination(combos, scores)
-        totals = {k: sum(scores[p][k[p]] for p in scores) for k in combos}
-        assert totals[combo] == max(totals.values())
+                  for p, n in enumerate(sizes) if p == 0 or rng.random() < 0.7}  # fmt: skip
+        members = sorted(scores)
+        totals = {tuple(k[p] for p in members): sum(scores[p][k[p]] for p in members) for k in combos}
+        best = max(totals, key=totals.__getitem__)
         z = sum(math.exp(t) for t in totals.values())
-        for p, c in enumerate(combo):
-            expected = sum(math.exp(t) for k, t in totals.items() if k[p] == c) / z
-            assert probs[p] == pytest.approx(expected)
+        chosen = choose_combination(combos, scores)
+        assert sorted(chosen) == members
+        for k, p in enumerate(members):
+            candidate, prob = chosen[p]
+            assert candidate == best[k]
+            assert prob == pytest.approx(sum(math.exp(t) for c, t in totals.items() if c[k] == candidate) / z)
+
+
+def test_an_unscored_partner_does_not_favour_the_value_of_more_combinations() -> None:
+    """Gate rule, only the first slot scored (its partner's last block comes later): "yes" is
+    in two combinations and "no" in one, yet the choice follows the first slot's own 0.3 / 0.7."""
+    scores = {0: {0: math.log(0.3), 1: math.log(0.7)}}
+    assert choose_combination(GATE, scores)[0] == (1, pytest.approx(0.7))
+    assert choose_combination(GATE, scores, u=0.29, temperature=1.0)[0][0] == 0
+    assert choose_combination(GATE, scores, u=0.31, temperature=1.0)[0][0] == 1
 
 
 def test_sampling_draws_combinations_by_their_totals() -> None:
     combos = [(0, 0), (1, 1)]
     scores = {0: {0: math.log(0.25), 1: math.log(0.75)}, 1: {0: 0.0, 1: 0.0}}
-    assert choose_combination(combos, scores, u=0.2, temperature=1.0)[0] == (0, 0)
-    assert choose_combination(combos, scores, u=0.3, temperature=1.0)[0] == (1, 1)
+    assert choose_combination(combos, scores, u=0.2, temperature=1.0) == {0: (0, 0.25), 1: (0, 0.25)}
+    assert choose_combination(combos, scores, u=0.3, temperature=1.0)[1][0] == 1
 
 
 def test_agreeing_and_candidates_left() -> None:

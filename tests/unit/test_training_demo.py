@@ -4,6 +4,7 @@ resumes to the same bytes; the shipped trained checkpoint loads with its special
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from worker.decisions.planner import plan_decision
 from worker.engine.types import SamplingParams
 from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+from worker.model.hf_defaults import GenerationDefaults
 from worker.model.tokenizer import Tokenizer
 from worker.sampler.layout import build_layout
 from worker.sampler.sequence import SequenceState
@@ -26,6 +28,7 @@ from worker.training.trainer import (
     _batch,
     _noisy_batch,
     bucketed_loss,
+    declare_joint_decode,
     denoise,
     parallel_decision,
     served_decision,
@@ -289,6 +292,21 @@ def test_the_shipped_recipe_s_options_repeat_bit_for_bit(tmp_path: Path) -> None
     for name in (SINGLE_NAME, "tokenizer.json", "config.json", "training.json", "manifest.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     assert load_checkpoint(tmp_path / "a").config.vocab_size > 512
+
+
+def test_a_run_trained_only_in_the_parallel_pass_declares_its_joint_decode(tmp_path: Path) -> None:
+    """``--parallel-slots 1.0``: every joint row trained in the parallel pass, so the checkpoint
+    says its joint decisions decode in one pass (``CLOVERQ_DECIDE_JOINT_DECODE=auto`` follows
+    it); the manifest covers the declaration, and a later stage of another recipe drops it."""
+    torch.set_num_threads(1)
+    folder = tmp_path / "p1"
+    config = TrainConfig(steps=2, batch=3, served_slots=True, decision_share=0.75, parallel_slots=1.0)
+    train_demo(folder, config)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    assert GenerationDefaults.from_dict(gen).joint_decode == "one_pass"
+    assert load_checkpoint(folder).generation_config["joint_decode"] == "one_pass"  # verified on load
+    declare_joint_decode(folder, None)
+    assert "joint_decode" not in json.loads((folder / "generation_config.json").read_text())
 
 
 def test_the_shipped_trained_demo_loads_with_its_special_tokens() -> None:

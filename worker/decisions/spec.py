@@ -86,6 +86,9 @@ class DecisionSpec:
         if constraints and mode != "joint":
             raise ValueError("constraints need mode 'joint' (independent questions never see each other)")
         choices = {q.id: q.choices for q in questions}
+        tied = [q for c in constraints for q in c.questions]
+        if len(set(tied)) != len(tied) or any(len(c.questions) < 2 for c in constraints):
+            raise ValueError("a constraint ties two questions or more, each question in one constraint")
         for c in constraints:
             fits = all(q in choices for q in c.questions) and all(
                 len(combo) == len(c.questions)

@@ -364,7 +364,7 @@ class ModelRunner:
         block_logits[..., self.mask_token_id] = float("-inf")  # never commit a mask token
         self._restrict_ids(block_logits, rows)
         tokens, confidence = select_tokens(block_logits, inp.sampling, inp.uniforms)  # [R, Bmax] x2
-        group_picks, deferred = self._choose_sequences(block_logits, rows, tokens, confidence, inp.uniforms)
+        group_picks, scored = self._choose_sequences(block_logits, rows, tokens, confidence, inp.uniforms)
         commit = choose_commits(confidence, inp.masked, inp.quota, inp.threshold, inp.dynamic)  # [R, Bmax]
         num_groups = max((len(row.inp.groups) for row in rows), default=0)
         if num_groups:
@@ -375,7 +375,7 @@ class ModelRunner:
         # [R*G*2] and deferred slot scores, carried as their int64 bit patterns
         parts = [tokens.reshape(-1), commit.reshape(-1).to(torch.long)]
         floats = ([group_picks.reshape(-1)] if group_picks is not None else []) + [
-            scores.to(torch.float64) for _, _, scores in deferred
+            scores.to(torch.float64) for _, _, scores in scored
         ]
         if floats:
             parts.append(torch.cat(floats).view(torch.long))
@@ -389,7 +389,7 @@ class ModelRunner:
         if group_picks is not None:
             at = group_picks.numel()
             picks_host = floats_host[:at].reshape(group_picks.shape).tolist()  # [R, G, 2]
-        for i, g, scores in deferred:  # per-candidate sums of deferred slot positions
+        for i, g, scores in scored:  # per-candidate sums: deferred slot positions, constrained slots
             rows[i].inp.groups[g].scores = floats_host[at : at + scores.numel()].tolist()
             at += scores.numel()
         outcomes = []
@@ -444,7 +444,7 @@ class ModelRunner:
         if num_groups == 0:
             return None, []
         picks = torch.zeros(len(rows), num_groups, 2, dtype=torch.float64, device=block_logits.device)
-        deferred: list[tuple[int, int, Tensor]] = []  # (row, group, [C] scores)
+        scored: list[tuple[int, int, Tensor]] = []  # (row, group, [C] scores): deferred and scored groups
         for i, row in enumerate(rows):
             if not row.inp.groups:
                 continue
@@ -454,18 +454,18 @@ class ModelRunner:
                 cands = torch.tensor(group.candidates, device=logp.device)  # [C, n]
                 scores = logp[offs[None, :], cands].sum(dim=-1)  # [C]
                 if not group.final:
-                    deferred.append((i, g, scores))
+                    scored.append((i, g, scores))
                     continue
                 if group.prior is not None:
                     scores = scores + torch.tensor(group.prior, dtype=scores.dtype, device=scores.device)
                 if group.scored:  # a constrained slot: the host picks over the allowed combinations
-                    deferred.append((i, g, scores))
+                    scored.append((i, g, scores))
                 pick, prob = _pick_candidate(scores, row.temperature, uniforms[i, group.offsets[0]])
                 tokens[i, offs] = cands[pick]
                 confidence[i, offs] = prob.to(confidence.dtype)
                 picks[i, g, 0] = pick.to(picks.dtype)
                 picks[i, g, 1] = prob.to(picks.dtype)
-        return picks, deferred
+        return picks, scored
 
 
 def _pick_candidate(scores: Tensor, temperature: float, u: Tensor) -> tuple[Tensor, Tensor]:

@@ -102,7 +102,9 @@ class GenerationDefaults:
             threshold=_number(gen.get("threshold"), float),
             joint_decode=gen["joint_decode"] if gen.get("joint_decode") in JOINT_DECODES else None,
             unsupported={k: gen[k] for k in _UNSUPPORTED_SAMPLING_KEYS
-                         if gen.get(k) not in (None, 1, 1.0, 0, 0.0)},
+                         if gen.get(k) not in (None, 1, 1.0, 0, 0.0)}
+            | ({"joint_decode": gen["joint_decode"]}
+               if gen.get("joint_decode") not in (None, *JOINT_DECODES) else {}),  # logged, not followed
         )
 
     def as_log(self) -> dict[str, Any]:

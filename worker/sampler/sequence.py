@@ -87,7 +87,7 @@ class PassInput:
     allowed_ids: list[torch.Tensor | None]  # [block_len] per position: [V] bool mask or None
     group_ids: list[int]  # [block_len] restricted-slot group (index into ``groups``) or -1
     groups: list[SlotGroup]  # restricted slots with masks in this block
-    uniforms: torch.Tensor | None  # [block_size] draws from the request's generator
+    uniforms: torch.Tensor | None  # [max(block_size, block_len)] draws from the request's generator
 
 
 @dataclass
@@ -144,8 +144,9 @@ class SequenceState:
         state.deferred = [False] * layout.region_len
         slots = layout.sequence_slots
         if layout.one_pass:  # each slot lies whole in the span: nothing is deferred
-            end = slots[-1].start + slots[-1].length - 1
-            state.span = ((r0 + slots[0].start) // block_size, (r0 + end) // block_size)
+            first_at = min(s.start for s in slots)
+            last_at = max(s.start + s.length - 1 for s in slots)
+            state.span = ((r0 + first_at) // block_size, (r0 + last_at) // block_size)
         else:
             for slot in slots:  # positions before the block of the slot's last one
                 last_block = (r0 + slot.start + slot.length - 1) // block_size
@@ -449,8 +450,8 @@ class SequenceState:
             if temperature > 0:
                 u = float(torch.rand(1, generator=self.generator))
             member_scores = {p: scores[s] for p, s in enumerate(members) if s in scores}
-            combo, probs = choose_combination(combos, member_scores, u, temperature)
-            picks.update({s: (combo[p], probs[p]) for p, s in enumerate(members) if s in slots})
+            chosen = choose_combination(combos, member_scores, u, temperature)
+            picks.update({s: chosen[p] for p, s in enumerate(members) if s in slots})
         return picks
 
     def _narrow_constrained(self, picks: dict[int, tuple[int, float]]) -> None:

@@ -322,14 +322,19 @@ def target_weights(rows: list[Row], config: TrainConfig, width: int) -> torch.Te
     return weight
 
 
-def declare_joint_decode(folder: Path, decode: str) -> None:
+def declare_joint_decode(folder: Path, decode: str | None) -> None:
     """Record in ``generation_config.json`` how the checkpoint's joint decisions decode best
-    (``joint_decode``, read by the worker when ``CLOVERQ_DECIDE_JOINT_DECODE`` is ``auto``): a
-    model that saw every joint row in the parallel pass (``--parallel-slots 1.0``) never trained
-    the block-by-block one."""
+    (``joint_decode``, read by the worker when ``CLOVERQ_DECIDE_JOINT_DECODE`` is ``auto``; None:
+    no declaration, block by block): a model that saw every joint row in the parallel pass
+    (``--parallel-slots 1.0``) never trained the block-by-block one. A stage trained on another
+    (``init_from``) replaces the earlier stage's declaration."""
     path = folder / "generation_config.json"
     gen = json.loads(path.read_text())
-    gen["joint_decode"] = decode
+    if gen.get("joint_decode") == decode:
+        return  # nothing to change (the file keeps its bytes)
+    gen.pop("joint_decode", None)
+    if decode is not None:
+        gen["joint_decode"] = decode
     path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
 
@@ -506,8 +511,8 @@ def train_demo(
                          step >= config.steps)  # fmt: skip
     if result.finished:
         save_hf(model, folder)
-        if config.parallel_slots is not None and config.parallel_slots >= 1.0:
-            declare_joint_decode(folder, "one_pass")
+        one_pass = config.parallel_slots is not None and config.parallel_slots >= 1.0
+        declare_joint_decode(folder, "one_pass" if one_pass else None)  # a later stage's own recipe decides
         (folder / TRAINING_FILE).write_text(json.dumps(
             {"config": _recorded(config), "steps": step, "first_loss": round(losses[0], 4),
              "final_loss": round(result.final_loss, 4)}, indent=2, sort_keys=True) + "\n")  # fmt: skip
