@@ -156,6 +156,11 @@ def generation_report(
     return report
 
 
+def served_joint_decode(lm: LoadedModel, setting: str = "auto") -> str:
+    """The joint decode a worker serving ``lm`` runs with under ``setting`` (its declaration)."""
+    return joint_decode(setting, GenerationDefaults.from_dict(lm.generation_config).joint_decode)
+
+
 def started_engine(lm: LoadedModel) -> Engine:
     """A started engine over ``lm`` (eval mode) as this module scores on: 16 rows, 2048 positions,
     the checkpoint's mask, EOS and block size. The caller stops it."""
@@ -193,7 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_checkpoint(args.checkpoint, dtype=torch.float32)
-    decode = joint_decode(args.joint_decode, GenerationDefaults.from_dict(lm.generation_config).joint_decode)
+    decode = served_joint_decode(lm, args.joint_decode)
     engine = started_engine(lm)
     began = time.monotonic()
     report: dict[str, object] = {"checkpoint": str(args.checkpoint), "seed": args.seed, "count": args.count,

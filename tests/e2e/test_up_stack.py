@@ -25,7 +25,7 @@ import httpx
 import pytest
 import torch
 
-from bench.demo_quality import decision_report, started_engine, tool_call_report
+from bench.demo_quality import decision_report, served_joint_decode, started_engine, tool_call_report
 from bench.fleet_services import free_port
 from tests.long_contract import QUESTIONS, contract
 from worker.model.checkpoint import load_checkpoint
@@ -280,7 +280,8 @@ def test_model_eval_runs_its_suites_as_jobs_and_agrees_with_the_engine_in_proces
     engine = started_engine(lm)
     try:
         for split in ("eval", "heldout"):
-            local = decision_report(engine, lm.tokenizer, split, 1, 3)
+            local = decision_report(engine, lm.tokenizer, split, 1, 3,
+                                    joint_one_pass=served_joint_decode(lm) == "one_pass")  # as the worker
             for mode in ("independent", "joint"):
                 served, alone = reports["decisions"][split][mode], local[mode]
                 assert isinstance(alone, dict) and served["jobs"] == 3 and served["failed_jobs"] == 0

@@ -28,6 +28,7 @@ from worker.execution import run_kind
 from worker.job_handler import EngineContext, JobSpec
 from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+from worker.model.hf_defaults import GenerationDefaults
 from worker.model.manifest import write_manifest
 from worker.training.golden import GOLDEN_FILE, differences, load_golden
 
@@ -40,6 +41,7 @@ def _failures(folder: Path, cases: list[dict[str, Any]]) -> int:
                     eos_token_ids=lm.tokenizer.eos_token_ids,
                     default_block_size=lm.config.block_size)  # fmt: skip
     engine.start()
+    declared = GenerationDefaults.from_dict(lm.generation_config).joint_decode  # as the worker reads it
     failed = 0
     try:
         for case in cases:
@@ -47,7 +49,8 @@ def _failures(folder: Path, cases: list[dict[str, Any]]) -> int:
             ctx = EngineContext(submit=engine.submit, tokenizer=lm.tokenizer, settings=Settings(),
                                 deadline=None,
                                 cancel_event=threading.Event(), on_progress=lambda _: None,
-                                default_block_size=lm.config.block_size)  # fmt: skip
+                                default_block_size=lm.config.block_size,
+                                joint_decode=declared)  # fmt: skip
             outcome = run_kind(
                 JobSpec(case["id"], body["kind"], "interactive", 1, body["input"], body["params"]), ctx
             )
