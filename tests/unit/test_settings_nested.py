@@ -24,7 +24,8 @@ def test_every_field_is_in_a_group_or_top_level_under_one_flat_name() -> None:
     # + planes.drain_seconds and planes.stop_grace_seconds (issue 32: an API replica's drain)
     # + engine.token_work_keys (issue 26: the prefill budget counted in work)
     # + observability.tracing_step_spans (issue 29: the submit's steps as spans, not events)
-    assert len(table) == 150
+    # + decisions.joint_decode (issue 25: a joint decision block by block or in one pass)
+    assert len(table) == 151
     grouped = sum(len(group.model_fields) for group in settings_groups().values())
     assert grouped + [entry.group for entry in table.values()].count(None) == len(table)
     assert len({entry.env for entry in table.values()}) == len(table)
