@@ -282,14 +282,15 @@ def test_the_shipped_recipe_s_options_repeat_bit_for_bit(tmp_path: Path) -> None
     attention, buckets, served and parallel slots) keep a run deterministic: twice, the same bytes."""
     torch.set_num_threads(1)
     config = TrainConfig(steps=2, batch=3, served_slots=True, decision_share=0.75, decision_weight=3.0,
-                         parallel_slots=0.5, buckets=2, layer_pattern="LAAA", vocab=2048,
+                         parallel_slots=1.0, buckets=2, layer_pattern="LAAA", vocab=2048,
                          value_share=0.5)  # fmt: skip
     lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
     drawn = [lm.tokenizer.decode(list(r.ids)) for s in (0, 1) for r in _batch(s, config, lm.tokenizer, 4)]
     assert any(a in t for t in drawn for a in VALUE_ASKS)  # the run trains a value question
     for name in ("a", "b"):
         train_demo(tmp_path / name, config)
-    for name in (SINGLE_NAME, "tokenizer.json", "config.json", "training.json", "manifest.json"):
+    for name in (SINGLE_NAME, "tokenizer.json", "config.json", "generation_config.json", "training.json",
+                 "manifest.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     assert load_checkpoint(tmp_path / "a").config.vocab_size > 512
 
