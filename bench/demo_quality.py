@@ -4,8 +4,11 @@
 same cases (``worker.training.corpus``, same seed and count by default) without one: the
 checkpoint is loaded with ``load_checkpoint``, an ``Engine`` is started in this process and every
 case runs through ``worker.decisions.run_decision`` (the planner, the infill template, the slot
-scoring, ``assemble_result``) exactly as ``worker.decide_job`` runs it, with the family's default
-decoding (what a ``decide`` job without params gets when ``default_steps_per_block`` is unset).
+scoring, ``assemble_result``) as ``worker.decide_job`` runs it, with the family's default
+decoding (what a ``decide`` job without params gets when ``default_steps_per_block`` is unset) and
+the joint decode a worker would resolve (``--joint-decode``, ``CLOVERQ_DECIDE_JOINT_DECODE``'s
+values; ``auto``: the checkpoint's declaration). ``--constraints``: joint decisions declare each
+question group's rule.
 The tallies are ``worker.training.evaluation.DecisionTally``'s; the answer distribution per
 question (first or second of its group, choices yes/no or yes/no/n.a.) shows a constant answerer,
 and the majority-class baseline (always the commonest true answer of that question type) is
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 from scheduler.infra.settings import Settings
-from worker.decide_job import joint_decode
+from worker.decide_job import resolve_joint_decode
 from worker.decisions import DecisionSpec, run_decision
 from worker.decisions.runner import DecisionOptions
 from worker.engine.engine import Engine, EngineConfig
@@ -158,7 +161,7 @@ def generation_report(
 
 def served_joint_decode(lm: LoadedModel, setting: str = "auto") -> str:
     """The joint decode a worker serving ``lm`` runs with under ``setting`` (its declaration)."""
-    return joint_decode(setting, GenerationDefaults.from_dict(lm.generation_config).joint_decode)
+    return resolve_joint_decode(setting, GenerationDefaults.from_dict(lm.generation_config).joint_decode)
 
 
 def started_engine(lm: LoadedModel) -> Engine:
@@ -190,7 +193,7 @@ def main() -> None:
                         help="required: every case calls (a question then scores wrong)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--joint-decode", default="auto", choices=("auto", "blockwise", "one_pass"),
-                        help="the decide_joint_decode setting (auto: the checkpoint's)")  # fmt: skip
+                        help="as CLOVERQ_DECIDE_JOINT_DECODE (auto: the checkpoint's)")  # fmt: skip
     parser.add_argument("--constraints", action="store_true",
                         help="joint decisions declare each group's rule as a constraint")  # fmt: skip
     parser.add_argument("--headings", action="store_true",
@@ -206,7 +209,7 @@ def main() -> None:
     try:
         for split in args.splits.split(","):
             report[split] = decision_report(engine, lm.tokenizer, split, args.seed, args.count, args.headings,
-                                            decode == "one_pass", args.constraints)
+                                            joint_one_pass=decode == "one_pass", constraints=args.constraints)
             if args.extraction:
                 report[f"extraction/{split}"] = extraction_report(
                     engine, lm.tokenizer, split, args.seed, args.extraction, args.headings

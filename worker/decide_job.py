@@ -73,7 +73,7 @@ def _outcome(decision: DecisionOutcome) -> Outcome:
     return Outcome(JobStatus.FAILED, None, error_code=code, error_message=decision.error_message, **common)
 
 
-def joint_decode(setting: str, checkpoint: str | None) -> str:
+def resolve_joint_decode(setting: str, checkpoint: str | None) -> str:
     """The joint decode a job runs with: the setting, or for ``auto`` the checkpoint's declared
     one (``generation_config.json`` ``joint_decode``), else ``blockwise``."""
     return (checkpoint or "blockwise") if setting == "auto" else setting
@@ -91,7 +91,7 @@ def run_decide(job: JobSpec, ctx: EngineContext) -> Outcome:
         rationale_tokens=settings.decisions.rationale_tokens,
         rationale_max_chars=settings.decisions.rationale_max_chars,
         retry_temperature=settings.decisions.retry_temperature,
-        joint_one_pass=joint_decode(settings.decisions.joint_decode, ctx.joint_decode) == "one_pass",
+        joint_one_pass=resolve_joint_decode(settings.decisions.joint_decode, ctx.joint_decode) == "one_pass",
     )
 
     def on_invalid_output(attempt: int, reason: str) -> None:

@@ -78,17 +78,21 @@ class DecisionSpec:
             raise ValueError(f"unknown decision mode {mode!r}")
         if not questions:
             raise ValueError("a decision needs at least one question")
-        constraints = tuple(
-            DecisionConstraint(tuple(str(q) for q in c["questions"]),
-                               tuple(tuple(str(a) for a in combo) for combo in c["allowed"]))
-            for c in data.get("constraints") or ()
-        )  # fmt: skip
+        try:
+            constraints = tuple(
+                DecisionConstraint(tuple(str(q) for q in c["questions"]),
+                                   tuple(tuple(str(a) for a in combo) for combo in c["allowed"]))
+                for c in data.get("constraints") or ()
+            )  # fmt: skip
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"a constraint needs questions and allowed combinations: {exc}") from exc
         if constraints and mode != "joint":
             raise ValueError("constraints need mode 'joint' (independent questions never see each other)")
         choices = {q.id: q.choices for q in questions}
         tied = [q for c in constraints for q in c.questions]
-        if len(set(tied)) != len(tied) or any(len(c.questions) < 2 for c in constraints):
-            raise ValueError("a constraint ties two questions or more, each question in one constraint")
+        if len(set(tied)) != len(tied) or any(len(c.questions) < 2 or not c.allowed for c in constraints):
+            raise ValueError("a constraint ties two questions or more (each in one constraint) "
+                             "and allows one combination or more")
         for c in constraints:
             fits = all(q in choices for q in c.questions) and all(
                 len(combo) == len(c.questions)

@@ -372,7 +372,7 @@ class ModelRunner:
 
         # ---- ONE device-to-host copy for everything the host needs from this pass -------------
         # int64: tokens [R*Bmax], commit flags [R*Bmax]; then the float64 candidate picks
-        # [R*G*2] and deferred slot scores, carried as their int64 bit patterns
+        # [R*G*2] and the scores of deferred and constrained slots, carried as their int64 bit patterns
         parts = [tokens.reshape(-1), commit.reshape(-1).to(torch.long)]
         floats = ([group_picks.reshape(-1)] if group_picks is not None else []) + [
             scores.to(torch.float64) for _, _, scores in scored

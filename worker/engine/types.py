@@ -97,6 +97,8 @@ class InfillTemplate:
     # trained with ``--parallel-slots`` saw it; one pass instead of one per slot block. Needs every
     # slot restricted (``allowed_sequences``): free text cannot be written in one pass.
     one_pass: bool = False
+    # restricted slots whose choices must agree (a joint decision's declared constraints); the
+    # layout checks them and keeps them over its own sequence-slot indexes
     constraints: tuple[SlotConstraint, ...] = ()
 
 

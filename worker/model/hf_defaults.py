@@ -8,7 +8,9 @@
   ``joint_decode``, how the checkpoint's joint decisions decode best). ``cloverq
   generate`` uses them for every flag it is not given; the worker logs them at load. API jobs do
   not inherit them: a job's row records what it runs with (``api/limits.py`` fills the
-  deployment's defaults at submit, greedy unless the request says otherwise). Keys cloverq has no
+  deployment's defaults at submit, greedy unless the request says otherwise); the exception is
+  ``joint_decode``, which the worker follows under ``CLOVERQ_DECIDE_JOINT_DECODE=auto`` (how the
+  checkpoint was trained to be read, not a sampling choice of the job). Keys cloverq has no
   knob for (``repetition_penalty``, ``min_p``, ...) are listed as ``unsupported`` and ignored.
 """
 

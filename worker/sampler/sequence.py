@@ -404,7 +404,9 @@ class SequenceState:
 
     def _record_groups(self, offsets: list[int], group_choices: Sequence[tuple[int, float]]) -> None:
         """Decide each restricted slot committed this pass: its choice, its probability among
-        the candidates, and its tokens at the positions deferred in earlier blocks."""
+        the candidates, and its tokens at the positions deferred in earlier blocks. A constrained
+        slot's choice is made here over the allowed combinations (it may override the pass's
+        pick), and all its positions are written from the chosen candidate."""
         done = set(offsets)
         r0 = self.layout.region_start
         decided = [
