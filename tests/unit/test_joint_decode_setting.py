@@ -51,8 +51,9 @@ def test_one_pass_answers_a_joint_decision_in_one_pass_and_rationales_keep_the_b
     job_input = case.job_input("joint")
     blockwise = _decide(engine, "blockwise", job_input)
     one_pass = _decide(engine, "one_pass", job_input)
-    assert one_pass["usage"]["steps_used"] == 1
+    assert one_pass["usage"]["steps_used"] == 1 and one_pass["usage"]["joint_decode"] == "one_pass"
     assert blockwise["usage"]["steps_used"] > 4  # a pass per answer block at least
+    assert blockwise["usage"]["joint_decode"] == "blockwise"
     for result in (blockwise, one_pass):
         assert [a["id"] for a in result["answers"]] == [q["id"] for q in job_input["questions"]]
     # auto: the checkpoint's declaration, else block by block
@@ -62,6 +63,7 @@ def test_one_pass_answers_a_joint_decision_in_one_pass_and_rationales_keep_the_b
     # rationales are free text: the setting leaves such a decision block by block
     with_rationale = _decide(engine, "one_pass", {**job_input, "rationale": True})
     assert with_rationale["usage"]["steps_used"] > 4
+    assert with_rationale["usage"]["joint_decode"] == "blockwise"
 
 
 def _violations(case: DecisionCase, answers: list[str]) -> int:

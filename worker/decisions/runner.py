@@ -155,6 +155,9 @@ def run_decision(
             "sequences": outcome.sequences,
             "attempts": outcome.attempts,
         }
+        if spec.mode == "joint":  # which decode answered it (the setting, or the checkpoint's declaration)
+            one_pass = (template := plan.requests[0].template) is not None and template.one_pass
+            outcome.result["usage"]["joint_decode"] = "one_pass" if one_pass else "blockwise"
         return outcome
     outcome.finish_reason = FinishReason.ERROR
     return outcome
