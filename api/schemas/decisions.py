@@ -17,6 +17,7 @@ from api.schemas.common import (
     storable_text,
 )
 from api.schemas.decoding import DecodingParams
+from scheduler.jobs.decision_constraints import constraint_problem
 
 MAX_ID_CHARS = 64
 MAX_CHOICE_CHARS = 64
@@ -61,16 +62,6 @@ class DecisionConstraintIn(StrictModel):
         description="The combinations that may be answered, one choice per question in that order.",
     )
 
-    @model_validator(mode="after")
-    def _shape(self) -> DecisionConstraintIn:
-        if len(set(self.questions)) != len(self.questions):
-            raise ValueError(f"constraint {self.questions}: question ids must be distinct")
-        if any(len(combo) != len(self.questions) for combo in self.allowed):
-            raise ValueError(f"constraint {self.questions}: each combination needs one choice per question")
-        if len({tuple(combo) for combo in self.allowed}) != len(self.allowed):
-            raise ValueError(f"constraint {self.questions}: allowed combinations must be distinct")
-        return self
-
 
 class DecideInput(StrictModel):
     """A document and the questions to judge against it."""
@@ -96,22 +87,11 @@ class DecideInput(StrictModel):
 
     @model_validator(mode="after")
     def _constraints_fit(self) -> DecideInput:
-        constraints = self.constraints or []
-        if constraints and self.mode != "joint":
-            raise ValueError('constraints need mode "joint": independent questions never see each other')
         choices = {q.id: q.choices for q in self.questions}
-        tied: set[str] = set()
-        for c in constraints:
-            for q in c.questions:
-                if q not in choices:
-                    raise ValueError(f"constraint {c.questions}: no question {q!r}")
-                if q in tied:
-                    raise ValueError(f"question {q!r} is in two constraints (merge them into one)")
-                tied.add(q)
-            for combo in c.allowed:
-                for q, answer in zip(c.questions, combo, strict=True):
-                    if answer not in choices[q]:
-                        raise ValueError(f"constraint {c.questions}: {answer!r} is not a choice of {q!r}")
+        constraints = [(c.questions, c.allowed) for c in self.constraints or ()]
+        problem = constraint_problem(self.mode, choices, constraints)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     def text_parts(self) -> list[str]:

@@ -263,3 +263,15 @@ def test_independent_sequences_report_their_progress_summed() -> None:
     sums = [(p.blocks_done, p.steps_used, p.tokens_committed) for p in seen]
     assert sums == [(1, 4, 3), (3, 10, 8), (4, 13, 11)]
     assert seen[-1].committed_token_ids == []  # separate answers: no concatenated partial text
+
+
+@pytest.mark.parametrize(("mode", "allowed", "says"), [
+    ("independent", [["yes", "no"]], 'need mode "joint"'),
+    ("joint", [["yes", "maybe"]], "'maybe' is not a choice"),
+])  # fmt: skip
+def test_a_stored_input_s_constraints_follow_the_api_s_rules(mode: str, allowed: list, says: str) -> None:
+    """The worker refuses what the API refuses, in its words (``scheduler.jobs.decision_constraints``)."""
+    data = {"context": "c", "mode": mode, "questions": [{"id": "a", "text": "A?"}, {"id": "b", "text": "B?"}],
+            "constraints": [{"questions": ["a", "b"], "allowed": allowed}]}
+    with pytest.raises(ValueError, match=says):
+        DecisionSpec.from_input(data)

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from scheduler.jobs.decision_constraints import constraint_problem
+
 DEFAULT_CHOICES: tuple[str, ...] = ("yes", "no")
 
 DecisionMode = Literal["independent", "joint"]
@@ -86,21 +88,10 @@ class DecisionSpec:
             )  # fmt: skip
         except (KeyError, TypeError) as exc:
             raise ValueError(f"a constraint needs questions and allowed combinations: {exc}") from exc
-        if constraints and mode != "joint":
-            raise ValueError("constraints need mode 'joint' (independent questions never see each other)")
         choices = {q.id: q.choices for q in questions}
-        tied = [q for c in constraints for q in c.questions]
-        if len(set(tied)) != len(tied) or any(len(c.questions) < 2 or not c.allowed for c in constraints):
-            raise ValueError("a constraint ties two questions or more (each in one constraint) "
-                             "and allows one combination or more")
-        for c in constraints:
-            fits = all(q in choices for q in c.questions) and all(
-                len(combo) == len(c.questions)
-                and all(a in choices[q] for q, a in zip(c.questions, combo, strict=True))
-                for combo in c.allowed
-            )
-            if not fits:
-                raise ValueError(f"constraint over {list(c.questions)}: unknown question or choice")
+        problem = constraint_problem(mode, choices, [(c.questions, c.allowed) for c in constraints])
+        if problem is not None:  # the API's own rules (a stored input that bypassed it)
+            raise ValueError(problem)
         return cls(
             context=str(data.get("context", "")),
             questions=questions,

@@ -183,7 +183,9 @@ class SequenceState:
     @property
     def blocks_in_pass(self) -> int:
         """Blocks the current block covers: 1, or a one_pass span's count."""
-        return self.span[1] - self.span[0] + 1 if self.span is not None and self.in_span else 1
+        if self.span is None or self.block_index != self.span[0]:
+            return 1
+        return self.span[1] - self.span[0] + 1
 
     @property
     def in_span(self) -> bool:
@@ -237,8 +239,8 @@ class SequenceState:
             return
 
     def _complete_block(self) -> None:
-        spanned = self.blocks_in_pass - 1
-        self.blocks_done += 1 + spanned
+        blocks = self.blocks_in_pass  # a span completes all its blocks
+        self.blocks_done += blocks
         layout = self.layout
         if layout.stop_at_eos:
             upto = min(self.block_end - layout.region_start, layout.output_len)
@@ -250,7 +252,7 @@ class SequenceState:
         if self.block_end >= layout.total_len:
             self.finish_reason = FinishReason.LENGTH
             return
-        self.block_index += 1 + spanned
+        self.block_index += blocks
 
     # ---- passes ----------------------------------------------------------------------------
     def pass_input(self) -> PassInput:
@@ -446,8 +448,9 @@ class SequenceState:
         for n in sorted({self.layout.constraint_of[s] for s in slots} - {-1}):
             constraint = self.layout.constraints[n]
             members = constraint.slots
-            earlier = {p: self.slot_decisions[s].chosen for p, s in enumerate(members) if s not in slots}
-            combos = agreeing(constraint.allowed, {p: c for p, c in earlier.items() if c is not None})
+            chosen_before = [self.slot_decisions[s].chosen for s in members]  # this pass's: still None
+            earlier = {p: c for p, c in enumerate(chosen_before) if c is not None}
+            combos = agreeing(constraint.allowed, earlier)
             u, temperature = None, self.request.params.temperature
             if temperature > 0:
                 u = float(torch.rand(1, generator=self.generator))
