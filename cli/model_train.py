@@ -82,6 +82,13 @@ from cli.model import guarded, model_group, one_line
                    "at a block holding one (needs --buckets and --tool-share).")  # fmt: skip
 @click.option("--joint-share", type=float, default=None,
               help="Share of the question decision rows asked jointly (default: half).")  # fmt: skip
+@click.option("--self-distill", type=int, default=None,
+              help="A stage (--init-from) whose generation rows are that checkpoint's own answers "
+                   "to this many training cases, decoded one token per pass: more tokens per pass "
+                   "under dynamic decoding.")  # fmt: skip
+@click.option("--wide-phrasings", is_flag=True, default=False,
+              help="Training contracts in six wordings of each clause instead of three (the "
+                   "held-out wording still unseen); a fresh run's tokenizer reads them too.")  # fmt: skip
 @click.option("--block-size", type=int, default=None,
               help="Block size of the random start (default the demo's 4).")  # fmt: skip
 @guarded
@@ -105,6 +112,8 @@ def train_demo_command(
     tool_keys: float | None,
     joint_share: float | None,
     block_size: int | None,
+    self_distill: int | None,
+    wide_phrasings: bool,
     directory: Path,
     arch: str,
     steps: int,
@@ -128,7 +137,8 @@ def train_demo_command(
                          hidden=hidden, layers=layers, layer_pattern=layer_pattern,
                          headings=headings or None, vocab=vocab, value_share=value_share,
                          block_size=block_size, extract_share=extract_share,
-                         tool_share=tool_share, tool_keys=tool_keys, joint_share=joint_share)  # fmt: skip
+                         tool_share=tool_share, tool_keys=tool_keys, joint_share=joint_share,
+                         self_distill=self_distill, wide_phrasings=wide_phrasings or None)  # fmt: skip
     if (directory / RESUME_FILE).is_file():
         click.echo(f"resuming from {directory / RESUME_FILE}", err=True)
     columns = (TextColumn("[bold]train-demo"), BarColumn(), MofNCompleteColumn(),

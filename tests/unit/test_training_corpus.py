@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from worker.training.contracts import HELD_OUT_PHRASING, TRAIN_PHRASINGS, draw_facts, render_contract
-from worker.training.corpus import decision_cases, generation_cases, in_split
+from worker.training.contracts import (
+    CLAUSES,
+    EXTRA_PHRASINGS,
+    HELD_OUT_PHRASING,
+    LAWS,
+    ROLES,
+    TRAIN_PHRASINGS,
+    draw_facts,
+    render_contract,
+)
+from worker.training.corpus import decision_cases, generation_cases, in_split, phrasings_of
 from worker.training.questions import NA, NO, YES, violates
 
 
@@ -36,8 +45,52 @@ def test_held_out_phrasings_never_appear_in_training_text() -> None:
     train_lines = {
         line.split(". ", 1)[-1] for c in decision_cases("train", 0, 400) for line in c.context.splitlines()
     }
-    assert HELD_OUT_PHRASING not in TRAIN_PHRASINGS
-    assert all(line.split(". ", 1)[-1] not in train_lines for line in held)
+    wide_lines = {
+        line.split(". ", 1)[-1]
+        for c in decision_cases("train_wide", 0, 400)
+        for line in c.context.splitlines()
+    }
+    assert HELD_OUT_PHRASING not in TRAIN_PHRASINGS + EXTRA_PHRASINGS
+    assert all(line.split(". ", 1)[-1] not in train_lines | wide_lines for line in held)
+
+
+def test_the_wide_training_split_adds_wordings_of_the_same_facts_and_leaves_evaluation_alone() -> None:
+    """``train_wide`` (``train-demo --wide-phrasings``): training facts in six wordings; each extra
+    wording of a clause states the values every training wording states (numbers, law, roles); the
+    evaluation splits keep their phrasings."""
+    import random
+    import re
+
+    assert phrasings_of("train_wide") == TRAIN_PHRASINGS + EXTRA_PHRASINGS
+    assert phrasings_of("eval") == TRAIN_PHRASINGS and phrasings_of("heldout") == (HELD_OUT_PHRASING,)
+    rng = random.Random(7)
+    names = {law for law in LAWS} | {role for pair in ROLES for role in pair}
+    for _ in range(100):
+        facts = draw_facts(rng)
+        for clause in CLAUSES.values():
+            def stated(text: str) -> set[str]:
+                return set(re.findall(r"[\d,]+\d|\bone year\b", text)) | {n for n in names if n in text}
+
+            base = clause(facts, 0)
+            # what every training wording says
+            values = set.intersection(*(stated(clause(facts, p)) for p in TRAIN_PHRASINGS))
+            for p in EXTRA_PHRASINGS:
+                text = clause(facts, p)
+                assert text != base and all(v in text for v in values), (base, text)
+    drawn = [draw_facts(rng) for _ in range(200)]
+    assert all(in_split(f, "train_wide") == in_split(f, "train") for f in drawn)
+
+    # openings only the extra wordings use
+    extra = ("Duration:", "Convenience termination:", "Limitation of liability:", "Applicable law:",
+             "Payment terms:", "Confidentiality obligations:", "Assignment by the")  # fmt: skip
+
+    def opened(split: str) -> set[str]:
+        cases = decision_cases(split, 0, 300)  # type: ignore[arg-type]
+        lines = [line.split(". ", 1)[-1] for c in cases for line in c.context.splitlines()]
+        return {o for o in extra for line in lines if line.startswith(o)}
+
+    assert opened("train_wide") == set(extra)
+    assert opened("train") == opened("eval") == opened("heldout") == set()
 
 
 @pytest.mark.parametrize("split", ["train", "eval", "heldout"])

@@ -342,3 +342,25 @@ def test_a_further_stage_refuses_options_that_reshape_it(tmp_path: Path, shape: 
     with pytest.raises(ValueError, match="init_from continues"):
         train_demo(tmp_path / "stage", config)
     assert not (tmp_path / "stage").exists()
+
+
+def test_wide_phrasings_draw_the_wide_training_split_and_its_tokenizer_reads_it(tmp_path: Path) -> None:
+    """``--wide-phrasings``: the rows come from ``train_wide`` (six wordings of each clause) and a
+    fresh run's tokenizer is learned on it, so a word only the extra wordings use is one id."""
+    torch.set_num_threads(1)
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    wide = TrainConfig(batch=16, decision_share=1.0, wide_phrasings=True)
+    plain_config = TrainConfig(batch=16, decision_share=1.0)
+
+    def drawn(config: TrainConfig) -> list[str]:
+        rows = [r for step in range(4) for r in _batch(step, config, lm.tokenizer, 4)]
+        return [lm.tokenizer.decode(list(r.ids)) for r in rows]
+
+    texts, plain = drawn(wide), drawn(plain_config)
+    openings = ("Duration:", "Convenience termination:", "Limitation of liability:", "Applicable law:",
+                "Payment terms:", "Confidentiality obligations:", "Assignment by the")  # fmt: skip
+    assert any(o in t for t in texts for o in openings)
+    assert not any(o in t for t in plain for o in openings)
+    train_demo(tmp_path / "w", TrainConfig(steps=1, batch=2, vocab=2048, wide_phrasings=True))
+    assert len(load_checkpoint(tmp_path / "w").tokenizer.encode(" aggregate")) == 1
+    assert len(lm.tokenizer.encode(" aggregate")) > 1  # the shipped tokenizer never read it

@@ -17,9 +17,13 @@ import hashlib
 import random
 from dataclasses import astuple, dataclass
 
-PHRASINGS = 4  # ways each clause type is written
+PHRASINGS = 4  # ways each clause type is written in the evaluation sets (and the default training split)
 HELD_OUT_PHRASING = 3  # never in training: the "held-out phrasings" evaluation set
 TRAIN_PHRASINGS: tuple[int, ...] = tuple(p for p in range(PHRASINGS) if p != HELD_OUT_PHRASING)
+# Three more ways, in the training split ``train_wide`` only (``train-demo --wide-phrasings``):
+# more wordings of one fact to read it from, so that a model keys on the fact rather than on the
+# template; written without the held-out phrasing's words, which stay unseen.
+EXTRA_PHRASINGS: tuple[int, ...] = (4, 5, 6)
 
 ROLES: tuple[tuple[str, str], ...] = (
     ("Supplier", "Buyer"),
@@ -100,6 +104,10 @@ def _parties(f: ContractFacts, p: int) -> str:
         f"Parties: {na}, the {ra}, and {nb}, the {rb}.",
         f"{na} acts as the {ra} and {nb} acts as the {rb} under this agreement.",
         f"The {ra} is {na}; the {rb} is {nb}.",
+        f"{na} ({ra}) and {nb} ({rb}) enter into this agreement.",
+        f"Between {na} as {ra} and {nb} as {rb}.",
+        f"The parties to this agreement are {na}, referred to as the {ra}, and {nb}, referred to as "
+        f"the {rb}.",
     )[p]
 
 
@@ -111,6 +119,9 @@ def _term(f: ContractFacts, p: int) -> str:
             f"Term: {t}, with no automatic renewal.",
             f"This agreement lasts {t} and does not renew by itself.",
             f"The initial term is {t}; it expires without renewal.",
+            f"Duration: {t}; renewal: none.",
+            f"The agreement remains in force for {t} and is not renewed.",
+            f"This agreement has a fixed term of {t} with no renewal.",
         )[p]
     r = years(f.renewal_years)
     return (
@@ -118,6 +129,11 @@ def _term(f: ContractFacts, p: int) -> str:
         f"Term: {t}, renewing automatically for further terms of {r}.",
         f"This agreement lasts {t} and renews by itself for {r} at a time.",
         f"The initial term is {t}; thereafter it is extended automatically by {r} each time.",
+        f"Duration: {t}; renewal: automatic, {r} each.",
+        f"The agreement remains in force for {t} and is then renewed automatically, each renewal "
+        f"lasting {r}.",
+        f"This agreement has a fixed term of {t}, after which it automatically renews for successive "
+        f"periods of {r}.",
     )[p]
 
 
@@ -129,6 +145,9 @@ def _termination(f: ContractFacts, p: int) -> str:
             f"Termination for convenience: not permitted for the {rb}.",
             f"The {rb} has no right to end the agreement without cause.",
             f"No termination without cause is available to the {rb}.",
+            f"Convenience termination: none for the {rb}.",
+            f"The {rb} cannot cancel this agreement for convenience.",
+            f"This agreement gives the {rb} no right to terminate it at will.",
         )[p]
     d = f.notice_days
     return (
@@ -136,6 +155,10 @@ def _termination(f: ContractFacts, p: int) -> str:
         f"Termination for convenience: the {rb}, with {d} days written notice.",
         f"The {rb} may end the agreement without cause by giving {d} days notice.",
         f"Upon {d} days prior notice the {rb} can end this agreement without cause.",
+        f"Convenience termination: the {rb} may do so with {d} days notice.",
+        f"The {rb} can cancel this agreement for convenience by notifying the other party {d} days in "
+        "advance.",
+        f"The {rb} has the right to terminate at will, subject to {d} days notice.",
     )[p]
 
 
@@ -147,6 +170,9 @@ def _liability(f: ContractFacts, p: int) -> str:
             f"Liability: the {ra} has unlimited liability.",
             f"No cap applies to the liability of the {ra}.",
             f"The {ra} shall be liable without any limit.",
+            f"Limitation of liability: none for the {ra}.",
+            f"The {ra} bears liability without a cap.",
+            f"There is no limit on the liability of the {ra}.",
         )[p]
     m = money(f.cap)
     return (
@@ -154,6 +180,9 @@ def _liability(f: ContractFacts, p: int) -> str:
         f"Liability: the {ra} is liable up to {m} in total.",
         f"The total liability of the {ra} shall not exceed {m}.",
         f"The {ra} shall be liable for no more than {m}.",
+        f"Limitation of liability: the {ra}, {m}.",
+        f"The {ra} bears liability up to a cap of {m}.",
+        f"The aggregate liability of the {ra} is capped at {m}.",
     )[p]
 
 
@@ -163,6 +192,9 @@ def _law(f: ContractFacts, p: int) -> str:
         f"Governing law: {f.law}.",
         f"The laws of {f.law} apply to this agreement.",
         f"This agreement shall be construed under {f.law} law.",
+        f"Applicable law: {f.law}.",
+        f"The agreement is subject to the laws of {f.law}.",
+        f"Any dispute under this agreement is decided under the laws of {f.law}.",
     )[p]
 
 
@@ -173,6 +205,9 @@ def _payment(f: ContractFacts, p: int) -> str:
         f"Payment: invoices are due {d} days after receipt.",
         f"The {rb} must settle every invoice no later than {d} days after it is issued.",
         f"Each invoice is payable by the {rb} {d} days from its date.",
+        f"Payment terms: {d} days.",
+        f"Invoices must be paid by the {rb} within {d} days of receipt.",
+        f"The {rb} settles each invoice at the latest {d} days after receiving it.",
     )[p]
 
 
@@ -183,6 +218,9 @@ def _confidentiality(f: ContractFacts, p: int) -> str:
             "Confidentiality: none.",
             "Neither party owes any duty of confidentiality.",
             "No confidentiality terms are included in this agreement.",
+            "Confidentiality obligations: none.",
+            "The parties have no confidentiality duties under this agreement.",
+            "This agreement contains no confidentiality clause.",
         )[p]
     s = years(f.survival_years)
     return (
@@ -190,6 +228,9 @@ def _confidentiality(f: ContractFacts, p: int) -> str:
         f"Confidentiality: both parties, surviving {s} after termination.",
         f"Each party shall protect confidential information until {s} after the agreement ends.",
         f"Confidential information stays protected for a period of {s} following termination.",
+        f"Confidentiality obligations: mutual, for {s} after termination.",
+        f"The parties must keep each other's information secret for {s} after the agreement ends.",
+        f"Confidentiality duties continue for {s} after termination of this agreement.",
     )[p]
 
 
@@ -201,6 +242,9 @@ def _assignment(f: ContractFacts, p: int) -> str:
             f"Assignment: only with the written consent of the {rb}.",
             f"Any assignment by the {ra} requires the prior consent of the {rb}.",
             f"The {ra} needs the approval of the {rb} before transferring this agreement.",
+            f"Assignment by the {ra}: only with consent of the {rb}.",
+            f"The {ra} cannot transfer this agreement unless the {rb} agrees in writing.",
+            f"Without the consent of the {rb}, the {ra} may not assign this agreement.",
         )[p]
     if f.assignment == "free":
         return (
@@ -208,6 +252,9 @@ def _assignment(f: ContractFacts, p: int) -> str:
             "Assignment: permitted without consent.",
             f"The {ra} may transfer this agreement to anyone without consent.",
             f"No approval is needed for the {ra} to transfer this agreement.",
+            f"Assignment by the {ra}: free, no consent required.",
+            f"The {ra} can transfer this agreement to any party without consent.",
+            f"The {ra} is free to assign this agreement without anyone's consent.",
         )[p]
     return (
         f"The {ra} may assign this agreement to its affiliates only; "
@@ -216,6 +263,11 @@ def _assignment(f: ContractFacts, p: int) -> str:
         f"The {ra} may transfer this agreement to an affiliate; "
         f"any other assignment needs the consent of the {rb}.",
         f"Transfers to affiliates are free for the {ra}; other transfers need approval of the {rb}.",
+        f"Assignment by the {ra}: free to affiliates, otherwise only with consent of the {rb}.",
+        f"The {ra} can transfer this agreement to its affiliates; other transfers need the consent of "
+        f"the {rb}.",
+        f"Only assignments by the {ra} to its affiliates are free; any other assignment requires the "
+        f"consent of the {rb}.",
     )[p]
 
 

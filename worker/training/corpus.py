@@ -1,13 +1,15 @@
 """The demo corpus: decision and generation cases over synthetic contracts, split by seed and facts.
 
-Three splits, disjoint by construction:
+Three splits, disjoint by construction, and a wider training split:
 
 - ``train``: contracts whose facts' digest is not ``0 mod FACT_BUCKETS``, clause phrasings
   ``TRAIN_PHRASINGS``;
 - ``eval``: contracts whose facts' digest IS ``0 mod FACT_BUCKETS`` (no evaluation contract has
   the facts of any training contract, whatever the seeds), the training phrasings;
 - ``heldout``: the evaluation facts written only in ``HELD_OUT_PHRASING``, a wording of every
-  clause that training never shows.
+  clause that training never shows;
+- ``train_wide``: training facts (another draw) in ``TRAIN_PHRASINGS`` and ``EXTRA_PHRASINGS``,
+  a training split with more wordings of each fact (``train-demo --wide-phrasings``).
 
 Each case is drawn from its own ``random.Random(f"{split}/{seed}/{index}")`` (string seeds hash
 deterministically), so a case depends only on (split, seed, index).
@@ -30,6 +32,7 @@ from typing import Literal
 
 from worker.decisions.spec import DecisionMode, DecisionQuestion, DecisionSpec
 from worker.training.contracts import (
+    EXTRA_PHRASINGS,
     HEADINGS,
     HELD_OUT_PHRASING,
     TRAIN_PHRASINGS,
@@ -49,7 +52,9 @@ GROUP_CLAUSES = {  # the clause a question group is about
     "confidentiality", "law": "law", "payment": "payment", "assignment": "assignment",
 }  # fmt: skip
 
-Split = Literal["train", "eval", "heldout"]
+# ``train_wide``: the training facts written in more phrasings (``contracts.EXTRA_PHRASINGS`` too),
+# a training split only (``train-demo --wide-phrasings``); the evaluation splits stay as they are
+Split = Literal["train", "eval", "heldout", "train_wide"]
 SPLITS: tuple[str, ...] = ("train", "eval", "heldout")
 FACT_BUCKETS = 8  # one bucket of the fact space is evaluation-only
 GenerationTask = Literal["answer", "summary"]
@@ -57,10 +62,12 @@ GenerationTask = Literal["answer", "summary"]
 
 def in_split(facts: ContractFacts, split: Split) -> bool:
     evaluation = facts.digest() % FACT_BUCKETS == 0
-    return evaluation if split != "train" else not evaluation
+    return not evaluation if split in ("train", "train_wide") else evaluation
 
 
 def phrasings_of(split: Split) -> tuple[int, ...]:
+    if split == "train_wide":
+        return TRAIN_PHRASINGS + EXTRA_PHRASINGS
     return (HELD_OUT_PHRASING,) if split == "heldout" else TRAIN_PHRASINGS
 
 

@@ -49,6 +49,9 @@ class Row:
     # tool-call rows: the positions that decide the answer (its first token: a call or text; the
     # function's name; the argument's value), the rest of a call being fixed by the format
     keys: tuple[int, ...] = ()
+    # a self-distillation row (``worker.training.self_distill``): its block is masked whole, the
+    # state of a block's first pass, where a ``dynamic`` decode commits what it is sure of
+    whole: bool = False
 
 
 def _padded(ids: list[int], predicted: list[bool], block: int, eos: int) -> Row:
@@ -107,7 +110,7 @@ def extraction_row(case: ExtractionCase, tokenizer: Tokenizer, block: int) -> Ro
     return _template_row(prompt, canvas.template, fills, block, tokenizer.eos_token_ids[0])
 
 
-def _answer_row(prompt: list[int], answer: list[int], tokenizer: Tokenizer, block: int) -> Row:
+def answer_row(prompt: list[int], answer: list[int], tokenizer: Tokenizer, block: int) -> Row:
     """``prompt`` then the ``answer`` ids and EOS, every position after the prompt predicted."""
     eos = tokenizer.eos_token_ids[0]
     target = [*answer, eos]
@@ -120,7 +123,7 @@ def generation_prompt(case: GenerationCase, tokenizer: Tokenizer) -> list[int]:
 
 
 def generation_row(case: GenerationCase, tokenizer: Tokenizer, block: int) -> Row:
-    return _answer_row(generation_prompt(case, tokenizer), tokenizer.encode(case.target), tokenizer, block)
+    return answer_row(generation_prompt(case, tokenizer), tokenizer.encode(case.target), tokenizer, block)
 
 
 def tool_call_target(case: ToolCallCase, tokenizer: Tokenizer) -> str:
@@ -162,4 +165,4 @@ def tool_call_row(case: ToolCallCase, tokenizer: Tokenizer, block: int) -> Row:
     spans = deciding_spans(case, target)
     keys = tuple(len(prompt) + i for i, (a, b) in enumerate(offsets)
                  if any(a < end and start < b for start, end in spans))  # fmt: skip
-    return replace(_answer_row(prompt, ids, tokenizer, block), keys=keys)
+    return replace(answer_row(prompt, ids, tokenizer, block), keys=keys)

@@ -15,8 +15,8 @@ attention-only random start), ``headings`` (headed clauses, questions naming the
 larger corpus tokenizer), ``value_share`` (value questions: retrieval rows), ``block_size`` (a
 larger block), ``extract_share`` (extraction rows), ``tool_share`` (tool-call rows, and a tokenizer
 that has seen their chats), ``tool_keys`` (tool rows noised and weighted at the tokens that decide
-the call), ``joint_share`` (more question rows asked jointly); what each did is measured in
-docs/demo-training.md.
+the call), ``joint_share`` (more question rows asked jointly), ``self_distill`` (a stage trained
+on the starting checkpoint's own answers); what each did is measured in docs/demo-training.md.
 
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
@@ -46,8 +46,17 @@ from worker.model.demo import DemoArch
 from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
-from worker.training.corpus import decision_case, extraction_case, generation_case, tool_call_case, value_case
+from worker.training.corpus import (
+    Split,
+    decision_case,
+    extraction_case,
+    generation_case,
+    tool_call_case,
+    value_case,
+)
+from worker.training.passes import denoise
 from worker.training.rows import Row, decision_rows, extraction_row, generation_row, tool_call_row
+from worker.training.self_distill import own_answer_rows
 from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, write_shaped_demo
 from worker.training.tokenizer import train_tokenizer
 
@@ -114,24 +123,40 @@ class TrainConfig:
     # share of the (question) decision rows asked jointly (None: half, drawn as the first recipe
     # drew it); joint mode's extra hop (a slot finds its question by its id) gets more practice
     joint_share: float | None = None
+    # a stage (``init_from``) whose generation rows are the starting checkpoint's own answers to
+    # this many training cases (``worker.training.self_distill``): more tokens per pass under
+    # ``dynamic`` decoding, the same answers
+    self_distill: int | None = None
+    # the training split ``train_wide`` (``corpus``): each clause in six wordings instead of three
+    # (the held-out one still unseen), for the rows and a fresh run's tokenizer
+    wide_phrasings: bool | None = None
 
 
-def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> list[Row]:
-    """The rows of ``step``: a function of (seed, step) only."""
+def training_split(config: TrainConfig) -> Split:
+    """The corpus split the rows (and a fresh run's tokenizer) are drawn from."""
+    return "train_wide" if config.wide_phrasings else "train"
+
+
+def _batch(
+    step: int, config: TrainConfig, tokenizer: Tokenizer, block: int, own: list[Row] | None = None
+) -> list[Row]:
+    """The rows of ``step``: a function of (seed, step) only (and of ``own``, the stage's pool of
+    the starting checkpoint's answers, which replaces the generation rows when given)."""
     rng = random.Random(f"train-demo/{config.seed}/{step}")
+    split = training_split(config)
     rows = []
     for i in range(config.batch):
         index = step * config.batch + i
         if rng.random() < config.decision_share:
             if config.value_share and rng.random() < config.value_share:  # draws only when set and > 0
-                value = value_case("train", config.seed, index, rng.random(), bool(config.headings))
+                value = value_case(split, config.seed, index, rng.random(), bool(config.headings))
                 rows.append(decision_rows(value, "independent", tokenizer, block)[0])
                 continue
             if config.extract_share and rng.random() < config.extract_share:  # the same: only when set
-                extraction = extraction_case("train", config.seed, index, bool(config.headings))
+                extraction = extraction_case(split, config.seed, index, bool(config.headings))
                 rows.append(extraction_row(extraction, tokenizer, block))
                 continue
-            case = decision_case("train", config.seed, index, config.groups, bool(config.headings))
+            case = decision_case(split, config.seed, index, config.groups, bool(config.headings))
             if config.easy_steps is not None and step < config.easy_steps:
                 # first a group's first question, asked alone (one hop: question -> clause)
                 rows.append(rng.choice(decision_rows(case, "independent", tokenizer, block)[0::2]))
@@ -142,36 +167,14 @@ def _batch(step: int, config: TrainConfig, tokenizer: Tokenizer, block: int) -> 
                 mode = "joint" if rng.random() < config.joint_share else "independent"
             rows.append(rng.choice(decision_rows(case, mode, tokenizer, block)))
         elif config.tool_share and rng.random() < config.tool_share:  # draws only when set and > 0
-            rows.append(tool_call_row(tool_call_case("train", config.seed, index, bool(config.headings)),
+            rows.append(tool_call_row(tool_call_case(split, config.seed, index, bool(config.headings)),
                                       tokenizer, block))
+        elif own:
+            rows.append(own[index % len(own)])
         else:
-            generation = generation_case("train", config.seed, index, bool(config.headings))
+            generation = generation_case(split, config.seed, index, bool(config.headings))
             rows.append(generation_row(generation, tokenizer, block))
     return rows
-
-
-def denoise(
-    model: Any,
-    ids: torch.Tensor,
-    commit_lens: torch.Tensor,
-    valid: torch.Tensor | None = None,
-    logits_index: torch.Tensor | None = None,
-) -> Any:
-    """Logits ``[R, T, V]`` of one denoising pass as the engine runs it (with gradients): row
-    ``r``'s first ``commit_lens[r]`` tokens are committed, the rest (up to ``valid``) the current
-    block. Clover: commit rows then preview rows against a fresh cache; SDAR: block-causal mask.
-    ``logits_index`` ``[R, K]``: only those positions' logits (``[R, K, V]``)."""
-    extra = {} if logits_index is None else {"logits_index": logits_index}
-    forward = type(model).forward.__wrapped__  # the forward without its no_grad
-    r, t = ids.shape
-    pos = torch.arange(t).expand(r, -1)
-    blocks = pos // model.config.block_size
-    if model.config.family != "clover":
-        return forward(model, ids, pos, blocks, valid=valid, **extra)
-    cache = model.new_cache(max_seqs=r, max_len=t, device="cpu", dtype=torch.float32)
-    slots = torch.tensor([cache.allocate() for _ in range(r)])
-    return forward(model, ids, pos, blocks, valid=valid, cache=cache, slots=slots, commit_lens=commit_lens,
-                   **extra)  # fmt: skip
 
 
 def bucketed_loss(
@@ -297,6 +300,9 @@ def _noisy_batch(
             hide[r, hidden] = True
             continue
         targets = torch.tensor(row.predicted[n * block : end])  # [block]
+        if row.whole:  # the block's first pass: every target masked (no draw)
+            masked[r, n * block : end] = targets
+            continue
         ratio = torch.rand(1, generator=gen)
         chosen = targets & (torch.rand(block, generator=gen) < ratio)
         if keyed and row.keys:  # the deciding tokens of this block are always targets
@@ -414,6 +420,9 @@ def check_config(config: TrainConfig) -> None:
     if keys is not None and (config.buckets is None or not config.tool_share or keys <= 0):
         raise TrainConfigError("tool_keys (> 0) weighs the tokens of tool rows: it needs tool_share and "
                                "buckets (the per-target loss)")
+    if config.self_distill is not None and (config.init_from is None or config.self_distill < 1):
+        raise TrainConfigError("self_distill (>= 1 cases) trains on a trained demo's own answers: it needs "
+                               "init_from")
     if config.joint_share is not None and not 0.0 <= config.joint_share <= 1.0:
         raise TrainConfigError(f"joint_share is a share: {config.joint_share}")
 
@@ -445,14 +454,20 @@ def train_demo(
             write_shaped_demo(folder, seed=config.seed, arch=config.arch,
                               tokenizer=train_tokenizer(config.seed, total_vocab=config.vocab or 512,
                                                         headings=bool(config.headings),
-                                                        tools=bool(config.tool_share)),
+                                                        tools=bool(config.tool_share),
+                                                        split=training_split(config)),
                               hidden=config.hidden or TINY_HIDDEN, layers=config.layers or TINY_LAYERS,
                               pattern=config.layer_pattern or "LA",
                               block_size=config.block_size)  # fmt: skip
+    began = time.monotonic()  # the run's seconds count a stage's pool of its own answers too
     lm = load_checkpoint(folder, dtype=torch.float32)
     model, block = lm.model, lm.config.block_size or 4
     mask_id = lm.config.mask_token_id
     assert mask_id is not None
+    own = None
+    if config.self_distill is not None:  # the starting weights' answers (a resumed stage: the same pool)
+        own = own_answer_rows(model, lm.tokenizer, config.seed, config.self_distill, block, mask_id,
+                              bool(config.headings), training_split(config))  # fmt: skip
     params = [p for p in model.parameters() if p.requires_grad]
     opt, schedule = optimizer_and_schedule(params, lr=config.lr, steps=config.steps)
     losses: list[float] = []
@@ -470,14 +485,13 @@ def train_demo(
         torch.save({"config": asdict(config), "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "schedule": schedule.state_dict(), "step": step, "losses": losses}, resume)  # fmt: skip
 
-    began = time.monotonic()
     model.train()
     while step < config.steps:
         if max_seconds is not None and time.monotonic() - began > max_seconds:
             save_resume()
             break
         gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        rows = _batch(step, config, lm.tokenizer, block)
+        rows = _batch(step, config, lm.tokenizer, block, own)
         served = bool(config.served_slots)
         noisy, clean, masked, commit, valid = _noisy_batch(
             rows, block, mask_id, gen, served, config.parallel_slots, config.tool_keys is not None

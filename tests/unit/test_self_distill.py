@@ -1,0 +1,73 @@
+"""The self-distillation stage: the starting checkpoint's own answers, decoded by the trainer's
+pass as the engine decodes them, replace a stage's generation rows; the stage repeats bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.demo_quality import started_engine
+from worker.engine.types import GenerationRequest, SamplingParams
+from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
+from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+from worker.training.corpus import generation_case
+from worker.training.rows import generation_prompt
+from worker.training.self_distill import MAX_ANSWER, greedy_answers, own_answer_rows
+from worker.training.trainer import TrainConfig, TrainConfigError, _batch, train_demo
+
+CASES = 12
+
+
+def test_the_trainer_s_greedy_decode_is_the_engine_s_one_token_per_pass_decode() -> None:
+    """The pool's answers are what ``static`` decoding with one step per token serves: the same
+    tokens up to EOS for every case that ends (a case without EOS in ``MAX_ANSWER`` is left out)."""
+    torch.set_num_threads(1)
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    block, mask = lm.config.block_size or 4, lm.config.mask_token_id
+    assert mask is not None
+    prompts = [generation_prompt(generation_case("train", 1, i), lm.tokenizer) for i in range(CASES)]
+    mine = greedy_answers(lm.model, prompts, block, mask, set(lm.tokenizer.eos_token_ids))
+    engine = started_engine(lm)
+    try:
+        params = SamplingParams(max_new_tokens=MAX_ANSWER, strategy="static", steps_per_block=block)
+        futures = engine.submit_many([GenerationRequest(f"g{i}", p, params) for i, p in enumerate(prompts)])
+        served = [f.result() for f in futures]
+    finally:
+        engine.stop()
+    ended = [(m, s) for m, s in zip(mine, served, strict=True) if m is not None]
+    assert len(ended) >= CASES * 3 // 4
+    for answer, result in ended:
+        assert answer == result.token_ids
+    for answer, result in zip(mine, served, strict=True):
+        if answer is None:
+            assert result.finish_reason == "length"
+
+
+def test_a_stage_s_generation_rows_are_its_own_answers() -> None:
+    torch.set_num_threads(1)
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    mask = lm.config.mask_token_id
+    assert mask is not None
+    own = own_answer_rows(lm.model, lm.tokenizer, 1, 4, 4, mask)
+    config = TrainConfig(batch=8, decision_share=0.0)
+    rows = _batch(0, config, lm.tokenizer, 4, own)
+    assert own and all(row in own for row in rows)
+    assert not any(row in own for row in _batch(0, config, lm.tokenizer, 4))
+
+
+def test_self_distill_needs_a_trained_start() -> None:
+    with pytest.raises(TrainConfigError, match="needs init_from"):
+        train_demo(Path("/nonexistent"), TrainConfig(steps=1, self_distill=4))
+
+
+def test_a_self_distill_stage_repeats_bit_for_bit(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    config = TrainConfig(steps=2, batch=4, decision_share=0.5, init_from=str(TRAINED_CLOVER_DEMO),
+                         self_distill=4, buckets=2)  # fmt: skip
+    for name in ("a", "b"):
+        train_demo(tmp_path / name, config)
+    for name in (SINGLE_NAME, "generation_config.json", "training.json", "manifest.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (tmp_path / "a" / SINGLE_NAME).read_bytes() != (TRAINED_CLOVER_DEMO / SINGLE_NAME).read_bytes()
