@@ -15,7 +15,7 @@ from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 from worker.training.corpus import generation_case
 from worker.training.rows import generation_prompt
 from worker.training.self_distill import MAX_ANSWER, greedy_answers, own_answer_rows
-from worker.training.trainer import TrainConfig, TrainConfigError, _batch, train_demo
+from worker.training.trainer import RESUME_FILE, TrainConfig, TrainConfigError, _batch, train_demo
 
 CASES = 12
 
@@ -32,8 +32,9 @@ def test_the_trainer_s_greedy_decode_is_the_engine_s_one_token_per_pass_decode()
     engine = started_engine(lm)
     try:
         params = SamplingParams(max_new_tokens=MAX_ANSWER, strategy="static", steps_per_block=block)
-        futures = engine.submit_many([GenerationRequest(f"g{i}", p, params) for i, p in enumerate(prompts)])
-        served = [f.result() for f in futures]
+        # one at a time: the engine's rows alone, whatever its batching would have been
+        served = [engine.submit(GenerationRequest(f"g{i}", prompt, params)).result()
+                  for i, prompt in enumerate(prompts)]  # fmt: skip
     finally:
         engine.stop()
     ended = [(m, s) for m, s in zip(mine, served, strict=True) if m is not None]
@@ -53,8 +54,8 @@ def test_a_stage_s_generation_rows_are_its_own_answers() -> None:
     own = own_answer_rows(lm.model, lm.tokenizer, 1, 4, 4, mask)
     config = TrainConfig(batch=8, decision_share=0.0)
     rows = _batch(0, config, lm.tokenizer, 4, own)
-    assert own and all(row in own for row in rows)
-    assert not any(row in own for row in _batch(0, config, lm.tokenizer, 4))
+    assert own and all(row in own and row.whole for row in rows)  # the block masked whole
+    assert not any(row.whole for row in _batch(0, config, lm.tokenizer, 4))
 
 
 def test_self_distill_needs_a_trained_start() -> None:
@@ -62,12 +63,29 @@ def test_self_distill_needs_a_trained_start() -> None:
         train_demo(Path("/nonexistent"), TrainConfig(steps=1, self_distill=4))
 
 
-def test_a_self_distill_stage_repeats_bit_for_bit(tmp_path: Path) -> None:
+def test_a_self_distill_stage_repeats_bit_for_bit_and_resumes_on_the_same_pool(tmp_path: Path) -> None:
+    """Twice, the same bytes; interrupted at its second step and resumed from the first one's
+    resume point (the pool rebuilt from the starting weights, not the resume point's), the same
+    bytes again."""
     torch.set_num_threads(1)
-    config = TrainConfig(steps=2, batch=4, decision_share=0.5, init_from=str(TRAINED_CLOVER_DEMO),
-                         self_distill=4, buckets=2)  # fmt: skip
+    config = TrainConfig(steps=3, batch=4, decision_share=0.5, init_from=str(TRAINED_CLOVER_DEMO),
+                         self_distill=4, buckets=2, save_every=1)  # fmt: skip
     for name in ("a", "b"):
         train_demo(tmp_path / name, config)
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_at_2(step: int, loss: float) -> None:
+        if step == 2:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train_demo(tmp_path / "c", config, progress=stop_at_2)
+    assert (tmp_path / "c" / RESUME_FILE).is_file()
+    train_demo(tmp_path / "c", config)
     for name in (SINGLE_NAME, "generation_config.json", "training.json", "manifest.json"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+        for other in ("b", "c"):
+            same = (tmp_path / "a" / name).read_bytes() == (tmp_path / other / name).read_bytes()
+            assert same, (name, other)
     assert (tmp_path / "a" / SINGLE_NAME).read_bytes() != (TRAINED_CLOVER_DEMO / SINGLE_NAME).read_bytes()

@@ -56,8 +56,9 @@ def test_held_out_phrasings_never_appear_in_training_text() -> None:
 
 def test_the_wide_training_split_adds_wordings_of_the_same_facts_and_leaves_evaluation_alone() -> None:
     """``train_wide`` (``train-demo --wide-phrasings``): training facts in six wordings; each extra
-    wording of a clause states the values every training wording states (numbers, law, roles); the
-    evaluation splits keep their phrasings."""
+    wording of a clause states the values every training wording states (numbers, law, roles) and
+    shares no three-word run with the held-out wording that training wordings lack; the evaluation
+    splits keep their phrasings."""
     import random
     import re
 
@@ -77,11 +78,23 @@ def test_the_wide_training_split_adds_wordings_of_the_same_facts_and_leaves_eval
             for p in EXTRA_PHRASINGS:
                 text = clause(facts, p)
                 assert text != base and all(v in text for v in values), (base, text)
+    # and no run of three words of the held-out wording that no training wording has
+    def grams(text: str) -> set[tuple[str, ...]]:
+        words = re.findall(r"[\w,']+", text.lower())
+        return {tuple(words[i : i + 3]) for i in range(len(words) - 2)}
+
+    for _ in range(200):
+        facts = draw_facts(rng)
+        for clause in CLAUSES.values():
+            held = grams(clause(facts, HELD_OUT_PHRASING))
+            trained = set().union(*(grams(clause(facts, p)) for p in TRAIN_PHRASINGS))
+            for p in EXTRA_PHRASINGS:
+                assert not (grams(clause(facts, p)) & held) - trained, clause(facts, p)
     drawn = [draw_facts(rng) for _ in range(200)]
     assert all(in_split(f, "train_wide") == in_split(f, "train") for f in drawn)
 
     # openings only the extra wordings use
-    extra = ("Duration:", "Convenience termination:", "Limitation of liability:", "Applicable law:",
+    extra = ("Duration:", "Convenience termination:", "Liability limit of the", "Applicable law:",
              "Payment terms:", "Confidentiality obligations:", "Assignment by the")  # fmt: skip
 
     def opened(split: str) -> set[str]:

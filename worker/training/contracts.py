@@ -105,7 +105,7 @@ def _parties(f: ContractFacts, p: int) -> str:
         f"{na} acts as the {ra} and {nb} acts as the {rb} under this agreement.",
         f"The {ra} is {na}; the {rb} is {nb}.",
         f"{na} ({ra}) and {nb} ({rb}) enter into this agreement.",
-        f"Between {na} as {ra} and {nb} as {rb}.",
+        f"This agreement is concluded between {na} as the {ra} and {nb} as the {rb}.",
         f"The parties to this agreement are {na}, referred to as the {ra}, and {nb}, referred to as "
         f"the {rb}.",
     )[p]
@@ -129,10 +129,10 @@ def _term(f: ContractFacts, p: int) -> str:
         f"Term: {t}, renewing automatically for further terms of {r}.",
         f"This agreement lasts {t} and renews by itself for {r} at a time.",
         f"The initial term is {t}; thereafter it is extended automatically by {r} each time.",
-        f"Duration: {t}; renewal: automatic, {r} each.",
+        f"Duration: {t}; renewal: automatic, in periods of {r}.",
         f"The agreement remains in force for {t} and is then renewed automatically, each renewal "
         f"lasting {r}.",
-        f"This agreement has a fixed term of {t}, after which it automatically renews for successive "
+        f"This agreement is in effect for {t}, after which it automatically renews for successive "
         f"periods of {r}.",
     )[p]
 
@@ -156,8 +156,8 @@ def _termination(f: ContractFacts, p: int) -> str:
         f"The {rb} may end the agreement without cause by giving {d} days notice.",
         f"Upon {d} days prior notice the {rb} can end this agreement without cause.",
         f"Convenience termination: the {rb} may do so with {d} days notice.",
-        f"The {rb} can cancel this agreement for convenience by notifying the other party {d} days in "
-        "advance.",
+        f"The {rb} is allowed to cancel this agreement for convenience by notifying the other party {d} "
+        "days in advance.",
         f"The {rb} has the right to terminate at will, subject to {d} days notice.",
     )[p]
 
@@ -170,7 +170,7 @@ def _liability(f: ContractFacts, p: int) -> str:
             f"Liability: the {ra} has unlimited liability.",
             f"No cap applies to the liability of the {ra}.",
             f"The {ra} shall be liable without any limit.",
-            f"Limitation of liability: none for the {ra}.",
+            f"Liability limit of the {ra}: none.",
             f"The {ra} bears liability without a cap.",
             f"There is no limit on the liability of the {ra}.",
         )[p]
@@ -180,7 +180,7 @@ def _liability(f: ContractFacts, p: int) -> str:
         f"Liability: the {ra} is liable up to {m} in total.",
         f"The total liability of the {ra} shall not exceed {m}.",
         f"The {ra} shall be liable for no more than {m}.",
-        f"Limitation of liability: the {ra}, {m}.",
+        f"Liability limit of the {ra}: {m}.",
         f"The {ra} bears liability up to a cap of {m}.",
         f"The aggregate liability of the {ra} is capped at {m}.",
     )[p]
@@ -206,7 +206,7 @@ def _payment(f: ContractFacts, p: int) -> str:
         f"The {rb} must settle every invoice no later than {d} days after it is issued.",
         f"Each invoice is payable by the {rb} {d} days from its date.",
         f"Payment terms: {d} days.",
-        f"Invoices must be paid by the {rb} within {d} days of receipt.",
+        f"The {rb} must pay invoices within {d} days of receipt.",
         f"The {rb} settles each invoice at the latest {d} days after receiving it.",
     )[p]
 
@@ -263,11 +263,11 @@ def _assignment(f: ContractFacts, p: int) -> str:
         f"The {ra} may transfer this agreement to an affiliate; "
         f"any other assignment needs the consent of the {rb}.",
         f"Transfers to affiliates are free for the {ra}; other transfers need approval of the {rb}.",
-        f"Assignment by the {ra}: free to affiliates, otherwise only with consent of the {rb}.",
-        f"The {ra} can transfer this agreement to its affiliates; other transfers need the consent of "
-        f"the {rb}.",
-        f"Only assignments by the {ra} to its affiliates are free; any other assignment requires the "
+        f"Assignment by the {ra}: to affiliates without consent, to anyone else only with consent of the "
+        f"{rb}.",
+        f"The {ra} can transfer this agreement to its affiliates; a transfer to anyone else requires the "
         f"consent of the {rb}.",
+        f"Without the consent of the {rb}, the {ra} may assign this agreement only to its affiliates.",
     )[p]
 
 

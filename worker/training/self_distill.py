@@ -4,9 +4,11 @@ A block-diffusion model commits several tokens in one pass only where it is sure
 (``dynamic`` decoding at a threshold): a model trained on the corpus's answers stays unsure of
 tokens it cannot read off the contract, and of the phrasing around them, and commits about one
 token per pass. A stage trained on the answers it already writes one token per pass (a target it
-can reproduce exactly, unlike the truth) learns to write them from a fully masked block, so more
-of each block clears the threshold on the first pass while the answers stay what they were: the
+can reproduce exactly, unlike the truth) learns to write them from a fully masked block, so that
+more of each block clears the threshold on the first pass without new answers to learn: the
 certainty-forcing distillation of dParallel (Chen et al., 2025), here without a separate teacher.
+Measured on the trained demo (docs/demo-training.md, eleventh round): a little more per pass, and
+some decisions and generation lost.
 
 ``own_answer_rows``: ``count`` training-split generation cases (``corpus.generation_case``, the
 stage's seed), each decoded greedily by the starting checkpoint one token per pass (the most
@@ -59,8 +61,9 @@ def greedy_answers(
             masked = (batch == mask_id) & valid  # [R, T]
             if not masked.any():
                 break
-            logits = denoise(model, batch, commit, valid)  # [R, T, V]
-            confidence, token = logits.float().softmax(-1).max(-1)  # [R, T]
+            logits = denoise(model, batch, commit, valid).float()  # [R, T, V]
+            logits[..., mask_id] = float("-inf")  # never commit a mask token (as the engine)
+            confidence, token = logits.softmax(-1).max(-1)  # [R, T]
             confidence = confidence.masked_fill(~masked, -1.0)
             position = confidence.argmax(-1)  # [R]: each row's most confident masked position
             rows = masked.any(-1).nonzero().flatten()
@@ -70,7 +73,8 @@ def greedy_answers(
             new = batch[i, starts[r] : starts[r] + block].tolist()
             ids[r][starts[r] :] = new
             generated = ids[r][len(prompts[r]) :]
-            stop = next((k for k, t in enumerate(generated) if t in eos), None)
+            # the engine's limit: an EOS among the first MAX_ANSWER new tokens, else "length"
+            stop = next((k for k, t in enumerate(generated[:MAX_ANSWER]) if t in eos), None)
             if stop is not None:
                 answers[r] = generated[:stop]
             elif len(generated) < MAX_ANSWER:
@@ -95,10 +99,12 @@ def own_answer_rows(
     eos = set(tokenizer.eos_token_ids)
     cases = [generation_case(split, seed, i, headings) for i in range(count)]
     prompts = [generation_prompt(case, tokenizer) for case in cases]
-    rows = []
+    rows: list[Row] = []
     for first in range(0, count, BATCH):
         chunk = prompts[first : first + BATCH]
         for prompt, answer in zip(chunk, greedy_answers(model, chunk, block, mask_id, eos), strict=True):
             if answer is not None:
                 rows.append(replace(answer_row(prompt, answer, tokenizer, block), whole=True))
+    if not rows:
+        raise ValueError(f"none of the {count} answers of the pool ended within {MAX_ANSWER} tokens")
     return rows

@@ -124,8 +124,8 @@ class TrainConfig:
     # drew it); joint mode's extra hop (a slot finds its question by its id) gets more practice
     joint_share: float | None = None
     # a stage (``init_from``) whose generation rows are the starting checkpoint's own answers to
-    # this many training cases (``worker.training.self_distill``): more tokens per pass under
-    # ``dynamic`` decoding, the same answers
+    # this many training cases (``worker.training.self_distill``): aims at more tokens per pass
+    # under ``dynamic`` decoding
     self_distill: int | None = None
     # the training split ``train_wide`` (``corpus``): each clause in six wordings instead of three
     # (the held-out one still unseen), for the rows and a fresh run's tokenizer
@@ -459,15 +459,16 @@ def train_demo(
                               hidden=config.hidden or TINY_HIDDEN, layers=config.layers or TINY_LAYERS,
                               pattern=config.layer_pattern or "LA",
                               block_size=config.block_size)  # fmt: skip
-    began = time.monotonic()  # the run's seconds count a stage's pool of its own answers too
     lm = load_checkpoint(folder, dtype=torch.float32)
     model, block = lm.model, lm.config.block_size or 4
     mask_id = lm.config.mask_token_id
     assert mask_id is not None
     own = None
+    pooled = time.monotonic()
     if config.self_distill is not None:  # the starting weights' answers (a resumed stage: the same pool)
         own = own_answer_rows(model, lm.tokenizer, config.seed, config.self_distill, block, mask_id,
                               bool(config.headings), training_split(config))  # fmt: skip
+    pool_seconds = time.monotonic() - pooled  # counted in the run's seconds, not in max_seconds
     params = [p for p in model.parameters() if p.requires_grad]
     opt, schedule = optimizer_and_schedule(params, lr=config.lr, steps=config.steps)
     losses: list[float] = []
@@ -485,6 +486,7 @@ def train_demo(
         torch.save({"config": asdict(config), "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "schedule": schedule.state_dict(), "step": step, "losses": losses}, resume)  # fmt: skip
 
+    began = time.monotonic()
     model.train()
     while step < config.steps:
         if max_seconds is not None and time.monotonic() - began > max_seconds:
@@ -519,7 +521,7 @@ def train_demo(
         if step % config.save_every == 0 and step < config.steps:
             save_resume()
     model.eval()
-    seconds = time.monotonic() - began
+    seconds = time.monotonic() - began + pool_seconds
     tail = losses[-50:] or [math.nan]  # no step yet: a budget spent before the first one
     result = TrainResult(step, seconds, losses[0] if losses else math.nan, sum(tail) / len(tail),
                          step >= config.steps)  # fmt: skip
