@@ -21,7 +21,9 @@ on the starting checkpoint's own answers); what each did is measured in docs/dem
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
 uninterrupted one; with one torch thread and ``torch.use_deterministic_algorithms`` the same
-command gives the same bytes.
+command gives the same bytes on one machine, and on any x86-64 machine when the process's float
+path is pinned (``worker.training.float_path``: the CLI does it; ``training.json`` and the resume
+point record the path, and a resume on another path is refused).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from worker.training.corpus import (
     tool_call_case,
     value_case,
 )
+from worker.training.float_path import float_path
 from worker.training.passes import denoise
 from worker.training.rows import Row, decision_rows, extraction_row, generation_row, tool_call_row
 from worker.training.self_distill import own_answer_rows
@@ -473,10 +476,15 @@ def train_demo(
     opt, schedule = optimizer_and_schedule(params, lr=config.lr, steps=config.steps)
     losses: list[float] = []
     step = 0
+    computed_on = float_path()
     if resume.is_file():
         state = torch.load(resume, weights_only=False)
         if _recorded_of(state["config"]) != _recorded(config):  # options added since compare as unset
             raise TrainConfigError(f"{resume} was made with another configuration: {state['config']}")
+        if state.get("float_path", computed_on) != computed_on:  # a point older than the record: trusted
+            raise TrainConfigError(f"{resume} was computed on the float path {state['float_path']}, this "
+                                   f"process computes on {computed_on}: resumed, it would not give the "
+                                   "uninterrupted run's bytes; resume it on the same path")  # fmt: skip
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -484,7 +492,8 @@ def train_demo(
 
     def save_resume() -> None:
         torch.save({"config": asdict(config), "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "schedule": schedule.state_dict(), "step": step, "losses": losses}, resume)  # fmt: skip
+                    "schedule": schedule.state_dict(), "step": step, "losses": losses,
+                    "float_path": computed_on}, resume)  # fmt: skip
 
     began = time.monotonic()
     model.train()
@@ -529,9 +538,9 @@ def train_demo(
         save_hf(model, folder)
         one_pass = config.parallel_slots is not None and config.parallel_slots >= 1.0
         declare_joint_decode(folder, "one_pass" if one_pass else None)  # a later stage's own recipe decides
-        (folder / TRAINING_FILE).write_text(json.dumps(
-            {"config": _recorded(config), "steps": step, "first_loss": round(losses[0], 4),
-             "final_loss": round(result.final_loss, 4)}, indent=2, sort_keys=True) + "\n")  # fmt: skip
+        record = {"config": _recorded(config), "steps": step, "float_path": computed_on,
+                  "first_loss": round(losses[0], 4), "final_loss": round(result.final_loss, 4)}  # fmt: skip
+        (folder / TRAINING_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         resume.unlink(missing_ok=True)
         write_manifest(folder)
     return result
