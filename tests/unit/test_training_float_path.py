@@ -15,43 +15,62 @@ import torch
 
 from worker.model.checkpoint import SINGLE_NAME
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
-from worker.training.float_path import PINNED_PATH, FloatPathError, float_path, pin_float_path
+from worker.training import trainer
+from worker.training.float_path import (
+    PINNED_PATH,
+    PINNED_RECORD,
+    FloatPathError,
+    float_path,
+    has_avx2,
+    pin_float_path,
+)
 from worker.training.trainer import RESUME_FILE, TRAINING_FILE, TrainConfig, TrainConfigError, train_demo
 
-NATIVE = torch.backends.cpu.get_cpu_capability()  # this process never pins: the machine's own path
-X86_WITH_AVX2 = NATIVE in ("AVX2", "AVX512")
+NATIVE = torch.backends.cpu.get_cpu_capability()  # this test process never pins
 
 
-def _train_demo_cli(folder: Path, *extra: str) -> dict[str, object]:
-    """``cloverq model train-demo`` in a fresh process (its float path is chosen there): 2 steps
-    from the shipped demo; its ``training.json``."""
-    env = {k: v for k, v in os.environ.items() if k not in PINNED_PATH}
+def _train_demo_cli(folder: Path, *extra: str, env: dict[str, str] | None = None) -> dict[str, object]:
+    """``cloverq model train-demo`` in a fresh process (its float path is chosen there, with none of
+    the pinning variables unless ``env`` gives them): 2 steps from the shipped demo; its record."""
+    child = {k: v for k, v in os.environ.items() if k not in PINNED_PATH} | (env or {})
     command = [sys.executable, "-c", "from cli.main import main; main()", "model", "train-demo", str(folder),
                "--init-from", str(TRAINED_CLOVER_DEMO), "--steps", "2", "--batch", "4", *extra]  # fmt: skip
-    subprocess.run(command, env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run(command, env=child, check=True, capture_output=True, timeout=120)
     return json.loads((folder / TRAINING_FILE).read_text())
 
 
-@pytest.mark.skipif(not X86_WITH_AVX2, reason="the pinned path is AVX2: an x86-64 CPU that has it")
-def test_the_cli_pins_the_float_path_and_it_changes_the_bytes(tmp_path: Path) -> None:
+@pytest.mark.skipif(not has_avx2(), reason="the pinned path is AVX2: an x86-64 CPU that has it")
+def test_the_cli_pins_the_float_path_before_its_first_kernel(tmp_path: Path) -> None:
+    """The CLI's pin gives the bytes of a process started with the variables set (so it took
+    effect before any kernel), and records what ATen and MKL report; unpinned, MKL picks its own
+    branch, and on an AVX512 machine the bytes differ (2 steps suffice)."""
     pinned = _train_demo_cli(tmp_path / "pinned")
+    preset = _train_demo_cli(tmp_path / "preset", "--native-float-path", env=PINNED_PATH)
     native = _train_demo_cli(tmp_path / "native", "--native-float-path")
-    assert pinned["float_path"] == {"aten": "AVX2", "mkl_cbwr": "AVX2,STRICT"}
-    assert native["float_path"] == {"aten": NATIVE, "mkl_cbwr": "auto"}
-    if NATIVE == "AVX512":  # two paths: the pin took effect before the first kernel (2 steps suffice)
-        weights = [(tmp_path / n / SINGLE_NAME).read_bytes() for n in ("pinned", "native")]
-        assert weights[0] != weights[1]
+    assert pinned["float_path"] == preset["float_path"] == PINNED_RECORD
+    weights = {n: (tmp_path / n / SINGLE_NAME).read_bytes() for n in ("pinned", "preset", "native")}
+    assert weights["pinned"] == weights["preset"]
+    assert native["float_path"]["mkl_cbwr"] == "auto"  # type: ignore[index]
+    if native["float_path"]["aten"] == "AVX512":  # type: ignore[index]
+        assert weights["native"] != weights["pinned"]
 
 
 @pytest.mark.skipif(NATIVE != "AVX512", reason="too late shows only where the native path is not AVX2")
-def test_pinning_after_torch_chose_its_kernels_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in PINNED_PATH:  # restored after the test: this process keeps its native path
-        monkeypatch.setenv(name, "unset by the test")
+def test_pinning_after_torch_chose_its_kernels_is_refused_and_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.randn(8, 8) @ torch.randn(8, 8)  # ATen and MKL have chosen in this process
+    for name in PINNED_PATH:  # restored after the test as well
+        monkeypatch.setenv(name, "as before")
     with pytest.raises(FloatPathError, match="before the float path was pinned"):
         pin_float_path()
+    assert all(os.environ[name] == "as before" for name in PINNED_PATH)
+    assert float_path()["mkl_cbwr"] == "auto"
 
 
-def test_a_resume_point_on_another_float_path_is_refused_and_the_path_is_recorded(tmp_path: Path) -> None:
+def test_a_resume_point_on_another_float_path_is_refused_and_the_path_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume point records its path; one on another path is refused, and so is one written before
+    the record (on its machine's own path) when this process is pinned; unpinned, it resumes."""
     torch.set_num_threads(1)
     config = TrainConfig(steps=2, batch=2, save_every=1)
     folder = tmp_path / "run"
@@ -59,9 +78,13 @@ def test_a_resume_point_on_another_float_path_is_refused_and_the_path_is_recorde
     state = torch.load(folder / RESUME_FILE, weights_only=False)
     assert state["float_path"] == float_path()
     torch.save(dict(state, float_path={"aten": "DEFAULT", "mkl_cbwr": "SSE4_2"}), folder / RESUME_FILE)
-    with pytest.raises(TrainConfigError, match="float path"):
+    with pytest.raises(TrainConfigError, match="native-float-path"):
         train_demo(folder, config)
-    older = {k: v for k, v in state.items() if k != "float_path"}  # written before the record existed
+    older = {k: v for k, v in state.items() if k != "float_path"}
     torch.save(older, folder / RESUME_FILE)
+    with monkeypatch.context() as pinned:  # a pinned process, as the CLI makes it
+        pinned.setattr(trainer, "float_path", lambda: dict(PINNED_RECORD))
+        with pytest.raises(TrainConfigError, match="of its machine"):
+            train_demo(folder, config)
     assert train_demo(folder, config).finished
     assert json.loads((folder / TRAINING_FILE).read_text())["float_path"] == float_path()

@@ -8,42 +8,89 @@ optimizer steps carry a last-bit difference into other weights: the same ``train
 gave other bytes, and decisions several points apart, on two sessions' machines
 (docs/demo-training.md, twelfth round). Both libraries read their path from the environment,
 once, before their first kernel: ``ATEN_CPU_CAPABILITY`` and ``MKL_CBWR`` (MKL's conditional
-numerical reproducibility; ``STRICT`` also removes its dependence on memory alignment). AVX2 is
-the widest path nearly every x86-64 server runs. Measured on a 2-core AVX512 machine: about 10%
-slower per step than the native path, and within 30 steps other bytes than it.
+numerical reproducibility: a fixed code branch; ``STRICT`` also makes its GEMMs independent of
+the thread count). oneDNN (the GDN layer's short convolution) is pinned alike
+(``ONEDNN_MAX_CPU_ISA``), though no difference from it was measured. AVX2 is the widest path
+nearly every x86-64 server runs. Measured on a 2-core AVX512 machine: about 10% slower per step
+than the native path, and within 30 steps other bytes than it. The same torch build is assumed
+(the project pins it); a second machine to show the pin across CPUs was not available here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+from pathlib import Path
 
 import torch
 
 # what ``pin_float_path`` sets; ``float_path`` reads back what the process computes on
-PINNED_PATH: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT"}
+PINNED_PATH: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT",
+                               "ONEDNN_MAX_CPU_ISA": "AVX2"}  # fmt: skip
+PINNED_RECORD: dict[str, str] = {"aten": "AVX2", "mkl_cbwr": "AVX2,STRICT"}  # ``float_path()`` when pinned
+
+# MKL's branch codes (mkl_cbwr.h): 1 is "off" (MKL's own pick per CPU), STRICT a flag bit
+_MKL_BRANCHES = {1: "auto", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2",
+                 9: "AVX", 10: "AVX2", 12: "AVX512", 14: "AVX512_E1"}  # fmt: skip
+_MKL_STRICT = 0x10000
 
 
 class FloatPathError(RuntimeError):
-    """The path was pinned after torch had already chosen its kernels."""
+    """The path was pinned after torch (ATen or MKL) had already chosen its kernels."""
+
+
+def _mkl_branch() -> str:
+    """The branch MKL computes on, read back from the MKL inside torch (``unknown``: no MKL)."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        get = lib.mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return "unknown"
+    get.restype, get.argtypes = ctypes.c_int, [ctypes.c_int]
+    code = get(-1)  # MKL_CBWR_ALL: the branch and its flags
+    name = _MKL_BRANCHES.get(code & 0xFFFF, hex(code & 0xFFFF))
+    return f"{name},STRICT" if code & _MKL_STRICT else name
 
 
 def float_path() -> dict[str, str]:
-    """ATen's kernel set in this process and the MKL branch it was told (``auto``: MKL's own pick)."""
-    return {"aten": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR", "auto")}
+    """ATen's kernel set and MKL's branch in this process (read from the libraries, not the
+    environment: a variable set after their first kernel changes nothing)."""
+    return {"aten": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": _mkl_branch()}
+
+
+def has_avx2() -> bool:
+    """An x86-64 CPU with AVX2 (Linux: its flags), the only kind the pinned path runs on."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        return " avx2" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def pin_float_path() -> dict[str, str]:
-    """Pin this process to ``PINNED_PATH``; call it before the first tensor operation.
+    """Pin this process to ``PINNED_PATH`` and return the path in effect; call it before the first
+    tensor operation.
 
-    ATen reads its variable once, when it first dispatches a kernel: if it already chose AVX512,
-    pinning now would change nothing and the run would silently compute on the machine's path,
-    so that is refused. A CPU without AVX2 (another architecture) keeps its own path, which the
-    returned record (and ``training.json``) shows.
+    A CPU without AVX2 cannot run it (ATen would dispatch instructions the CPU lacks), so it keeps
+    its own path, which the returned record (and ``training.json``) shows. Pinned too late (ATen
+    or MKL already chose), the variables are put back and the pin is refused: the run would
+    otherwise compute on the machine's path under a record that says otherwise.
     """
+    if not has_avx2():
+        return float_path()
+    before = {name: os.environ.get(name) for name in PINNED_PATH}
     os.environ.update(PINNED_PATH)
     path = float_path()
-    if path["aten"] == "AVX512":  # AVX2 is a subset: ATen ignored the variable, it chose earlier
-        raise FloatPathError("torch chose its CPU kernels before the float path was pinned; "
+    mkl_pinned = path["mkl_cbwr"] in (PINNED_RECORD["mkl_cbwr"], "unknown")  # unknown: a build without MKL
+    if path["aten"] != PINNED_RECORD["aten"] or not mkl_pinned:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        raise FloatPathError(f"torch chose its CPU kernels before the float path was pinned ({path}); "
                              "pin it at the start of the process (or set ATEN_CPU_CAPABILITY=avx2 "
                              "and MKL_CBWR=AVX2,STRICT in its environment)")  # fmt: skip
     return path

@@ -56,7 +56,7 @@ from worker.training.corpus import (
     tool_call_case,
     value_case,
 )
-from worker.training.float_path import float_path
+from worker.training.float_path import PINNED_RECORD, float_path
 from worker.training.passes import denoise
 from worker.training.rows import Row, decision_rows, extraction_row, generation_row, tool_call_row
 from worker.training.self_distill import own_answer_rows
@@ -481,10 +481,12 @@ def train_demo(
         state = torch.load(resume, weights_only=False)
         if _recorded_of(state["config"]) != _recorded(config):  # options added since compare as unset
             raise TrainConfigError(f"{resume} was made with another configuration: {state['config']}")
-        if state.get("float_path", computed_on) != computed_on:  # a point older than the record: trusted
-            raise TrainConfigError(f"{resume} was computed on the float path {state['float_path']}, this "
-                                   f"process computes on {computed_on}: resumed, it would not give the "
-                                   "uninterrupted run's bytes; resume it on the same path")  # fmt: skip
+        recorded = state.get("float_path")  # None: a point from before the record, on its machine's path
+        if recorded != computed_on and (recorded is not None or computed_on == PINNED_RECORD):
+            raise TrainConfigError(f"{resume} was computed on the float path {recorded or 'of its machine'}, "
+                                   f"this process computes on {computed_on}: resumed, it would not give "
+                                   "an uninterrupted run's bytes; resume it on the same path (train-demo "
+                                   "pins AVX2 unless --native-float-path)")  # fmt: skip
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
