@@ -11,7 +11,7 @@ once, before their first kernel: ``ATEN_CPU_CAPABILITY`` and ``MKL_CBWR`` (MKL's
 numerical reproducibility: a fixed code branch; ``STRICT`` also makes its GEMMs independent of
 the thread count). oneDNN (the GDN layer's short convolution) is pinned alike
 (``ONEDNN_MAX_CPU_ISA``), though no difference from it was measured. AVX2 is the widest path
-nearly every x86-64 server runs. Measured on a 2-core AVX512 machine: about 10% slower per step
+nearly every x86-64 server runs. Measured on a 2-core AVX512 machine: about 11% slower per step
 than the native path, and within 30 steps other bytes than it. The same torch build is assumed
 (the project pins it); a second machine to show the pin across CPUs was not available here.
 """
