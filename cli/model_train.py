@@ -4,8 +4,8 @@ The trainer is ``worker.training.trainer`` (CPU, the engine's block-diffusion ob
 command adds the progress bar and the defaults of the shipped checkpoint
 (``models/clover-demo``: ``cloverq model train-demo models/clover-demo``). Interrupted or stopped
 by ``--max-minutes``, the same command resumes from the folder's ``resume.pt``. It pins the
-process's float path first (``worker.training.float_path``), so the bytes do not depend on which
-x86-64 CPU ran it.
+process's float path first (``worker.training.float_path``), so that the bytes should not depend
+on which x86-64 CPU ran it (shown on one machine only).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def train_demo_command(
         check_config(config)  # a usage mistake is told before anything else happens
     except TrainConfigError as exc:
         raise click.UsageError(one_line(exc)) from None
-    if not native_float_path:  # before the first kernel: the same bytes on any x86-64 machine
+    if not native_float_path:  # before the first kernel: ATen's and MKL's kernels not chosen by the CPU
         try:
             pin_float_path()
         except FloatPathError as exc:

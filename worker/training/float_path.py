@@ -90,7 +90,7 @@ def pin_float_path() -> dict[str, str]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        preset = " ".join(f"{name}={value}" for name, value in PINNED_PATH.items())
         raise FloatPathError(f"torch chose its CPU kernels before the float path was pinned ({path}); "
-                             "pin it at the start of the process (or set ATEN_CPU_CAPABILITY=avx2 "
-                             "and MKL_CBWR=AVX2,STRICT in its environment)")  # fmt: skip
+                             f"pin it at the start of the process (or start it with {preset})")  # fmt: skip
     return path

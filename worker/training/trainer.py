@@ -21,9 +21,10 @@ on the starting checkpoint's own answers); what each did is measured in docs/dem
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
 uninterrupted one; with one torch thread and ``torch.use_deterministic_algorithms`` the same
-command gives the same bytes on one machine, and on any x86-64 machine when the process's float
-path is pinned (``worker.training.float_path``: the CLI does it; ``training.json`` and the resume
-point record the path, and a resume on another path is refused).
+command gives the same bytes on one machine; pinning the process's float path
+(``worker.training.float_path``: the CLI does it) is meant to extend that to any x86-64 machine
+with AVX2 (not shown across CPUs). ``training.json`` and the resume point record the path, and a
+resume on another path is refused.
 """
 
 from __future__ import annotations
