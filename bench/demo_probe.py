@@ -133,6 +133,15 @@ def _args() -> argparse.Namespace:
     parser.add_argument(
         "--clauses", type=int, default=None, help="clauses per contract (default the corpus's)"
     )
+    parser.add_argument(
+        "--warm-steps", type=int, default=0,
+        help="a curriculum: the first steps on --warm-kinds in --warm-clauses clauses (evaluated as after)",
+    )
+    parser.add_argument("--warm-kinds", default=None, help="the warm-up's kinds (default --kinds)")
+    parser.add_argument("--focus-kind", default=None,
+                        help="oversample a kind: each contract drawn brings another's rows")  # fmt: skip
+    parser.add_argument("--warm-value-share", type=float, default=None, help="the warm-up's --value-share")
+    parser.add_argument("--warm-clauses", type=int, default=None, help="the warm-up's clauses per contract")
     parser.add_argument("--qk-gain", type=float, default=None, help="attention q/k norm scale at the start")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--eval-contracts", type=int, default=150, help="eval split contracts (seed 1)")
@@ -145,6 +154,7 @@ def main() -> None:
     args = _args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    full_clauses = args.clauses or contracts.CLAUSES_PER_CONTRACT
     if args.clauses is not None:  # shorter contracts: the asked clause among fewer others
         contracts.CLAUSES_PER_CONTRACT = args.clauses
     kinds, positions = set(args.kinds.split(",")), POSITIONS[args.questions]
@@ -183,10 +193,22 @@ def main() -> None:
     rng = random.Random(f"probe/{args.seed}")
     for step in range(1, args.steps + 1):
         t0 = time.process_time()
+        warm = step <= args.warm_steps
+        contracts.CLAUSES_PER_CONTRACT = args.warm_clauses or full_clauses if warm else full_clauses
+        now = set(args.warm_kinds.split(",")) if warm and args.warm_kinds else kinds
+        if not warm and step == args.warm_steps + 1:
+            pool = []
         while len(pool) < args.batch:
-            pool += asked_alone("train", args.seed, index, tokenizer, block, kinds, positions, args.headings)
-            if rng.random() < args.value_share:
-                pool += value_rows("train", args.seed, index, tokenizer, block, kinds, args.headings)
+            pool += asked_alone("train", args.seed, index, tokenizer, block, now, positions, args.headings)
+            share = args.warm_value_share if warm and args.warm_value_share is not None else args.value_share
+            if rng.random() < share:
+                pool += value_rows("train", args.seed, index, tokenizer, block, now, args.headings)
+            if args.focus_kind:
+                focus = {args.focus_kind}
+                other = index + 10**6  # a stream of its own
+                pool += asked_alone("train", args.seed, other, tokenizer, block, focus, positions,
+                                    args.headings)  # fmt: skip
+                pool += value_rows("train", args.seed, other, tokenizer, block, focus, args.headings)
             index += 1
         rng.shuffle(pool)
         rows, pool = [item[0] for item in pool[: args.batch]], pool[args.batch :]

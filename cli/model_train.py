@@ -23,6 +23,7 @@ from rich.progress import (
 )
 
 from cli.model import guarded, model_group, one_line
+from worker.training.questions import GROUPS
 
 
 @click.command("train-demo")
@@ -36,8 +37,9 @@ from cli.model import guarded, model_group, one_line
 @click.option("--save-every", type=int, default=100, show_default=True, help="Steps between resume points.")
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop after this long (saving a resume point); run again to continue.")  # fmt: skip
-@click.option("--threads", type=int, default=1, show_default=True,
-              help="torch threads (1: deterministic bytes, fastest for tiny matrices).")  # fmt: skip
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch threads: the same count repeats the same bytes, another count gives "
+                   "others (the threads split each sum); 2 run faster than 1 on two cores.")  # fmt: skip
 @click.option("--native-float-path", is_flag=True, default=False,
               help="Compute on this CPU's widest kernels (about 10% faster) instead of the pinned "
                    "AVX2 path; the bytes then depend on the machine.")  # fmt: skip
@@ -94,6 +96,12 @@ from cli.model import guarded, model_group, one_line
 @click.option("--wide-phrasings", is_flag=True, default=False,
               help="Training contracts in six wordings of each clause instead of three (the "
                    "held-out wording still unseen); a fresh run's tokenizer reads them too.")  # fmt: skip
+@click.option("--focus-kind", type=click.Choice(sorted(GROUPS)), default=None,
+              help="Oversample this question kind (with --focus-share): rows of its own contracts.")
+@click.option("--focus-share", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="Share of the decision rows asking --focus-kind (half its value question).")
+@click.option("--focus-steps", type=click.IntRange(min=1), default=None,
+              help="The first steps: every row a --focus-kind row (a curriculum).")
 @click.option("--block-size", type=int, default=None,
               help="Block size of the random start (default the demo's 4).")  # fmt: skip
 @guarded
@@ -119,6 +127,9 @@ def train_demo_command(
     block_size: int | None,
     self_distill: int | None,
     wide_phrasings: bool,
+    focus_kind: str | None,
+    focus_share: float | None,
+    focus_steps: int | None,
     directory: Path,
     arch: str,
     steps: int,
@@ -144,7 +155,8 @@ def train_demo_command(
                          headings=headings or None, vocab=vocab, value_share=value_share,
                          block_size=block_size, extract_share=extract_share,
                          tool_share=tool_share, tool_keys=tool_keys, joint_share=joint_share,
-                         self_distill=self_distill, wide_phrasings=wide_phrasings or None)  # fmt: skip
+                         self_distill=self_distill, wide_phrasings=wide_phrasings or None,
+                         focus_kind=focus_kind, focus_share=focus_share, focus_steps=focus_steps)  # fmt: skip
     try:
         check_config(config)  # a usage mistake is told before anything else happens
     except TrainConfigError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.unit.wide_openings import EXTRA_OPENINGS
 from worker.training.contracts import (
     CLAUSES,
     EXTRA_PHRASINGS,
@@ -93,9 +94,7 @@ def test_the_wide_training_split_adds_wordings_of_the_same_facts_and_leaves_eval
     drawn = [draw_facts(rng) for _ in range(200)]
     assert all(in_split(f, "train_wide") == in_split(f, "train") for f in drawn)
 
-    # openings only the extra wordings use
-    extra = ("Duration:", "Convenience termination:", "Liability limit of the", "Applicable law:",
-             "Payment terms:", "Confidentiality obligations:", "Assignment by the")  # fmt: skip
+    extra = EXTRA_OPENINGS  # openings only the extra wordings use
 
     def opened(split: str) -> set[str]:
         cases = decision_cases(split, 0, 300)  # type: ignore[arg-type]

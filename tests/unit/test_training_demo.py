@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit.wide_openings import EXTRA_OPENINGS
 from worker.decisions.planner import plan_decision
 from worker.engine.types import SamplingParams
 from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
@@ -172,6 +173,37 @@ def test_value_share_asks_value_questions_alone() -> None:
     assert all(len(r.units) == 1 for r in rows)
     texts = [lm.tokenizer.decode(list(r.ids)) for r in rows]
     assert all(any(a in t for a in VALUE_ASKS) for t in texts), texts
+
+
+def test_focus_share_asks_the_focus_kind_about_a_contract_stating_it() -> None:
+    """``focus_kind``/``focus_share`` 1: every decision row asks the focus kind alone, about a
+    contract of the focus stream that states its clause: its value question or one of its group's
+    two questions, both drawn; ``focus_steps``: every row before that step is one (then the
+    recipe's); a kind without a share or steps, or those without a kind, is refused."""
+    from worker.training.contracts import HEADINGS
+    from worker.training.corpus import GROUP_CLAUSES, focus_case, focus_value_case
+
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    config = TrainConfig(batch=16, decision_share=1.0, focus_kind="law", focus_share=1.0)
+    rows = _batch(3, config, lm.tokenizer, 4)
+    texts = [lm.tokenizer.decode(list(r.ids)) for r in rows]
+    assert all(len(r.units) == 1 for r in rows)
+    asks = ["Which law governs" in t for t in texts]
+    assert all(a or "governed by the laws of" in t for a, t in zip(asks, texts, strict=True)), texts
+    assert any(asks) and not all(asks)  # both value and group questions
+    for i in range(20):
+        case, value = focus_case("train", 0, i, "law"), focus_value_case("train", 0, i, "law")
+        assert case.groups[0].kind == value.groups[0].kind == "law" and case.context == value.context
+        assert value.groups[0].rule == "value" and value.answers[0] in case.context
+        headed = focus_case("train", 0, i, "law", headings=True)
+        assert f"{HEADINGS[GROUP_CLAUSES['law']]}." in headed.context
+    warm = TrainConfig(batch=16, decision_share=0.0, focus_kind="law", focus_steps=4)
+    assert all(len(r.units) == 1 for r in _batch(3, warm, lm.tokenizer, 4))  # no generation row yet
+    assert all(not r.units for r in _batch(4, warm, lm.tokenizer, 4))  # then the recipe's rows
+    for bad in ({"focus_kind": "law"}, {"focus_share": 0.2}, {"focus_steps": 5},
+                {"focus_kind": "law", "focus_share": 0.0}):  # fmt: skip
+        with pytest.raises(TrainConfigError):
+            train_demo(Path("/nonexistent/never-written"), TrainConfig(**bad))
 
 
 def test_extract_share_turns_decision_rows_into_extraction_rows() -> None:
@@ -357,10 +389,8 @@ def test_wide_phrasings_draw_the_wide_training_split_and_its_tokenizer_reads_it(
         return [lm.tokenizer.decode(list(r.ids)) for r in rows]
 
     texts, plain = drawn(wide), drawn(plain_config)
-    openings = ("Duration:", "Convenience termination:", "Liability limit of the", "Applicable law:",
-                "Payment terms:", "Confidentiality obligations:", "Assignment by the")  # fmt: skip
-    assert any(o in t for t in texts for o in openings)
-    assert not any(o in t for t in plain for o in openings)
+    assert any(o in t for t in texts for o in EXTRA_OPENINGS)
+    assert not any(o in t for t in plain for o in EXTRA_OPENINGS)
     train_demo(tmp_path / "w", TrainConfig(steps=1, batch=2, vocab=2048, wide_phrasings=True))
     assert len(load_checkpoint(tmp_path / "w").tokenizer.encode(" aggregate")) == 1
     assert len(lm.tokenizer.encode(" aggregate")) > 1  # the shipped tokenizer never read it

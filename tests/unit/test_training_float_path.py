@@ -47,7 +47,7 @@ def test_the_cli_pins_the_float_path_before_its_first_kernel(tmp_path: Path) -> 
     pinned = _train_demo_cli(tmp_path / "pinned")
     preset = _train_demo_cli(tmp_path / "preset", "--native-float-path", env=PINNED_PATH)
     native = _train_demo_cli(tmp_path / "native", "--native-float-path")
-    assert pinned["float_path"] == preset["float_path"] == PINNED_RECORD
+    assert pinned["float_path"] == preset["float_path"] == {**PINNED_RECORD, "threads": 1}
     weights = {n: (tmp_path / n / SINGLE_NAME).read_bytes() for n in ("pinned", "preset", "native")}
     assert weights["pinned"] == weights["preset"]
     assert native["float_path"]["mkl_cbwr"] == "auto"  # type: ignore[index]
@@ -69,16 +69,20 @@ def test_pinning_after_torch_chose_its_kernels_is_refused_and_undone(monkeypatch
 def test_a_resume_point_on_another_float_path_is_refused_and_the_path_is_recorded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A resume point records its path; one on another path is refused, and so is one written before
-    the record (on its machine's own path) when this process is pinned; unpinned, it resumes."""
+    """A resume point records its path and thread count; one on another path or thread count is
+    refused, and so is one written before the record (on its machine's own path) when this process
+    is pinned; unpinned, it resumes."""
     torch.set_num_threads(1)
     config = TrainConfig(steps=2, batch=2, save_every=1)
     folder = tmp_path / "run"
     train_demo(folder, config, max_seconds=-1.0)  # a resume point before the first step
     state = torch.load(folder / RESUME_FILE, weights_only=False)
-    assert state["float_path"] == float_path()
+    assert state["float_path"] == {**float_path(), "threads": 1}
     torch.save(dict(state, float_path={"aten": "DEFAULT", "mkl_cbwr": "SSE4_2"}), folder / RESUME_FILE)
     with pytest.raises(TrainConfigError, match="native-float-path"):
+        train_demo(folder, config)
+    torch.save(dict(state, float_path={**float_path(), "threads": 2}), folder / RESUME_FILE)
+    with pytest.raises(TrainConfigError, match="threads"):  # two threads split each sum otherwise
         train_demo(folder, config)
     older = {k: v for k, v in state.items() if k != "float_path"}
     torch.save(older, folder / RESUME_FILE)
@@ -87,4 +91,4 @@ def test_a_resume_point_on_another_float_path_is_refused_and_the_path_is_recorde
         with pytest.raises(TrainConfigError, match="of its machine"):
             train_demo(folder, config)
     assert train_demo(folder, config).finished
-    assert json.loads((folder / TRAINING_FILE).read_text())["float_path"] == float_path()
+    assert json.loads((folder / TRAINING_FILE).read_text())["float_path"] == {**float_path(), "threads": 1}

@@ -44,7 +44,7 @@ from worker.training.contracts import (
 )
 from worker.training.extraction import FIELDS as EXTRACT_FIELDS
 from worker.training.extraction import ExtractionCase, clauses_of, draw_kinds, field_value
-from worker.training.questions import QuestionGroup, draw_groups, value_question, violates
+from worker.training.questions import GROUPS, QuestionGroup, draw_groups, value_question, violates
 from worker.training.tool_calls import NO_CALL_SHARE, ToolCallCase, draw_call
 
 GROUP_CLAUSES = {  # the clause a question group is about
@@ -161,6 +161,23 @@ def value_case(split: Split, seed: int, index: int, kind_draw: float, headings: 
     case, facts = _decision_case_and_facts(split, seed, index, None, headings)
     group = case.groups[int(kind_draw * len(case.groups))]
     value = value_question(group.kind, facts)
+    return DecisionCase(context=case.context, groups=(headed(value) if headings else value,))
+
+
+def focus_case(split: Split, seed: int, index: int, kind: str, headings: bool = False) -> DecisionCase:
+    """A contract with a ``kind`` group among its clauses, from its own stream ("focus"): a training
+    row of one chosen kind (``TrainConfig.focus_kind``), as ``decision_case`` draws a group of it."""
+    facts, rng = _facts(split, seed, index, "focus")
+    group = GROUPS[kind](facts, rng)
+    text = render_contract(facts, rng, phrasings_of(split), (GROUP_CLAUSES[kind],), headings)
+    return DecisionCase(context=text, groups=(headed(group) if headings else group,))
+
+
+def focus_value_case(split: Split, seed: int, index: int, kind: str, headings: bool = False) -> DecisionCase:
+    """``focus_case``'s contract asked ``kind``'s value question instead."""
+    case = focus_case(split, seed, index, kind, headings)
+    facts, _ = _facts(split, seed, index, "focus")
+    value = value_question(kind, facts)
     return DecisionCase(context=case.context, groups=(headed(value) if headings else value,))
 
 

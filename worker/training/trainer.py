@@ -53,12 +53,15 @@ from worker.training.corpus import (
     Split,
     decision_case,
     extraction_case,
+    focus_case,
+    focus_value_case,
     generation_case,
     tool_call_case,
     value_case,
 )
 from worker.training.float_path import PINNED_RECORD, float_path
 from worker.training.passes import denoise
+from worker.training.questions import GROUPS
 from worker.training.rows import Row, decision_rows, extraction_row, generation_row, tool_call_row
 from worker.training.self_distill import own_answer_rows
 from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, write_shaped_demo
@@ -134,6 +137,15 @@ class TrainConfig:
     # the training split ``train_wide`` (``corpus``): each clause in six wordings instead of three
     # (the held-out one still unseen), for the rows and a fresh run's tokenizer
     wide_phrasings: bool | None = None
+    # oversample one question kind (``corpus.focus_case``): this share of the decision rows asks
+    # ``focus_kind`` about a contract of its own, half of them its value question, half one of its
+    # group's questions asked alone; a kind the mix leaves at its prior (law: a comparison of two
+    # tokens, docs/demo-training.md) gets a denser signal
+    focus_kind: str | None = None
+    focus_share: float | None = None
+    # the first steps: every row a ``focus_kind`` row, a curriculum (alone, law forms its matching
+    # circuit in a few hundred steps; in the mix it stays at its prior, docs/demo-training.md)
+    focus_steps: int | None = None
 
 
 def training_split(config: TrainConfig) -> Split:
@@ -151,7 +163,13 @@ def _batch(
     rows = []
     for i in range(config.batch):
         index = step * config.batch + i
+        if config.focus_steps is not None and step < config.focus_steps:  # draws only when set
+            rows.append(_focus_row(split, config, index, rng.random() < 0.5, rng, tokenizer, block))
+            continue
         if rng.random() < config.decision_share:
+            if config.focus_share and rng.random() < config.focus_share:  # draws only when set
+                rows.append(_focus_row(split, config, index, rng.random() < 0.5, rng, tokenizer, block))
+                continue
             if config.value_share and rng.random() < config.value_share:  # draws only when set and > 0
                 value = value_case(split, config.seed, index, rng.random(), bool(config.headings))
                 rows.append(decision_rows(value, "independent", tokenizer, block)[0])
@@ -179,6 +197,20 @@ def _batch(
             generation = generation_case(split, config.seed, index, bool(config.headings))
             rows.append(generation_row(generation, tokenizer, block))
     return rows
+
+
+def _focus_row(
+    split: Split, config: TrainConfig, index: int, value: bool, rng: random.Random,
+    tokenizer: Tokenizer, block: int,
+) -> Row:  # fmt: skip
+    """A ``focus_kind`` row (``TrainConfig.focus_share``): its value question, or one of its
+    group's questions asked alone."""
+    kind, headings = str(config.focus_kind), bool(config.headings)
+    if value:
+        return decision_rows(focus_value_case(split, config.seed, index, kind, headings), "independent",
+                             tokenizer, block)[0]  # fmt: skip
+    return rng.choice(decision_rows(focus_case(split, config.seed, index, kind, headings), "independent",
+                                    tokenizer, block))  # fmt: skip
 
 
 def bucketed_loss(
@@ -429,6 +461,14 @@ def check_config(config: TrainConfig) -> None:
                                "init_from")
     if config.joint_share is not None and not 0.0 <= config.joint_share <= 1.0:
         raise TrainConfigError(f"joint_share is a share: {config.joint_share}")
+    if (config.focus_kind is None) != (config.focus_share is None and config.focus_steps is None):
+        raise TrainConfigError("focus_kind goes with focus_share (its share of decision rows) or focus_steps "
+                               "(the first steps all its rows), and they with it")  # fmt: skip
+    if config.focus_kind is not None and config.focus_kind not in GROUPS:
+        kinds = ", ".join(sorted(GROUPS))
+        raise TrainConfigError(f"focus_kind is a question kind ({kinds}): {config.focus_kind}")
+    if config.focus_share is not None and not 0.0 < config.focus_share <= 1.0:
+        raise TrainConfigError(f"focus_share is a share above 0: {config.focus_share}")
 
 
 def train_demo(
@@ -477,17 +517,21 @@ def train_demo(
     opt, schedule = optimizer_and_schedule(params, lr=config.lr, steps=config.steps)
     losses: list[float] = []
     step = 0
-    computed_on = float_path()
+    # the kernels and the thread count: the threads split each reduction, so 1 and 2 give other bytes
+    computed_on: dict[str, object] = {**float_path(), "threads": torch.get_num_threads()}
+    pinned = {name: computed_on[name] for name in PINNED_RECORD} == PINNED_RECORD
     if resume.is_file():
         state = torch.load(resume, weights_only=False)
         if _recorded_of(state["config"]) != _recorded(config):  # options added since compare as unset
             raise TrainConfigError(f"{resume} was made with another configuration: {state['config']}")
         recorded = state.get("float_path")  # None: a point from before the record, on its machine's path
-        if recorded != computed_on and (recorded is not None or computed_on == PINNED_RECORD):
+        if recorded is not None:  # a point from before threads were recorded: the CLI's default, one
+            recorded = {"threads": 1, **recorded}
+        if recorded != computed_on and (recorded is not None or pinned):
             raise TrainConfigError(f"{resume} was computed on the float path {recorded or 'of its machine'}, "
                                    f"this process computes on {computed_on}: resumed, it would not give "
-                                   "an uninterrupted run's bytes; resume it on the same path (train-demo "
-                                   "pins AVX2 unless --native-float-path)")  # fmt: skip
+                                   "an uninterrupted run's bytes; resume it on the same path and "
+                                   "--threads (train-demo pins AVX2 unless --native-float-path)")  # fmt: skip
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
