@@ -15,7 +15,9 @@ The recipe options are ``train-demo``'s (``--vocab``, ``--layer-pattern``, ``--h
 ``--layers``, ``--headings``), so a probe's finding maps onto a full run, with one difference:
 ``--value-share`` *adds* a contract's value question (``corpus.value_case``) to the pool, with its
 own draws, where ``train-demo`` *replaces* that share of its decision rows. ``--clauses`` (shorter
-contracts) and ``--qk-gain`` (a sharper attention at the start) are probe-only. Value questions
+contracts), ``--qk-gain`` (a sharper attention at the start), the ``--warm-*`` options (the first
+steps on other kinds or shorter contracts) and ``--focus-kind`` (each contract drawn brings a
+further case's rows of that kind, if it has them) are probe-only. Value questions
 are scored too (``value:KIND``) at the first token where *any* two choices differ: where several
 choices share that token ("EUR 250,000" / "EUR 500,000" at "EUR"), a tie credits the first of them,
 so those kinds' figures are biased: with the 882-id tokenizer, liability (five amounts share
@@ -138,7 +140,7 @@ def _args() -> argparse.Namespace:
         help="a curriculum: the first steps on --warm-kinds in --warm-clauses clauses (evaluated as after)",
     )
     parser.add_argument("--warm-kinds", default=None, help="the warm-up's kinds (default --kinds)")
-    parser.add_argument("--focus-kind", default=None,
+    parser.add_argument("--focus-kind", default=None, choices=sorted(GROUPS),
                         help="oversample a kind: each contract drawn brings another's rows")  # fmt: skip
     parser.add_argument("--warm-value-share", type=float, default=None, help="the warm-up's --value-share")
     parser.add_argument("--warm-clauses", type=int, default=None, help="the warm-up's clauses per contract")
@@ -205,7 +207,7 @@ def main() -> None:
                 pool += value_rows("train", args.seed, index, tokenizer, block, now, args.headings)
             if args.focus_kind:
                 focus = {args.focus_kind}
-                other = index + 10**6  # a stream of its own
+                other = index + 10**6  # further cases of the same stream (not train-demo's focus cases)
                 pool += asked_alone("train", args.seed, other, tokenizer, block, focus, positions,
                                     args.headings)  # fmt: skip
                 pool += value_rows("train", args.seed, other, tokenizer, block, focus, args.headings)

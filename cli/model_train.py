@@ -38,8 +38,8 @@ from worker.training.questions import GROUPS
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop after this long (saving a resume point); run again to continue.")  # fmt: skip
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="torch threads: the same count repeats the same bytes, another count gives "
-                   "others (the threads split each sum); 2 run faster than 1 on two cores.")  # fmt: skip
+              help="torch threads: on one float path the same count repeats the same bytes, "
+                   "another count gives others (the threads split each sum).")  # fmt: skip
 @click.option("--native-float-path", is_flag=True, default=False,
               help="Compute on this CPU's widest kernels (about 10% faster) instead of the pinned "
                    "AVX2 path; the bytes then depend on the machine.")  # fmt: skip
@@ -97,9 +97,11 @@ from worker.training.questions import GROUPS
               help="Training contracts in six wordings of each clause instead of three (the "
                    "held-out wording still unseen); a fresh run's tokenizer reads them too.")  # fmt: skip
 @click.option("--focus-kind", type=click.Choice(sorted(GROUPS)), default=None,
-              help="Oversample this question kind (with --focus-share): rows of its own contracts.")
+              help="Oversample this question kind (with --focus-share and/or --focus-steps): "
+                   "rows asking it about contracts of their own.")  # fmt: skip
 @click.option("--focus-share", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
-              help="Share of the decision rows asking --focus-kind (half its value question).")
+              help="Share of the decision rows that are --focus-kind rows (besides the kind's "
+                   "rows in the mix; half ask its value question).")  # fmt: skip
 @click.option("--focus-steps", type=click.IntRange(min=1), default=None,
               help="The first steps: every row a --focus-kind row (a curriculum).")
 @click.option("--block-size", type=int, default=None,

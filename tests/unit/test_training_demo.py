@@ -21,7 +21,7 @@ from worker.model.tokenizer import Tokenizer
 from worker.sampler.layout import build_layout
 from worker.sampler.sequence import SequenceState
 from worker.training.corpus import decision_case
-from worker.training.rows import decision_rows
+from worker.training.rows import Row, decision_rows
 from worker.training.trainer import (
     RESUME_FILE,
     TrainConfig,
@@ -179,17 +179,24 @@ def test_focus_share_asks_the_focus_kind_about_a_contract_stating_it() -> None:
     """``focus_kind``/``focus_share`` 1: every decision row asks the focus kind alone, about a
     contract of the focus stream that states its clause: its value question or one of its group's
     two questions, both drawn; ``focus_steps``: every row before that step is one (then the
-    recipe's); a kind without a share or steps, or those without a kind, is refused."""
+    recipe's); a kind without a share or steps, those without a kind, an unknown kind, no steps,
+    or a share of no decision rows is refused."""
     from worker.training.contracts import HEADINGS
     from worker.training.corpus import GROUP_CLAUSES, focus_case, focus_value_case
 
     lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
     config = TrainConfig(batch=16, decision_share=1.0, focus_kind="law", focus_share=1.0)
     rows = _batch(3, config, lm.tokenizer, 4)
-    texts = [lm.tokenizer.decode(list(r.ids)) for r in rows]
-    assert all(len(r.units) == 1 for r in rows)
-    asks = ["Which law governs" in t for t in texts]
-    assert all(a or "governed by the laws of" in t for a, t in zip(asks, texts, strict=True)), texts
+    def law_asked(rows: list[Row]) -> list[bool]:
+        """Per row: a value question (True) or a law group question (False); any other fails."""
+        texts = [lm.tokenizer.decode(list(r.ids)) for r in rows]
+        value = ["Which law governs the agreement?" in t for t in texts]
+        group = ["Is the agreement governed by the laws of" in t for t in texts]
+        assert all(v != g for v, g in zip(value, group, strict=True)), texts
+        assert all(len(r.units) == 1 for r in rows)
+        return value
+
+    asks = law_asked(rows)
     assert any(asks) and not all(asks)  # both value and group questions
     for i in range(20):
         case, value = focus_case("train", 0, i, "law"), focus_value_case("train", 0, i, "law")
@@ -198,10 +205,12 @@ def test_focus_share_asks_the_focus_kind_about_a_contract_stating_it() -> None:
         headed = focus_case("train", 0, i, "law", headings=True)
         assert f"{HEADINGS[GROUP_CLAUSES['law']]}." in headed.context
     warm = TrainConfig(batch=16, decision_share=0.0, focus_kind="law", focus_steps=4)
-    assert all(len(r.units) == 1 for r in _batch(3, warm, lm.tokenizer, 4))  # no generation row yet
+    law_asked(_batch(3, warm, lm.tokenizer, 4))  # law only, no generation row yet
     assert all(not r.units for r in _batch(4, warm, lm.tokenizer, 4))  # then the recipe's rows
     for bad in ({"focus_kind": "law"}, {"focus_share": 0.2}, {"focus_steps": 5},
-                {"focus_kind": "law", "focus_share": 0.0}):  # fmt: skip
+                {"focus_kind": "law", "focus_share": 0.0}, {"focus_kind": "nope", "focus_share": 0.2},
+                {"focus_kind": "law", "focus_steps": 0},
+                {"focus_kind": "law", "focus_share": 0.2, "decision_share": 0.0}):  # fmt: skip
         with pytest.raises(TrainConfigError):
             train_demo(Path("/nonexistent/never-written"), TrainConfig(**bad))
 

@@ -82,7 +82,7 @@ def test_a_resume_point_on_another_float_path_is_refused_and_the_path_is_recorde
     with pytest.raises(TrainConfigError, match="native-float-path"):
         train_demo(folder, config)
     torch.save(dict(state, float_path={**float_path(), "threads": 2}), folder / RESUME_FILE)
-    with pytest.raises(TrainConfigError, match="threads"):  # two threads split each sum otherwise
+    with pytest.raises(TrainConfigError, match="'threads': 2"):  # two threads split each sum otherwise
         train_demo(folder, config)
     older = {k: v for k, v in state.items() if k != "float_path"}
     torch.save(older, folder / RESUME_FILE)

@@ -165,20 +165,25 @@ def value_case(split: Split, seed: int, index: int, kind_draw: float, headings: 
 
 
 def focus_case(split: Split, seed: int, index: int, kind: str, headings: bool = False) -> DecisionCase:
-    """A contract with a ``kind`` group among its clauses, from its own stream ("focus"): a training
-    row of one chosen kind (``TrainConfig.focus_kind``), as ``decision_case`` draws a group of it."""
-    facts, rng = _facts(split, seed, index, "focus")
-    group = GROUPS[kind](facts, rng)
-    text = render_contract(facts, rng, phrasings_of(split), (GROUP_CLAUSES[kind],), headings)
-    return DecisionCase(context=text, groups=(headed(group) if headings else group,))
+    """A contract stating ``kind``'s clause, asked ``kind``'s question group, from a stream of its
+    own ("focus"): a training row of one chosen kind (``TrainConfig.focus_kind``)."""
+    return _focus_case_and_facts(split, seed, index, kind, headings)[0]
 
 
 def focus_value_case(split: Split, seed: int, index: int, kind: str, headings: bool = False) -> DecisionCase:
     """``focus_case``'s contract asked ``kind``'s value question instead."""
-    case = focus_case(split, seed, index, kind, headings)
-    facts, _ = _facts(split, seed, index, "focus")
+    case, facts = _focus_case_and_facts(split, seed, index, kind, headings)
     value = value_question(kind, facts)
     return DecisionCase(context=case.context, groups=(headed(value) if headings else value,))
+
+
+def _focus_case_and_facts(
+    split: Split, seed: int, index: int, kind: str, headings: bool
+) -> tuple[DecisionCase, ContractFacts]:
+    facts, rng = _facts(split, seed, index, "focus")
+    group = GROUPS[kind](facts, rng)
+    text = render_contract(facts, rng, phrasings_of(split), (GROUP_CLAUSES[kind],), headings)
+    return DecisionCase(context=text, groups=(headed(group) if headings else group,)), facts
 
 
 def decision_cases(

@@ -138,13 +138,13 @@ class TrainConfig:
     # (the held-out one still unseen), for the rows and a fresh run's tokenizer
     wide_phrasings: bool | None = None
     # oversample one question kind (``corpus.focus_case``): this share of the decision rows asks
-    # ``focus_kind`` about a contract of its own, half of them its value question, half one of its
-    # group's questions asked alone; a kind the mix leaves at its prior (law: a comparison of two
-    # tokens, docs/demo-training.md) gets a denser signal
+    # ``focus_kind`` about a contract of its own (besides the kind's rows in the mix), half of them
+    # its value question, half one of its group's questions asked alone; meant for a kind the mix
+    # leaves at its prior (law: a comparison of two tokens, docs/demo-training.md)
     focus_kind: str | None = None
     focus_share: float | None = None
-    # the first steps: every row a ``focus_kind`` row, a curriculum (alone, law forms its matching
-    # circuit in a few hundred steps; in the mix it stays at its prior, docs/demo-training.md)
+    # the first steps: every row a ``focus_kind`` row, a curriculum (in the probes, law asked alone
+    # was learned in a few hundred steps of law rows only, never in the mix; docs/demo-training.md)
     focus_steps: int | None = None
 
 
@@ -467,6 +467,10 @@ def check_config(config: TrainConfig) -> None:
     if config.focus_kind is not None and config.focus_kind not in GROUPS:
         kinds = ", ".join(sorted(GROUPS))
         raise TrainConfigError(f"focus_kind is a question kind ({kinds}): {config.focus_kind}")
+    if config.focus_steps is not None and config.focus_steps < 1:
+        raise TrainConfigError(f"focus_steps is a number of first steps, at least 1: {config.focus_steps}")
+    if config.focus_share is not None and config.decision_share == 0.0:
+        raise TrainConfigError("focus_share is a share of the decision rows: decision_share is 0")
     if config.focus_share is not None and not 0.0 < config.focus_share <= 1.0:
         raise TrainConfigError(f"focus_share is a share above 0: {config.focus_share}")
 
@@ -525,8 +529,8 @@ def train_demo(
         if _recorded_of(state["config"]) != _recorded(config):  # options added since compare as unset
             raise TrainConfigError(f"{resume} was made with another configuration: {state['config']}")
         recorded = state.get("float_path")  # None: a point from before the record, on its machine's path
-        if recorded is not None:  # a point from before threads were recorded: the CLI's default, one
-            recorded = {"threads": 1, **recorded}
+        if recorded is not None:  # a point from before threads were recorded: read as the CLI's default,
+            recorded = {"threads": 1, **recorded}  # one (a run that set --threads then is not told apart)
         if recorded != computed_on and (recorded is not None or pinned):
             raise TrainConfigError(f"{resume} was computed on the float path {recorded or 'of its machine'}, "
                                    f"this process computes on {computed_on}: resumed, it would not give "
