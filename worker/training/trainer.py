@@ -164,11 +164,11 @@ def _batch(
     for i in range(config.batch):
         index = step * config.batch + i
         if config.focus_steps is not None and step < config.focus_steps:  # draws only when set
-            rows.append(_focus_row(split, config, index, rng.random() < 0.5, rng, tokenizer, block))
+            rows.append(_focus_row(split, config, index, rng, tokenizer, block))
             continue
         if rng.random() < config.decision_share:
             if config.focus_share and rng.random() < config.focus_share:  # draws only when set
-                rows.append(_focus_row(split, config, index, rng.random() < 0.5, rng, tokenizer, block))
+                rows.append(_focus_row(split, config, index, rng, tokenizer, block))
                 continue
             if config.value_share and rng.random() < config.value_share:  # draws only when set and > 0
                 value = value_case(split, config.seed, index, rng.random(), bool(config.headings))
@@ -200,13 +200,12 @@ def _batch(
 
 
 def _focus_row(
-    split: Split, config: TrainConfig, index: int, value: bool, rng: random.Random,
-    tokenizer: Tokenizer, block: int,
-) -> Row:  # fmt: skip
-    """A ``focus_kind`` row (``TrainConfig.focus_share``): its value question, or one of its
-    group's questions asked alone."""
+    split: Split, config: TrainConfig, index: int, rng: random.Random, tokenizer: Tokenizer, block: int
+) -> Row:
+    """A ``focus_kind`` row (``TrainConfig.focus_share``/``focus_steps``): its value question, or
+    one of its group's questions asked alone (even odds, drawn from the step's ``rng``)."""
     kind, headings = str(config.focus_kind), bool(config.headings)
-    if value:
+    if rng.random() < 0.5:
         return decision_rows(focus_value_case(split, config.seed, index, kind, headings), "independent",
                              tokenizer, block)[0]  # fmt: skip
     return rng.choice(decision_rows(focus_case(split, config.seed, index, kind, headings), "independent",
