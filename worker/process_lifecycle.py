@@ -68,12 +68,6 @@ class ProcessLifecycle:
         self.drain = drain
         self.draining = draining
         self.ready = threading.Event()
-        # The monitor thread's heartbeat and mark_ready's (Celery's thread) both write the registry
-        # entry: a snapshot taken before mark_ready set READY but written after its write would
-        # put the worker back to "starting" until the next heartbeat (a readiness probe between
-        # sees it not ready). Snapshot and write happen under this lock, so the last write is
-        # the latest state.
-        self._publish_lock = threading.Lock()
         self.switcher: ModelSwitcher | None = None  # with served_model (set by the runtime)
         self.follower: ModelFollower | None = None
         self.telemetry: TelemetryThread | None = None
@@ -159,8 +153,7 @@ class ProcessLifecycle:
         self.info.stats["consuming"] = sorted(self.consumers.consuming)
         self.info.stats["unconsumed"] = self.consumers.unconsumed()
         ttl = heartbeat_ttl(self.settings.worker.heartbeat_seconds)
-        with self._publish_lock:
-            publish_worker(self.redis, self.info, ttl_seconds=ttl)
+        publish_worker(self.redis, self.info, ttl_seconds=ttl)  # snapshot and write under one lock
         self.drain.sync()
         self.consumers.heal()  # read the consumer back and put right whatever differs
 

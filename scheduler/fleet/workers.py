@@ -14,6 +14,7 @@ whose next heartbeat is overdue is not ready (:func:`stale_after`). A SIGKILLed 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
@@ -78,24 +79,34 @@ def stale_after(interval_seconds: float) -> float:
     return interval_seconds + max(1.0, interval_seconds / 2)
 
 
+# A worker process writes its entry from several threads (the monitor's heartbeat, Celery's
+# mark_ready and mark_draining, a tensor-parallel group's failure): a snapshot taken before another
+# thread changed the state but written after that thread's write would put the old state back
+# until the next heartbeat (a worker just ready read as "starting" by a readiness probe, seen in
+# CI). Each snapshot is taken and written under this lock, so the last write is the latest state.
+_WRITE_LOCK = threading.Lock()
+
+
 def publish_worker(client: redis.Redis, info: WorkerInfo, *, ttl_seconds: int) -> None:
     """Write the worker's hash (full snapshot) and keep it alive for ``ttl_seconds``."""
-    info.heartbeat_at = time.time()
-    mapping = {k: json.dumps(v) for k, v in asdict(info).items() if k not in _READ_SIDE_FIELDS}
-    mapping[HEARTBEAT_TTL_FIELD] = json.dumps(ttl_seconds)
-    key = redis_keys.worker(info.id)
-    pipe = client.pipeline(transaction=False)
-    pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]  # redis-py: str keys rejected (invariant)
-    pipe.expire(key, ttl_seconds)
-    pipe.sadd(redis_keys.WORKERS_SET, info.id)
-    pipe.execute()
+    with _WRITE_LOCK:
+        info.heartbeat_at = time.time()
+        mapping = {k: json.dumps(v) for k, v in asdict(info).items() if k not in _READ_SIDE_FIELDS}
+        mapping[HEARTBEAT_TTL_FIELD] = json.dumps(ttl_seconds)
+        key = redis_keys.worker(info.id)
+        pipe = client.pipeline(transaction=False)
+        pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]  # redis-py: str keys rejected (invariant)
+        pipe.expire(key, ttl_seconds)
+        pipe.sadd(redis_keys.WORKERS_SET, info.id)
+        pipe.execute()
 
 
 def remove_worker(client: redis.Redis, worker_id: str) -> None:
-    pipe = client.pipeline(transaction=False)
-    pipe.delete(redis_keys.worker(worker_id))
-    pipe.srem(redis_keys.WORKERS_SET, worker_id)
-    pipe.execute()
+    with _WRITE_LOCK:  # after any snapshot still being written, never before it
+        pipe = client.pipeline(transaction=False)
+        pipe.delete(redis_keys.worker(worker_id))
+        pipe.srem(redis_keys.WORKERS_SET, worker_id)
+        pipe.execute()
 
 
 def list_workers(client: redis.Redis) -> list[WorkerInfo]:
