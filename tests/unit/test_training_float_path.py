@@ -23,6 +23,8 @@ from worker.training.float_path import (
     float_path,
     has_avx2,
     pin_float_path,
+    pinned_path,
+    pinned_record,
 )
 from worker.training.trainer import RESUME_FILE, TRAINING_FILE, TrainConfig, TrainConfigError, train_demo
 
@@ -53,6 +55,18 @@ def test_the_cli_pins_the_float_path_before_its_first_kernel(tmp_path: Path) -> 
     assert native["float_path"]["mkl_cbwr"] == "auto"  # type: ignore[index]
     if native["float_path"]["aten"] == "AVX512":  # type: ignore[index]
         assert weights["native"] != weights["pinned"]
+
+
+def test_mkl_is_pinned_to_avx2_on_intel_and_to_compatible_elsewhere() -> None:
+    """MKL runs its instruction-set branches on Intel CPUs only (an AMD EPYC read ``AVX2,STRICT``
+    back as ``AUTO,STRICT``, its own pick per CPU model); elsewhere COMPATIBLE, the branch it runs
+    on every x86-64 CPU. ATen and oneDNN are pinned to AVX2 on both."""
+    intel, amd = pinned_path("GenuineIntel"), pinned_path("AuthenticAMD")
+    assert intel["MKL_CBWR"] == "AVX2,STRICT"
+    assert amd["MKL_CBWR"] == pinned_path("")["MKL_CBWR"] == "COMPATIBLE,STRICT"
+    assert intel | {"MKL_CBWR": ""} == amd | {"MKL_CBWR": ""}
+    assert pinned_record(intel) == {"aten": "AVX2", "mkl_cbwr": "AVX2,STRICT"}
+    assert pinned_record(amd) == {"aten": "AVX2", "mkl_cbwr": "COMPATIBLE,STRICT"}
 
 
 @pytest.mark.skipif(NATIVE != "AVX512", reason="too late shows only where the native path is not AVX2")

@@ -11,7 +11,13 @@ once, before their first kernel: ``ATEN_CPU_CAPABILITY`` and ``MKL_CBWR`` (MKL's
 numerical reproducibility: a fixed code branch; ``STRICT`` also makes its GEMMs independent of
 the thread count). oneDNN (the GDN layer's short convolution) is pinned alike
 (``ONEDNN_MAX_CPU_ISA``), though no difference from it was measured. AVX2 is the widest path
-nearly every x86-64 server runs. Measured on a 2-core AVX512 machine: about 11% slower per step
+nearly every x86-64 server runs. MKL runs its instruction-set branches (AVX2 among them) on Intel
+CPUs only: on an AMD EPYC, ``MKL_CBWR=AVX2,STRICT`` read back as ``AUTO,STRICT`` (MKL's own pick
+per CPU model) and ``mkl_cbwr_set`` answered "unsupported branch", so there MKL is pinned to
+``COMPATIBLE`` (SSE2), the one branch it runs on every x86-64 CPU. An Intel and an AMD machine
+therefore compute on two pinned paths, each the same across its vendor's CPU models; the record
+says which. Measured on that 2-core EPYC: COMPATIBLE costs about 25% of a training step against
+MKL's own pick. Measured on a 2-core AVX512 machine: about 11% slower per step
 than the native path, and within 30 steps other bytes than it. The same torch build is assumed
 (the project pins it); a second machine to show the pin across CPUs was not available here.
 """
@@ -25,10 +31,36 @@ from pathlib import Path
 
 import torch
 
-# what ``pin_float_path`` sets; ``float_path`` reads back what the process computes on
-PINNED_PATH: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT",
-                               "ONEDNN_MAX_CPU_ISA": "AVX2"}  # fmt: skip
-PINNED_RECORD: dict[str, str] = {"aten": "AVX2", "mkl_cbwr": "AVX2,STRICT"}  # ``float_path()`` when pinned
+# MKL's branch by CPU vendor: its instruction-set branches run on Intel CPUs only (module docstring)
+_MKL_PIN_INTEL, _MKL_PIN_OTHER = "AVX2,STRICT", "COMPATIBLE,STRICT"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; empty where Linux's cpuinfo is
+    not readable)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def pinned_path(vendor: str) -> dict[str, str]:
+    """The variables that pin a CPU of ``vendor`` (what ``pin_float_path`` sets)."""
+    mkl = _MKL_PIN_INTEL if vendor == "GenuineIntel" else _MKL_PIN_OTHER
+    return {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": mkl, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def pinned_record(path: dict[str, str]) -> dict[str, str]:
+    """What ``float_path()`` reads back in a process pinned by ``path``."""
+    return {"aten": path["ATEN_CPU_CAPABILITY"].upper(), "mkl_cbwr": path["MKL_CBWR"]}
+
+
+# this machine's pin; ``float_path`` reads back what the process computes on
+PINNED_PATH: dict[str, str] = pinned_path(cpu_vendor())
+PINNED_RECORD: dict[str, str] = pinned_record(PINNED_PATH)
 
 # MKL's branch codes (mkl_cbwr.h): 1 is "off" (MKL's own pick per CPU), STRICT a flag bit
 _MKL_BRANCHES = {1: "auto", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2",
@@ -70,8 +102,8 @@ def has_avx2() -> bool:
 
 
 def pin_float_path() -> dict[str, str]:
-    """Pin this process to ``PINNED_PATH`` and return the path in effect; call it before the first
-    tensor operation.
+    """Pin this process to ``PINNED_PATH`` (this CPU vendor's pin) and return the path in effect;
+    call it before the first tensor operation.
 
     A CPU without AVX2 cannot run it (ATen would dispatch instructions the CPU lacks), so it keeps
     its own path, which the returned record (and ``training.json``) shows. Pinned too late (ATen
@@ -91,6 +123,11 @@ def pin_float_path() -> dict[str, str]:
             else:
                 os.environ[name] = value
         preset = " ".join(f"{name}={value}" for name, value in PINNED_PATH.items())
+        if path["aten"] == PINNED_RECORD["aten"] and path["mkl_cbwr"].endswith(",STRICT"):  # MKL read it
+            raise FloatPathError(f"MKL computes on {path['mkl_cbwr']}, not the pinned "
+                                 f"{PINNED_PATH['MKL_CBWR']}: it does not run that branch on this CPU "
+                                 f"({cpu_vendor() or 'vendor unknown'}) or read another MKL_CBWR first; "
+                                 "train with --native-float-path")  # fmt: skip
         raise FloatPathError(f"torch chose its CPU kernels before the float path was pinned ({path}); "
                              f"pin it at the start of the process (or start it with {preset})")  # fmt: skip
     return path
