@@ -137,7 +137,7 @@ class ModelSwitcher:
     # --- canary lanes (scheduler/model_versions/canary_routing.py) ---
     def set_lane(self, on_lane: bool) -> None:
         """Serve on the canary lanes or the plain queues (the registry, the metrics, the consumers)."""
-        self.info.stats["lane"] = "canary" if on_lane else "stable"
+        self.info.set_stats(lane="canary" if on_lane else "stable")
         set_process_version(version_label(self.model.model_version), self.info.stats["lane"])
         self.consumers.update(canary_lane=on_lane, wait=True)
 
@@ -157,7 +157,7 @@ class ModelSwitcher:
         target = self.store_path(activation.version)
         if not (target / "manifest.json").is_file():
             log.error("worker.model_switch_missing", version=activation.version, path=str(target))
-            self.info.stats["model_switch_error"] = f"{activation.version}: not in the store at {target}"
+            self.info.set_stats(model_switch_error=f"{activation.version}: not in the store at {target}")
             return False
         if self._stopping():
             return False
@@ -177,9 +177,10 @@ class ModelSwitcher:
             if outcome is not None:
                 self._resume()
         if outcome:
-            self.info.stats.pop("model_switch_error", None)
+            self.info.drop_stat("model_switch_error")
             quietly(self.register_loaded)
-        seconds = self.info.stats["model_switch_seconds"] = round(time.monotonic() - began, 3)
+        seconds = round(time.monotonic() - began, 3)
+        self.info.set_stats(model_switch_seconds=seconds)
         log.info("worker.model_switched" if outcome else "worker.model_switch_abandoned",
                  version=self.model.model_version, previous=old_version, seconds=seconds)
         return bool(outcome)
@@ -196,7 +197,7 @@ class ModelSwitcher:
             return True
         except Exception as exc:  # corrupt or unloadable version: go back to the one we had
             log.error("worker.model_switch_failed", version=version, error=repr(exc))
-            self.info.stats["model_switch_error"] = f"{version}: {exc!r}"[:500]
+            self.info.set_stats(model_switch_error=f"{version}: {exc!r}"[:500])
         try:
             assert previous is not None
             self.model.load(self.store_path(previous))

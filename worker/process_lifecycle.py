@@ -82,7 +82,7 @@ class ProcessLifecycle:
         else:
             loaded = self.model.load(self.settings.resolved_model_dir)
             self.model.model_name = loaded.path.name
-        self.info.stats["model_load_seconds"] = round(time.monotonic() - began, 3)
+        self.info.set_stats(model_load_seconds=round(time.monotonic() - began, 3))
         self.telemetry = TelemetryThread(self.metrics, self.metrics_snapshot,
                                          interval=self.settings.observability.worker_metrics_interval)
         self.telemetry.start()
@@ -143,15 +143,15 @@ class ProcessLifecycle:
             stats = engine.stats()
             if not stats.running and self.info.state == WorkerState.READY and engine is self.model.engine:
                 self.engine_died()
-            self.info.stats.update(running_jobs=self.monitor.running_count(),
-                                   batch_occupancy=stats.batch_occupancy,
-                                   tokens_per_second=round(stats.tokens_per_second, 2),
-                                   engine_passes=stats.passes,
-                                   engine_busy_seconds=round(stats.busy_seconds, 3))
+            self.info.set_stats(running_jobs=self.monitor.running_count(),
+                                batch_occupancy=stats.batch_occupancy,
+                                tokens_per_second=round(stats.tokens_per_second, 2),
+                                engine_passes=stats.passes,
+                                engine_busy_seconds=round(stats.busy_seconds, 3))
         # What the Celery consumer itself consumes (read back by the last reconcile), and what it
         # should but does not: /readyz and cloverq_workers_queue_unconsumed read these.
-        self.info.stats["consuming"] = sorted(self.consumers.consuming)
-        self.info.stats["unconsumed"] = self.consumers.unconsumed()
+        self.info.set_stats(consuming=sorted(self.consumers.consuming),
+                            unconsumed=self.consumers.unconsumed())
         ttl = heartbeat_ttl(self.settings.worker.heartbeat_seconds)
         publish_worker(self.redis, self.info, ttl_seconds=ttl)  # snapshot and write under one lock
         self.drain.sync()

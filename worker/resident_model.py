@@ -128,7 +128,7 @@ class ResidentModel:
             "mode": report.mode, "files": report.files, "bytes_total": report.bytes_total,
             "bytes_read": report.bytes_read, "seconds": round(report.seconds, 4),
         }
-        self.info.stats["model_verify"] = verify
+        self.info.set_stats(model_verify=verify)
         dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
         log.info("worker.model_checked", path=str(loaded.path), dtype=dtype, verify=verify,
                  block_size=loaded.config.block_size, family=loaded.config.family,

@@ -67,8 +67,7 @@ class WorkerRuntime:
         self.info = WorkerInfo(id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
                                queues=list(queues), state=WorkerState.STARTING, started_at=time.time(),
                                heartbeat_seconds=settings.worker.heartbeat_seconds)
-        self.info.stats["model_track"] = settings.canary.track
-        self.info.stats["served_model"] = settings.model.served
+        self.info.set_stats(model_track=settings.canary.track, served_model=settings.model.served)
         self.metrics = RedisMetricsRecorder(self.redis)  # job outcomes and snapshots (worker/telemetry.py)
         # Switches this worker's Celery consumer in process, read back and healed each heartbeat.
         self.consumers = ConsumerController(

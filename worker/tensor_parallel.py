@@ -53,10 +53,10 @@ def load_sharded(runtime: Any, path: Path) -> LoadedModel:
     )
     model = cast("TensorParallelModel", loaded.model)  # LoadedModel types it as the model it stands in for
     group = model.group
-    runtime.info.stats["tensor_parallel"] = {
+    runtime.info.set_stats(tensor_parallel={
         "size": world, "ranks_ready": world, "backend": group.backend, "moe": model.moe,
         "pids": group.pids, "weight_dtype": settings.model.weight_dtype,
-    }
+    })
     return loaded
 
 

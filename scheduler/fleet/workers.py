@@ -38,6 +38,15 @@ class WorkerState:
     STOPPED = "stopped"
 
 
+# A worker process writes its entry from several threads (the monitor's heartbeat, Celery's
+# mark_ready and mark_draining, a tensor-parallel group's failure): a snapshot taken before another
+# thread changed the state but written after that thread's write would put the old state back
+# until the next heartbeat (a worker just ready read as "starting" by a readiness probe, seen in
+# CI). Each snapshot is taken and written under this lock, so the last write is the latest state;
+# stats are set under it too, so a snapshot never iterates the dict while another thread adds a key.
+_WRITE_LOCK = threading.Lock()
+
+
 @dataclass
 class WorkerInfo:
     """One worker process as published in the registry."""
@@ -55,6 +64,17 @@ class WorkerInfo:
     stats: dict[str, Any] = field(default_factory=dict)
     # Read side: seconds since the entry was last refreshed, by Redis's clock (None: unknown).
     heartbeat_age: float | None = field(default=None, compare=False)
+
+    def set_stats(self, **values: Any) -> None:
+        """Set entries of ``stats`` (under the registry's write lock: another thread may be taking a
+        heartbeat's snapshot of the dict)."""
+        with _WRITE_LOCK:
+            self.stats.update(values)
+
+    def drop_stat(self, name: str) -> None:
+        """Remove a ``stats`` entry if present (under the lock, as ``set_stats``)."""
+        with _WRITE_LOCK:
+            self.stats.pop(name, None)
 
     @property
     def is_fresh(self) -> bool:
@@ -77,14 +97,6 @@ def stale_after(interval_seconds: float) -> float:
     """Age at which a worker beating every ``interval_seconds`` has missed a heartbeat: one
     interval, plus a grace for the monitor's tick, a Redis round trip and a busy host."""
     return interval_seconds + max(1.0, interval_seconds / 2)
-
-
-# A worker process writes its entry from several threads (the monitor's heartbeat, Celery's
-# mark_ready and mark_draining, a tensor-parallel group's failure): a snapshot taken before another
-# thread changed the state but written after that thread's write would put the old state back
-# until the next heartbeat (a worker just ready read as "starting" by a readiness probe, seen in
-# CI). Each snapshot is taken and written under this lock, so the last write is the latest state.
-_WRITE_LOCK = threading.Lock()
 
 
 def publish_worker(client: redis.Redis, info: WorkerInfo, *, ttl_seconds: int) -> None:

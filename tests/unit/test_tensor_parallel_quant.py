@@ -355,13 +355,15 @@ def test_the_worker_loader_quantizes_each_rank(demo_checkpoint: Path) -> None:
     (it refused them before)."""
     from types import SimpleNamespace
 
+    from scheduler.fleet.workers import WorkerInfo
     from worker.tensor_parallel import load_sharded
 
     model = SimpleNamespace(weight_dtype="int4", weight_group_size=32, skip_verify=True,
                             verify_on_load="quick", device="cpu")  # fmt: skip
     settings = SimpleNamespace(engine=SimpleNamespace(tensor_parallel=2), model=model,
                                resolved_torch_threads=2)  # fmt: skip
-    runtime = SimpleNamespace(settings=settings, info=SimpleNamespace(stats={}),
+    info = WorkerInfo(id="w", hostname="h", pid=1, queues=[], state="starting")
+    runtime = SimpleNamespace(settings=settings, info=info,
                               load_dtype=lambda path: torch.float32)  # fmt: skip
     try:
         loaded = load_sharded(runtime, demo_checkpoint)
