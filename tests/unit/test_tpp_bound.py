@@ -1,0 +1,34 @@
+"""bench.tpp_bound's gold-prefix decode on the shipped demo: its counts hold the invariants of the
+engine's ``dynamic`` rule (at least one commit per pass, at most one block per pass at best, a
+sure commit is a commit the engine would make)."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.tpp_bound import gold_prefix_bound, gold_row, grouped
+from worker.model.checkpoint import load_checkpoint
+from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+from worker.training.corpus import generation_cases
+
+
+def test_gold_prefix_counts_stay_within_the_layout() -> None:
+    torch.set_num_threads(1)
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    lm.model.eval()
+    block, mask = lm.config.block_size or 4, lm.config.mask_token_id
+    assert mask is not None
+    rows = [gold_row(c, lm.tokenizer, block) for c in generation_cases("eval", 1, 3)]
+    tallies = gold_prefix_bound(lm.model, rows, block, mask, set(lm.tokenizer.eos_token_ids), 0.9)
+    for row, tally in zip(rows, tallies, strict=True):
+        assert tally.blocks == len(row.blocks(block)) > 0
+        assert tally.blocks <= tally.engine_passes <= tally.passes <= tally.positions
+        assert 0 < tally.answer_tokens <= tally.positions
+        assert tally.first_pass_sure_right <= tally.first_pass_sure <= tally.positions
+        assert tally.first_pass_argmax_right <= tally.positions
+    total = grouped(tallies, rows)["all"].summary()
+    assert total["cases"] == 3
+    positions, ceiling = total["positions_per_pass"], total["positions_ceiling"]
+    assert positions is not None and ceiling is not None and 1.0 <= positions <= ceiling
+    tokens, token_ceiling = total["tokens_per_pass"], total["ceiling"]
+    assert tokens is not None and token_ceiling is not None and 0 < tokens <= token_ceiling
