@@ -104,6 +104,9 @@ from worker.training.questions import GROUPS
                    "rows in the mix; half ask its value question).")  # fmt: skip
 @click.option("--focus-steps", type=click.IntRange(min=1), default=None,
               help="The first steps: every row a --focus-kind row (a curriculum).")
+@click.option("--ema", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None,
+              help="Write an exponential moving average of the weights (this decay per step, "
+                   "e.g. 0.998) instead of the last step's; training itself is unchanged.")  # fmt: skip
 @click.option("--block-size", type=int, default=None,
               help="Block size of the random start (default the demo's 4).")  # fmt: skip
 @guarded
@@ -132,6 +135,7 @@ def train_demo_command(
     focus_kind: str | None,
     focus_share: float | None,
     focus_steps: int | None,
+    ema: float | None,
     directory: Path,
     arch: str,
     steps: int,
@@ -158,7 +162,8 @@ def train_demo_command(
                          block_size=block_size, extract_share=extract_share,
                          tool_share=tool_share, tool_keys=tool_keys, joint_share=joint_share,
                          self_distill=self_distill, wide_phrasings=wide_phrasings or None,
-                         focus_kind=focus_kind, focus_share=focus_share, focus_steps=focus_steps)  # fmt: skip
+                         focus_kind=focus_kind, focus_share=focus_share, focus_steps=focus_steps,
+                         ema=ema)  # fmt: skip
     try:
         check_config(config)  # a usage mistake is told before anything else happens
     except TrainConfigError as exc:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from worker.decisions.spec import DecisionMode
 from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
@@ -146,6 +147,11 @@ class TrainConfig:
     # the first steps: every row a ``focus_kind`` row, a curriculum (in the probes, law asked alone
     # was learned in a few hundred steps of law rows only, never in the mix; docs/demo-training.md)
     focus_steps: int | None = None
+    # the checkpoint written is an exponential moving average of the weights, this decay per step
+    # (``torch.optim.swa_utils``' EMA): the schedule ends at 10% of ``lr`` with batches of 16, so
+    # the last step's weights carry that step's noise; training itself is unchanged (the same
+    # steps, the same optimizer state), only the weights written differ
+    ema: float | None = None
 
 
 def training_split(config: TrainConfig) -> Split:
@@ -472,6 +478,8 @@ def check_config(config: TrainConfig) -> None:
         raise TrainConfigError("focus_share is a share of the decision rows: decision_share is 0")
     if config.focus_share is not None and not 0.0 < config.focus_share <= 1.0:
         raise TrainConfigError(f"focus_share is a share above 0: {config.focus_share}")
+    if config.ema is not None and not 0.0 < config.ema < 1.0:
+        raise TrainConfigError(f"ema is a decay per step, between 0 and 1: {config.ema}")
 
 
 def train_demo(
@@ -518,6 +526,9 @@ def train_demo(
     pool_seconds = time.monotonic() - pooled  # counted in the run's seconds, not in max_seconds
     params = [p for p in model.parameters() if p.requires_grad]
     opt, schedule = optimizer_and_schedule(params, lr=config.lr, steps=config.steps)
+    average = None  # the weights written when ``ema`` is set (a copy of the model's, averaged each step)
+    if config.ema is not None:
+        average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema))
     losses: list[float] = []
     step = 0
     # the kernels and the thread count: the threads split each reduction, so 1 and 2 give other bytes
@@ -536,6 +547,8 @@ def train_demo(
                                    "an uninterrupted run's bytes; resume it on the same path and "
                                    "--threads (train-demo pins AVX2 unless --native-float-path)")  # fmt: skip
         model.load_state_dict(state["model"])
+        if average is not None:
+            average.load_state_dict(state["ema"])
         opt.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step, losses = state["step"], state["losses"]
@@ -543,7 +556,8 @@ def train_demo(
     def save_resume() -> None:
         torch.save({"config": asdict(config), "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "schedule": schedule.state_dict(), "step": step, "losses": losses,
-                    "float_path": computed_on}, resume)  # fmt: skip
+                    "float_path": computed_on,
+                    "ema": None if average is None else average.state_dict()}, resume)  # fmt: skip
 
     began = time.monotonic()
     model.train()
@@ -573,6 +587,8 @@ def train_demo(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         schedule.step()
+        if average is not None:
+            average.update_parameters(model)
         losses.append(loss.item())
         step += 1
         if progress is not None:
@@ -585,7 +601,7 @@ def train_demo(
     result = TrainResult(step, seconds, losses[0] if losses else math.nan, sum(tail) / len(tail),
                          step >= config.steps)  # fmt: skip
     if result.finished:
-        save_hf(model, folder)
+        save_hf(model if average is None else average.module, folder)
         one_pass = config.parallel_slots is not None and config.parallel_slots >= 1.0
         declare_joint_decode(folder, "one_pass" if one_pass else None)  # a later stage's own recipe decides
         record = {"config": _recorded(config), "steps": step, "float_path": computed_on,
