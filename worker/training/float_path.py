@@ -25,9 +25,11 @@ than the native path, and within 30 steps other bytes than it. The same torch bu
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,14 +74,22 @@ class FloatPathError(RuntimeError):
     """The path was pinned after torch (ATen or MKL) had already chosen its kernels."""
 
 
+@functools.cache
+def _mkl_cbwr_get() -> Any:
+    """MKL's ``mkl_cbwr_get`` inside torch's CPU library, loaded once (None: a build without MKL)."""
+    try:
+        get = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return None
+    get.restype, get.argtypes = ctypes.c_int, [ctypes.c_int]
+    return get
+
+
 def _mkl_branch() -> str:
     """The branch MKL computes on, read back from the MKL inside torch (``unknown``: no MKL)."""
-    try:
-        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        get = lib.mkl_serv_cbwr_get
-    except (OSError, AttributeError):
+    get = _mkl_cbwr_get()
+    if get is None:
         return "unknown"
-    get.restype, get.argtypes = ctypes.c_int, [ctypes.c_int]
     code = get(-1)  # MKL_CBWR_ALL: the branch and its flags
     name = _MKL_BRANCHES.get(code & 0xFFFF, hex(code & 0xFFFF))
     return f"{name},STRICT" if code & _MKL_STRICT else name
