@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -183,12 +184,15 @@ def _decode_blocks(
         hi = r.lo + block
         ids[k, :hi] = torch.tensor(row.ids[:hi])
         gold[k] = ids[k, r.lo : hi]
-        ids[k, r.first : hi] = mask_id  # the block as the engine starts it: every output position masked
-        valid[k, :hi] = True
-        masked[k, r.first - r.lo :] = True
-        r.quotas = step_quotas(hi - r.first, STEPS_PER_BLOCK)
+        # the block as the engine starts it: every output position masked, none past the length
+        # limit (the engine's last block ends at prompt + MAX_NEW, worker/sampler/sequence.py)
+        stop = r.out_end
+        ids[k, r.first : stop] = mask_id
+        valid[k, :stop] = True
+        masked[k, r.first - r.lo : stop - r.lo] = True
+        r.quotas = step_quotas(stop - r.first, STEPS_PER_BLOCK)
         tally = tallies[r.case]
-        tally.positions += hi - r.first
+        tally.positions += stop - r.first
         tally.blocks += 1
     index = torch.tensor([list(range(r.lo, r.lo + block)) for r in runs])  # [R, B] the block's positions
     commit_lens = torch.tensor([r.lo for r in runs])  # [R] the committed (gold) prefix
@@ -222,7 +226,8 @@ def _decode_blocks(
             chosen = commit[j].nonzero().flatten() + r.lo  # [C] absolute positions
             ids[k, chosen] = tokens[j, chosen - r.lo]
             masked[k, chosen - r.lo] = False
-            if not r.engine_passes and _settled(ids[k, r.first : r.out_end].tolist(), mask_id, eos):
+            out = slice(r.first, r.out_end)
+            if not r.engine_passes and _settled(ids[k, out].tolist(), rows[r.case].ids[out], mask_id, eos):
                 r.engine_passes = r.passes  # the engine ends the block here
         done = ~masked[live].any(-1)  # [L]
         for k in live[done].tolist():
@@ -232,14 +237,17 @@ def _decode_blocks(
         live = live[~done]
 
 
-def _settled(output: list[int], mask_id: int, eos: set[int]) -> bool:
+def _settled(output: list[int], truth: Sequence[int], mask_id: int, eos: set[int]) -> bool:
     """The engine's early end of a block (``worker.sampler.sequence``'s ``_output_settled``): a
-    committed EOS with no mask before it among the block's output positions."""
-    for t in output:
+    committed EOS with no mask before it among the block's output positions, here only where the
+    true answer ends. A wrong EOS would end the engine's request short of the answer; counting its
+    block as ended there would credit the answer's tokens to fewer passes, so such a block is
+    decoded to its last mask instead (the bound stays a bound)."""
+    for t, true in zip(output, truth, strict=True):
         if t == mask_id:
             return False
         if t in eos:
-            return True
+            return true in eos
     return False
 
 
@@ -306,8 +314,8 @@ def table(report: dict[str, Any]) -> str:
     thirteenth round's count of positions."""
     lines = [
         "| threshold | gold tok/pass all | plain | thinking | ceiling | own tok/pass | gold/own"
-        " | gold/ceiling |",
-        "|---|---|---|---|---|---|---|---|",
+        " | gold/ceiling | tokens gold / own |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for t, entry in report["thresholds"].items():
         g = entry["gold"]
@@ -317,7 +325,8 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {t} | {_f(gold)} | {_f(plain)} | {_f(thinking)}"
             f" | {_f(g['all']['ceiling'])} | {_f(own)} | {_f(gold / own if gold and own else None)}"
-            f" | {_f(gold / g['all']['ceiling'] if gold else None)} |"
+            f" | {_f(gold / g['all']['ceiling'] if gold else None)}"
+            f" | {g['all']['answer_tokens']} / {entry.get('own', {}).get('all', {}).get('tokens', '-')} |"
         )
     lines += [
         "",

@@ -67,7 +67,8 @@ def rank_lost(runtime: Any, reason: str) -> None:
     runtime.info.state = WorkerState.FAILED
     stats = runtime.info.stats.get("tensor_parallel")
     if isinstance(stats, dict):
-        stats["ranks_ready"] = max(0, int(stats.get("size", 1)) - 1)
+        ready = max(0, int(stats.get("size", 1)) - 1)
+        runtime.info.set_stats(tensor_parallel={**stats, "ranks_ready": ready})
 
     def publish() -> None:
         ttl = heartbeat_ttl(runtime.settings.worker.heartbeat_seconds)

@@ -1,6 +1,6 @@
 """bench.tpp_bound's gold-prefix decode on the shipped demo: its counts hold the invariants of the
-engine's ``dynamic`` rule (at least one commit per pass, at most one block per pass at best, a
-sure commit is a commit the engine would make)."""
+engine's ``dynamic`` rule (at least one commit per pass, at least one pass per block, no more sure
+positions than positions, the rate within the layout's ceiling)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from torch.optim.swa_utils import AveragedModel
 from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
 from worker.training.trainer import TrainConfig, TrainConfigError, check_config, train_demo
 
-DECAY = 0.6
+DECAY = 0.09  # over 3 steps the first step's weights keep 0.8% (EMA_FIRST_SHARE: at most 1%)
 
 
 def test_the_checkpoint_is_the_moving_average_of_every_step_s_weights(
@@ -66,3 +66,11 @@ def test_an_interrupted_ema_run_resumes_to_the_same_bytes(tmp_path: Path) -> Non
 def test_a_decay_outside_0_and_1_is_refused(decay: float) -> None:
     with pytest.raises(TrainConfigError, match="ema is a decay"):
         check_config(TrainConfig(ema=decay))
+
+
+def test_a_decay_that_leaves_the_first_step_more_than_1_percent_is_refused() -> None:
+    """The average starts as the first step's weights: 0.998 over 1500 steps leaves them 5%."""
+    with pytest.raises(TrainConfigError, match=r"leaves 5\.0% of the checkpoint"):
+        check_config(TrainConfig(steps=1500, ema=0.998))
+    check_config(TrainConfig(steps=6600, ema=0.998))  # 0.0002%
+    check_config(TrainConfig(steps=3, ema=DECAY))

@@ -15,8 +15,9 @@ nearly every x86-64 server runs. MKL runs its instruction-set branches (AVX2 amo
 CPUs only: on an AMD EPYC, ``MKL_CBWR=AVX2,STRICT`` read back as ``AUTO,STRICT`` (MKL's own pick
 per CPU model) and ``mkl_cbwr_set`` answered "unsupported branch", so there MKL is pinned to
 ``COMPATIBLE`` (SSE2), the one branch it runs on every x86-64 CPU. An Intel and an AMD machine
-therefore compute on two pinned paths, each the same across its vendor's CPU models; the record
-says which. Measured on that 2-core EPYC: COMPATIBLE costs about 25% of a training step against
+therefore compute on two pinned paths (meant to be the same across each vendor's CPU models:
+not measured; a container whose cpuinfo hides the vendor gets COMPATIBLE too); the record says
+which. Measured on that 2-core EPYC: COMPATIBLE costs about 25% of a training step against
 MKL's own pick. Measured on a 2-core AVX512 machine: about 11% slower per step
 than the native path, and within 30 steps other bytes than it. The same torch build is assumed
 (the project pins it); a second machine to show the pin across CPUs was not available here.
@@ -133,11 +134,15 @@ def pin_float_path() -> dict[str, str]:
             else:
                 os.environ[name] = value
         preset = " ".join(f"{name}={value}" for name, value in PINNED_PATH.items())
-        if path["aten"] == PINNED_RECORD["aten"] and path["mkl_cbwr"].endswith(",STRICT"):  # MKL read it
+        earlier = before["MKL_CBWR"]
+        if path["aten"] == PINNED_RECORD["aten"] and earlier not in (None, PINNED_PATH["MKL_CBWR"]):
+            raise FloatPathError(f"MKL computes on {path['mkl_cbwr']}: the process started with "
+                                 f"MKL_CBWR={earlier}; unset it (the pin sets {PINNED_PATH['MKL_CBWR']})")
+        if path["aten"] == PINNED_RECORD["aten"] and path["mkl_cbwr"].endswith(",STRICT"):  # MKL read ours
             raise FloatPathError(f"MKL computes on {path['mkl_cbwr']}, not the pinned "
                                  f"{PINNED_PATH['MKL_CBWR']}: it does not run that branch on this CPU "
-                                 f"({cpu_vendor() or 'vendor unknown'}) or read another MKL_CBWR first; "
-                                 "train with --native-float-path")  # fmt: skip
+                                 f"({cpu_vendor() or 'vendor unknown'}); train with "
+                                 "--native-float-path")  # fmt: skip
         raise FloatPathError(f"torch chose its CPU kernels before the float path was pinned ({path}); "
                              f"pin it at the start of the process (or start it with {preset})")  # fmt: skip
     return path

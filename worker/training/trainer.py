@@ -69,6 +69,9 @@ from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, write_shaped_demo
 from worker.training.tokenizer import train_tokenizer
 
 RESUME_FILE = "resume.pt"
+# ``ema``: the average starts as the first step's weights (AveragedModel copies them, no warm-up),
+# which keep ``ema ** (steps - 1)`` of the checkpoint; a decay that leaves them more is refused
+EMA_FIRST_SHARE = 0.01
 TRAINING_FILE = "training.json"  # how the weights were made: the config, steps, losses, wall time
 
 
@@ -480,6 +483,11 @@ def check_config(config: TrainConfig) -> None:
         raise TrainConfigError(f"focus_share is a share above 0: {config.focus_share}")
     if config.ema is not None and not 0.0 < config.ema < 1.0:
         raise TrainConfigError(f"ema is a decay per step, between 0 and 1: {config.ema}")
+    if config.ema is not None and config.ema ** (config.steps - 1) > EMA_FIRST_SHARE:
+        share = config.ema ** (config.steps - 1)
+        raise TrainConfigError(f"ema {config.ema} over {config.steps} steps leaves {share:.1%} of the "
+                               f"checkpoint to the first step's weights (at most {EMA_FIRST_SHARE:.0%}): "
+                               "a smaller decay or more steps")  # fmt: skip
 
 
 def train_demo(
@@ -489,8 +497,9 @@ def train_demo(
 
     A fresh run writes the random demo (``seed``) with the corpus-trained tokenizer into
     ``folder``; every ``save_every`` steps (and when ``max_seconds`` runs out) ``resume.pt`` holds
-    the model, optimizer and schedule; the finished run writes the trained weights, a new
-    manifest and ``training.json``, and removes ``resume.pt``.
+    the model, optimizer and schedule (and, with ``ema``, the moving average); the finished run
+    writes the trained weights (the average, with ``ema``), a new manifest and ``training.json``,
+    and removes ``resume.pt``.
     """
     check_config(config)
     torch.use_deterministic_algorithms(True)
@@ -544,8 +553,8 @@ def train_demo(
         if recorded != computed_on and (recorded is not None or pinned):
             raise TrainConfigError(f"{resume} was computed on the float path {recorded or 'of its machine'}, "
                                    f"this process computes on {computed_on}: resumed, it would not give "
-                                   "an uninterrupted run's bytes; resume it on the same path and "
-                                   "--threads (train-demo pins AVX2 unless --native-float-path)")  # fmt: skip
+                                   "an uninterrupted run's bytes; resume it on the same path and --threads "
+                                   "(train-demo pins its float path unless --native-float-path)")  # fmt: skip
         model.load_state_dict(state["model"])
         if average is not None:
             average.load_state_dict(state["ema"])
