@@ -18,7 +18,7 @@ per CPU model) and ``mkl_cbwr_set`` answered "unsupported branch", so there MKL 
 therefore compute on two pinned paths (meant to be the same across each vendor's CPU models:
 not measured; a container whose cpuinfo hides the vendor gets COMPATIBLE too); the record says
 which. Measured on that 2-core EPYC: COMPATIBLE costs about 25% of a training step against
-MKL's own pick. Measured on a 2-core AVX512 machine: about 11% slower per step
+MKL's own pick. Measured on a 2-core AVX512 Intel machine: about 11% slower per step
 than the native path, and within 30 steps other bytes than it. The same torch build is assumed
 (the project pins it); a second machine to show the pin across CPUs was not available here.
 """
