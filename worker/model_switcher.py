@@ -137,8 +137,9 @@ class ModelSwitcher:
     # --- canary lanes (scheduler/model_versions/canary_routing.py) ---
     def set_lane(self, on_lane: bool) -> None:
         """Serve on the canary lanes or the plain queues (the registry, the metrics, the consumers)."""
-        self.info.set_stats(lane="canary" if on_lane else "stable")
-        set_process_version(version_label(self.model.model_version), self.info.stats["lane"])
+        lane = "canary" if on_lane else "stable"
+        self.info.set_stats(lane=lane)
+        set_process_version(version_label(self.model.model_version), lane)
         self.consumers.update(canary_lane=on_lane, wait=True)
 
     def move_lane(self, on_lane: bool) -> None:

@@ -65,12 +65,12 @@ def rank_lost(runtime: Any, reason: str) -> None:
     log.error("worker.tensor_parallel_lost", worker_id=runtime.worker_id, reason=reason,
               exit_code=EXIT_RANK_LOST)
     runtime.info.state = WorkerState.FAILED
-    stats = runtime.info.stats.get("tensor_parallel")
-    if isinstance(stats, dict):
-        ready = max(0, int(stats.get("size", 1)) - 1)
-        runtime.info.set_stats(tensor_parallel={**stats, "ranks_ready": ready})
 
-    def publish() -> None:
+    def publish() -> None:  # on its own thread: set_stats waits for the registry lock, at most 2 s here
+        stats = runtime.info.stats.get("tensor_parallel")
+        if isinstance(stats, dict):
+            ready = max(0, int(stats.get("size", 1)) - 1)
+            runtime.info.set_stats(tensor_parallel={**stats, "ranks_ready": ready})
         ttl = heartbeat_ttl(runtime.settings.worker.heartbeat_seconds)
         publish_worker(runtime.redis, runtime.info, ttl_seconds=ttl)
 
