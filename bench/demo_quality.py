@@ -133,15 +133,20 @@ def tool_call_report(
     return tally.as_dict()
 
 
+# how the generation suite decodes a case (bench.tpp_bound decodes it the same way)
+GENERATION_MAX_NEW = 48  # new tokens
+GENERATION_STEPS_PER_BLOCK = 4  # with blocks of 4: one token per pass for `static`
+
+
 def generation_report(
     engine: Engine, tokenizer: Tokenizer, seed: int, count: int, headings: bool = False
 ) -> dict[str, object]:
     cases = generation_cases("eval", seed, count, headings=headings)
     configs = {
-        "static 1/pass": SamplingParams(max_new_tokens=48, strategy="static", steps_per_block=4),
-        "dynamic 0.9": SamplingParams(
-            max_new_tokens=48, strategy="dynamic", threshold=0.9, steps_per_block=4
-        ),
+        "static 1/pass": SamplingParams(max_new_tokens=GENERATION_MAX_NEW, strategy="static",
+                                        steps_per_block=GENERATION_STEPS_PER_BLOCK),
+        "dynamic 0.9": SamplingParams(max_new_tokens=GENERATION_MAX_NEW, strategy="dynamic", threshold=0.9,
+                                      steps_per_block=GENERATION_STEPS_PER_BLOCK),
     }
     report: dict[str, object] = {}
     for label, params in configs.items():

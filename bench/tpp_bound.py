@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from bench.demo_quality import started_engine
+from bench.demo_quality import GENERATION_MAX_NEW, GENERATION_STEPS_PER_BLOCK, started_engine
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
@@ -62,8 +62,8 @@ from worker.training.corpus import GenerationCase, generation_cases
 from worker.training.passes import denoise
 from worker.training.rows import generation_prompt, generation_row
 
-MAX_NEW = 48  # new tokens, as bench.demo_quality's generation report decodes a case
-STEPS_PER_BLOCK = 4  # as generation_report: with blocks of 4 the quota is one token per pass
+MAX_NEW = GENERATION_MAX_NEW  # new tokens, as bench.demo_quality's generation report decodes a case
+STEPS_PER_BLOCK = GENERATION_STEPS_PER_BLOCK  # with blocks of 4 the quota is one token per pass
 BATCH = 16  # block rows denoised side by side (each row one case's block over its gold prefix)
 THRESHOLDS = (0.5, 0.7, 0.9, 0.99)
 GROUPS = ("all", "plain", "thinking")

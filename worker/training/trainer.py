@@ -69,10 +69,10 @@ from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, write_shaped_demo
 from worker.training.tokenizer import train_tokenizer
 
 RESUME_FILE = "resume.pt"
+TRAINING_FILE = "training.json"  # how the weights were made: the config, steps, losses, wall time
 # ``ema``: the average starts as the first step's weights (AveragedModel copies them, no warm-up),
 # which keep ``ema ** (steps - 1)`` of the checkpoint; a decay that leaves them more is refused
 EMA_FIRST_SHARE = 0.01
-TRAINING_FILE = "training.json"  # how the weights were made: the config, steps, losses, wall time
 
 
 @dataclass(frozen=True)
@@ -483,8 +483,8 @@ def check_config(config: TrainConfig) -> None:
         raise TrainConfigError(f"focus_share is a share above 0: {config.focus_share}")
     if config.ema is not None and not 0.0 < config.ema < 1.0:
         raise TrainConfigError(f"ema is a decay per step, between 0 and 1: {config.ema}")
-    if config.ema is not None and config.ema ** (config.steps - 1) > EMA_FIRST_SHARE:
-        share = config.ema ** (config.steps - 1)
+    share = 0.0 if config.ema is None else config.ema ** (config.steps - 1)
+    if share > EMA_FIRST_SHARE:
         raise TrainConfigError(f"ema {config.ema} over {config.steps} steps leaves {share:.1%} of the "
                                f"checkpoint to the first step's weights (at most {EMA_FIRST_SHARE:.0%}): "
                                "a smaller decay or more steps")  # fmt: skip
