@@ -104,6 +104,9 @@ from worker.training.questions import GROUPS
                    "rows in the mix; half ask its value question).")  # fmt: skip
 @click.option("--focus-steps", type=click.IntRange(min=1), default=None,
               help="The first steps: every row a --focus-kind row (a curriculum).")
+@click.option("--focus-joint", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="Share of the --focus-kind rows that ask its group's two questions jointly "
+                   "instead of one alone.")  # fmt: skip
 @click.option("--ema", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None,
               help="Write an exponential moving average of the weights (this decay per step, "
                    "e.g. 0.998) instead of the last step's; training itself is unchanged.")  # fmt: skip
@@ -135,6 +138,7 @@ def train_demo_command(
     focus_kind: str | None,
     focus_share: float | None,
     focus_steps: int | None,
+    focus_joint: float | None,
     ema: float | None,
     directory: Path,
     arch: str,
@@ -163,7 +167,7 @@ def train_demo_command(
                          tool_share=tool_share, tool_keys=tool_keys, joint_share=joint_share,
                          self_distill=self_distill, wide_phrasings=wide_phrasings or None,
                          focus_kind=focus_kind, focus_share=focus_share, focus_steps=focus_steps,
-                         ema=ema)  # fmt: skip
+                         focus_joint=focus_joint, ema=ema)  # fmt: skip
     try:
         check_config(config)  # a usage mistake is told before anything else happens
     except TrainConfigError as exc:

@@ -179,8 +179,9 @@ def test_focus_share_asks_the_focus_kind_about_a_contract_stating_it() -> None:
     """``focus_kind``/``focus_share`` 1: every decision row asks the focus kind alone, about a
     contract of the focus stream that states its clause: its value question or one of its group's
     two questions, both drawn; ``focus_steps``: every row before that step is one (then the
-    recipe's); a kind without a share or steps, those without a kind, an unknown kind, no steps,
-    or a share of no decision rows is refused."""
+    recipe's); ``focus_joint`` 1: every focus row asks the group's two questions jointly, one
+    slot each; a kind without a share or steps, those without a kind, an unknown kind, no steps,
+    a share of no decision rows, or a joint share without a kind or outside (0, 1] is refused."""
     from worker.training.contracts import HEADINGS
     from worker.training.corpus import GROUP_CLAUSES, focus_case, focus_value_case
 
@@ -207,10 +208,17 @@ def test_focus_share_asks_the_focus_kind_about_a_contract_stating_it() -> None:
     warm = TrainConfig(batch=16, decision_share=0.0, focus_kind="law", focus_steps=4)
     law_asked(_batch(3, warm, lm.tokenizer, 4))  # law only, no generation row yet
     assert all(not r.units for r in _batch(4, warm, lm.tokenizer, 4))  # then the recipe's rows
+    joint = TrainConfig(batch=8, decision_share=1.0, focus_kind="law", focus_share=1.0, focus_joint=1.0)
+    for row in _batch(3, joint, lm.tokenizer, 4):
+        text = lm.tokenizer.decode(list(row.ids))
+        assert text.count("Is the agreement governed by the laws of") == 2 and len(row.units) == 2, text
+        assert "Which law governs the agreement?" not in text
     for bad in ({"focus_kind": "law"}, {"focus_share": 0.2}, {"focus_steps": 5},
                 {"focus_kind": "law", "focus_share": 0.0}, {"focus_kind": "nope", "focus_share": 0.2},
                 {"focus_kind": "law", "focus_steps": 0},
-                {"focus_kind": "law", "focus_share": 0.2, "decision_share": 0.0}):  # fmt: skip
+                {"focus_kind": "law", "focus_share": 0.2, "decision_share": 0.0},
+                {"focus_joint": 0.5}, {"focus_kind": "law", "focus_share": 0.2, "focus_joint": 0.0},
+                {"focus_kind": "law", "focus_share": 0.2, "focus_joint": 1.5}):  # fmt: skip
         with pytest.raises(TrainConfigError):
             train_demo(Path("/nonexistent/never-written"), TrainConfig(**bad))
 

@@ -150,6 +150,10 @@ class TrainConfig:
     # the first steps: every row a ``focus_kind`` row, a curriculum (in the probes, law asked alone
     # was learned in a few hundred steps of law rows only, never in the mix; docs/demo-training.md)
     focus_steps: int | None = None
+    # share of the ``focus_kind`` rows that ask its group's two questions jointly (one slot each,
+    # found by its id) instead of one alone: the joint layout gets the focus kind too (a law-only
+    # start taught law asked alone, never read jointly; docs/demo-training.md, thirteenth round)
+    focus_joint: float | None = None
     # the checkpoint written is an exponential moving average of the weights, this decay per step
     # (``torch.optim.swa_utils``' EMA): the schedule ends at 10% of ``lr`` with batches of 16, so
     # the last step's weights carry that step's noise; training itself is unchanged (the same
@@ -211,9 +215,13 @@ def _batch(
 def _focus_row(
     split: Split, config: TrainConfig, index: int, rng: random.Random, tokenizer: Tokenizer, block: int
 ) -> Row:
-    """A ``focus_kind`` row (``TrainConfig.focus_share``/``focus_steps``): its value question, or
-    one of its group's questions asked alone (even odds, drawn from the step's ``rng``)."""
+    """A ``focus_kind`` row (``TrainConfig.focus_share``/``focus_steps``): with ``focus_joint``,
+    that share its group asked jointly; else its value question, or one of its group's questions
+    asked alone (even odds, drawn from the step's ``rng``)."""
     kind, headings = str(config.focus_kind), bool(config.headings)
+    if config.focus_joint and rng.random() < config.focus_joint:  # draws only when set
+        return rng.choice(decision_rows(focus_case(split, config.seed, index, kind, headings), "joint",
+                                        tokenizer, block))  # fmt: skip
     if rng.random() < 0.5:
         return decision_rows(focus_value_case(split, config.seed, index, kind, headings), "independent",
                              tokenizer, block)[0]  # fmt: skip
@@ -481,6 +489,8 @@ def check_config(config: TrainConfig) -> None:
         raise TrainConfigError("focus_share is a share of the decision rows: decision_share is 0")
     if config.focus_share is not None and not 0.0 < config.focus_share <= 1.0:
         raise TrainConfigError(f"focus_share is a share above 0: {config.focus_share}")
+    if config.focus_joint is not None and (config.focus_kind is None or not 0.0 < config.focus_joint <= 1.0):
+        raise TrainConfigError(f"focus_joint is a share above 0 of the focus_kind rows: {config.focus_joint}")
     if config.ema is not None and not 0.0 < config.ema < 1.0:
         raise TrainConfigError(f"ema is a decay per step, between 0 and 1: {config.ema}")
     share = 0.0 if config.ema is None else config.ema ** (config.steps - 1)
