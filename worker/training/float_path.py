@@ -20,7 +20,9 @@ not measured; a container whose cpuinfo hides the vendor gets COMPATIBLE too); t
 which. Measured on that 2-core EPYC: COMPATIBLE costs about 25% of a training step against
 MKL's own pick. Measured on a 2-core AVX512 Intel machine: about 11% slower per step
 than the native path, and within 30 steps other bytes than it. The same torch build is assumed
-(the project pins it); a second machine to show the pin across CPUs was not available here.
+(the project pins it). Another session's Intel machine (AVX512 and AMX) gave the same pinned bytes
+for a 30- and a 60-step run as two earlier ones, but also the same native bytes: its CPU chose as
+they did, so that the pin bridges two Intel CPUs that choose differently is still not shown.
 """
 
 from __future__ import annotations
