@@ -213,6 +213,9 @@ def test_focus_share_asks_the_focus_kind_about_a_contract_stating_it() -> None:
         text = lm.tokenizer.decode(list(row.ids))
         assert text.count("Is the agreement governed by the laws of") == 2 and len(row.units) == 2, text
         assert "Which law governs the agreement?" not in text
+    half = TrainConfig(batch=16, decision_share=0.0, focus_kind="law", focus_steps=4, focus_joint=0.5)
+    slots = [len(r.units) for r in _batch(2, half, lm.tokenizer, 4)]  # in the start too
+    assert set(slots) == {1, 2}, slots  # joint rows and rows of one question
     for bad in ({"focus_kind": "law"}, {"focus_share": 0.2}, {"focus_steps": 5},
                 {"focus_kind": "law", "focus_share": 0.0}, {"focus_kind": "nope", "focus_share": 0.2},
                 {"focus_kind": "law", "focus_steps": 0},
@@ -267,6 +270,26 @@ def test_unset_options_keep_the_first_recipe_s_batches_draw_for_draw() -> None:
                 for row in _batch(step, config, tokenizer, 4):
                     digest.update(repr((row.ids, row.predicted, row.units)).encode())
         assert digest.hexdigest() == "5c43c2946cffd9489ac294593e62a6e5a296d53e056f77823fb069bd1b77c034", zero
+
+
+def test_focus_rows_keep_their_draws_without_focus_joint() -> None:
+    """The rows of a ``focus_share`` and a ``focus_steps`` config, steps 0-2, hashed: the digest was
+    computed at 717ce26, before ``focus_joint`` existed (the thirteenth and fourteenth rounds' focus
+    runs must keep their batches while it is unset)."""
+    import hashlib
+
+    from worker.model.demo_tokenizer import build_demo_tokenizer
+    from worker.training.tokenizer import wrap
+
+    tokenizer = wrap(build_demo_tokenizer(512))
+    digest = hashlib.sha256()
+    configs = (TrainConfig(batch=8, decision_share=0.75, value_share=0.5, focus_kind="law", focus_share=0.5),
+               TrainConfig(batch=8, focus_kind="law", focus_steps=2))  # fmt: skip
+    for config in configs:
+        for step in range(3):
+            for row in _batch(step, config, tokenizer, 4):
+                digest.update(repr((row.ids, row.predicted, row.units)).encode())
+    assert digest.hexdigest() == "79e613d240fe1646a82ce8602330fd9816ef0c398a5ad137ee566a8c5fdaa740"
 
 
 def test_a_shaped_demo_scales_the_widths_and_keeps_the_layer_pattern(tmp_path: Path) -> None:
