@@ -152,7 +152,8 @@ class TrainConfig:
     focus_steps: int | None = None
     # share of the ``focus_kind`` rows that ask its group's two questions jointly (one slot each,
     # found by its id) instead of one alone: the joint layout gets the focus kind too (a law-only
-    # start taught law asked alone, never read jointly; docs/demo-training.md, thirteenth round)
+    # start taught law asked alone, never read jointly; docs/demo-training.md, thirteenth round).
+    # Fifteenth round: half the focus rows joint (f4) did not teach the joint layout law either
     focus_joint: float | None = None
     # the checkpoint written is an exponential moving average of the weights, this decay per step
     # (``torch.optim.swa_utils``' EMA): the schedule ends at 10% of ``lr`` with batches of 16, so
