@@ -41,8 +41,9 @@ def test_split_plan_equals_masked_sdpa(dtype: torch.dtype, block: int, prefix: i
     values = torch.randn(1, KVH, prefix + t + 5, D, dtype=dtype)
     positions = prefix + torch.arange(t)[None, :]  # [1, T]
     block_ids = positions // block
-    plan = plan_attention(block_ids, None, groups=H // KVH, dtype=dtype, lengths=torch.tensor([prefix]),
-                          key_len=prefix + t + 5, prefix=prefix, causal=block == 1)
+    with torch.no_grad():  # as the models' forwards plan (a forward recording gradients: below)
+        plan = plan_attention(block_ids, None, groups=H // KVH, dtype=dtype, lengths=torch.tensor([prefix]),
+                              key_len=prefix + t + 5, prefix=prefix, causal=block == 1)
     assert plan.dense is None and plan.prefix == prefix  # the split plan, no [T, S] mask
     assert plan.local is None if block == 1 else plan.local is not None and plan.local.shape == (1, 1, t, t)
     dense = plan_attention(block_ids, None, groups=H // KVH, dtype=dtype, lengths=torch.tensor([prefix]),
@@ -55,6 +56,37 @@ def test_split_plan_equals_masked_sdpa(dtype: torch.dtype, block: int, prefix: i
     assert split_out.shape == dense_out.shape == (1, H, t, D) and split_out.dtype == dtype
     torch.testing.assert_close(split_out.float(), reference, atol=tol, rtol=tol)
     torch.testing.assert_close(dense_out.float(), reference, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_a_forward_with_gradients_over_a_prefix_attends_densely_for_the_exact_gradient(block: int) -> None:
+    """On CPU the split merges the prefix's and the new part's outputs by their log-sum-exp, which
+    the private flash op's backward holds constant, so its gradient is off; a forward with
+    gradients over a committed prefix (training's chained passes) gets the dense plan instead,
+    whose gradient is the masked SDPA's. Without a prefix the split is one kernel and stays."""
+    torch.manual_seed(block)
+    prefix, t = 36, 2 * block
+    q = torch.randn(1, H, t, D, requires_grad=True)
+    keys = torch.randn(1, KVH, prefix + t, D, requires_grad=True)
+    values = torch.randn(1, KVH, prefix + t, D)
+    block_ids = (prefix + torch.arange(t)[None, :]) // block
+    args = {"groups": H // KVH, "dtype": torch.float32, "key_len": prefix + t, "causal": block == 1}
+    plan = plan_attention(block_ids, None, lengths=torch.tensor([prefix]), prefix=prefix, **args)
+    assert plan.dense is not None
+    assert plan_attention(block_ids - prefix // block, None, prefix=0, **args).dense is None
+    weight = torch.randn(1, H, t, D)
+    (attend(q, keys, values, plan) * weight).sum().backward()
+    got = (q.grad.clone(), keys.grad.clone())
+    q.grad = keys.grad = None
+    (_reference(q, keys, values, block_ids, prefix) * weight).sum().backward()
+    torch.testing.assert_close(got, (q.grad, keys.grad), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        split = plan_attention(block_ids, None, lengths=torch.tensor([prefix]), prefix=prefix, **args)
+    if attend_module._CPU_FLASH is not None:  # the plan serving takes, whose gradient this avoids
+        assert split.dense is None
+        q.grad = keys.grad = None
+        (attend(q, keys, values, split) * weight).sum().backward()
+        assert not torch.allclose(q.grad, got[0], atol=1e-3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA plan needs a GPU")

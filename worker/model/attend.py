@@ -73,7 +73,12 @@ def plan_attention(
     """The plan of one forward: split when one row continues a cache (``prefix`` given) and this
     device has a mask-free kernel for it, else the dense bias (``mask.py``)."""
     t = block_ids.shape[1]
-    if prefix is not None and block_ids.shape[0] == 1 and prefix + t <= key_len:
+    # over a committed prefix the CPU split merges two kernels' outputs by their log-sum-exp, which
+    # the private op's backward treats as a constant: a forward that records gradients there
+    # (training's chained passes, ``worker.training.chain``) takes the dense bias, whose gradient
+    # is exact (measured: up to 80% of a layer's gradient off otherwise)
+    merged = bool(prefix) and block_ids.device.type == "cpu" and torch.is_grad_enabled()
+    if prefix is not None and not merged and block_ids.shape[0] == 1 and prefix + t <= key_len:
         device = block_ids.device
         if causal and (device.type == "cuda" or (device.type == "cpu" and _CPU_FLASH is not None)):
             return AttentionPlan(dense=None, prefix=prefix, local=None)
