@@ -16,7 +16,9 @@ larger corpus tokenizer), ``value_share`` (value questions: retrieval rows), ``b
 larger block), ``extract_share`` (extraction rows), ``tool_share`` (tool-call rows, and a tokenizer
 that has seen their chats), ``tool_keys`` (tool rows noised and weighted at the tokens that decide
 the call), ``joint_share`` (more question rows asked jointly), ``self_distill`` (a stage trained
-on the starting checkpoint's own answers); what each did is measured in docs/demo-training.md.
+on the starting checkpoint's own answers), ``chain_blocks`` (a generation row's later answer
+blocks trained from its first pass's cache, ``worker.training.chain``); what each did is measured
+in docs/demo-training.md.
 
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
@@ -50,6 +52,7 @@ from worker.model.demo import DemoArch
 from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
+from worker.training.chain import Chain, chain_loss, draw_chain
 from worker.training.corpus import (
     Split,
     decision_case,
@@ -61,7 +64,7 @@ from worker.training.corpus import (
     value_case,
 )
 from worker.training.float_path import PINNED_RECORD, float_path
-from worker.training.passes import denoise
+from worker.training.passes import denoise, denoise_kept
 from worker.training.questions import GROUPS
 from worker.training.rows import Row, decision_rows, extraction_row, generation_row, tool_call_row
 from worker.training.self_distill import own_answer_rows
@@ -160,6 +163,11 @@ class TrainConfig:
     # the last step's weights carry that step's noise; training itself is unchanged (the same
     # steps, the same optimizer state), only the weights written differ
     ema: float | None = None
+    # a row without choice slots (generation, tool call) is trained over up to this many
+    # consecutive answer blocks per step: its first pass as before, then one pass per further block
+    # that commits the block before it and previews it against the cache (``worker.training.chain``,
+    # the engine's fused pass): more answer targets per prompt forward. Clover only; needs buckets
+    chain_blocks: int | None = None
 
 
 def training_split(config: TrainConfig) -> Split:
@@ -239,6 +247,7 @@ def bucketed_loss(
     valid: torch.Tensor,
     weight: torch.Tensor,
     buckets: int,
+    chain: Chain | None = None,
 ) -> torch.Tensor:
     """The step's weighted mean cross-entropy over its targets, the same quantity as one pass over
     the padded batch, computed in ``buckets`` passes over rows of similar length (sorted by their
@@ -246,7 +255,9 @@ def bucketed_loss(
     prompts of 200 to 500 tokens and a [B, T] pass pays for the longest; the LM head over every
     position costs about as much as a layer. Not bit-identical to the one-pass loss (another sum
     order), hence an option: a checkpoint made without it still matches its command. ``weight``
-    ``[B, T]``: each target's loss weight."""
+    ``[B, T]``: each target's loss weight. With a ``chain`` (``worker.training.chain``), each
+    bucket's chained passes add their targets to the mean (``weight`` ``[B, >= chain.width]``):
+    the mean of the first passes' and the links' targets, as if each had a long pass of its own."""
     lengths = valid.sum(dim=1)
     order = sorted(range(len(lengths)), key=lambda r: (int(lengths[r]), r))
     size = -(-len(order) // buckets)
@@ -259,7 +270,15 @@ def bucketed_loss(
         k = max(len(t) for t in targets)
         index = torch.stack([torch.cat([t, t[:1].expand(k - len(t))]) for t in targets])  # [b, K]
         real = torch.stack([torch.arange(k) < len(t) for t in targets])  # [b, K]
-        logits = denoise(model, noisy[rows, :width], commit[rows], valid[rows, :width], index)  # [b, K, V]
+        chained = chain is not None and any(chain.blocks[r] for r in rows.tolist())
+        if chain is not None and chained:  # (the None check again for the type checker)
+            logits, cache, slots = denoise_kept(model, noisy[rows, :width], commit[rows], valid[rows, :width],
+                                                index, max_len=chain.width)  # fmt: skip
+            links, links_weight = chain_loss(model, cache, slots, rows.tolist(), chain, weight,
+                                               model.config.block_size)  # fmt: skip
+            total, weight_sum = total + links, weight_sum + links_weight
+        else:
+            logits = denoise(model, noisy[rows, :width], commit[rows], valid[rows, :width], index)  # [b,K,V]
         gold = clean[rows].gather(1, index)
         ce = F.cross_entropy(logits.flatten(0, 1), gold.flatten(), reduction="none").view_as(gold)
         counted = weight[rows].gather(1, index) * real
@@ -311,12 +330,15 @@ def _noisy_batch(
     served_slots: bool = False,
     parallel_slots: float | None = None,
     keyed: bool = False,
+    chain: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(noisy ids ``[B, T]``, clean ids ``[B, T]``, masked ``[B, T]``, commit lens ``[B]``,
     valid ``[B, T]``). ``served_slots``: rows with ``units`` (decisions) by ``served_decision``;
     ``parallel_slots``: that share of the rows with several slots by ``parallel_decision``;
     ``keyed``: rows with ``keys`` (tool calls) at a block holding a key in half the rows, every key
-    in the block a target."""
+    in the block a target; ``chain`` (blocks a chain covers, ``worker.training.chain``): rows
+    without ``units`` at a block drawn among those from which a chain still reaches the answer's
+    last block (the first one when the answer has at most ``chain`` blocks): every block a target."""
     # (row, first block of the pass, its last block, fixed targets or None, hidden positions)
     picked: list[tuple[Row, int, int, list[int] | None, list[int]]] = []
     for row in rows:
@@ -330,6 +352,12 @@ def _noisy_batch(
             n = blocks[int(torch.randint(len(blocks), (1,), generator=gen))]
             targets, hidden = served_decision(row, block, n)
             picked.append((row, n, n, targets, hidden))
+            continue
+        if chain is not None and not row.units:
+            candidates = sorted({i // block for i, p in enumerate(row.predicted) if p})
+            starts = candidates[: max(1, len(candidates) - chain + 1)]
+            n = starts[int(torch.randint(len(starts), (1,), generator=gen))] if len(starts) > 1 else starts[0]
+            picked.append((row, n, n, None, []))
             continue
         # a tool row's pass at a block of its keys in half the rows, else at any block (as a
         # generation row): the markup around them is learned too (keys only broke the format)
@@ -492,6 +520,12 @@ def check_config(config: TrainConfig) -> None:
         raise TrainConfigError(f"focus_share is a share above 0: {config.focus_share}")
     if config.focus_joint is not None and (config.focus_kind is None or not 0.0 < config.focus_joint <= 1.0):
         raise TrainConfigError(f"focus_joint is a share above 0 of the focus_kind rows: {config.focus_joint}")
+    if config.chain_blocks is not None and (config.chain_blocks < 2 or config.buckets is None):
+        raise TrainConfigError(f"chain_blocks (>= 2 blocks a row) chains passes inside the per-target loss: "
+                               f"it needs buckets: {config.chain_blocks}")  # fmt: skip
+    if config.chain_blocks is not None and config.tool_keys is not None:  # a chain draws no key blocks
+        raise TrainConfigError("chain_blocks trains every block of a tool row; tool_keys draws a row's block "
+                               "at its keys: one or the other")  # fmt: skip
     if config.ema is not None and not 0.0 < config.ema < 1.0:
         raise TrainConfigError(f"ema is a decay per step, between 0 and 1: {config.ema}")
     share = 0.0 if config.ema is None else config.ema ** (config.steps - 1)
@@ -536,6 +570,9 @@ def train_demo(
                               block_size=config.block_size)  # fmt: skip
     lm = load_checkpoint(folder, dtype=torch.float32)
     model, block = lm.model, lm.config.block_size or 4
+    if config.chain_blocks is not None and lm.config.family != "clover":
+        raise TrainConfigError(f"chain_blocks continues a Clover pass's cache; {folder} is "
+                               f"{lm.config.family}")  # fmt: skip
     mask_id = lm.config.mask_token_id
     assert mask_id is not None
     own = None
@@ -589,11 +626,15 @@ def train_demo(
         rows = _batch(step, config, lm.tokenizer, block, own)
         served = bool(config.served_slots)
         noisy, clean, masked, commit, valid = _noisy_batch(
-            rows, block, mask_id, gen, served, config.parallel_slots, config.tool_keys is not None
+            rows, block, mask_id, gen, served, config.parallel_slots, config.tool_keys is not None,
+            chain=config.chain_blocks,
         )
         if config.buckets is not None:
-            weight = target_weights(rows, config, masked.shape[1])
-            loss = bucketed_loss(model, noisy, clean, masked, commit, valid, weight, config.buckets)
+            chain = None  # draws only when set: after the first passes' draws, which stay as they were
+            if config.chain_blocks is not None:
+                chain = draw_chain(rows, commit, block, mask_id, config.chain_blocks, gen)
+            weight = target_weights(rows, config, max(masked.shape[1], chain.width if chain else 0))
+            loss = bucketed_loss(model, noisy, clean, masked, commit, valid, weight, config.buckets, chain)
         elif config.decision_weight is None:
             logits = denoise(model, noisy, commit, valid)  # [B, T, V]
             loss = F.cross_entropy(logits[masked], clean[masked])
