@@ -3,22 +3,27 @@ that commits the whole prefix before its block, and gradients reach the prompt t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.model.checkpoint import LoadedModel, load_checkpoint
+from worker.model.checkpoint import SINGLE_NAME, LoadedModel, load_checkpoint
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 from worker.training.chain import Chain, draw_chain
 from worker.training.passes import denoise
 from worker.training.rows import Row
 from worker.training.trainer import (
+    TRAINING_FILE,
     TrainConfig,
     TrainConfigError,
     _batch,
     _noisy_batch,
     bucketed_loss,
     check_config,
+    train_demo,
 )
 
 BLOCK = 4
@@ -109,3 +114,17 @@ def test_each_link_s_loss_and_gradient_are_the_long_pass_s() -> None:
 def test_chain_blocks_needs_buckets_and_two_blocks_and_no_key_draw(options: dict[str, float]) -> None:
     with pytest.raises(TrainConfigError, match="chain_blocks"):
         check_config(TrainConfig(**options))  # type: ignore[arg-type]
+
+
+def test_a_chained_stage_repeats_bit_for_bit(tmp_path: Path) -> None:
+    """A stage from the shipped demo with ``chain_blocks`` (the shipped checkpoint's last command,
+    shortened): twice, the same bytes; ``training.json`` records the option."""
+    torch.set_num_threads(1)
+    config = TrainConfig(init_from=str(TRAINED_CLOVER_DEMO), seed=3, steps=2, batch=4, lr=1e-3,
+                         served_slots=True, decision_share=0.5, decision_weight=3.0, parallel_slots=1.0,
+                         buckets=2, value_share=0.5, chain_blocks=8)  # fmt: skip
+    for name in ("a", "b"):
+        train_demo(tmp_path / name, config)
+    for name in (SINGLE_NAME, "generation_config.json", "training.json", "manifest.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert json.loads((tmp_path / "a" / TRAINING_FILE).read_text())["config"]["chain_blocks"] == 8
