@@ -630,7 +630,7 @@ def train_demo(
             chain=config.chain_blocks,
         )
         if config.buckets is not None:
-            chain = None  # draws only when set: after the first passes' draws, which stay as they were
+            chain = None  # draws only when set, after the first passes': a run without it keeps its draws
             if config.chain_blocks is not None:
                 chain = draw_chain(rows, commit, block, mask_id, config.chain_blocks, gen)
             weight = target_weights(rows, config, max(masked.shape[1], chain.width if chain else 0))
