@@ -270,8 +270,7 @@ def bucketed_loss(
         k = max(len(t) for t in targets)
         index = torch.stack([torch.cat([t, t[:1].expand(k - len(t))]) for t in targets])  # [b, K]
         real = torch.stack([torch.arange(k) < len(t) for t in targets])  # [b, K]
-        chained = chain is not None and any(chain.blocks[r] for r in rows.tolist())
-        if chain is not None and chained:  # (the None check again for the type checker)
+        if chain is not None and any(chain.blocks[r] for r in rows.tolist()):  # a bucket with links
             logits, cache, slots = denoise_kept(model, noisy[rows, :width], commit[rows], valid[rows, :width],
                                                 index, max_len=chain.width)  # fmt: skip
             links, links_weight = chain_loss(model, cache, slots, rows.tolist(), chain, weight,
