@@ -111,6 +111,10 @@ from worker.training.questions import GROUPS
               help="Train each generation or tool row over up to this many consecutive answer "
                    "blocks per step, one short pass per further block against the first pass's "
                    "cache (Clover; needs --buckets).")  # fmt: skip
+@click.option("--certainty", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Weight of a certainty-forcing term: the entropy of a generation or tool row's "
+                   "prediction where its argmax is already right, added to the loss, so dynamic "
+                   "decoding finds more positions sure (needs --buckets).")  # fmt: skip
 @click.option("--ema", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None,
               help="Write an exponential moving average of the weights (this decay per step, "
                    "e.g. 0.998) instead of the last step's; training itself is unchanged.")  # fmt: skip
@@ -144,6 +148,7 @@ def train_demo_command(
     focus_steps: int | None,
     focus_joint: float | None,
     chain_blocks: int | None,
+    certainty: float | None,
     ema: float | None,
     directory: Path,
     arch: str,
@@ -172,7 +177,8 @@ def train_demo_command(
                          tool_share=tool_share, tool_keys=tool_keys, joint_share=joint_share,
                          self_distill=self_distill, wide_phrasings=wide_phrasings or None,
                          focus_kind=focus_kind, focus_share=focus_share, focus_steps=focus_steps,
-                         focus_joint=focus_joint, chain_blocks=chain_blocks, ema=ema)  # fmt: skip
+                         focus_joint=focus_joint, chain_blocks=chain_blocks, certainty=certainty,
+                         ema=ema)  # fmt: skip
     try:
         check_config(config)  # a usage mistake is told before anything else happens
     except TrainConfigError as exc:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.hybrid_cache import HybridCache
+from worker.training.certainty import certainty_term
 from worker.training.rows import Row
 
 
@@ -108,10 +109,12 @@ def chain_loss(
     chain: Chain,
     weight: torch.Tensor,  # [B, >= chain.width] each target's loss weight
     block: int,
+    certainty: torch.Tensor | None = None,  # [B, >= chain.width] each target's certainty weight
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed weighted cross-entropy, summed weight) over the chained targets of ``rows``, one
     fused pass per chain link after the pass that left ``cache`` (committed up to each row's
-    first block)."""
+    first block); with ``certainty``, the certainty term (``worker.training.certainty``) added to
+    the sum, not to the weight."""
     forward = type(model).forward.__wrapped__  # the forward without its no_grad
     total, weight_sum = torch.zeros(()), torch.zeros(())
     link = 0
@@ -130,10 +133,12 @@ def chain_loss(
         commits = torch.full((len(live),), block)  # [R]
         logits = forward(model, ids, cols, valid=None, cache=cache, slots=slots[live], commit_lens=commits,
                          logits_index=preview)  # [R, b, V] fmt: skip
-        gold = chain.clean[batch_rows[:, None], cols[:, block:]]  # [R, b]
-        counted = (chain.masked[batch_rows[:, None], cols[:, block:]]
-                   * weight[batch_rows[:, None], cols[:, block:]])  # [R, b] fmt: skip
+        at = (batch_rows[:, None], cols[:, block:])  # the previewed block's positions, [R, b] each
+        gold = chain.clean[at]  # [R, b]
+        counted = chain.masked[at] * weight[at]  # [R, b]
         ce = F.cross_entropy(logits.flatten(0, 1), gold.flatten(), reduction="none").view_as(gold)
         total = total + (ce * counted).sum()
         weight_sum = weight_sum + counted.sum()
+        if certainty is not None:
+            total = total + (certainty_term(logits, gold) * chain.masked[at] * certainty[at]).sum()
         link += 1

@@ -52,6 +52,7 @@ from worker.model.demo import DemoArch
 from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
+from worker.training.certainty import certainty_term, certainty_weights
 from worker.training.chain import Chain, chain_loss, draw_chain
 from worker.training.corpus import (
     Split,
@@ -168,6 +169,12 @@ class TrainConfig:
     # that commits the block before it and previews it against the cache (``worker.training.chain``,
     # the engine's fused pass): more answer targets per prompt forward. Clover only; needs buckets
     chain_blocks: int | None = None
+    # the certainty-forcing term's weight (``worker.training.certainty``): at the targets of rows
+    # without choice slots, this much of the entropy of a prediction that is already right is
+    # added to its cross-entropy, so ``dynamic`` decoding finds more positions sure. Per target of
+    # the step's weighted mean: its denominator stays the cross-entropy weights (a decision target
+    # counts ``decision_weight``), so the term's share of the loss follows the mix. Needs buckets
+    certainty: float | None = None
 
 
 def training_split(config: TrainConfig) -> Split:
@@ -248,6 +255,7 @@ def bucketed_loss(
     weight: torch.Tensor,
     buckets: int,
     chain: Chain | None = None,
+    certainty: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The step's weighted mean cross-entropy over its targets, the same quantity as one pass over
     the padded batch, computed in ``buckets`` passes over rows of similar length (sorted by their
@@ -257,7 +265,10 @@ def bucketed_loss(
     order), hence an option: a checkpoint made without it still matches its command. ``weight``
     ``[B, T]``: each target's loss weight. With a ``chain`` (``worker.training.chain``), each
     bucket's chained passes add their targets to the mean (``weight`` ``[B, >= chain.width]``):
-    the mean of the first passes' and the links' targets, as if each had a long pass of its own."""
+    the mean of the first passes' and the links' targets, as if each had a long pass of its own.
+    ``certainty`` (``[B, >= T]``, ``worker.training.certainty``): each target's weight of the
+    certainty term, added to its cross-entropy (the mean's denominator stays the cross-entropy
+    weights')."""
     lengths = valid.sum(dim=1)
     order = sorted(range(len(lengths)), key=lambda r: (int(lengths[r]), r))
     size = -(-len(order) // buckets)
@@ -274,7 +285,7 @@ def bucketed_loss(
             logits, cache, slots = denoise_kept(model, noisy[rows, :width], commit[rows], valid[rows, :width],
                                                 index, max_len=chain.width)  # fmt: skip
             links, links_weight = chain_loss(model, cache, slots, rows.tolist(), chain, weight,
-                                               model.config.block_size)  # fmt: skip
+                                               model.config.block_size, certainty)  # fmt: skip
             total, weight_sum = total + links, weight_sum + links_weight
         else:
             logits = denoise(model, noisy[rows, :width], commit[rows], valid[rows, :width], index)  # [b,K,V]
@@ -283,6 +294,8 @@ def bucketed_loss(
         counted = weight[rows].gather(1, index) * real
         total = total + (ce * counted).sum()
         weight_sum = weight_sum + counted.sum()
+        if certainty is not None:
+            total = total + (certainty_term(logits, gold) * certainty[rows].gather(1, index) * real).sum()
     return total / weight_sum
 
 
@@ -525,6 +538,9 @@ def check_config(config: TrainConfig) -> None:
     if config.chain_blocks is not None and config.tool_keys is not None:  # a chain draws no key blocks
         raise TrainConfigError("chain_blocks trains every block of a tool row; tool_keys draws a row's block "
                                "at its keys: one or the other")  # fmt: skip
+    if config.certainty is not None and (not config.certainty > 0 or config.buckets is None):  # nan too
+        raise TrainConfigError(f"certainty (> 0) weighs a term of the per-target loss: it needs buckets: "
+                               f"{config.certainty}")  # fmt: skip
     if config.ema is not None and not 0.0 < config.ema < 1.0:
         raise TrainConfigError(f"ema is a decay per step, between 0 and 1: {config.ema}")
     share = 0.0 if config.ema is None else config.ema ** (config.steps - 1)
@@ -632,8 +648,11 @@ def train_demo(
             chain = None  # draws only when set, after the first passes': a run without it keeps its draws
             if config.chain_blocks is not None:
                 chain = draw_chain(rows, commit, block, mask_id, config.chain_blocks, gen)
-            weight = target_weights(rows, config, max(masked.shape[1], chain.width if chain else 0))
-            loss = bucketed_loss(model, noisy, clean, masked, commit, valid, weight, config.buckets, chain)
+            width = max(masked.shape[1], chain.width if chain else 0)
+            weight = target_weights(rows, config, width)
+            certainty = None if config.certainty is None else certainty_weights(rows, config.certainty, width)
+            loss = bucketed_loss(model, noisy, clean, masked, commit, valid, weight, config.buckets, chain,
+                                 certainty)  # fmt: skip
         elif config.decision_weight is None:
             logits = denoise(model, noisy, commit, valid)  # [B, T, V]
             loss = F.cross_entropy(logits[masked], clean[masked])
