@@ -23,7 +23,12 @@ makes them):
   ``sum(r.tokens) / sum(r.steps_used)``, as ``GenerationTally`` counts it;
 - **ceiling**: the gold answer's tokens over its minimum passes, one per block it touches (the
   prompt's shared block and the last partial one count as one pass each): no decoder with this
-  block size can do better on these answers.
+  block size can do better on these answers;
+- **sure where right**: the gold-prefix decode again, but every masked position whose argmax is
+  the true token counts as sure (committed in that pass whatever its confidence): the most that
+  training the model to be sure of what it already gets right (``train-demo --certainty``) could
+  give, with the positions it gets wrong still costing their passes (the gold decode runs twice
+  per threshold).
 
 Tokens per pass is counted two ways. *Answer tokens* are the engine's count (the output before its
 first EOS, ``GenerationResult.tokens``) over the engine's passes, which end a block once its output
@@ -148,9 +153,11 @@ def gold_prefix_bound(
     mask_id: int,
     eos: set[int],
     threshold: float,
+    sure_where_right: bool = False,
 ) -> list[Tally]:
     """Per row: every block of its answer decoded by ``dynamic`` at ``threshold``, every earlier
-    block the gold answer (each block independent of the model's output in the others)."""
+    block the gold answer (each block independent of the model's output in the others);
+    ``sure_where_right``: a right argmax commits as if sure."""
     runs = [
         _BlockRun(i, b * block, max(b * block, row.start), min((b + 1) * block, row.start + MAX_NEW))
         for i, row in enumerate(rows)
@@ -158,7 +165,8 @@ def gold_prefix_bound(
     ]
     tallies = [Tally(cases=1, answer_tokens=row.answer) for row in rows]
     for first in range(0, len(runs), BATCH):
-        _decode_blocks(model, rows, runs[first : first + BATCH], block, mask_id, eos, threshold, tallies)
+        _decode_blocks(model, rows, runs[first : first + BATCH], block, mask_id, eos, threshold, tallies,
+                       sure_where_right)  # fmt: skip
     return tallies
 
 
@@ -171,6 +179,7 @@ def _decode_blocks(
     eos: set[int],
     threshold: float,
     tallies: list[Tally],
+    sure_where_right: bool = False,
 ) -> None:
     """Decode ``runs`` side by side, pass by pass, as the engine decodes a block, into ``tallies``."""
     n = len(runs)
@@ -212,7 +221,12 @@ def _decode_blocks(
         # the engine's rule (worker/sampler/commit.py, choose_commits, as worker/engine/runner.py
         # calls it): every mask strictly above the threshold when there are at least `quota` of
         # them, else the `quota` most confident (quota 1 here: blocks of 4 over 4 steps)
-        commit = choose_commits(confidence, still, quota, torch.full((m,), threshold),
+        # sure_where_right: a right argmax as sure as can be, so the rule commits it (and the
+        # quota's fallback to the most confident picks a right position first)
+        rule = confidence  # [L, B]
+        if sure_where_right:
+            rule = torch.where(still & (tokens == gold[live]), 2.0, confidence)
+        commit = choose_commits(rule, still, quota, torch.full((m,), threshold),
                                 torch.ones(m, dtype=torch.bool))  # fmt: skip
         for j, k in enumerate(live.tolist()):
             r = runs[k]
@@ -294,7 +308,11 @@ def measure(
     }  # fmt: skip
     for t in thresholds:
         groups = grouped(gold_prefix_bound(lm.model, rows, block, mask_id, eos, t), rows)
-        report["thresholds"][str(t)] = {"gold": {g: tally.summary() for g, tally in groups.items()}}
+        right = grouped(gold_prefix_bound(lm.model, rows, block, mask_id, eos, t, True), rows)
+        report["thresholds"][str(t)] = {
+            "gold": {g: tally.summary() for g, tally in groups.items()},
+            "sure_where_right": {g: tally.summary() for g, tally in right.items()},
+        }
     if own:
         engine = started_engine(lm)
         try:
@@ -310,12 +328,12 @@ def _f(x: float | None, digits: int = 2) -> str:
 
 
 def table(report: dict[str, Any]) -> str:
-    """Two markdown tables: the engine's count (gold, own, ceiling) and the first pass with the
-    thirteenth round's count of positions."""
+    """Two markdown tables: the engine's count (gold, sure where right, ceiling, own) and the
+    first pass with the thirteenth round's count of positions."""
     lines = [
-        "| threshold | gold tok/pass all | plain | thinking | ceiling | own tok/pass | gold/own"
-        " | gold/ceiling | tokens gold / own |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| threshold | gold tok/pass all | plain | thinking | sure where right | ceiling | own tok/pass"
+        " | gold/own | gold/ceiling | tokens gold / own |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t, entry in report["thresholds"].items():
         g = entry["gold"]
@@ -324,6 +342,7 @@ def table(report: dict[str, Any]) -> str:
         plain, thinking = g["plain"]["tokens_per_pass"], g["thinking"]["tokens_per_pass"]
         lines.append(
             f"| {t} | {_f(gold)} | {_f(plain)} | {_f(thinking)}"
+            f" | {_f(entry['sure_where_right']['all']['tokens_per_pass'])}"
             f" | {_f(g['all']['ceiling'])} | {_f(own)} | {_f(gold / own if gold and own else None)}"
             f" | {_f(gold / g['all']['ceiling'] if gold else None)}"
             f" | {g['all']['answer_tokens']} / {entry.get('own', {}).get('all', {}).get('tokens', '-')} |"

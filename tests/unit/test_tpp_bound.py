@@ -32,3 +32,22 @@ def test_gold_prefix_counts_stay_within_the_layout() -> None:
     assert positions is not None and ceiling is not None and 1.0 <= positions <= ceiling
     tokens, token_ceiling = total["tokens_per_pass"], total["ceiling"]
     assert tokens is not None and token_ceiling is not None and 0 < tokens <= token_ceiling
+
+
+def test_sure_where_right_commits_every_right_argmax_at_once() -> None:
+    """Above any confidence (threshold 1.0: nothing is sure) the plain decode commits one position
+    a pass; counting a right argmax as sure commits those positions too, so a block whose first
+    pass is right everywhere takes one pass, and no block takes more passes than positions."""
+    torch.set_num_threads(1)
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    lm.model.eval()
+    block, mask = lm.config.block_size or 4, lm.config.mask_token_id
+    assert mask is not None
+    eos = set(lm.tokenizer.eos_token_ids)
+    rows = [gold_row(c, lm.tokenizer, block) for c in generation_cases("eval", 1, 3)]
+    plain = grouped(gold_prefix_bound(lm.model, rows, block, mask, eos, 1.0), rows)["all"]
+    right = grouped(gold_prefix_bound(lm.model, rows, block, mask, eos, 1.0, True), rows)["all"]
+    assert plain.passes == plain.positions and plain.first_pass_sure == 0
+    assert right.first_pass_argmax_right == plain.first_pass_argmax_right > 0
+    assert right.passes <= right.positions - right.first_pass_argmax_right + right.blocks
+    assert right.passes < plain.passes
