@@ -17,8 +17,9 @@ larger block), ``extract_share`` (extraction rows), ``tool_share`` (tool-call ro
 that has seen their chats), ``tool_keys`` (tool rows noised and weighted at the tokens that decide
 the call), ``joint_share`` (more question rows asked jointly), ``self_distill`` (a stage trained
 on the starting checkpoint's own answers), ``chain_blocks`` (a generation row's later answer
-blocks trained from its first pass's cache, ``worker.training.chain``); what each did is measured
-in docs/demo-training.md.
+blocks trained from its first pass's cache, ``worker.training.chain``), ``certainty`` (a
+certainty-forcing term on generation targets, ``worker.training.certainty``); what each did is
+measured in docs/demo-training.md.
 
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
