@@ -135,18 +135,22 @@ def tool_call_report(
 
 # how the generation suite decodes a case (bench.tpp_bound decodes it the same way)
 GENERATION_MAX_NEW = 48  # new tokens
-GENERATION_STEPS_PER_BLOCK = 4  # with blocks of 4: one token per pass for `static`
 
 
 def generation_report(
-    engine: Engine, tokenizer: Tokenizer, seed: int, count: int, headings: bool = False
+    engine: Engine, tokenizer: Tokenizer, seed: int, count: int, block: int, headings: bool = False
 ) -> dict[str, object]:
+    """The generation suite's score and tokens per pass, one token per pass and ``dynamic`` 0.9.
+
+    Both run ``block`` (the checkpoint's block size) steps per block, as ``cloverq model eval``
+    does: ``static`` then commits one token per pass, and ``dynamic``'s fallback one (fewer steps
+    would make its fallback commit several unsure tokens a pass and count them as parallel)."""
     cases = generation_cases("eval", seed, count, headings=headings)
     configs = {
         "static 1/pass": SamplingParams(max_new_tokens=GENERATION_MAX_NEW, strategy="static",
-                                        steps_per_block=GENERATION_STEPS_PER_BLOCK),
+                                        steps_per_block=block),
         "dynamic 0.9": SamplingParams(max_new_tokens=GENERATION_MAX_NEW, strategy="dynamic", threshold=0.9,
-                                      steps_per_block=GENERATION_STEPS_PER_BLOCK),
+                                      steps_per_block=block),
     }
     report: dict[str, object] = {}
     for label, params in configs.items():
@@ -225,7 +229,7 @@ def main() -> None:
                 )
         if args.generation:
             report["generation"] = generation_report(
-                engine, lm.tokenizer, args.seed, args.generation, args.headings
+                engine, lm.tokenizer, args.seed, args.generation, lm.config.block_size or 4, args.headings
             )
     finally:
         engine.stop()

@@ -19,8 +19,8 @@ makes them):
   so no error of an earlier block compounds: the rate it reaches is what the model's confidence
   alone allows;
 - **own decode**: the same cases through the engine (``SamplingParams(strategy="dynamic",
-  threshold=t, steps_per_block=4, max_new_tokens=48)``), the model's own blocks as the prefix:
-  ``sum(r.tokens) / sum(r.steps_used)``, as ``GenerationTally`` counts it;
+  threshold=t, steps_per_block=B, max_new_tokens=48)``, B the block size), the model's own blocks
+  as the prefix: ``sum(r.tokens) / sum(r.steps_used)``, as ``GenerationTally`` counts it;
 - **ceiling**: the gold answer's tokens over its minimum passes, one per block it touches (the
   prompt's shared block and the last partial one count as one pass each): no decoder with this
   block size can do better on these answers;
@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from bench.demo_quality import GENERATION_MAX_NEW, GENERATION_STEPS_PER_BLOCK, started_engine
+from bench.demo_quality import GENERATION_MAX_NEW, started_engine
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.model.checkpoint import load_checkpoint
 from worker.model.tokenizer import Tokenizer
@@ -68,7 +68,6 @@ from worker.training.passes import denoise
 from worker.training.rows import generation_prompt, generation_row
 
 MAX_NEW = GENERATION_MAX_NEW  # new tokens, as bench.demo_quality's generation report decodes a case
-STEPS_PER_BLOCK = GENERATION_STEPS_PER_BLOCK  # with blocks of 4 the quota is one token per pass
 BATCH = 16  # block rows denoised side by side (each row one case's block over its gold prefix)
 THRESHOLDS = (0.5, 0.7, 0.9, 0.99)
 GROUPS = ("all", "plain", "thinking")
@@ -199,7 +198,7 @@ def _decode_blocks(
         ids[k, r.first : stop] = mask_id
         valid[k, :stop] = True
         masked[k, r.first - r.lo : stop - r.lo] = True
-        r.quotas = step_quotas(stop - r.first, STEPS_PER_BLOCK)
+        r.quotas = step_quotas(stop - r.first, block)  # one step per position: quota 1
         tally = tallies[r.case]
         tally.positions += stop - r.first
         tally.blocks += 1
@@ -220,7 +219,7 @@ def _decode_blocks(
         )
         # the engine's rule (worker/sampler/commit.py, choose_commits, as worker/engine/runner.py
         # calls it): every mask strictly above the threshold when there are at least `quota` of
-        # them, else the `quota` most confident (quota 1 here: blocks of 4 over 4 steps)
+        # them, else the `quota` most confident (quota 1 here: as many steps as positions)
         # sure_where_right: a right argmax as sure as can be, so the rule commits it (and the
         # quota's fallback to the most confident picks a right position first)
         rule = confidence  # [L, B]
@@ -274,11 +273,12 @@ def grouped(tallies: list[Tally], rows: list[GoldRow]) -> dict[str, Tally]:
 
 
 def own_decode(
-    engine: Any, tokenizer: Tokenizer, cases: list[GenerationCase], threshold: float
+    engine: Any, tokenizer: Tokenizer, cases: list[GenerationCase], threshold: float, block: int
 ) -> dict[str, Any]:
-    """The model's own decode through the engine, as ``generation_report``'s ``dynamic`` config."""
+    """The model's own decode through the engine, as ``generation_report``'s ``dynamic`` config
+    (``block`` steps per block of ``block`` positions: the fallback commits one token a pass)."""
     params = SamplingParams(max_new_tokens=MAX_NEW, strategy="dynamic", threshold=threshold,
-                            steps_per_block=STEPS_PER_BLOCK)  # fmt: skip
+                            steps_per_block=block)  # fmt: skip
     requests = [
         GenerationRequest(f"g{i}", generation_prompt(c, tokenizer), params) for i, c in enumerate(cases)
     ]
@@ -304,7 +304,7 @@ def measure(
     rows = [gold_row(c, lm.tokenizer, block) for c in cases]
     report: dict[str, Any] = {
         "checkpoint": str(checkpoint), "seed": seed, "count": count, "block_size": block,
-        "steps_per_block": STEPS_PER_BLOCK, "max_new_tokens": MAX_NEW, "thresholds": {},
+        "steps_per_block": block, "max_new_tokens": MAX_NEW, "thresholds": {},
     }  # fmt: skip
     for t in thresholds:
         groups = grouped(gold_prefix_bound(lm.model, rows, block, mask_id, eos, t), rows)
@@ -317,7 +317,7 @@ def measure(
         engine = started_engine(lm)
         try:
             for t in thresholds:
-                report["thresholds"][str(t)]["own"] = own_decode(engine, lm.tokenizer, cases, t)
+                report["thresholds"][str(t)]["own"] = own_decode(engine, lm.tokenizer, cases, t, block)
         finally:
             engine.stop()
     return report

@@ -4,11 +4,16 @@ positions than positions, the rate within the layout's ceiling)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
 
 from bench.tpp_bound import gold_prefix_bound, gold_row, grouped
 from worker.model.checkpoint import load_checkpoint
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+from worker.model.manifest import write_manifest
 from worker.training.corpus import generation_cases
 
 
@@ -51,3 +56,23 @@ def test_sure_where_right_commits_every_right_argmax_at_once() -> None:
     assert right.first_pass_argmax_right == plain.first_pass_argmax_right > 0
     assert right.passes <= right.positions - right.first_pass_argmax_right + right.blocks
     assert right.passes < plain.passes
+
+
+def test_blocks_of_8_decode_one_position_a_pass_where_nothing_is_sure(tmp_path: Path) -> None:
+    """The decode runs as many steps per block as the block has positions (as ``cloverq model
+    eval`` does), whatever the block size: with blocks of 8 and nothing sure, the fallback commits
+    one position a pass, not the two a fixed four steps per block would force."""
+    torch.set_num_threads(1)
+    folder = tmp_path / "demo8"
+    shutil.copytree(TRAINED_CLOVER_DEMO, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "block_size": 8}))
+    write_manifest(folder)
+    lm = load_checkpoint(folder, dtype=torch.float32)
+    lm.model.eval()
+    mask = lm.config.mask_token_id
+    assert lm.config.block_size == 8 and mask is not None
+    rows = [gold_row(c, lm.tokenizer, 8) for c in generation_cases("eval", 1, 2)]
+    plain = grouped(gold_prefix_bound(lm.model, rows, 8, mask, set(lm.tokenizer.eos_token_ids), 1.0), rows)
+    assert plain["all"].positions > 8 * len(rows) // 2
+    assert plain["all"].passes == plain["all"].positions
