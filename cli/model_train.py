@@ -119,7 +119,8 @@ from worker.training.questions import GROUPS
               help="Write an exponential moving average of the weights (this decay per step, "
                    "e.g. 0.998) instead of the last step's; training itself is unchanged.")  # fmt: skip
 @click.option("--block-size", type=int, default=None,
-              help="Block size of the random start (default the demo's 4).")  # fmt: skip
+              help="Block size of the random start (default the demo's 4), or with --init-from of the "
+                   "stage (default the starting checkpoint's).")  # fmt: skip
 @guarded
 def train_demo_command(
     init_from: str | None,

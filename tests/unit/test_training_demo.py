@@ -404,9 +404,7 @@ def test_a_layer_pattern_sets_the_clover_layer_types() -> None:
         layer_types("LA", 5)
 
 
-@pytest.mark.parametrize(
-    "shape", [{"vocab": 2048}, {"hidden": 96}, {"layers": 8}, {"layer_pattern": "A"}, {"block_size": 8}]
-)
+@pytest.mark.parametrize("shape", [{"vocab": 2048}, {"hidden": 96}, {"layers": 8}, {"layer_pattern": "A"}])
 def test_a_further_stage_refuses_options_that_reshape_it(tmp_path: Path, shape: dict[str, object]) -> None:
     """``init_from`` continues a trained demo's weights and tokenizer: a shape option would be
     silently ignored, so it is refused before anything is written."""
@@ -414,6 +412,20 @@ def test_a_further_stage_refuses_options_that_reshape_it(tmp_path: Path, shape: 
     with pytest.raises(ValueError, match="init_from continues"):
         train_demo(tmp_path / "stage", config)
     assert not (tmp_path / "stage").exists()
+
+
+def test_a_further_stage_may_set_its_block_size(tmp_path: Path) -> None:
+    """No weight depends on the block size, so a stage may re-block a trained demo: it trains and
+    writes blocks of 8 (config and manifest), the rest of the config as it was; 0 is refused."""
+    torch.set_num_threads(1)
+    with pytest.raises(ValueError, match="block_size"):
+        train_demo(tmp_path / "zero", TrainConfig(steps=1, init_from=str(TRAINED_CLOVER_DEMO), block_size=0))
+    config = TrainConfig(steps=1, batch=2, init_from=str(TRAINED_CLOVER_DEMO), block_size=8, save_every=10)
+    train_demo(tmp_path / "stage", config)
+    before = json.loads((TRAINED_CLOVER_DEMO / "config.json").read_text())
+    after = json.loads((tmp_path / "stage" / "config.json").read_text())
+    assert after == {**before, "block_size": 8} and before["block_size"] == 4
+    assert load_checkpoint(tmp_path / "stage", dtype=torch.float32).config.block_size == 8  # manifest holds
 
 
 def test_wide_phrasings_draw_the_wide_training_split_and_its_tokenizer_reads_it(tmp_path: Path) -> None:

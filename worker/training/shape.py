@@ -88,3 +88,12 @@ def write_shaped_demo(
     save_file(weights, str(folder / SINGLE_NAME), metadata={"format": "pt"})
     (folder / SINGLE_NAME).chmod(mode)
     write_manifest(folder)
+
+
+def reblock(folder: Path, block_size: int) -> None:
+    """Set the checkpoint in ``folder`` to blocks of ``block_size`` (its ``config.json``; the caller
+    writes the manifest). No weight depends on the block size: the engine and the trainer lay out
+    and denoise blocks of it (CLOVER.md: ``block_size`` when the config has one)."""
+    path = folder / "config.json"
+    hf = json.loads(path.read_text())
+    path.write_text(json.dumps({**hf, "block_size": block_size}, indent=2, sort_keys=True) + "\n")

@@ -70,7 +70,7 @@ from worker.training.passes import denoise, denoise_kept
 from worker.training.questions import GROUPS
 from worker.training.rows import Row, decision_rows, extraction_row, generation_row, tool_call_row
 from worker.training.self_distill import own_answer_rows
-from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, write_shaped_demo
+from worker.training.shape import TINY_HIDDEN, TINY_LAYERS, reblock, write_shaped_demo
 from worker.training.tokenizer import train_tokenizer
 
 RESUME_FILE = "resume.pt"
@@ -120,8 +120,9 @@ class TrainConfig:
     # share of the decision rows that ask a value question about the contract instead
     # (``corpus.value_case``: "Which law governs?"), the retrieval the comparisons are built on
     value_share: float | None = None
-    # the random start's block size (None: the demo's 4); a larger block lets a confident model
-    # commit more tokens per pass (the preview operator scales with ln(B/32), CLOVER.md)
+    # the random start's block size (None: the demo's 4), or with init_from the stage's (None: the
+    # starting checkpoint's): a larger block lets a confident model commit more tokens per pass (the
+    # preview operator scales with ln(B/32), CLOVER.md); no weight depends on it
     block_size: int | None = None
     # share of the decision rows (after value questions) that are extraction rows instead
     # (``corpus.extraction_case``: an extract job's prompt and its schema's canvas)
@@ -506,10 +507,12 @@ class TrainConfigError(ValueError):
 def check_config(config: TrainConfig) -> None:
     """Raise :class:`TrainConfigError` for options that cannot go together."""
     shaped = {"vocab": config.vocab, "hidden": config.hidden, "layers": config.layers,
-              "layer_pattern": config.layer_pattern, "block_size": config.block_size}  # fmt: skip
+              "layer_pattern": config.layer_pattern}  # fmt: skip
     given = ", ".join(name for name, value in shaped.items() if value is not None)
     if config.init_from is not None and given:
         raise TrainConfigError(f"init_from continues a trained demo's shape and tokenizer; drop {given}")
+    if config.block_size is not None and config.block_size < 1:
+        raise TrainConfigError(f"block_size is a number of positions, at least 1: {config.block_size}")
     keys = config.tool_keys
     if keys is not None and (config.buckets is None or not config.tool_share or keys <= 0):
         raise TrainConfigError("tool_keys (> 0) weighs the tokens of tool rows: it needs tool_share and "
@@ -574,6 +577,8 @@ def train_demo(
         if config.init_from is not None:  # a further stage: its weights and tokenizer, a fresh optimizer
             skip = shutil.ignore_patterns("README.md", TRAINING_FILE)
             shutil.copytree(config.init_from, folder, ignore=skip)
+            if config.block_size is not None:  # the same weights, decoded and trained in other blocks
+                reblock(folder, config.block_size)
             write_manifest(folder)
         else:  # the tiny demo's random start, or a wider / deeper one (the tiny demo when unset)
             write_shaped_demo(folder, seed=config.seed, arch=config.arch,
