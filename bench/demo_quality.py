@@ -228,8 +228,9 @@ def main() -> None:
                     engine, lm.tokenizer, split, args.seed, args.tools, args.headings, args.tool_choice
                 )
         if args.generation:
+            report["block_size"] = engine.default_block_size  # the generation decodes' blocks and steps
             report["generation"] = generation_report(
-                engine, lm.tokenizer, args.seed, args.generation, lm.config.block_size or 4, args.headings
+                engine, lm.tokenizer, args.seed, args.generation, engine.default_block_size, args.headings
             )
     finally:
         engine.stop()

@@ -274,8 +274,9 @@ def eval_command(suite: str, seed: int, count: int | None, version: str | None, 
         else:
             cases = generation_cases("eval", seed, count or 30)
             gen = evaluate_generation(cq, cases, version, timeout, block_size)
+            report["block_size"] = block_size  # what every decoding asked for (not read from the model)
             report["configs"] = {label: t.as_dict() for label, t in gen.items()}
-            table = Table(title="generation, eval split (exact one-line score)")
+            table = Table(title=f"generation, eval split, blocks of {block_size} (exact one-line score)")
             for column in ("decoding", "tokens/pass", "score", "failed jobs"):
                 table.add_column(column, justify="right" if column != "decoding" else "left")
             for label, t in gen.items():

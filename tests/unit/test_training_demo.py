@@ -427,6 +427,12 @@ def test_a_further_stage_may_set_its_block_size(tmp_path: Path) -> None:
     train_demo(tmp_path / "stage", stage)
     after = json.loads((tmp_path / "stage" / "config.json").read_text())
     assert after == {**before, "block_size": block}
+    # the shipped generation config names its block, so the stage's follows (its joint decode is
+    # the stage's own recipe's: declare_joint_decode)
+    generation = json.loads((TRAINED_CLOVER_DEMO / "generation_config.json").read_text())
+    staged = json.loads((tmp_path / "stage" / "generation_config.json").read_text())
+    assert "block_size" in generation and staged["block_size"] == block
+    assert {**staged, "joint_decode": None} == {**generation, "block_size": block, "joint_decode": None}
     loaded = load_checkpoint(tmp_path / "stage", dtype=torch.float32)  # the manifest verifies
     assert loaded.config.block_size == block
 

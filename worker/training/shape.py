@@ -26,6 +26,7 @@ from worker.model.demo_tokenizer import IM_START, MASK, PAD
 from worker.model.manifest import write_manifest
 
 TINY_HIDDEN, TINY_LAYERS = 64, 4
+GENERATION_CONFIG = "generation_config.json"
 
 
 LAYER_CODES = {"L": "linear_attention", "A": "full_attention"}  # a Clover layer pattern's letters
@@ -82,6 +83,8 @@ def write_shaped_demo(
     hf = json.loads((folder / "config.json").read_text())
     config = shaped_config(ModelConfig.from_hf_dict(hf), hidden, layers, pattern, block_size)
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+    if block_size is not None:  # the generation config names the block too
+        reblock(folder, block_size)
     never = [tokenizer.token_to_id(t) for t in (MASK, PAD, IM_START)]
     weights = random_weights(config, seed=seed, dtype=torch.float32, never_generated=never)  # type: ignore[arg-type]
     mode = (folder / SINGLE_NAME).stat().st_mode & 0o777
@@ -91,9 +94,20 @@ def write_shaped_demo(
 
 
 def reblock(folder: Path, block_size: int) -> None:
-    """Set the checkpoint in ``folder`` to blocks of ``block_size`` (its ``config.json``; the caller
-    writes the manifest). No weight depends on the block size: the engine and the trainer lay out
-    and denoise blocks of it (CLOVER.md: ``block_size`` when the config has one)."""
-    path = folder / "config.json"
-    hf = json.loads(path.read_text())
-    path.write_text(json.dumps({**hf, "block_size": block_size}, indent=2, sort_keys=True) + "\n")
+    """Set the checkpoint in ``folder`` to blocks of ``block_size`` (the caller writes the manifest).
+    No weight depends on the block size: the engine and the trainer lay out and denoise blocks of
+    it (CLOVER.md: ``block_size`` when the config has one). ``config.json`` is what cloverq reads;
+    ``generation_config.json`` is set alike where it names a block (``block_size``, or the
+    ``block_length`` some diffusion checkpoints use), so no reader of it decodes other blocks."""
+    _set_json(folder / "config.json", {"block_size": block_size})
+    generation = folder / GENERATION_CONFIG
+    if generation.is_file():
+        named = [k for k in ("block_size", "block_length") if k in json.loads(generation.read_text())]
+        _set_json(generation, dict.fromkeys(named, block_size))
+
+
+def _set_json(path: Path, values: dict[str, int]) -> None:
+    """``values`` written into the JSON object at ``path`` (as the demo writes its files)."""
+    if values:
+        hf = json.loads(path.read_text())
+        path.write_text(json.dumps({**hf, **values}, indent=2, sort_keys=True) + "\n")
