@@ -4,7 +4,6 @@ positions than positions, the rate within the layout's ceiling)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from worker.model.checkpoint import load_checkpoint
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 from worker.model.manifest import write_manifest
 from worker.training.corpus import generation_cases
+from worker.training.shape import reblock
 
 
 def test_gold_prefix_counts_stay_within_the_layout() -> None:
@@ -65,8 +65,7 @@ def test_blocks_of_8_decode_one_position_a_pass_where_nothing_is_sure(tmp_path: 
     torch.set_num_threads(1)
     folder = tmp_path / "demo8"
     shutil.copytree(TRAINED_CLOVER_DEMO, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "block_size": 8}))
+    reblock(folder, 8)  # as train-demo --init-from --block-size 8 does before its first step
     write_manifest(folder)
     lm = load_checkpoint(folder, dtype=torch.float32)
     lm.model.eval()
