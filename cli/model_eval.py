@@ -37,6 +37,7 @@ from rich.table import Table
 
 from cli.api_client import api_client
 from client import Client, Job
+from scheduler.infra.settings import Settings, get_settings
 from worker.training.corpus import (
     DecisionCase,
     GenerationCase,
@@ -53,7 +54,25 @@ from worker.training.tool_calls import TOOL_TOKENS, ToolCallCase
 
 EVAL_SEED = 1  # any seed gives evaluation contracts (the split is by facts); this is the reported one
 REROUTE_TRIES = 50
-DEMO_BLOCK = 4  # the shipped demo's block size (``--block-size`` for a checkpoint trained otherwise)
+DEMO_BLOCK = 4  # the block size assumed when no checkpoint's config.json can be read
+
+
+def served_block_size(settings: Settings) -> int:
+    """The block size of the checkpoint these settings serve (``config.json``'s ``block_size``): the
+    ``CLOVERQ_MODEL_DIR`` folder, or before ``cloverq up`` has copied it there, the shipped trained
+    demo it will copy. The API does not report a model's block size, and the generation suite's
+    decodings must follow it: with fewer steps than the block has positions, ``static`` and
+    ``dynamic``'s fallback commit several tokens a pass, and tokens per pass would count them."""
+    from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+
+    for folder in (settings.resolved_model_dir, TRAINED_CLOVER_DEMO):
+        try:
+            block = json.loads((folder / "config.json").read_text()).get("block_size")
+        except (OSError, ValueError):
+            continue
+        if isinstance(block, int) and block >= 1:
+            return block
+    return DEMO_BLOCK
 
 
 def generation_configs(block: int) -> tuple[tuple[str, dict[str, Any]], ...]:
@@ -240,12 +259,13 @@ def _decision_table(split: str, tallies: dict[str, DecisionTally]) -> Table:
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the JSON report here.")  # fmt: skip
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait per job.")
-@click.option("--block-size", type=click.IntRange(min=1), default=DEMO_BLOCK, show_default=True,
-              help="generation: the model's block size (the steps of each decoding follow it).")  # fmt: skip
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="generation: the model's block size (the steps of each decoding follow it) "
+                   "[default: the served checkpoint's config.json].")  # fmt: skip
 @click.option("--constraints", is_flag=True,
               help="decisions: joint jobs declare each question group's rule as a constraint.")  # fmt: skip
 def eval_command(suite: str, seed: int, count: int | None, version: str | None, report_path: Path | None,
-                 timeout: float, block_size: int, constraints: bool) -> None:  # fmt: skip
+                 timeout: float, block_size: int | None, constraints: bool) -> None:  # fmt: skip
     """Run an evaluation suite as jobs on the running service and print the scores."""
     report: dict[str, Any] = {"suite": suite, "seed": seed, "version": version}
     if suite == "decisions":
@@ -273,8 +293,9 @@ def eval_command(suite: str, seed: int, count: int | None, version: str | None, 
             _console.print(_tool_table(tools))
         else:
             cases = generation_cases("eval", seed, count or 30)
+            block_size = block_size or served_block_size(get_settings())
             gen = evaluate_generation(cq, cases, version, timeout, block_size)
-            report["block_size"] = block_size  # what every decoding asked for (not read from the model)
+            report["block_size"] = block_size  # what every decoding asked for (the option or the config read)
             report["configs"] = {label: t.as_dict() for label, t in gen.items()}
             table = Table(title=f"generation, eval split, blocks of {block_size} (exact one-line score)")
             for column in ("decoding", "tokens/pass", "score", "failed jobs"):

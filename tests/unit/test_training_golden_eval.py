@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from worker.training.corpus import decision_case, generation_case
 from worker.training.evaluation import DecisionTally, GenerationTally
 from worker.training.golden import differences, golden_inputs, record
@@ -56,3 +59,19 @@ def test_the_generation_suite_s_decodings_follow_the_model_s_block() -> None:
         assert configs["static, 1 token/pass"]["steps_per_block"] == block
         assert configs["dynamic 0.9"] == {"block_size": block, "strategy": "dynamic", "threshold": 0.9,
                                           "steps_per_block": block}  # fmt: skip
+
+
+def test_the_generation_suite_reads_the_block_of_the_checkpoint_it_serves(tmp_path: Path) -> None:
+    from cli.model_eval import served_block_size
+    from scheduler.infra.settings import Settings
+    from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+
+    shipped = json.loads((TRAINED_CLOVER_DEMO / "config.json").read_text())["block_size"]
+    served = tmp_path / "served"
+    settings = Settings(model_dir=served, data_dir=tmp_path)
+    assert served_block_size(settings) == shipped  # nothing copied there yet: what `cloverq up` will copy
+    served.mkdir()
+    (served / "config.json").write_text(json.dumps({"block_size": 16}))
+    assert served_block_size(settings) == 16
+    (served / "config.json").write_text("{not json")
+    assert served_block_size(settings) == shipped
