@@ -26,7 +26,8 @@ from worker.training.trainer import (
     train_demo,
 )
 
-BLOCK = 4
+# the shipped demo's block: bucketed_loss chains with the model's own (config.json block_size)
+BLOCK = int(json.loads((TRAINED_CLOVER_DEMO / "config.json").read_text())["block_size"])
 
 
 def _chained_step(length: int) -> tuple[LoadedModel, list[Row], tuple[torch.Tensor, ...], Chain]:
