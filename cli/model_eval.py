@@ -54,25 +54,29 @@ from worker.training.tool_calls import TOOL_TOKENS, ToolCallCase
 
 EVAL_SEED = 1  # any seed gives evaluation contracts (the split is by facts); this is the reported one
 REROUTE_TRIES = 50
-DEMO_BLOCK = 4  # the block size assumed when no checkpoint's config.json can be read
 
 
 def served_block_size(settings: Settings) -> int:
-    """The block size of the checkpoint these settings serve (``config.json``'s ``block_size``): the
-    ``CLOVERQ_MODEL_DIR`` folder, or before ``cloverq up`` has copied it there, the shipped trained
-    demo it will copy. The API does not report a model's block size, and the generation suite's
-    decodings must follow it: with fewer steps than the block has positions, ``static`` and
-    ``dynamic``'s fallback commit several tokens a pass, and tokens per pass would count them."""
+    """The block size a worker under these settings decodes with when a job names none: its
+    checkpoint's (the ``CLOVERQ_MODEL_DIR`` folder, or before ``cloverq up`` has copied it there,
+    the shipped trained demo it will copy), resolved as the worker resolves it (``read_config``:
+    ``config.json``, else ``generation_config.json``, then the family's default). The API does not
+    report a model's block size, and the generation suite's decodings must follow it: with fewer
+    steps than the block has positions, ``static`` and ``dynamic``'s fallback commit several tokens
+    a pass, and tokens per pass would count them."""
+    from worker.model.checkpoint import CheckpointError, read_config
     from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+    from worker.model.family import decoding_defaults
 
-    for folder in (settings.resolved_model_dir, TRAINED_CLOVER_DEMO):
+    folders = (settings.resolved_model_dir, TRAINED_CLOVER_DEMO)
+    for folder in folders:
         try:
-            block = json.loads((folder / "config.json").read_text()).get("block_size")
-        except (OSError, ValueError):
+            return decoding_defaults(read_config(folder)).block_size
+        except CheckpointError:
             continue
-        if isinstance(block, int) and block >= 1:
-            return block
-    return DEMO_BLOCK
+    listed = ", ".join(map(str, folders))
+    raise click.ClickException(f"no checkpoint config in {listed} to read the block size from: "
+                               "give --block-size")
 
 
 def generation_configs(block: int) -> tuple[tuple[str, dict[str, Any]], ...]:
@@ -212,7 +216,7 @@ def generation_body(case: GenerationCase, params: dict[str, Any]) -> dict[str, A
 
 
 def evaluate_generation(cq: Client, cases: list[GenerationCase], version: str | None, timeout: float,
-                        block: int = DEMO_BLOCK) -> dict[str, GenerationTally]:  # fmt: skip
+                        block: int) -> dict[str, GenerationTally]:  # fmt: skip
     tallies = {}
     for label, params in generation_configs(block):
         tally = GenerationTally()
@@ -261,7 +265,7 @@ def _decision_table(split: str, tallies: dict[str, DecisionTally]) -> Table:
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait per job.")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="generation: the model's block size (the steps of each decoding follow it) "
-                   "[default: the served checkpoint's config.json].")  # fmt: skip
+                   "[default: the served checkpoint's, as its worker reads it].")  # fmt: skip
 @click.option("--constraints", is_flag=True,
               help="decisions: joint jobs declare each question group's rule as a constraint.")  # fmt: skip
 def eval_command(suite: str, seed: int, count: int | None, version: str | None, report_path: Path | None,

@@ -5,14 +5,14 @@ denominator."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
-from worker.model.checkpoint import load_checkpoint
+from worker.model.checkpoint import load_checkpoint, read_config
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+from worker.model.family import decoding_defaults
 from worker.training.certainty import CERTAINTY_TEMPERATURE, certainty_term, certainty_weights
 from worker.training.chain import draw_chain
 from worker.training.passes import denoise
@@ -25,8 +25,8 @@ from worker.training.trainer import (
     check_config,
 )
 
-# the shipped demo's block: bucketed_loss chains with the model's own (config.json block_size)
-BLOCK = int(json.loads((TRAINED_CLOVER_DEMO / "config.json").read_text())["block_size"])
+# the shipped demo's block, as served: bucketed_loss chains with the model's own
+BLOCK = decoding_defaults(read_config(TRAINED_CLOVER_DEMO)).block_size
 
 
 def test_the_term_is_the_scaled_entropy_where_the_argmax_is_right() -> None:

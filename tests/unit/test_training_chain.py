@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.model.checkpoint import SINGLE_NAME, LoadedModel, load_checkpoint
+from worker.model.checkpoint import SINGLE_NAME, LoadedModel, load_checkpoint, read_config
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
+from worker.model.family import decoding_defaults
 from worker.training.chain import Chain, draw_chain
 from worker.training.passes import denoise
 from worker.training.rows import Row
@@ -26,8 +27,8 @@ from worker.training.trainer import (
     train_demo,
 )
 
-# the shipped demo's block: bucketed_loss chains with the model's own (config.json block_size)
-BLOCK = int(json.loads((TRAINED_CLOVER_DEMO / "config.json").read_text())["block_size"])
+# the shipped demo's block, as served: bucketed_loss chains with the model's own
+BLOCK = decoding_defaults(read_config(TRAINED_CLOVER_DEMO)).block_size
 
 
 def _chained_step(length: int) -> tuple[LoadedModel, list[Row], tuple[torch.Tensor, ...], Chain]:

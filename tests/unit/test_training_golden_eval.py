@@ -64,14 +64,18 @@ def test_the_generation_suite_s_decodings_follow_the_model_s_block() -> None:
 def test_the_generation_suite_reads_the_block_of_the_checkpoint_it_serves(tmp_path: Path) -> None:
     from cli.model_eval import served_block_size
     from scheduler.infra.settings import Settings
+    from worker.model.checkpoint import read_config
     from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 
-    shipped = json.loads((TRAINED_CLOVER_DEMO / "config.json").read_text())["block_size"]
+    shipped = read_config(TRAINED_CLOVER_DEMO).block_size
     served = tmp_path / "served"
     settings = Settings(model_dir=served, data_dir=tmp_path)
     assert served_block_size(settings) == shipped  # nothing copied there yet: what `cloverq up` will copy
     served.mkdir()
-    (served / "config.json").write_text(json.dumps({"block_size": 16}))
+    config = json.loads((TRAINED_CLOVER_DEMO / "config.json").read_text())
+    (served / "config.json").write_text(json.dumps({**config, "block_size": 16}))
     assert served_block_size(settings) == 16
+    (served / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "block_size"}))
+    assert served_block_size(settings) == 32  # none named: Clover's decided default, as a worker serves it
     (served / "config.json").write_text("{not json")
     assert served_block_size(settings) == shipped

@@ -254,7 +254,8 @@ def random_weights(
     return tensors
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """A checkpoint's JSON file as the demo writes them (sorted keys, two-space indent, a final newline)."""
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
@@ -288,7 +289,7 @@ def write_demo_checkpoint(
         size, special_ids=special_ids, vocab_size=tokenizer.get_vocab_size(), arch=arch
     )
     (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
-    _write_json(
+    write_json(
         folder / "tokenizer_config.json",
         {
             "added_tokens_decoder": {
@@ -312,8 +313,8 @@ def write_demo_checkpoint(
             "tokenizer_class": "PreTrainedTokenizerFast",
         },
     )
-    _write_json(folder / "config.json", config.to_hf_dict())
-    _write_json(
+    write_json(folder / "config.json", config.to_hf_dict())
+    write_json(
         folder / "generation_config.json",
         {
             "eos_token_id": [special_ids[IM_END], special_ids[ENDOFTEXT]],

@@ -21,12 +21,11 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from worker.model.checkpoint import SINGLE_NAME
 from worker.model.config import ModelConfig
-from worker.model.demo import DemoArch, random_weights, write_demo_checkpoint
+from worker.model.demo import DemoArch, random_weights, write_demo_checkpoint, write_json
 from worker.model.demo_tokenizer import IM_START, MASK, PAD
 from worker.model.manifest import write_manifest
 
 TINY_HIDDEN, TINY_LAYERS = 64, 4
-GENERATION_CONFIG = "generation_config.json"
 
 
 LAYER_CODES = {"L": "linear_attention", "A": "full_attention"}  # a Clover layer pattern's letters
@@ -82,9 +81,9 @@ def write_shaped_demo(
         return
     hf = json.loads((folder / "config.json").read_text())
     config = shaped_config(ModelConfig.from_hf_dict(hf), hidden, layers, pattern, block_size)
-    (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+    write_json(folder / "config.json", config.to_hf_dict())
     if block_size is not None:  # the generation config names the block too
-        reblock(folder, block_size)
+        _reblock_generation_config(folder, block_size)
     never = [tokenizer.token_to_id(t) for t in (MASK, PAD, IM_START)]
     weights = random_weights(config, seed=seed, dtype=torch.float32, never_generated=never)  # type: ignore[arg-type]
     mode = (folder / SINGLE_NAME).stat().st_mode & 0o777
@@ -99,15 +98,18 @@ def reblock(folder: Path, block_size: int) -> None:
     it (CLOVER.md: ``block_size`` when the config has one). ``config.json`` is what cloverq reads;
     ``generation_config.json`` is set alike where it names a block (``block_size``, or the
     ``block_length`` some diffusion checkpoints use), so no reader of it decodes other blocks."""
-    _set_json(folder / "config.json", {"block_size": block_size})
-    generation = folder / GENERATION_CONFIG
-    if generation.is_file():
-        named = [k for k in ("block_size", "block_length") if k in json.loads(generation.read_text())]
-        _set_json(generation, dict.fromkeys(named, block_size))
+    _update_json(folder / "config.json", {"block_size": block_size})
+    _reblock_generation_config(folder, block_size)
 
 
-def _set_json(path: Path, values: dict[str, int]) -> None:
-    """``values`` written into the JSON object at ``path`` (as the demo writes its files)."""
+def _reblock_generation_config(folder: Path, block_size: int) -> None:
+    path = folder / "generation_config.json"
+    if path.is_file():
+        named = [k for k in ("block_size", "block_length") if k in json.loads(path.read_text())]
+        _update_json(path, dict.fromkeys(named, block_size))
+
+
+def _update_json(path: Path, values: dict[str, int]) -> None:
+    """``values`` written into the JSON object at ``path`` (nothing written when empty)."""
     if values:
-        hf = json.loads(path.read_text())
-        path.write_text(json.dumps({**hf, **values}, indent=2, sort_keys=True) + "\n")
+        write_json(path, {**json.loads(path.read_text()), **values})
