@@ -49,7 +49,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from worker.decisions.spec import DecisionMode
 from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
-from worker.model.demo import DemoArch
+from worker.model.demo import DemoArch, write_json
 from worker.model.hf_names import hf_targets
 from worker.model.manifest import write_manifest
 from worker.model.tokenizer import Tokenizer
@@ -436,7 +436,7 @@ def declare_joint_decode(folder: Path, decode: str | None) -> None:
     gen.pop("joint_decode", None)
     if decode is not None:
         gen["joint_decode"] = decode
-    path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    write_json(path, gen)
 
 
 def optimizer_and_schedule(
@@ -691,7 +691,7 @@ def train_demo(
         declare_joint_decode(folder, "one_pass" if one_pass else None)  # a later stage's own recipe decides
         record = {"config": _recorded(config), "steps": step, "float_path": computed_on,
                   "first_loss": round(losses[0], 4), "final_loss": round(result.final_loss, 4)}  # fmt: skip
-        (folder / TRAINING_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        write_json(folder / TRAINING_FILE, record)
         resume.unlink(missing_ok=True)
         write_manifest(folder)
     return result
