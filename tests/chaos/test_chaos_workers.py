@@ -45,18 +45,15 @@ def test_workers_sigkilled_mid_job_repeatedly_every_job_succeeds_exactly_once(
     stack.ensure_workers(2)
     kills = REPEATED_KILLS  # below max_attempts: a job hit by every kill still has an attempt left
     job_ids: list[str] = []
-    killed_holding = 0
     with stack.client() as client:
         for round_ in range(kills):  # each round: fresh work, then a kill while it runs
             job_ids += [stack.submit(client, {**MEDIUM_PARAMS, "seed": 40 * round_ + i}) for i in range(30)]
-            victim, held = _busy_worker(stack, job_ids)
-            killed_holding += len(held)
+            victim, _ = _busy_worker(stack, job_ids)  # it holds a running job: the kill lands mid-job
             victim.kill()  # SIGKILL of the whole process group: no drain, no cleanup
             stack.start_workers(1)  # the supervisor's replacement (the other worker keeps going)
     rows = stack.wait_final(job_ids, timeout=120)
     stack.assert_exactly_once(job_ids, rows)
     retried = sum(1 for row in rows.values() if row["attempt"] > 1)
-    assert killed_holding >= kills  # every kill hit at least one running job
     assert retried >= kills, f"only {retried} jobs needed a second attempt"
 
 
@@ -106,14 +103,11 @@ def test_sigterm_with_running_jobs_they_finish_or_are_handed_back_none_lost(chao
     stack.start_workers(1)
     rows = stack.wait_final(job_ids, timeout=90)
     stack.assert_exactly_once(job_ids, rows)
-    # What the victim held when it was told to stop ended once each: finished there (the drain)
-    # or handed back and finished by another worker. (The snapshot is from just before the
-    # SIGTERM; a job may end in that moment, which is still "finished on the victim".)
-    drained = [job_id for job_id in held if rows[job_id]["worker_id"] == victim.worker_id]
-    handed_back = [job_id for job_id in held if rows[job_id]["worker_id"] != victim.worker_id]
-    assert all(rows[job_id]["status"] == "succeeded" for job_id in held)
-    print(f"SIGTERM: worker held {len(held)} running jobs ({len(drained)} finished there, "
-          f"{len(handed_back)} handed back), exited 0 after {drain_seconds:.1f}s")
+    # ``assert_exactly_once`` covers what the victim held (a snapshot from just before the
+    # SIGTERM): each job finished there (the drain) or was handed back and finished elsewhere.
+    drained = sum(rows[job_id]["worker_id"] == victim.worker_id for job_id in held)
+    print(f"SIGTERM: worker held {len(held)} running jobs ({drained} finished there, "
+          f"{len(held) - drained} handed back), exited 0 after {drain_seconds:.1f}s")
 
 
 def test_job_longer_than_the_visibility_timeout_is_redelivered_but_runs_once(chaos_stack: ChaosStack) -> None:
