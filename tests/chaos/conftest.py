@@ -261,6 +261,48 @@ class ChaosStack:
                             f"tail:\n{self.beat.log()[-1500:]}")
             time.sleep(0.25)
 
+    def wait_some_running(self, job_ids: list[str], *, timeout: float = 30.0) -> float:
+        """Seconds until one of ``job_ids`` is ``running`` in SQL; on timeout, fail with where the
+        jobs are (rows, markers, messages), each class's live messages and held jobs, and what
+        every registered worker says it consumes (a CI failure must say which part stood still)."""
+        began = time.monotonic()
+        while not any(r["status"] == "running" for r in self.rows(job_ids).values()):
+            if time.monotonic() - began > timeout:
+                rows = self.rows(job_ids)
+                counts: dict[str, int] = {}
+                for row in rows.values():
+                    counts[str(row["status"])] = counts.get(str(row["status"]), 0) + 1
+                sample = {j: self.whereabouts(j, rows.get(j)) for j in job_ids[:5]}
+                pytest.fail(f"no job of {len(job_ids)} running after {timeout:.0f}s: statuses {counts}; "
+                            f"{sample}\nqueues: {self.queue_state()}\nworkers: {self.worker_state()}\n"
+                            f"live worker processes {[w.pid for w in self.live_workers()]}")
+            time.sleep(0.05)
+        return time.monotonic() - began
+
+    def queue_state(self) -> dict[str, Any]:
+        """Per class queue: live messages (what fair share's window counts) and held jobs."""
+        from scheduler.fairness.held import held_count
+        from scheduler.fairness.release import live_messages
+        from scheduler.infra.queue_names import JOB_QUEUES
+
+        try:
+            client = self.redis.client()
+            return {q: {"live": live_messages(client, q), "held": held_count(client, q)} for q in JOB_QUEUES}
+        except redis_lib.RedisError as exc:
+            return {"redis": repr(exc)}
+
+    def worker_state(self) -> list[dict[str, Any]]:
+        """Every registered worker: state, heartbeat age, what it consumes and what it misses."""
+        from scheduler.fleet.workers import consuming_classes, list_workers, unconsumed_classes
+
+        try:
+            return [{"id": w.id, "pid": w.pid, "state": w.state, "age": w.heartbeat_age,
+                     "consuming": consuming_classes(w), "unconsumed": unconsumed_classes(w),
+                     "running": w.stats.get("running_jobs")}
+                    for w in list_workers(self.redis.client())]
+        except redis_lib.RedisError as exc:
+            return [{"redis": repr(exc)}]
+
     def unfinished_jobs(self) -> list[str]:
         """Every job in SQL that is not final yet (a failed test can leave some behind)."""
         with self.engine.connect() as conn:

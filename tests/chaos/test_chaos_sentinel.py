@@ -192,7 +192,7 @@ def test_stack_on_sentinel_master_killed_after_unreplicated_writes_every_job_onc
     outage: list[tuple[float, int, float]] = []  # (seconds after the kill, status, latency) of submits
     with stack.client(timeout=15.0, headers=headers) as client:
         accepted = [stack.submit(client, {**PARAMS, "seed": i}) for i in range(8)]
-        _wait_running(stack, accepted)
+        stack.wait_some_running(accepted)
         sentinels.detach_replica()
         # These jobs' marker, message and admission reservations reach the master only.
         unreplicated = [stack.submit(client, {**TINY_PARAMS, "seed": 100 + i}) for i in range(4)]
@@ -235,10 +235,3 @@ def test_stack_on_sentinel_master_killed_after_unreplicated_writes_every_job_onc
           f"{max((lat for _, lat in without_master), default=0.0) * 1000:.0f} ms; {len(accepted)} accepted "
           f"({len(unreplicated)} with Redis writes the failover lost), all succeeded once, final "
           f"{waited:.2f} s after the last submit")
-
-
-def _wait_running(stack: ChaosStack, job_ids: list[str]) -> None:
-    deadline = time.monotonic() + 30
-    while not any(r["status"] == "running" for r in stack.rows(job_ids).values()):
-        assert time.monotonic() < deadline, "no job started"
-        time.sleep(0.05)

@@ -25,13 +25,6 @@ def _submit_many(stack: ChaosStack, client: httpx.Client, count: int) -> list[st
     return [stack.submit(client, {**PARAMS, "seed": i}) for i in range(count)]
 
 
-def _wait_some_running(stack: ChaosStack, job_ids: list[str]) -> None:
-    deadline = time.monotonic() + 30
-    while not any(r["status"] == "running" for r in stack.rows(job_ids).values()):
-        assert time.monotonic() < deadline, "no job started"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize(("graceful", "snapshot"), [(False, False), (True, True)],
                          ids=["killed-back-empty", "stopped-back-with-snapshot"])
 def test_redis_restarted_mid_run_every_accepted_job_completes(
@@ -45,7 +38,7 @@ def test_redis_restarted_mid_run_every_accepted_job_completes(
     statuses: list[int] = []
     with stack.client(timeout=15.0) as client:
         accepted = _submit_many(stack, client, 40)
-        _wait_some_running(stack, accepted)
+        stack.wait_some_running(accepted)
         stack.redis.stop(graceful=graceful, snapshot=snapshot)
         down_since = time.monotonic()
         while time.monotonic() - down_since < 3.0:  # submissions while Redis is down
@@ -69,7 +62,7 @@ def test_redis_flushed_mid_run_every_accepted_job_completes(chaos_stack: ChaosSt
     stack.ensure_workers(2)
     with stack.client() as client:
         accepted = _submit_many(stack, client, 40)
-        _wait_some_running(stack, accepted)
+        stack.wait_some_running(accepted)
         stack.redis.client().flushall()  # queues, unacked deliveries, markers, registry: all gone
         accepted += _submit_many(stack, client, 10)
     rows = stack.wait_final(accepted, timeout=90)
@@ -85,7 +78,7 @@ def test_postgres_restarted_mid_run_503_during_outage_then_recovers(chaos_stack:
     outage: list[tuple[int, float]] = []  # (status, seconds) of submissions while the DB is down
     with stack.client(timeout=15.0) as client:
         accepted = _submit_many(stack, client, 30)
-        _wait_some_running(stack, accepted)
+        stack.wait_some_running(accepted)
         stack.postgres.stop("fast")  # terminates every connection
         down_since = time.monotonic()
         while time.monotonic() - down_since < 4.0:
