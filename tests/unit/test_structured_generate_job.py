@@ -64,6 +64,8 @@ def test_generate_with_a_response_schema_returns_valid_json(ctx: EngineContext) 
     jsonschema.validate(value, SCHEMA)
     assert value == outcome.result["data"]
     assert 0.0 < outcome.result["confidence"]["/renews"] <= 1.0
+    # the canvas decoded to its end: a complete answer (OpenAI clients read "length" as cut off)
+    assert outcome.finish_reason == outcome.result["finish_reason"] == "eos"
 
 
 def test_an_unsupported_keyword_is_an_input_error(ctx: EngineContext) -> None:
