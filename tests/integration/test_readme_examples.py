@@ -1,12 +1,15 @@
 """The README's example job is a real response: the walk-through's request is run through the real
-app and a real worker, and the README's JSON must have the same fields, nested the same way, and
-the same ``params`` (issue 33: it listed ``strategy``/``threshold``, which the API omits when
-unset). On a mismatch the failure prints the real response formatted for the README."""
+app and a real worker serving the shipped trained demo (what ``cloverq up`` serves), and the
+README's JSON must have the same fields, nested the same way, the same ``params`` (issue 33: it
+listed ``strategy``/``threshold``, which the API omits when unset) and the same answer, text and
+tokens (it showed an earlier demo's answer for a while). On a mismatch the failure prints the real
+response formatted for the README."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,14 +20,18 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from scheduler.infra.settings import Settings
+from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 
 pytestmark = pytest.mark.integration
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-# The walk-through's request (README: "Walk-through: submit, poll").
-BODY = {"kind": "generate", "input": {"prompt": "Write a haiku about queues."},
-        "params": {"max_new_tokens": 32, "steps_per_block": 4}}
-EXAMPLE_ID = "846dba6d-05f5-481e-ab51-d6c9106b77fa"
+EXAMPLE_CONTRACT = TRAINED_CLOVER_DEMO.parent / "example_contract.txt"
+# The walk-through's request (README: "Walk-through: submit, poll"): a question on the example contract.
+QUESTION = (f"Contract:\n{EXAMPLE_CONTRACT.read_text()}\n"
+            "Question: When must invoices be paid?\nAnswer in one line.")
+BODY = {"kind": "generate", "params": {"max_new_tokens": 32},
+        "input": {"messages": [{"role": "user", "content": QUESTION}]}}
+EXAMPLE_ID = "f3aa3289-b5c9-4a47-93a8-cf4fb6a614a1"
 
 
 def readme_job_block(job: dict[str, Any]) -> str:
@@ -60,10 +67,19 @@ def readme_example() -> dict[str, Any]:
     return dict(json.loads(match.group(1)))
 
 
+def test_the_readme_request_is_the_one_the_test_sends() -> None:
+    text = README.read_text()
+    match = re.search(r"-d '(\{\"kind\": \"generate\".*?)'\n```", text, re.DOTALL)
+    assert match, "README lost the walk-through's POST example"
+    assert json.loads(match.group(1)) == BODY
+
+
 def test_the_readme_job_example_is_what_the_api_answers(
-    test_settings: Settings, celery_worker_process: Callable[..., Any]
+    test_settings: Settings, celery_worker_process: Callable[..., Any], tmp_path: Path
 ) -> None:
-    settings = test_settings.replaced(auth="disabled")
+    model_dir = tmp_path / "demo"
+    shutil.copytree(TRAINED_CLOVER_DEMO, model_dir)
+    settings = test_settings.replaced(auth="disabled", model_dir=model_dir)
     celery_worker_process(settings)
     with TestClient(create_app(settings)) as client:
         job_id = client.post("/v1/jobs", json=BODY).json()["id"]
@@ -77,3 +93,6 @@ def test_the_readme_job_example_is_what_the_api_answers(
     assert example["params"] == job["params"], paste
     assert shape(example) == shape(job), paste
     assert [example[k] for k in ("kind", "status", "queue")] == [job[k] for k in ("kind", "status", "queue")]
+    assert example["model_version"] == job["model_version"], paste
+    answer = ("text", "token_ids", "finish_reason", "usage")
+    assert {k: example["result"][k] for k in answer} == {k: job["result"][k] for k in answer}, paste
