@@ -1,11 +1,15 @@
 """The supported JSON Schema subset, parsed into a small tree the canvas lays out.
 
 A keyword outside the subset is an error naming it (never a silent drop); annotations (title,
-description, ...) are accepted and ignored. ``enum``/``const``/``boolean``/``null`` and integers
-over a small range all become one node, :class:`EnumNode` (a choice among values), so ``anyOf``
-of those merges into one choice. The schema itself is first checked with ``jsonschema``
-(draft 2020-12 meta-schema); enum values are kept only if ``jsonschema`` says they satisfy the
-whole schema, so an enum that contradicts its ``type`` cannot produce an invalid value.
+description, ...) are accepted and ignored. ``$ref`` to a subschema of the same document
+(``#/$defs/Party``, what pydantic writes for nested models; any JSON pointer starting with ``#``)
+is laid out as the subschema it points to; a recursive one is refused (a canvas is a fixed
+layout), as is one to another document (nothing is ever fetched).
+``enum``/``const``/``boolean``/``null`` and integers over a small range all become one node,
+:class:`EnumNode` (a choice among values), so ``anyOf`` of those merges into one choice. The
+schema itself is first checked with ``jsonschema`` (draft 2020-12 meta-schema); enum values are
+kept only if ``jsonschema`` says they satisfy the whole schema, so an enum that contradicts its
+``type`` cannot produce an invalid value.
 
 It lives in the scheduler (pure Python and ``jsonschema``; no torch) because both sides need it:
 the API refuses a schema outside the subset at submit (400, nothing stored) and the worker's
@@ -19,6 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import jsonschema
 
@@ -63,6 +68,13 @@ KEYWORDS = frozenset(
         "exclusiveMaximum",
     }
 )
+# Containers of subschemas that are laid out only where a ``$ref`` points into them (pydantic's
+# ``model_json_schema()`` puts nested models in the root's ``$defs`` and refers to them).
+DEFINITIONS = frozenset({"$defs", "definitions"})
+IGNORED = ANNOTATIONS | DEFINITIONS
+# Subschemas one schema may expand to once its $refs are followed: a small schema whose
+# definitions refer to each other several times over would otherwise expand exponentially.
+MAX_EXPANDED_NODES = 4096
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 FORMATS = frozenset({"date"})
 
@@ -190,14 +202,22 @@ def parse_schema(schema: Any, options: ParseOptions | None = None) -> Node:
         raise SchemaError(
             SchemaErrorCode.INVALID_SCHEMA, f"not a valid JSON Schema: {exc.message}", path=where
         ) from None
-    return _Parser(opts).node(schema, "#", 0)
+    return _Parser(opts, schema).node(schema, "#", 0)
 
 
 class _Parser:
-    def __init__(self, opts: ParseOptions) -> None:
+    def __init__(self, opts: ParseOptions, root: dict[str, Any]) -> None:
         self.opts = opts
+        self.root = root
+        self.expanding: list[str] = []  # the $refs being laid out, outermost first
+        self.expanded = 0  # subschemas parsed so far (MAX_EXPANDED_NODES)
 
     def node(self, schema: Any, path: str, depth: int) -> Node:
+        self.expanded += 1
+        if self.expanded > MAX_EXPANDED_NODES:
+            raise SchemaError(SchemaErrorCode.SCHEMA_TOO_LARGE,
+                              f"the schema expands to more than {MAX_EXPANDED_NODES} subschemas once its "
+                              "$refs are followed; refer to fewer definitions, fewer times", path=path)
         if schema is True or schema == {}:
             return StringNode(0, None, False)  # any value is valid: lay out a string
         if not isinstance(schema, dict):
@@ -205,8 +225,10 @@ class _Parser:
         if depth > self.opts.max_depth:
             raise _over_limit(f"nesting deeper than {self.opts.max_depth}", "max_schema_depth",
                               "a flatter schema (fewer levels of nested objects, arrays and anyOf)", path)
+        if "$ref" in schema:
+            return self._ref(schema, path, depth)
         for key in schema:
-            if key not in KEYWORDS and key not in ANNOTATIONS:
+            if key not in KEYWORDS and key not in IGNORED:
                 raise SchemaError(
                     SchemaErrorCode.UNSUPPORTED_KEYWORD,
                     f"schema keyword {key!r} is not supported",
@@ -216,7 +238,7 @@ class _Parser:
         if "const" in schema or "enum" in schema:
             return self._enum(schema, path)
         if "anyOf" in schema:
-            rest = {k: v for k, v in schema.items() if k != "anyOf" and k not in ANNOTATIONS}
+            rest = {k: v for k, v in schema.items() if k != "anyOf" and k not in IGNORED}
             if rest:
                 raise SchemaError(
                     SchemaErrorCode.UNSUPPORTED_KEYWORD,
@@ -241,6 +263,51 @@ class _Parser:
             "integer": self._integer,
             "number": self._number,
         }.get(kind, self._scalar)(schema, path, depth)
+
+    def _ref(self, schema: dict[str, Any], path: str, depth: int) -> Node:
+        """The subschema ``$ref`` points to, laid out in its place (at the same depth: a reference
+        is not a level of nesting); errors inside it name the definition's path."""
+        ref = schema["$ref"]
+        beside = sorted(k for k in schema if k != "$ref" and k not in IGNORED)
+        if beside:
+            raise SchemaError(SchemaErrorCode.UNSUPPORTED_KEYWORD,
+                              f"keywords next to $ref are not supported ({', '.join(beside)})",
+                              keyword="$ref", path=path)
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise SchemaError(SchemaErrorCode.UNSUPPORTED_KEYWORD,
+                              f"$ref {ref!r}: only references inside the schema ('#/$defs/...') are "
+                              "supported; nothing is fetched", keyword="$ref", path=f"{path}/$ref")
+        if ref in self.expanding:
+            raise SchemaError(SchemaErrorCode.UNSUPPORTED_KEYWORD,
+                              f"recursive $ref {ref!r}: the output is laid out as a fixed structure, so "
+                              "a schema may not contain itself; unroll it to the depth you need",
+                              keyword="$ref", path=f"{path}/$ref")
+        target = self._resolve(ref, path)
+        self.expanding.append(ref)
+        try:
+            return self.node(target, ref, depth)
+        finally:
+            self.expanding.pop()
+
+    def _resolve(self, ref: str, path: str) -> Any:
+        """The value at JSON pointer ``ref[1:]`` (RFC 6901, percent-decoded) in the root schema."""
+        pointer = unquote(ref[1:])
+        found: Any = self.root
+        if pointer and not pointer.startswith("/"):
+            found = None  # "#name" (an anchor): not supported
+        for token in pointer.split("/")[1:] if found is not None else []:
+            token = token.replace("~1", "/").replace("~0", "~")
+            if isinstance(found, dict) and token in found:
+                found = found[token]
+            elif isinstance(found, list) and token.isdigit() and int(token) < len(found):
+                found = found[int(token)]
+            else:
+                found = None
+                break
+        if found is None or not isinstance(found, dict | bool):
+            raise SchemaError(SchemaErrorCode.INVALID_SCHEMA, f"$ref {ref!r} points to no subschema",
+                              keyword="$ref", path=f"{path}/$ref")
+        return found
 
     def _any_of(self, branches: list[Node]) -> Node:
         if all(isinstance(b, EnumNode) for b in branches):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import jsonschema
@@ -63,16 +63,23 @@ def test_json_schema_content_validates(stack: Stack, schema: dict[str, Any]) -> 
     assert job["status"] == "succeeded" and job["result"]["text"] == content
 
 
+class Party(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    role: Literal["provider", "customer"]
+
+
 class Fields(pydantic.BaseModel):
-    party: str
+    parties: list[Party] = pydantic.Field(max_length=2)
     notice_days: int
     renews: bool
+    law: str | None
 
 
 def test_the_sdks_parse_helper_reads_the_value(stack: Stack) -> None:
     """``chat.completions.parse`` with a pydantic model, as pipelines call it: the SDK refuses a
     reply whose ``finish_reason`` is ``length`` (``LengthFinishReasonError``), so a complete
-    canvas must finish with ``stop``; the parsed value is the job's ``data``."""
+    canvas must finish with ``stop``; a nested model reaches the server as a ``$ref`` into
+    ``$defs``; the parsed value is the job's ``data``."""
     reply = stack.openai().chat.completions.parse(
         model=stack.model, messages=[{"role": "user", "content": "Extract the contract's fields."}],
         response_format=Fields, seed=3, extra_body=QUICK,

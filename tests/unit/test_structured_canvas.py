@@ -43,7 +43,7 @@ def test_content_is_required_before_the_last_content_token_and_the_minimum() -> 
     [
         ({"type": "string", "pattern": "a+"}, SchemaErrorCode.UNSUPPORTED_KEYWORD, "pattern"),
         (
-            {"type": "object", "properties": {"a": {"$ref": "#/x"}}},
+            {"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}},
             SchemaErrorCode.UNSUPPORTED_KEYWORD,
             "$ref",
         ),

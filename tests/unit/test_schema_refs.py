@@ -1,0 +1,84 @@
+"""``$ref`` inside one schema (what pydantic's ``model_json_schema()`` and OpenAI's SDK write for
+nested models): laid out as the subschema it points to, the same tree as the schema written out
+by hand; recursive, remote, dangling and constrained references are refused with a code, and a
+schema whose references multiply is refused before it expands."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pydantic
+import pytest
+
+from scheduler.jobs.schema_subset import MAX_EXPANDED_NODES, SchemaError, SchemaErrorCode, parse_schema
+
+
+class Party(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    role: Literal["provider", "customer"]
+
+
+class Contract(pydantic.BaseModel):
+    parties: list[Party] = pydantic.Field(max_length=3)
+    signer: Party = pydantic.Field(description="who signs")
+    law: str | None = None
+
+
+PARTY = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "role": {"enum": ["provider", "customer"], "type": "string"}},
+         "required": ["name", "role"]}
+BY_HAND = {"type": "object",
+           "properties": {"parties": {"type": "array", "items": PARTY, "maxItems": 3},
+                          "signer": PARTY,
+                          "law": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+           "required": ["parties", "signer"]}
+
+
+def test_a_pydantic_model_with_nested_models_is_the_tree_written_out_by_hand() -> None:
+    schema = Contract.model_json_schema()
+    assert "$defs" in schema and schema["properties"]["signer"].get("description") == "who signs"
+    assert parse_schema(schema) == parse_schema(BY_HAND)
+
+
+def test_pointer_escapes_and_definitions_resolve() -> None:
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/definitions/x~1y~0z"}},
+              "definitions": {"x/y~z": {"type": "boolean"}}, "required": ["a"]}
+    assert parse_schema(schema) == parse_schema({"type": "object", "properties": {"a": {"type": "boolean"}},
+                                                 "required": ["a"]})
+
+
+@pytest.mark.parametrize(
+    ("schema", "code"),
+    [
+        # recursive: a canvas is a fixed layout
+        ({"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+          "$ref": "#/$defs/node"}, SchemaErrorCode.UNSUPPORTED_KEYWORD),
+        ({"type": "array", "items": {"$ref": "#"}}, SchemaErrorCode.UNSUPPORTED_KEYWORD),
+        # another document: never fetched
+        ({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},
+         SchemaErrorCode.UNSUPPORTED_KEYWORD),
+        # a constraint beside the reference
+        ({"$defs": {"s": {"type": "string"}}, "type": "object",
+          "properties": {"a": {"$ref": "#/$defs/s", "maxLength": 3}}}, SchemaErrorCode.UNSUPPORTED_KEYWORD),
+        # points to nothing
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}, SchemaErrorCode.INVALID_SCHEMA),
+        ({"type": "object", "properties": {"a": {"$ref": "#anchor"}}}, SchemaErrorCode.INVALID_SCHEMA),
+    ],
+    ids=["recursive", "root", "remote", "sibling", "dangling", "anchor"],
+)
+def test_references_outside_the_subset_are_refused(schema: dict[str, Any], code: SchemaErrorCode) -> None:
+    with pytest.raises(SchemaError) as info:
+        parse_schema(schema)
+    assert info.value.code is code and info.value.keyword == "$ref"
+
+
+def test_references_that_multiply_are_refused_before_they_expand() -> None:
+    # each level refers to the next one 8 times: 8 ** 6 subschemas from a few hundred bytes
+    defs: dict[str, Any] = {"l6": {"type": "boolean"}}
+    for level in range(5, -1, -1):
+        defs[f"l{level}"] = {"type": "object",
+                             "properties": {f"p{i}": {"$ref": f"#/$defs/l{level + 1}"} for i in range(8)}}
+    with pytest.raises(SchemaError) as info:
+        parse_schema({"$defs": defs, "$ref": "#/$defs/l0"})
+    assert info.value.code is SchemaErrorCode.SCHEMA_TOO_LARGE
+    assert str(MAX_EXPANDED_NODES) in str(info.value)
