@@ -16,9 +16,13 @@ schema's canvas (``worker/structured``), never by this wording.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from scheduler.jobs.schema_refs import inline_refs
+from scheduler.jobs.schema_subset import SchemaError
 
 SYSTEM_PROMPT = "You extract facts from documents. Answer with JSON only."
 DEFAULT_INSTRUCTIONS = "Extract the fields below from the document."
@@ -35,7 +39,11 @@ def extract_messages(context: str, schema: Any, instructions: str | None = None)
 
 def render_fields(schema: Any) -> str:
     """A short rendering of the value wanted: one line per field (``- name: type, bounds —
-    description``, nested objects indented), or one line for a schema that is not an object."""
+    description``, nested objects indented), or one line for a schema that is not an object.
+    ``$ref``s are inlined first (a pydantic model's nested models are fields, not "text"); a
+    schema whose references are refused is rendered as given (the job fails on it anyway)."""
+    with contextlib.suppress(SchemaError):  # the limits were checked at submit; this only reads
+        schema = inline_refs(schema, max_depth=64)
     if isinstance(schema, Mapping) and isinstance(schema.get("properties"), Mapping) and schema["properties"]:
         return "\n".join(_field_lines(schema, 0))
     return f"- {_describe(schema)}"

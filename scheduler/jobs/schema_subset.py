@@ -23,7 +23,6 @@ import json
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
 
 import jsonschema
 
@@ -68,13 +67,6 @@ KEYWORDS = frozenset(
         "exclusiveMaximum",
     }
 )
-# Containers of subschemas that are laid out only where a ``$ref`` points into them (pydantic's
-# ``model_json_schema()`` puts nested models in the root's ``$defs`` and refers to them).
-DEFINITIONS = frozenset({"$defs", "definitions"})
-IGNORED = ANNOTATIONS | DEFINITIONS
-# Subschemas one schema may expand to once its $refs are followed: a small schema whose
-# definitions refer to each other several times over would otherwise expand exponentially.
-MAX_EXPANDED_NODES = 4096
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 FORMATS = frozenset({"date"})
 
@@ -106,7 +98,7 @@ class SchemaError(ValueError):
         return where if self.setting is None else {**where, "setting": self.setting}
 
 
-def _over_limit(what: str, flat_name: str, smaller: str, path: str = "") -> SchemaError:
+def over_limit(what: str, flat_name: str, smaller: str, path: str = "") -> SchemaError:
     """``schema_too_large`` over ``settings.limits.<flat_name>``: the setting's environment
     variable, and what to send instead (issue 33: every limit error names its setting)."""
     env = flat_fields()[flat_name].env
@@ -192,7 +184,7 @@ def parse_schema(schema: Any, options: ParseOptions | None = None) -> Node:
         raise SchemaError(SchemaErrorCode.INVALID_SCHEMA, "a schema must be a JSON object")
     size = len(json.dumps(schema, ensure_ascii=False).encode())
     if size > opts.max_schema_bytes:
-        raise _over_limit(f"schema is {size} bytes; the limit is {opts.max_schema_bytes} bytes",
+        raise over_limit(f"schema is {size} bytes; the limit is {opts.max_schema_bytes} bytes",
                           "max_schema_bytes",
                           "a smaller schema (fewer properties, shorter descriptions and enums)")
     try:
@@ -202,33 +194,30 @@ def parse_schema(schema: Any, options: ParseOptions | None = None) -> Node:
         raise SchemaError(
             SchemaErrorCode.INVALID_SCHEMA, f"not a valid JSON Schema: {exc.message}", path=where
         ) from None
-    return _Parser(opts, schema).node(schema, "#", 0)
+    from scheduler.jobs.schema_refs import inline_refs  # it raises this module's errors: imported here
+
+    try:
+        # $refs first (schema_refs.py): the parser below, and everything after it, sees one tree
+        return _Parser(opts).node(inline_refs(schema, opts.max_depth), "#", 0)
+    except RecursionError:  # the depth limits keep far below it; a backstop, never a 500
+        raise over_limit("the schema nests too deeply", "max_schema_depth",
+                          "a flatter schema (fewer levels of nested objects, arrays and anyOf)") from None
 
 
 class _Parser:
-    def __init__(self, opts: ParseOptions, root: dict[str, Any]) -> None:
+    def __init__(self, opts: ParseOptions) -> None:
         self.opts = opts
-        self.root = root
-        self.expanding: list[str] = []  # the $refs being laid out, outermost first
-        self.expanded = 0  # subschemas parsed so far (MAX_EXPANDED_NODES)
 
     def node(self, schema: Any, path: str, depth: int) -> Node:
-        self.expanded += 1
-        if self.expanded > MAX_EXPANDED_NODES:
-            raise SchemaError(SchemaErrorCode.SCHEMA_TOO_LARGE,
-                              f"the schema expands to more than {MAX_EXPANDED_NODES} subschemas once its "
-                              "$refs are followed; refer to fewer definitions, fewer times", path=path)
         if schema is True or schema == {}:
             return StringNode(0, None, False)  # any value is valid: lay out a string
         if not isinstance(schema, dict):
             raise SchemaError(SchemaErrorCode.UNSUPPORTED_KEYWORD, "boolean schema false", path=path)
         if depth > self.opts.max_depth:
-            raise _over_limit(f"nesting deeper than {self.opts.max_depth}", "max_schema_depth",
+            raise over_limit(f"nesting deeper than {self.opts.max_depth}", "max_schema_depth",
                               "a flatter schema (fewer levels of nested objects, arrays and anyOf)", path)
-        if "$ref" in schema:
-            return self._ref(schema, path, depth)
         for key in schema:
-            if key not in KEYWORDS and key not in IGNORED:
+            if key not in KEYWORDS and key not in ANNOTATIONS:
                 raise SchemaError(
                     SchemaErrorCode.UNSUPPORTED_KEYWORD,
                     f"schema keyword {key!r} is not supported",
@@ -238,7 +227,7 @@ class _Parser:
         if "const" in schema or "enum" in schema:
             return self._enum(schema, path)
         if "anyOf" in schema:
-            rest = {k: v for k, v in schema.items() if k != "anyOf" and k not in IGNORED}
+            rest = {k: v for k, v in schema.items() if k != "anyOf" and k not in ANNOTATIONS}
             if rest:
                 raise SchemaError(
                     SchemaErrorCode.UNSUPPORTED_KEYWORD,
@@ -263,51 +252,6 @@ class _Parser:
             "integer": self._integer,
             "number": self._number,
         }.get(kind, self._scalar)(schema, path, depth)
-
-    def _ref(self, schema: dict[str, Any], path: str, depth: int) -> Node:
-        """The subschema ``$ref`` points to, laid out in its place (at the same depth: a reference
-        is not a level of nesting); errors inside it name the definition's path."""
-        ref = schema["$ref"]
-        beside = sorted(k for k in schema if k != "$ref" and k not in IGNORED)
-        if beside:
-            raise SchemaError(SchemaErrorCode.UNSUPPORTED_KEYWORD,
-                              f"keywords next to $ref are not supported ({', '.join(beside)})",
-                              keyword="$ref", path=path)
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise SchemaError(SchemaErrorCode.UNSUPPORTED_KEYWORD,
-                              f"$ref {ref!r}: only references inside the schema ('#/$defs/...') are "
-                              "supported; nothing is fetched", keyword="$ref", path=f"{path}/$ref")
-        if ref in self.expanding:
-            raise SchemaError(SchemaErrorCode.UNSUPPORTED_KEYWORD,
-                              f"recursive $ref {ref!r}: the output is laid out as a fixed structure, so "
-                              "a schema may not contain itself; unroll it to the depth you need",
-                              keyword="$ref", path=f"{path}/$ref")
-        target = self._resolve(ref, path)
-        self.expanding.append(ref)
-        try:
-            return self.node(target, ref, depth)
-        finally:
-            self.expanding.pop()
-
-    def _resolve(self, ref: str, path: str) -> Any:
-        """The value at JSON pointer ``ref[1:]`` (RFC 6901, percent-decoded) in the root schema."""
-        pointer = unquote(ref[1:])
-        found: Any = self.root
-        if pointer and not pointer.startswith("/"):
-            found = None  # "#name" (an anchor): not supported
-        for token in pointer.split("/")[1:] if found is not None else []:
-            token = token.replace("~1", "/").replace("~0", "~")
-            if isinstance(found, dict) and token in found:
-                found = found[token]
-            elif isinstance(found, list) and token.isdigit() and int(token) < len(found):
-                found = found[int(token)]
-            else:
-                found = None
-                break
-        if found is None or not isinstance(found, dict | bool):
-            raise SchemaError(SchemaErrorCode.INVALID_SCHEMA, f"$ref {ref!r} points to no subschema",
-                              keyword="$ref", path=f"{path}/$ref")
-        return found
 
     def _any_of(self, branches: list[Node]) -> Node:
         if all(isinstance(b, EnumNode) for b in branches):

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from scheduler.jobs.schema_refs import inline_refs
 from scheduler.jobs.schema_subset import Node, ObjectNode, ParseOptions, SchemaError, parse_schema
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -67,7 +68,7 @@ class ToolError(ValueError):
 class Tool:
     name: str
     parameters: ObjectNode  # parsed (the canvas of a named call; the types of parsed arguments)
-    schema: dict[str, Any]  # as given (the judge of parsed arguments)
+    schema: dict[str, Any]  # as given, $refs inlined (the judge of parsed arguments)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,9 @@ def _tool(raw: Any, index: int, options: ParseOptions | None) -> Tool:
     if not isinstance(node, ObjectNode):
         raise ToolError("invalid_schema", f"'{param}' must be an object schema (\"type\": \"object\")",
                         param=param, keyword="type", path="#")
-    return Tool(name, node, dict(schema))
+    # the judge keeps the schema's meaning with its $refs inlined: the XML parser types each
+    # parameter by its own subschema, which a bare {"$ref": ...} would not tell it
+    return Tool(name, node, inline_refs(schema, (options or ParseOptions()).max_depth))
 
 
 def _choice(raw: Any, names: Sequence[str]) -> tuple[Mode, str | None]:

@@ -138,3 +138,19 @@ def test_the_fields_are_rendered_short() -> None:
     ]
     assert render_fields({"type": "array", "items": {"type": "boolean"}, "maxItems": 2}) == \
         "- list of true or false, at most 2 items"
+
+
+def test_referenced_fields_are_rendered_as_what_they_refer_to() -> None:
+    """A pydantic model's nested model and enum come as $refs into $defs: rendered as the object
+    and the choice they are (the canvas lays them out so), the field's own description kept."""
+    schema = {"$defs": {"Law": {"enum": ["NY", "DE"], "type": "string"},
+                        "Party": {"type": "object", "properties": {"name": {"type": "string"}},
+                                  "required": ["name"]}},
+              "type": "object", "required": ["seller", "law"],
+              "properties": {"seller": {"$ref": "#/$defs/Party", "description": "who sells"},
+                             "law": {"$ref": "#/$defs/Law"}}}
+    assert render_fields(schema).splitlines() == [
+        "- seller: object — who sells",
+        "  - name: text",
+        '- law: one of "NY", "DE"',
+    ]

@@ -10,7 +10,8 @@ from typing import Any, Literal
 import pydantic
 import pytest
 
-from scheduler.jobs.schema_subset import MAX_EXPANDED_NODES, SchemaError, SchemaErrorCode, parse_schema
+from scheduler.jobs.schema_refs import MAX_EXPANDED_NODES, inline_refs
+from scheduler.jobs.schema_subset import SchemaError, SchemaErrorCode, parse_schema
 
 
 class Party(pydantic.BaseModel):
@@ -62,14 +63,34 @@ def test_pointer_escapes_and_definitions_resolve() -> None:
           "properties": {"a": {"$ref": "#/$defs/s", "maxLength": 3}}}, SchemaErrorCode.UNSUPPORTED_KEYWORD),
         # points to nothing
         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}, SchemaErrorCode.INVALID_SCHEMA),
-        ({"type": "object", "properties": {"a": {"$ref": "#anchor"}}}, SchemaErrorCode.INVALID_SCHEMA),
+        ({"type": "object", "properties": {"a": {"$ref": "#anchor"}}}, SchemaErrorCode.UNSUPPORTED_KEYWORD),
+        # into data the meta-schema check never read, and an array index that is no index
+        ({"$defs": {"a": {"const": {"type": "object", "properties": [1]}}}, "$ref": "#/$defs/a/const"},
+         SchemaErrorCode.INVALID_SCHEMA),
+        ({"type": "object", "properties": {"b": {"anyOf": [{"type": "null"}]},
+                                           "c": {"$ref": "#/properties/b/anyOf/\u00b2"}}},
+         SchemaErrorCode.INVALID_SCHEMA),
     ],
-    ids=["recursive", "root", "remote", "sibling", "dangling", "anchor"],
+    ids=["recursive", "root", "remote", "sibling", "dangling", "anchor", "into-const", "odd-index"],
 )
 def test_references_outside_the_subset_are_refused(schema: dict[str, Any], code: SchemaErrorCode) -> None:
     with pytest.raises(SchemaError) as info:
         parse_schema(schema)
     assert info.value.code is code and info.value.keyword == "$ref"
+
+
+def test_a_long_chain_of_references_is_followed_without_recursion() -> None:
+    defs = {str(i): {"$ref": f"#/$defs/{i + 1}"} for i in range(500)} | {"500": {"type": "boolean"}}
+    assert parse_schema({"$defs": defs, "$ref": "#/$defs/0"}) == parse_schema({"type": "boolean"})
+
+
+def test_an_enum_beside_a_referenced_property_is_checked_against_the_whole_schema() -> None:
+    schema = {"$defs": {"n": {"type": "integer"}},
+              "type": "object", "properties": {"x": {"enum": [{"a": 1}, {"a": "no"}], "type": "object",
+                                                     "properties": {"a": {"$ref": "#/$defs/n"}}}}}
+    assert inline_refs(schema, 6)["properties"]["x"]["properties"]["a"] == {"type": "integer"}
+    node = parse_schema(schema)
+    assert node == parse_schema({"type": "object", "properties": {"x": {"enum": [{"a": 1}]}}})
 
 
 def test_references_that_multiply_are_refused_before_they_expand() -> None:

@@ -121,6 +121,26 @@ def test_xml_values_follow_the_schema() -> None:
     assert call.arguments == {"city": "42", "days": 7, "metric": True, "unit": "C", "note": None}
 
 
+def test_xml_values_follow_a_referenced_schema() -> None:
+    """pydantic writes an enum or a nested model as a $ref into $defs (``pydantic_function_tool``):
+    the value is typed by the subschema referred to, and validated against it."""
+    parameters = {"$defs": {"Unit": {"enum": ["c", "f"], "type": "string"},
+                            "Days": {"type": "integer", "minimum": 1, "maximum": 14},
+                            "Where": {"type": "object", "properties": {"city": {"type": "string"}},
+                                      "required": ["city"]}},
+                  "type": "object", "required": ["unit", "days", "where"],
+                  "properties": {"unit": {"$ref": "#/$defs/Unit", "description": "scale"},
+                                 "days": {"$ref": "#/$defs/Days"}, "where": {"$ref": "#/$defs/Where"}}}
+    spec = parse_tools([{"type": "function", "function": {"name": "forecast", "parameters": parameters}}],
+                       "auto", max_tools=8)
+    text = ("<tool_call>\n<function=forecast>\n<parameter=unit>\nf\n</parameter>\n<parameter=days>\n5\n"
+            "</parameter>\n<parameter=where>\n{\"city\": \"Rome\"}\n</parameter>\n</function>\n</tool_call>")
+    (call,) = parse_calls(text, spec, "qwen3_xml").calls
+    assert call.arguments == {"unit": "f", "days": 5, "where": {"city": "Rome"}}
+    late = text.replace("\n5\n", "\n15\n")  # over the referenced maximum
+    assert not parse_calls(late, spec, "qwen3_xml").calls
+
+
 @pytest.mark.parametrize(
     ("text", "why"),
     [
