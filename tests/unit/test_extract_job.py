@@ -76,9 +76,19 @@ def test_the_value_validates_against_the_schema(ctx: EngineContext, schema: dict
     data = outcome.result["data"]
     jsonschema.validate(data, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
     assert json.loads(outcome.result["text"]) == data
+    assert outcome.finish_reason == outcome.result["finish_reason"] == "eos"  # complete, not cut off
     if schema is TERMS:  # choice fields carry their probability, by JSON pointer
         assert set(outcome.result["confidence"]) >= {"/law", "/renews"}
         assert all(0.0 < p <= 1.0 for p in outcome.result["confidence"].values())
+
+
+def test_a_canvas_whose_step_budget_ran_out_says_budget_and_is_still_valid(ctx: EngineContext) -> None:
+    job = _job(TERMS)
+    job = JobSpec(job.job_id, job.kind, job.queue, job.attempt, job.input, {**job.params, "step_budget": 1})
+    outcome = run_kind(job, ctx)
+    assert outcome.result is not None
+    assert outcome.finish_reason == outcome.result["finish_reason"] == "budget"
+    jsonschema.validate(outcome.result["data"], TERMS)  # the budget's last pass commits the rest
 
 
 def test_jobs_over_one_document_share_its_prefill(ctx: EngineContext) -> None:
