@@ -21,8 +21,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from scheduler.jobs.schema_common import SchemaError
 from scheduler.jobs.schema_refs import inline_refs
-from scheduler.jobs.schema_subset import SchemaError
 
 SYSTEM_PROMPT = "You extract facts from documents. Answer with JSON only."
 DEFAULT_INSTRUCTIONS = "Extract the fields below from the document."

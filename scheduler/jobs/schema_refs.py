@@ -30,7 +30,7 @@ from urllib.parse import unquote
 
 import jsonschema
 
-from scheduler.jobs.schema_subset import ANNOTATIONS, SchemaError, SchemaErrorCode, over_limit
+from scheduler.jobs.schema_common import ANNOTATIONS, SchemaError, SchemaErrorCode, over_limit
 
 DEFINITIONS = frozenset({"$defs", "definitions"})  # where definitions live; dropped once inlined
 MAX_EXPANDED_NODES = 4096  # subschemas reached through references, in all

@@ -18,7 +18,6 @@ canvas compiler (``worker/structured``) lays the parsed tree out.
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 from dataclasses import dataclass
@@ -26,26 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import jsonschema
 
-from scheduler.infra.settings import flat_fields
+from scheduler.jobs.schema_common import ANNOTATIONS, SchemaError, SchemaErrorCode, over_limit
+from scheduler.jobs.schema_refs import inline_refs
 
 if TYPE_CHECKING:
     from scheduler.infra.settings import Settings
 
 
-ANNOTATIONS = frozenset(
-    {
-        "title",
-        "description",
-        "default",
-        "examples",
-        "$schema",
-        "$id",
-        "$comment",
-        "deprecated",
-        "readOnly",
-        "writeOnly",
-    }
-)
 KEYWORDS = frozenset(
     {
         "type",
@@ -69,42 +55,6 @@ KEYWORDS = frozenset(
 )
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 FORMATS = frozenset({"date"})
-
-
-class SchemaErrorCode(enum.StrEnum):
-    """Stable codes (the API's ``error.code``)."""
-
-    INVALID_SCHEMA = "invalid_schema"  # not a JSON Schema, or one no value satisfies
-    UNSUPPORTED_KEYWORD = "unsupported_schema_keyword"  # a keyword outside the supported subset
-    SCHEMA_TOO_LARGE = "schema_too_large"  # bytes, nesting or canvas tokens over the limits
-
-
-class SchemaError(ValueError):
-    """A schema outside the supported subset; ``keyword`` and ``path`` say where, ``setting``
-    (a limit's refusal) the environment variable of the deployment setting that raises it."""
-
-    def __init__(
-        self, code: SchemaErrorCode, message: str, *, keyword: str | None = None, path: str = "",
-        setting: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.keyword = keyword
-        self.path = path or "#"
-        self.setting = setting
-
-    def details(self) -> dict[str, str | None]:
-        where: dict[str, str | None] = {"keyword": self.keyword, "path": self.path}
-        return where if self.setting is None else {**where, "setting": self.setting}
-
-
-def over_limit(what: str, flat_name: str, smaller: str, path: str = "") -> SchemaError:
-    """``schema_too_large`` over ``settings.limits.<flat_name>``: the setting's environment
-    variable, and what to send instead (issue 33: every limit error names its setting)."""
-    env = flat_fields()[flat_name].env
-    return SchemaError(SchemaErrorCode.SCHEMA_TOO_LARGE,
-                       f"{what} ({env}). Instead: {smaller}; or ask the operator to raise {env}",
-                       path=path, setting=env)
 
 
 @dataclass(frozen=True)
@@ -194,8 +144,6 @@ def parse_schema(schema: Any, options: ParseOptions | None = None) -> Node:
         raise SchemaError(
             SchemaErrorCode.INVALID_SCHEMA, f"not a valid JSON Schema: {exc.message}", path=where
         ) from None
-    from scheduler.jobs.schema_refs import inline_refs  # it raises this module's errors: imported here
-
     try:
         # $refs first (schema_refs.py): the parser below, and everything after it, sees one tree
         return _Parser(opts).node(inline_refs(schema, opts.max_depth), "#", 0)
