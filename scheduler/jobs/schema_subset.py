@@ -129,14 +129,20 @@ Node = EnumNode | StringNode | IntegerNode | NumberNode | ArrayNode | ObjectNode
 
 def parse_schema(schema: Any, options: ParseOptions | None = None) -> Node:
     """Check ``schema`` against the subset and the limits; raises :class:`SchemaError`."""
+    return parse_inlined(schema, options)[0]
+
+
+def parse_inlined(schema: Any, options: ParseOptions | None = None) -> tuple[Node, Any]:
+    """:func:`parse_schema`, and the schema with its ``$ref``s inlined (the tree it parsed; a tool's
+    judge of parsed arguments reads it)."""
     opts = options or ParseOptions()
     if not isinstance(schema, dict):
         raise SchemaError(SchemaErrorCode.INVALID_SCHEMA, "a schema must be a JSON object")
     size = len(json.dumps(schema, ensure_ascii=False).encode())
     if size > opts.max_schema_bytes:
         raise over_limit(f"schema is {size} bytes; the limit is {opts.max_schema_bytes} bytes",
-                          "max_schema_bytes",
-                          "a smaller schema (fewer properties, shorter descriptions and enums)")
+                         "max_schema_bytes",
+                         "a smaller schema (fewer properties, shorter descriptions and enums)")
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -146,10 +152,11 @@ def parse_schema(schema: Any, options: ParseOptions | None = None) -> Node:
         ) from None
     try:
         # $refs first (schema_refs.py): the parser below, and everything after it, sees one tree
-        return _Parser(opts).node(inline_refs(schema, opts.max_depth), "#", 0)
+        inlined = inline_refs(schema, opts.max_depth)
+        return _Parser(opts).node(inlined, "#", 0), inlined
     except RecursionError:  # the depth limits keep far below it; a backstop, never a 500
         raise over_limit("the schema nests too deeply", "max_schema_depth",
-                          "a flatter schema (fewer levels of nested objects, arrays and anyOf)") from None
+                         "a flatter schema (fewer levels of nested objects, arrays and anyOf)") from None
 
 
 class _Parser:
@@ -163,7 +170,7 @@ class _Parser:
             raise SchemaError(SchemaErrorCode.UNSUPPORTED_KEYWORD, "boolean schema false", path=path)
         if depth > self.opts.max_depth:
             raise over_limit(f"nesting deeper than {self.opts.max_depth}", "max_schema_depth",
-                              "a flatter schema (fewer levels of nested objects, arrays and anyOf)", path)
+                             "a flatter schema (fewer levels of nested objects, arrays and anyOf)", path)
         for key in schema:
             if key not in KEYWORDS and key not in ANNOTATIONS:
                 raise SchemaError(
