@@ -98,12 +98,15 @@ def planned_blocks(prompt_len: int, max_new_tokens: int, block_size: int | None)
     return -(-(prompt_len + max_new_tokens) // block_size) - prompt_len // block_size
 
 
-def complete_answer(outcome: Outcome) -> None:
-    """A canvas decoded to its end is a complete answer, not a cut one: the engine says ``length``
-    (it decoded the template's last token), the job says ``eos``, as a decision job whose answers
-    were all read does. Clients read ``length`` as truncated: OpenAI's own SDK refuses to parse
-    structured output whose ``finish_reason`` is ``length`` (``LengthFinishReasonError``), so every
-    ``chat.completions.parse`` call failed. A step budget that ran out keeps ``budget``."""
+def complete_answer(outcome: Outcome, result: GenerationResult) -> None:
+    """The outcome of a canvas read back: decoded to its end (the engine says ``length``: it
+    decoded the template's last token), it is a complete answer, not a cut one, so the job says
+    ``eos``, as a decision job whose answers were all read does. Clients read ``length`` as
+    truncated: OpenAI's own SDK refuses to parse structured output whose ``finish_reason`` is
+    ``length`` (``LengthFinishReasonError``), so every ``chat.completions.parse`` call failed. A step
+    budget that ran out keeps ``budget``."""
+    if result.finish_reason is not FinishReason.LENGTH:
+        return
     outcome.finish_reason = FinishReason.EOS.value
     if outcome.result is not None:
         outcome.result["finish_reason"] = FinishReason.EOS.value

@@ -16,7 +16,7 @@ from typing import Any
 from scheduler.jobs.models import JobStatus
 from scheduler.jobs.retry import InputJobError
 from scheduler.jobs.schema_subset import SchemaError, parse_options
-from worker.engine.types import FinishReason, GenerationRequest
+from worker.engine.types import GenerationRequest
 from worker.job_handler import EngineContext, Outcome, complete_answer, outcome_of, planned_blocks
 from worker.structured.job import read_structured, structured_request
 
@@ -40,7 +40,5 @@ def run_structured(request: GenerationRequest, schema: Any, ctx: EngineContext, 
     if outcome.status is JobStatus.SUCCEEDED and outcome.result is not None:
         read = read_structured(canvas, result, ctx.tokenizer)  # type: ignore[arg-type]
         outcome.result.update(text=read.text, data=read.value, confidence=read.confidence)
-        if result.finish_reason is FinishReason.LENGTH:
-            complete_answer(outcome)
+        complete_answer(outcome, result)
     return outcome
-

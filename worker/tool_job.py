@@ -33,7 +33,7 @@ from scheduler.jobs.tool_spec import Tool, ToolError, ToolSpec, parse_tools
 from scheduler.observability.logging import get_logger
 from scheduler.observability.metrics_recorder import RedisMetricsRecorder
 from worker.decisions.runner import RETRY_SEED_OFFSET
-from worker.engine.types import FinishReason, GenerationRequest
+from worker.engine.types import GenerationRequest
 from worker.job_handler import EngineContext, JobSpec, Outcome, complete_answer, outcome_of
 from worker.structured.canvas import Canvas
 from worker.structured.tool_parsers import CallFormat, ParsedCall, ParsedCalls, call_format, parse_calls
@@ -79,8 +79,7 @@ def _laid_out(request: GenerationRequest, canvas: Canvas, ctx: EngineContext) ->
     outcome = outcome_of(result, ctx.tokenizer)
     if outcome.status is not JobStatus.SUCCEEDED or outcome.result is None:
         return outcome, None
-    if result.finish_reason is FinishReason.LENGTH:  # the call laid out to its end: complete
-        complete_answer(outcome)
+    complete_answer(outcome, result)  # the call laid out to its end: complete
     return outcome, canvas.read(result.slot_choices, ctx.tokenizer).value  # type: ignore[arg-type]
 
 
