@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,23 +262,20 @@ class ChaosStack:
                             f"tail:\n{self.beat.log()[-1500:]}")
             time.sleep(0.25)
 
-    def wait_some_running(self, job_ids: list[str], *, timeout: float = 30.0) -> float:
-        """Seconds until one of ``job_ids`` is ``running`` in SQL; on timeout, fail with where the
+    def wait_some_running(self, job_ids: list[str], *, timeout: float = 30.0) -> None:
+        """Until one of ``job_ids`` is ``running`` in SQL; on timeout, fail with where the
         jobs are (rows, markers, messages), each class's live messages and held jobs, and what
         every registered worker says it consumes (a CI failure must say which part stood still)."""
         began = time.monotonic()
         while not any(r["status"] == "running" for r in self.rows(job_ids).values()):
             if time.monotonic() - began > timeout:
                 rows = self.rows(job_ids)
-                counts: dict[str, int] = {}
-                for row in rows.values():
-                    counts[str(row["status"])] = counts.get(str(row["status"]), 0) + 1
+                counts = dict(Counter(str(row["status"]) for row in rows.values()))
                 sample = {j: self.whereabouts(j, rows.get(j)) for j in job_ids[:5]}
                 pytest.fail(f"no job of {len(job_ids)} running after {timeout:.0f}s: statuses {counts}; "
                             f"{sample}\nqueues: {self.queue_state()}\nworkers: {self.worker_state()}\n"
                             f"live worker processes {[w.pid for w in self.live_workers()]}")
             time.sleep(0.05)
-        return time.monotonic() - began
 
     def queue_state(self) -> dict[str, Any]:
         """Per class queue: live messages (what fair share's window counts) and held jobs."""
