@@ -45,6 +45,14 @@ from bench.fleet_services import free_port, wait_until
 from scheduler.infra.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# One torch thread in every test process and every process the tests start (workers, `cloverq
+# up`, ranks inherit the environment; a worker's default honours it: Settings.resolved_torch_threads).
+# The tiny demo models gain nothing from a second thread, and two xdist sessions plus their stacks
+# on two cores with two OpenMP threads each oversubscribed the machine: measured on the 2-core CI
+# machine class, the engine decoding and slot-scoring files took 54 s with two threads (51 s of
+# CPU, 12 of it in the kernel spinning) and 26 s with one. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every skip says how to run what it skips: here, a PostgreSQL server (a database per session is
 # created on it and dropped at the end; .ci/run sets this).
 NO_POSTGRES = ("no PostgreSQL configured (set CLOVERQ_TEST_DATABASE_URL=postgresql+psycopg://USER@HOST/DB, "

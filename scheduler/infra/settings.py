@@ -179,8 +179,11 @@ class Settings(BaseSettings):
 
     @property
     def resolved_torch_threads(self) -> int:
-        """Threads torch uses for one worker's ops: ``engine.torch_threads`` or the CPU cores."""
-        return self.engine.torch_threads or os.cpu_count() or 1
+        """Threads torch uses for one worker's ops: ``engine.torch_threads``, else
+        ``OMP_NUM_THREADS`` (the variable torch itself honours: a worker that set the cores count
+        over it would oversubscribe a machine shared by several processes), else the CPUs this
+        process may run on (its affinity: a container pinned to 4 of 64 cores gets 4)."""
+        return self.engine.torch_threads or omp_num_threads() or available_cpus()
 
     @property
     def resolved_model_dir(self) -> Path:
@@ -209,3 +212,16 @@ def settings_groups() -> dict[str, type[SettingsGroup]]:
 def get_settings() -> Settings:
     """The process-wide settings, read once from the environment."""
     return Settings()
+
+
+def omp_num_threads() -> int | None:
+    """``OMP_NUM_THREADS`` when it is a positive integer (OpenMP's own rule), else None."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (``sched_getaffinity``), or the machine's count where the
+    platform has no affinity call."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)

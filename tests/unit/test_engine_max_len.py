@@ -36,9 +36,20 @@ def test_default_engine_max_len_fits_the_largest_accepted_request(block_size: in
     assert layout.total_len <= settings.resolved_engine_max_len
 
 
-def test_explicit_engine_max_len_wins_and_torch_threads_default_to_the_cores() -> None:
+def test_explicit_engine_max_len_wins() -> None:
     assert Settings(engine_max_len=512).resolved_engine_max_len == 512
-    assert Settings().resolved_torch_threads == (os.cpu_count() or 1)
+
+
+def test_torch_threads_setting_then_omp_num_threads_then_the_cpus_of_the_affinity(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert Settings().resolved_torch_threads == 3
+    assert Settings(torch_threads=5).resolved_torch_threads == 5  # the setting wins
+    for ignored in ("0", "-2", "two", ""):  # not a positive integer: OpenMP ignores it too
+        monkeypatch.setenv("OMP_NUM_THREADS", ignored)
+        assert Settings().resolved_torch_threads == len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert Settings().resolved_torch_threads == len(os.sched_getaffinity(0))
     assert Settings(torch_threads=3).resolved_torch_threads == 3
 
 

@@ -45,7 +45,8 @@ class EngineSettings(SettingsGroup):
         "max_prompt_tokens + max_new_tokens_limit + 64 (chat template) rounded up to 64-token blocks.",
     )
     torch_threads: int | None = Field(
-        None, ge=1, description="Worker: torch.set_num_threads at start. Default: the number of CPU cores.",
+        None, ge=1, description="Worker: torch.set_num_threads at start. Default: `OMP_NUM_THREADS` when "
+        "set, else the CPUs the process may run on (its affinity).",
     )
     tensor_parallel: int = Field(
         1, ge=1, description="Worker: devices one worker spans (tensor parallel). Ranks 1..N-1 are processes "
