@@ -31,8 +31,10 @@ up: install
 lint: install-test
 	$(BIN)/ruff check .
 
-# Two pytest-xdist sessions side by side (CI's two cores); stack tests stay serial in one group.
-PYTEST_WORKERS ?= 2
+# Three pytest-xdist sessions on CI's two cores: with two, 15% of the CPU sat idle while tests
+# waited on their stacks (measured; the suite ran 683 s with two, the same machine 647 s with three
+# before tests ran one torch thread each). Stack tests stay serial in one group.
+PYTEST_WORKERS ?= 3
 
 test: install-test
 	$(BIN)/ruff check .

