@@ -183,6 +183,8 @@ def test_gpu_workers_have_a_gpu_probes_and_a_grace_period(name: str) -> None:
     container = _container(worker)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["image"].endswith("-cuda")
+    # Torch's host threads match the CPU request (a pod's affinity is every core of the node).
+    assert _env(container)["CLOVERQ_TORCH_THREADS"] == str(container["resources"]["requests"]["cpu"])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert probe in container, f"{name} lacks a {probe}"
     assert "--ready" in container["readinessProbe"]["exec"]["command"]
