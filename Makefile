@@ -32,8 +32,8 @@ lint: install-test
 	$(BIN)/ruff check .
 
 # Three pytest-xdist sessions on CI's two cores: with two, 15% of the CPU sat idle while tests
-# waited on their stacks (measured; the suite ran 683 s with two, the same machine 647 s with three
-# before tests ran one torch thread each). Stack tests stay serial in one group.
+# waited on their stacks (vmstat; one torch thread per test process): the PostgreSQL run took 683 s
+# with two sessions and 598 s with three on the same machine. Stack tests stay serial in one group.
 PYTEST_WORKERS ?= 3
 
 test: install-test
