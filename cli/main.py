@@ -7,8 +7,12 @@ This package is the composition root: it is the only place that imports ``api``,
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
+from pydantic import ValidationError
+
+from scheduler.infra.settings import settings_error_lines
 
 # Modules that each define ``register(group: click.Group) -> None``.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -51,5 +55,13 @@ _register_all()
 
 
 def main() -> None:
-    """Console-script entry point."""
-    cli()
+    """Console-script entry point. An invalid setting (a ``CLOVERQ_*`` variable pydantic refuses)
+    ends any command with one line per variable and exit status 2, not a traceback."""
+    try:
+        cli()
+    except ValidationError as exc:
+        lines = settings_error_lines(exc)
+        if lines is None:
+            raise
+        click.echo("cloverq: invalid configuration:\n" + "\n".join(f"  {line}" for line in lines), err=True)
+        sys.exit(2)

@@ -49,7 +49,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from scheduler.infra.settings_env import ENV_PREFIX, FlatEnvSource, FlatField, flat_table, nest
@@ -225,3 +225,17 @@ def available_cpus() -> int:
     platform has no affinity call."""
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def settings_error_lines(error: ValidationError) -> list[str] | None:
+    """One line per invalid setting of ``error`` (raised by ``Settings``), each naming the
+    environment variable that sets it and pydantic's reason, never the value (it may be a secret);
+    None when ``error`` is not a ``Settings`` error."""
+    if error.title != Settings.__name__:
+        return None
+    by_path = {entry.path: entry.env for entry in flat_fields().values()}
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"])
+        lines.append(f"{by_path.get(path, path or 'settings')}: {item['msg']}")
+    return lines
