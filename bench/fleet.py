@@ -99,7 +99,7 @@ FLEET_SETTINGS: dict[str, Any] = {
     "beat_lease_seconds": 3.0,
     "worker_heartbeat_seconds": 0.5,
     "engine_max_batch": 8,
-    "engine_torch_threads": 1,
+    "torch_threads": 1,
     "log_level": "WARNING",
 }
 BEATS_ONLY_SETTINGS: dict[str, Any] = {"auth": "disabled", "log_level": "WARNING"}  # default intervals

@@ -102,7 +102,7 @@ def engine_share(args: argparse.Namespace) -> dict[str, Any]:
     from worker.job_handler import sampling_params
     from worker.resident_model import ResidentModel
 
-    settings = Settings(model_dir=args.checkpoint, engine_torch_threads=args.threads, data_dir=args.workdir)
+    settings = Settings(model_dir=args.checkpoint, torch_threads=args.threads, data_dir=args.workdir)
     torch.set_num_threads(settings.resolved_torch_threads)
     info = WorkerInfo(id="bench", hostname="bench", pid=os.getpid(), queues=["interactive"], state="starting")
     # the slots a worker on the default queues has: its batch plus the interactive reserve
@@ -186,7 +186,7 @@ class Stack:
                     "CLOVERQ_MODEL_DIR": str(args.checkpoint), "CLOVERQ_DATA_DIR": str(root),
                     "CLOVERQ_AUTH": "disabled", "CLOVERQ_RATE_LIMIT_PER_SECOND": "0",
                     "CLOVERQ_TENANT_MAX_ACTIVE_JOBS": "1000000",
-                    "CLOVERQ_ENGINE_TORCH_THREADS": str(args.threads), "CLOVERQ_LOG_LEVEL": "WARNING"}
+                    "CLOVERQ_TORCH_THREADS": str(args.threads), "CLOVERQ_LOG_LEVEL": "WARNING"}
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = (self.root / f"{name}.log").open("wb")

@@ -11,8 +11,9 @@ import sys
 
 import click
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
-from scheduler.infra.settings import settings_error_lines
+from scheduler.infra.settings import CONFIG_ERROR_EXIT_CODE, settings_error_lines
 
 # Modules that each define ``register(group: click.Group) -> None``.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -55,13 +56,20 @@ _register_all()
 
 
 def main() -> None:
-    """Console-script entry point. An invalid setting (a ``CLOVERQ_*`` variable pydantic refuses)
-    ends any command with one line per variable and exit status 2, not a traceback."""
+    """Console-script entry point. An invalid setting (a ``CLOVERQ_*`` variable, or the file a
+    ``*_FILE`` variable names, that the settings refuse) ends any command with one line per
+    variable and exit status 78 (EX_CONFIG, as a refused TLS file), not a traceback."""
     try:
         cli()
     except ValidationError as exc:
         lines = settings_error_lines(exc)
         if lines is None:
             raise
-        click.echo("cloverq: invalid configuration:\n" + "\n".join(f"  {line}" for line in lines), err=True)
-        sys.exit(2)
+        _refuse_configuration(lines)
+    except SettingsError as exc:  # the environment source's own refusals (settings_env.py)
+        _refuse_configuration([str(exc)])
+
+
+def _refuse_configuration(lines: list[str]) -> None:
+    click.echo("cloverq: invalid configuration:\n" + "\n".join(f"  {line}" for line in lines), err=True)
+    sys.exit(CONFIG_ERROR_EXIT_CODE)

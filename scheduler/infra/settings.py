@@ -214,10 +214,13 @@ def get_settings() -> Settings:
     return Settings()
 
 
+CONFIG_ERROR_EXIT_CODE = 78  # EX_CONFIG (sysexits.h): a process refuses its configuration
+
+
 def omp_num_threads() -> int | None:
     """``OMP_NUM_THREADS`` when it is a positive integer (OpenMP's own rule), else None."""
     value = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    return int(value) if value.isdecimal() and value.isascii() and int(value) > 0 else None
 
 
 def available_cpus() -> int:
@@ -228,14 +231,27 @@ def available_cpus() -> int:
 
 
 def settings_error_lines(error: ValidationError) -> list[str] | None:
-    """One line per invalid setting of ``error`` (raised by ``Settings``), each naming the
-    environment variable that sets it and pydantic's reason, never the value (it may be a secret);
-    None when ``error`` is not a ``Settings`` error."""
+    """One line per invalid setting of ``error`` (raised by ``Settings``), each naming where the
+    value came from and pydantic's reason; None when ``error`` is not a ``Settings`` error.
+
+    The name is the environment variable (``CLOVERQ_X``, or ``CLOVERQ_X_FILE`` when the value was
+    read from that file), with the key of a map's or list's item (``CLOVERQ_QUEUE_MAX_DEPTH[bulk]``);
+    an error of a whole group (two settings that go together) names ``settings.GROUP``. pydantic's
+    type errors never repeat the input, so a URL or a key is not echoed."""
     if error.title != Settings.__name__:
         return None
     by_path = {entry.path: entry.env for entry in flat_fields().values()}
-    lines = []
-    for item in error.errors():
-        path = ".".join(str(part) for part in item["loc"])
-        lines.append(f"{by_path.get(path, path or 'settings')}: {item['msg']}")
-    return lines
+    return [f"{_error_source(tuple(str(part) for part in item['loc']), by_path)}: {item['msg']}"
+            for item in error.errors()]
+
+
+def _error_source(loc: tuple[str, ...], by_path: Mapping[str, str]) -> str:
+    """The variable behind the error at ``loc`` (its longest prefix that is a setting)."""
+    for end in range(len(loc), 0, -1):
+        env = by_path.get(".".join(loc[:end]))
+        if env is None:
+            continue
+        if env not in os.environ and f"{env}_FILE" in os.environ:
+            env = f"{env}_FILE"
+        return env + (f"[{'.'.join(loc[end:])}]" if loc[end:] else "")
+    return "settings" + "".join(f".{part}" for part in loc)

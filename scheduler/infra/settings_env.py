@@ -142,8 +142,8 @@ class FlatEnvSource(EnvSettingsSource):
                 try:
                     value = self.decode_complex_value(entry.flat, entry.field, raw)
                 except ValueError as exc:
-                    raise SettingsError(f'error parsing value for field "{entry.flat}" from source '
-                                        f'"{type(self).__name__}"') from exc
+                    raise SettingsError(f"{entry.env}: not valid JSON (maps and lists are given "
+                                        "as JSON)") from exc
             target = data if entry.group is None else data.setdefault(entry.group, {})
             target[entry.name] = value
         return data

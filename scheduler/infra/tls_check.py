@@ -48,9 +48,9 @@ from sqlalchemy.exc import ArgumentError
 from scheduler.infra.db import DatabaseTimeouts, make_engine
 from scheduler.infra.redis_client import is_tls_url, redis_ssl_options
 from scheduler.infra.redis_sentinel import CERT_REQS, SentinelUrl, is_sentinel_url, parse_sentinel_url
-from scheduler.infra.settings import Settings
+from scheduler.infra.settings import CONFIG_ERROR_EXIT_CODE, Settings
 
-EXIT_CODE = 78  # EX_CONFIG (sysexits.h): a configuration error, not a crash
+EXIT_CODE = CONFIG_ERROR_EXIT_CODE  # a configuration error, not a crash
 REDIS_TIMEOUT_SECONDS = 5.0
 ALERT_WAIT_SECONDS = 2.0  # _probe_redis_alert: how long to listen for a refusal
 POSTGRES_TLS_MODES = ("require", "verify-ca", "verify-full")

@@ -3,8 +3,6 @@ requests that cannot fit are refused by the API (422), never failed by the worke
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from pydantic import TypeAdapter
 
@@ -12,7 +10,7 @@ from api.errors import ApiError
 from api.limits import check_generate_limits
 from api.prompt_tokens import PromptTokenCounter
 from api.schemas.jobs import JobCreate
-from scheduler.infra.settings import Settings
+from scheduler.infra.settings import Settings, available_cpus
 from scheduler.infra.settings_groups.limits import CHAT_TEMPLATE_SLACK_TOKENS
 from worker.engine.types import GenerationRequest, SamplingParams
 from worker.sampler.layout import build_layout
@@ -45,11 +43,11 @@ def test_torch_threads_setting_then_omp_num_threads_then_the_cpus_of_the_affinit
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert Settings().resolved_torch_threads == 3
     assert Settings(torch_threads=5).resolved_torch_threads == 5  # the setting wins
-    for ignored in ("0", "-2", "two", ""):  # not a positive integer: OpenMP ignores it too
+    for ignored in ("0", "-2", "two", "", "²"):  # not a positive integer: OpenMP ignores it too
         monkeypatch.setenv("OMP_NUM_THREADS", ignored)
-        assert Settings().resolved_torch_threads == len(os.sched_getaffinity(0))
+        assert Settings().resolved_torch_threads == available_cpus()
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert Settings().resolved_torch_threads == len(os.sched_getaffinity(0))
+    assert Settings().resolved_torch_threads == available_cpus()
     assert Settings(torch_threads=3).resolved_torch_threads == 3
 
 
