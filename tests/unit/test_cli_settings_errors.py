@@ -33,6 +33,8 @@ def test_each_invalid_setting_is_named_by_its_variable_without_its_value() -> No
 def test_an_item_of_a_map_a_whole_group_and_a_value_read_from_a_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert _lines(queue_max_depth={"bulk": "many"}) == [f"CLOVERQ_QUEUE_MAX_DEPTH[bulk]: {NOT_AN_INTEGER}"]
+    assert _lines(queue_max_depth={"bulk": -1}) == [  # a negative cap would refuse every submit
+        "CLOVERQ_QUEUE_MAX_DEPTH[bulk]: Input should be greater than or equal to 0"]
     [group] = _lines(admin_tls_cert_file=tmp_path / "cert.pem")
     assert group.startswith("settings.planes: ") and "go together" in group
     (tmp_path / "threads").write_text("two\n")

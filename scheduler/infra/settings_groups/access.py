@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, NonNegativeInt
 
 from scheduler.infra.queue_names import QueueName
 from scheduler.infra.settings_groups.base import SettingsGroup
@@ -36,7 +36,7 @@ class AdmissionSettings(SettingsGroup):
         1.0, ge=0, description="How long an API process trusts its tenant active-job count while far "
         "below the cap (near the cap it always counts in SQL); 0 counts every submit.",
     )
-    queue_max_depth: dict[str, int] = Field(
+    queue_max_depth: dict[str, NonNegativeInt] = Field(
         default_factory=lambda: {QueueName.INTERACTIVE.value: 1000, QueueName.STANDARD.value: 5000,
                                  QueueName.BULK.value: 20000, QueueName.JOINT.value: 500},
         description="Per-queue cap on waiting messages; a submit routed to a full queue gets 429.",
