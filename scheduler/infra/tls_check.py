@@ -5,7 +5,7 @@
 with ``rediss+sentinel://``, a sentinel and then the master it names) and to PostgreSQL
 (``sslmode`` ``require``, ``verify-ca`` or ``verify-full``, in the URL or ``PGSSLMODE``), the way
 the service itself will, and when the TLS handshake fails for good it prints one line to stderr
-and exits with :data:`EXIT_CODE`::
+and exits with ``CONFIG_ERROR_EXIT_CODE`` (78, EX_CONFIG)::
 
     cloverq: cannot verify the TLS certificate of redis 10.0.0.5:6380: certificate has expired (CA file /ca)
 
@@ -50,7 +50,6 @@ from scheduler.infra.redis_client import is_tls_url, redis_ssl_options
 from scheduler.infra.redis_sentinel import CERT_REQS, SentinelUrl, is_sentinel_url, parse_sentinel_url
 from scheduler.infra.settings import CONFIG_ERROR_EXIT_CODE, Settings
 
-EXIT_CODE = CONFIG_ERROR_EXIT_CODE  # a configuration error, not a crash
 REDIS_TIMEOUT_SECONDS = 5.0
 ALERT_WAIT_SECONDS = 2.0  # _probe_redis_alert: how long to listen for a refusal
 POSTGRES_TLS_MODES = ("require", "verify-ca", "verify-full")
@@ -383,9 +382,9 @@ def check_tls(settings: Settings, *, redis: bool = True, database: bool = True) 
 
 
 def exit_on_tls_failure(settings: Settings, *, redis: bool = True, database: bool = True) -> None:
-    """Exit with one line on stderr and :data:`EXIT_CODE` when :func:`check_tls` finds a failure
+    """Exit with one line on stderr and ``CONFIG_ERROR_EXIT_CODE`` when :func:`check_tls` finds a failure
     (``cloverq migrate`` checks only the database)."""
     failure = check_tls(settings, redis=redis, database=database)
     if failure is not None:
         print(failure.line, file=sys.stderr, flush=True)
-        sys.exit(EXIT_CODE)
+        sys.exit(CONFIG_ERROR_EXIT_CODE)

@@ -31,8 +31,8 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import create_engine, text
 
-from scheduler.infra.settings import Settings
-from scheduler.infra.tls_check import EXIT_CODE, check_postgres_tls, check_redis_tls, check_tls
+from scheduler.infra.settings import CONFIG_ERROR_EXIT_CODE, Settings
+from scheduler.infra.tls_check import check_postgres_tls, check_redis_tls, check_tls
 from tests.tls_servers import TlsPostgres, TlsRedis, free_port, tls_postgres_server, tls_redis_server
 
 pytestmark = pytest.mark.integration
@@ -228,7 +228,7 @@ def test_service_exits_with_one_line(command: str, pki: Any, tls_redis: TlsRedis
     env.update(CLOVERQ_REDIS_URL_FILE=str(secret), CLOVERQ_DATA_DIR=str(tmp_path / "data"))
     done = subprocess.run([sys.executable, "-m", "cli", command], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == EXIT_CODE, done.stderr
+    assert done.returncode == CONFIG_ERROR_EXIT_CODE, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith(f"cloverq: cannot verify the TLS certificate of redis {tls_redis.address}: ")

@@ -12,9 +12,8 @@ import redis
 
 from scheduler.infra.celery_app import create_celery_app
 from scheduler.infra.redis_client import redis_ssl_options
-from scheduler.infra.settings import Settings
+from scheduler.infra.settings import CONFIG_ERROR_EXIT_CODE, Settings
 from scheduler.infra.tls_check import (
-    EXIT_CODE,
     TlsFailure,
     check_postgres_tls,
     check_redis_tls,
@@ -118,7 +117,7 @@ def test_exit_on_tls_failure_prints_one_line_and_exits_78(
                         database_url=f"sqlite:///{tmp_path}/x.db")
     with pytest.raises(SystemExit) as exited:
         exit_on_tls_failure(settings)
-    assert exited.value.code == EXIT_CODE == 78
+    assert exited.value.code == CONFIG_ERROR_EXIT_CODE == 78
     err = capsys.readouterr().err
     assert err == (f"cloverq: cannot read the TLS CA file for redis {address}: {missing}: "
                    "No such file or directory\n")
