@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from scheduler.jobs.schema_subset import Node, ObjectNode, ParseOptions, SchemaError, parse_inlined
+from scheduler.jobs.schema_subset import ObjectNode, ParseOptions, SchemaError, parse_inlined
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -109,16 +109,15 @@ def _tool(raw: Any, index: int, options: ParseOptions | None) -> Tool:
     schema = function.get("parameters", EMPTY_PARAMETERS)
     param = f"{where}.function.parameters"
     try:
-        node: Node
-        # the judge keeps the schema's meaning with its $refs inlined: the XML parser types each
-        # parameter by its own subschema, which a bare {"$ref": ...} would not tell it
         node, inlined = parse_inlined(schema, options)
     except SchemaError as exc:
         raise ToolError(exc.code.value, f"'{param}': {exc}", param=param, keyword=exc.keyword,
-                        path=exc.path, setting=getattr(exc, "setting", None)) from None
+                        path=exc.path, setting=exc.setting) from None
     if not isinstance(node, ObjectNode):
         raise ToolError("invalid_schema", f"'{param}' must be an object schema (\"type\": \"object\")",
                         param=param, keyword="type", path="#")
+    # the judge keeps the schema's meaning with its $refs inlined: the XML parser types each
+    # parameter by its own subschema, which a bare {"$ref": ...} would not tell it
     return Tool(name, node, inlined)
 
 
