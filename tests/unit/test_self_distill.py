@@ -4,6 +4,7 @@ pass as the engine decodes them, replace a stage's generation rows; the stage re
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,21 +15,23 @@ from worker.model.checkpoint import SINGLE_NAME, load_checkpoint
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 from worker.training.corpus import generation_case
 from worker.training.rows import generation_prompt
-from worker.training.self_distill import MAX_ANSWER, greedy_answers, own_answer_rows
+from worker.training.self_distill import MAX_ANSWER, cached_greedy_answers, greedy_answers, own_answer_rows
 from worker.training.trainer import RESUME_FILE, TrainConfig, TrainConfigError, _batch, train_demo
 
 CASES = 12
 
 
-def test_the_trainer_s_greedy_decode_is_the_engine_s_one_token_per_pass_decode() -> None:
+@pytest.mark.parametrize("decode", [greedy_answers, cached_greedy_answers], ids=["whole", "cached"])
+def test_the_trainer_s_greedy_decode_is_the_engine_s_one_token_per_pass_decode(decode: Any) -> None:
     """The pool's answers are what ``static`` decoding with one step per token serves: the same
-    tokens up to EOS for every case that ends (a case without EOS in ``MAX_ANSWER`` is left out)."""
+    tokens up to EOS for every case that ends (a case without EOS in ``MAX_ANSWER`` is left out),
+    decoded with every pass over the whole prefix or against a cache (``--cached-pool``)."""
     torch.set_num_threads(1)
     lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
     block, mask = lm.config.block_size or 4, lm.config.mask_token_id
     assert mask is not None
     prompts = [generation_prompt(generation_case("train", 1, i), lm.tokenizer) for i in range(CASES)]
-    mine = greedy_answers(lm.model, prompts, block, mask, set(lm.tokenizer.eos_token_ids))
+    mine = decode(lm.model, prompts, block, mask, set(lm.tokenizer.eos_token_ids))
     engine = started_engine(lm)
     try:
         params = SamplingParams(max_new_tokens=MAX_ANSWER, strategy="static", steps_per_block=block)
@@ -61,6 +64,21 @@ def test_a_stage_s_generation_rows_are_its_own_answers() -> None:
 def test_self_distill_needs_a_trained_start() -> None:
     with pytest.raises(TrainConfigError, match="needs init_from"):
         train_demo(Path("/nonexistent"), TrainConfig(steps=1, self_distill=4))
+    with pytest.raises(TrainConfigError, match="needs self_distill"):
+        train_demo(Path("/nonexistent"), TrainConfig(steps=1, cached_pool=True))
+
+
+def test_the_cached_pool_is_the_whole_pass_pool() -> None:
+    """Over more cases than the engine comparison (two batches of rows at different blocks, rows
+    ending at different blocks), the cached decode writes the same pool."""
+    torch.set_num_threads(1)
+    lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
+    mask = lm.config.mask_token_id
+    assert mask is not None
+    block = lm.config.block_size or 4
+    whole = own_answer_rows(lm.model, lm.tokenizer, 2, 32, block, mask)
+    assert len(whole) >= 24
+    assert own_answer_rows(lm.model, lm.tokenizer, 2, 32, block, mask, cached=True) == whole
 
 
 def test_a_self_distill_stage_repeats_bit_for_bit_and_resumes_on_the_same_pool(tmp_path: Path) -> None:
@@ -89,3 +107,30 @@ def test_a_self_distill_stage_repeats_bit_for_bit_and_resumes_on_the_same_pool(t
             same = (tmp_path / "a" / name).read_bytes() == (tmp_path / other / name).read_bytes()
             assert same, (name, other)
     assert (tmp_path / "a" / SINGLE_NAME).read_bytes() != (TRAINED_CLOVER_DEMO / SINGLE_NAME).read_bytes()
+
+
+def test_a_cached_pool_stage_decodes_against_the_cache_and_trains_the_same_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cached_pool`` reaches the pool's decode, and as the pools are the same, so are the weights
+    (the option is recorded in ``training.json``)."""
+    torch.set_num_threads(1)
+    from worker.training import self_distill
+
+    calls: list[int] = []
+    cached = self_distill.cached_greedy_answers
+
+    def counted(*args: Any) -> list[list[int] | None]:
+        calls.append(len(args[1]))
+        return cached(*args)
+
+    monkeypatch.setattr(self_distill, "cached_greedy_answers", counted)
+    base = dict(steps=1, batch=4, decision_share=0.5, init_from=str(TRAINED_CLOVER_DEMO), self_distill=4,
+                buckets=2, save_every=1)  # fmt: skip
+    train_demo(tmp_path / "whole", TrainConfig(**base))  # type: ignore[arg-type]
+    assert not calls
+    train_demo(tmp_path / "cached", TrainConfig(**base, cached_pool=True))  # type: ignore[arg-type]
+    assert calls == [4]
+    weights = [(tmp_path / name / SINGLE_NAME).read_bytes() for name in ("whole", "cached")]
+    assert weights[0] == weights[1]
+    assert '"cached_pool": true' in (tmp_path / "cached" / "training.json").read_text()

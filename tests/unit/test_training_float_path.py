@@ -17,11 +17,14 @@ from worker.model.checkpoint import SINGLE_NAME
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
 from worker.training import trainer
 from worker.training.float_path import (
+    CPU_MODEL_PATH,
+    CPU_MODEL_RECORD,
     PINNED_PATH,
     PINNED_RECORD,
     FloatPathError,
     float_path,
     has_avx2,
+    is_pinned,
     pin_float_path,
     pinned_path,
     pinned_record,
@@ -55,6 +58,39 @@ def test_the_cli_pins_the_float_path_before_its_first_kernel(tmp_path: Path) -> 
     assert native["float_path"]["mkl_cbwr"] == "auto"  # type: ignore[index]
     if native["float_path"]["aten"] == "AVX512":  # type: ignore[index]
         assert weights["native"] != weights["pinned"]
+
+
+@pytest.mark.skipif(not has_avx2(), reason="the pinned path is AVX2: an x86-64 CPU that has it")
+def test_the_cpu_model_pin_is_mkls_own_branch_set_before_the_first_kernel(tmp_path: Path) -> None:
+    """``--cpu-model-float-path`` gives the bytes of a process started with its variables set, and
+    records ATen on AVX2 and MKL on ``AUTO,STRICT``; the record counts as pinned."""
+    pinned = _train_demo_cli(tmp_path / "pinned", "--cpu-model-float-path")
+    preset = _train_demo_cli(tmp_path / "preset", "--native-float-path", env=CPU_MODEL_PATH)
+    assert pinned["float_path"] == preset["float_path"] == {**CPU_MODEL_RECORD, "threads": 1}
+    weights = [(tmp_path / name / SINGLE_NAME).read_bytes() for name in ("pinned", "preset")]
+    assert weights[0] == weights[1]
+    assert is_pinned(pinned["float_path"])  # type: ignore[arg-type]
+
+
+def test_the_two_pins_differ_in_mkls_branch_only_and_both_count_as_pinned() -> None:
+    for vendor in ("GenuineIntel", "AuthenticAMD", ""):
+        own = pinned_path(vendor, cpu_model=True)
+        assert own == pinned_path(vendor) | {"MKL_CBWR": "AUTO,STRICT"}
+        assert pinned_record(own) == {"aten": "AVX2", "mkl_cbwr": "AUTO,STRICT"}
+    assert is_pinned({**PINNED_RECORD, "threads": 2}) and is_pinned(dict(CPU_MODEL_RECORD))
+    assert not is_pinned({"aten": "AVX512", "mkl_cbwr": "auto", "threads": 1})
+    assert not is_pinned({"aten": "AVX2", "mkl_cbwr": "auto"})
+
+
+def test_the_native_and_the_cpu_model_paths_are_refused_together(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    result = CliRunner().invoke(cli, ["model", "train-demo", str(tmp_path / "run"), "--native-float-path",
+                                      "--cpu-model-float-path", "--steps", "1"])  # fmt: skip
+    assert result.exit_code == 2 and "one or the other" in result.output
+    assert not (tmp_path / "run").exists()
 
 
 def test_mkl_is_pinned_to_avx2_on_intel_and_to_compatible_elsewhere() -> None:

@@ -18,9 +18,15 @@ per CPU model) and ``mkl_cbwr_set`` answered "unsupported branch", so there MKL 
 therefore compute on two pinned paths (meant to be the same across each vendor's CPU models:
 not measured; a container whose cpuinfo hides the vendor gets COMPATIBLE too); the record says
 which. Measured on that 2-core EPYC: COMPATIBLE costs about 25% of a training step against
-MKL's own pick. Measured on a 2-core AVX512 Intel machine: about 11% slower per step
-than the native path, and within 30 steps other bytes than it. The same torch build is assumed
-(the project pins it). Another session's Intel machine (AVX512 and AMX) gave the same pinned bytes
+MKL's own pick (and on a later session's 2-core EPYC, with two threads, 100 steps of p1l's
+options took 27 and 30 s pinned against 19 and 18 s on ``CPU_MODEL_PATH``). ``CPU_MODEL_PATH``
+(``train-demo --cpu-model-float-path``) is the faster pin for that case: ATen on AVX2 as before,
+MKL on ``AUTO,STRICT``, its own branch for the CPU model, in strict mode (alignment-independent
+results): the same bytes for the same CPU model and thread count (that session: three runs of
+100 steps, the same bytes), not promised across CPU models. Measured on a 2-core AVX512 Intel
+machine: the portable pin about 11% slower per step than the native path, and within 30 steps
+other bytes than it. The same torch build is assumed (the project pins it). Another session's
+Intel machine (AVX512 and AMX) gave the same pinned bytes
 for a 30- and a 60-step run as two earlier ones, but also the same native bytes: its CPU chose as
 they did, so that the pin bridges two Intel CPUs that choose differently is still not shown.
 """
@@ -38,6 +44,8 @@ import torch
 
 # MKL's branch by CPU vendor: its instruction-set branches run on Intel CPUs only (module docstring)
 _MKL_PIN_INTEL, _MKL_PIN_OTHER = "AVX2,STRICT", "COMPATIBLE,STRICT"
+# the CPU-model pin: MKL's own branch for this CPU model, still strict (module docstring)
+MKL_CPU_MODEL = "AUTO,STRICT"
 
 
 def cpu_vendor() -> str:
@@ -52,9 +60,10 @@ def cpu_vendor() -> str:
     return ""
 
 
-def pinned_path(vendor: str) -> dict[str, str]:
-    """The variables that pin a CPU of ``vendor`` (what ``pin_float_path`` sets)."""
-    mkl = _MKL_PIN_INTEL if vendor == "GenuineIntel" else _MKL_PIN_OTHER
+def pinned_path(vendor: str, *, cpu_model: bool = False) -> dict[str, str]:
+    """The variables that pin a CPU of ``vendor`` (what ``pin_float_path`` sets); ``cpu_model``:
+    MKL on its own branch for the CPU model instead of the vendor's portable one."""
+    mkl = MKL_CPU_MODEL if cpu_model else _MKL_PIN_INTEL if vendor == "GenuineIntel" else _MKL_PIN_OTHER
     return {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": mkl, "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
@@ -66,6 +75,15 @@ def pinned_record(path: dict[str, str]) -> dict[str, str]:
 # this machine's pin; ``float_path`` reads back what the process computes on
 PINNED_PATH: dict[str, str] = pinned_path(cpu_vendor())
 PINNED_RECORD: dict[str, str] = pinned_record(PINNED_PATH)
+# the CPU-model pin (``pin_float_path(cpu_model=True)``) and what it reads back
+CPU_MODEL_PATH: dict[str, str] = pinned_path(cpu_vendor(), cpu_model=True)
+CPU_MODEL_RECORD: dict[str, str] = pinned_record(CPU_MODEL_PATH)
+
+
+def is_pinned(path: dict[str, object]) -> bool:
+    """Whether a recorded path (``float_path()``'s entries, among others) is one of the two pins."""
+    return any(all(path.get(name) == value for name, value in record.items())
+               for record in (PINNED_RECORD, CPU_MODEL_RECORD))  # fmt: skip
 
 # MKL's branch codes (mkl_cbwr.h): 1 is "off" (MKL's own pick per CPU), STRICT a flag bit
 _MKL_BRANCHES = {1: "auto", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2",
@@ -114,9 +132,9 @@ def has_avx2() -> bool:
         return False
 
 
-def pin_float_path() -> dict[str, str]:
-    """Pin this process to ``PINNED_PATH`` (this CPU vendor's pin) and return the path in effect;
-    call it before the first tensor operation.
+def pin_float_path(*, cpu_model: bool = False) -> dict[str, str]:
+    """Pin this process to ``PINNED_PATH`` (this CPU vendor's pin; ``cpu_model``:
+    ``CPU_MODEL_PATH``) and return the path in effect; call it before the first tensor operation.
 
     A CPU without AVX2 cannot run it (ATen would dispatch instructions the CPU lacks), so it keeps
     its own path, which the returned record (and ``training.json``) shows. Pinned too late (ATen
@@ -125,24 +143,26 @@ def pin_float_path() -> dict[str, str]:
     """
     if not has_avx2():
         return float_path()
-    before = {name: os.environ.get(name) for name in PINNED_PATH}
-    os.environ.update(PINNED_PATH)
+    target = CPU_MODEL_PATH if cpu_model else PINNED_PATH
+    record = pinned_record(target)
+    before = {name: os.environ.get(name) for name in target}
+    os.environ.update(target)
     path = float_path()
-    mkl_pinned = path["mkl_cbwr"] in (PINNED_RECORD["mkl_cbwr"], "unknown")  # unknown: a build without MKL
-    if path["aten"] != PINNED_RECORD["aten"] or not mkl_pinned:
+    mkl_pinned = path["mkl_cbwr"] in (record["mkl_cbwr"], "unknown")  # unknown: a build without MKL
+    if path["aten"] != record["aten"] or not mkl_pinned:
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        preset = " ".join(f"{name}={value}" for name, value in PINNED_PATH.items())
+        preset = " ".join(f"{name}={value}" for name, value in target.items())
         earlier = before["MKL_CBWR"]
-        if path["aten"] == PINNED_RECORD["aten"] and earlier not in (None, PINNED_PATH["MKL_CBWR"]):
+        if path["aten"] == record["aten"] and earlier not in (None, target["MKL_CBWR"]):
             raise FloatPathError(f"MKL computes on {path['mkl_cbwr']}: the process started with "
-                                 f"MKL_CBWR={earlier}; unset it (the pin sets {PINNED_PATH['MKL_CBWR']})")
-        if path["aten"] == PINNED_RECORD["aten"] and path["mkl_cbwr"].endswith(",STRICT"):  # MKL read ours
+                                 f"MKL_CBWR={earlier}; unset it (the pin sets {target['MKL_CBWR']})")
+        if path["aten"] == record["aten"] and path["mkl_cbwr"].endswith(",STRICT"):  # MKL read ours
             raise FloatPathError(f"MKL computes on {path['mkl_cbwr']}, not the pinned "
-                                 f"{PINNED_PATH['MKL_CBWR']}: it does not run that branch on this CPU "
+                                 f"{target['MKL_CBWR']}: it does not run that branch on this CPU "
                                  f"({cpu_vendor() or 'vendor unknown'}); train with "
                                  "--native-float-path")  # fmt: skip
         raise FloatPathError(f"torch chose its CPU kernels before the float path was pinned ({path}); "

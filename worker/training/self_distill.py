@@ -83,6 +83,68 @@ def greedy_answers(
     return answers
 
 
+@torch.no_grad()
+def cached_greedy_answers(
+    model: Any, prompts: list[list[int]], block: int, mask_id: int, eos: set[int]
+) -> list[list[int] | None]:
+    """``greedy_answers``' decode as the engine runs it, with the committed tokens in a cache: a
+    block's first pass commits what its row has not committed yet (the prompt up to the block, or
+    the block before) and previews the block, its other passes preview the block alone against
+    the cache. The same passes in exact arithmetic; about a block's width of tokens a pass instead
+    of the whole prefix (Clover only: the cache of committed state is its)."""
+    n = len(prompts)
+    cache = model.new_cache(max_seqs=n, max_len=max(map(len, prompts)) + MAX_ANSWER + 2 * block, device="cpu",
+                            dtype=torch.float32)  # fmt: skip
+    slots = torch.tensor([cache.allocate() for _ in range(n)])  # [N]
+    ids = [list(p) for p in prompts]
+    committed = [0] * n  # positions of each row in the cache
+    answers: list[list[int] | None] = [None] * n
+    live = list(range(n))
+    while live:
+        starts = [len(ids[r]) // block * block for r in live]  # the current block of each row
+        for r, start in zip(live, starts, strict=True):
+            ids[r] += [mask_id] * (start + block - len(ids[r]))
+        commit = [start - committed[r] for r, start in zip(live, starts, strict=True)]
+        width = max(commit) + block
+        batch = torch.full((len(live), width), mask_id)  # [R, W]: uncommitted prefix, then the block
+        valid = torch.zeros(len(live), width, dtype=torch.bool)  # [R, W]
+        for i, r in enumerate(live):
+            batch[i, : commit[i] + block] = torch.tensor(ids[r][committed[r] :])
+            valid[i, : commit[i] + block] = True
+        at = torch.tensor(commit)[:, None] + torch.arange(block)  # [R, b] the block's columns
+        positions = torch.tensor([committed[r] for r in live])[:, None] + torch.arange(width)  # [R, W]
+        commits = torch.tensor(commit)  # [R]: the first pass commits, the others preview only
+        rows = torch.arange(len(live))[:, None]  # [R, 1]
+        while True:
+            masked = batch[rows, at] == mask_id  # [R, b]
+            if not masked.any():
+                break
+            logits = model(batch, positions, valid=valid, cache=cache, slots=slots[live],
+                           commit_lens=commits, logits_index=at).float()  # [R, b, V] fmt: skip
+            logits[..., mask_id] = float("-inf")  # never commit a mask token (as the engine)
+            confidence, token = logits.softmax(-1).max(-1)  # [R, b]
+            position = confidence.masked_fill(~masked, -1.0).argmax(-1)  # [R]: the surest masked one
+            going = masked.any(-1).nonzero().flatten()
+            batch[going, at[going, position[going]]] = token[going, position[going]]
+            if commits.any():  # from now on the block alone, previewed against the cache
+                batch, valid = batch[rows, at], torch.ones(len(live), block, dtype=torch.bool)
+                positions = torch.tensor(starts)[:, None] + torch.arange(block)  # [R, b]
+                at = torch.arange(block).expand(len(live), -1)
+                commits = torch.zeros_like(commits)
+        still = []
+        for i, r in enumerate(live):
+            committed[r] = starts[i]
+            ids[r][starts[i] :] = batch[i, at[i]].tolist()
+            generated = ids[r][len(prompts[r]) :]
+            stop = next((k for k, t in enumerate(generated[:MAX_ANSWER]) if t in eos), None)
+            if stop is not None:
+                answers[r] = generated[:stop]
+            elif len(generated) < MAX_ANSWER:
+                still.append(r)
+        live = still
+    return answers
+
+
 def own_answer_rows(
     model: Any,
     tokenizer: Tokenizer,
@@ -92,9 +154,11 @@ def own_answer_rows(
     mask_id: int,
     headings: bool = False,
     split: Split = "train",
+    cached: bool = False,
 ) -> list[Row]:
     """The pool of the stage: one row per generation case of the training ``split`` whose own
-    answer ends (at most ``count``), in case order."""
+    answer ends (at most ``count``), in case order; ``cached``: decoded by
+    ``cached_greedy_answers``."""
     model.eval()
     eos = set(tokenizer.eos_token_ids)
     cases = [generation_case(split, seed, i, headings) for i in range(count)]
@@ -102,7 +166,8 @@ def own_answer_rows(
     rows: list[Row] = []
     for first in range(0, count, BATCH):
         chunk = prompts[first : first + BATCH]
-        for prompt, answer in zip(chunk, greedy_answers(model, chunk, block, mask_id, eos), strict=True):
+        decode = cached_greedy_answers if cached else greedy_answers
+        for prompt, answer in zip(chunk, decode(model, chunk, block, mask_id, eos), strict=True):
             if answer is not None:
                 rows.append(replace(answer_row(prompt, answer, tokenizer, block), whole=True))
     if not rows:

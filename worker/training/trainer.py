@@ -18,8 +18,9 @@ that has seen their chats), ``tool_keys`` (tool rows noised and weighted at the 
 the call), ``joint_share`` (more question rows asked jointly), ``self_distill`` (a stage trained
 on the starting checkpoint's own answers), ``chain_blocks`` (a generation row's later answer
 blocks trained from its first pass's cache, ``worker.training.chain``), ``certainty`` (a
-certainty-forcing term on generation targets, ``worker.training.certainty``); what each did is
-measured in docs/demo-training.md.
+certainty-forcing term on generation targets, ``worker.training.certainty``), ``cached_pool``
+(a self-distillation stage's pool decoded against a cache); what each did is measured in
+docs/demo-training.md.
 
 Deterministic: every step's batch comes from ``(seed, step)`` alone (the corpus index and a torch
 generator seeded per step), so a run resumed from its ``resume.pt`` takes the same steps as an
@@ -65,7 +66,7 @@ from worker.training.corpus import (
     tool_call_case,
     value_case,
 )
-from worker.training.float_path import PINNED_RECORD, float_path
+from worker.training.float_path import float_path, is_pinned
 from worker.training.passes import denoise, denoise_kept
 from worker.training.questions import GROUPS
 from worker.training.rows import Row, decision_rows, extraction_row, generation_row, tool_call_row
@@ -177,6 +178,11 @@ class TrainConfig:
     # the step's weighted mean: its denominator stays the cross-entropy weights (a decision target
     # counts ``decision_weight``), so the term's share of the loss follows the mix. Needs buckets
     certainty: float | None = None
+    # ``self_distill``'s pool decoded with the committed tokens in a cache
+    # (``self_distill.cached_greedy_answers``: the same passes, a block's width of tokens each
+    # instead of the whole prefix; Clover only); None: every pass over the whole prefix, as the
+    # stages before the option were made
+    cached_pool: bool | None = None
 
 
 def training_split(config: TrainConfig) -> Split:
@@ -545,6 +551,8 @@ def check_config(config: TrainConfig) -> None:
     if config.certainty is not None and (not config.certainty > 0 or config.buckets is None):  # nan too
         raise TrainConfigError(f"certainty (> 0) weighs a term of the per-target loss: it needs buckets: "
                                f"{config.certainty}")  # fmt: skip
+    if config.cached_pool and config.self_distill is None:
+        raise TrainConfigError("cached_pool decodes a self_distill stage's pool: it needs self_distill")
     if config.ema is not None and not 0.0 < config.ema < 1.0:
         raise TrainConfigError(f"ema is a decay per step, between 0 and 1: {config.ema}")
     share = 0.0 if config.ema is None else config.ema ** (config.steps - 1)
@@ -594,13 +602,16 @@ def train_demo(
     if config.chain_blocks is not None and lm.config.family != "clover":
         raise TrainConfigError(f"chain_blocks continues a Clover pass's cache; {folder} is "
                                f"{lm.config.family}")  # fmt: skip
+    if config.cached_pool and lm.config.family != "clover":
+        raise TrainConfigError(f"cached_pool decodes against a Clover cache; {folder} is {lm.config.family}")
     mask_id = lm.config.mask_token_id
     assert mask_id is not None
     own = None
     pooled = time.monotonic()
     if config.self_distill is not None:  # the starting weights' answers (a resumed stage: the same pool)
         own = own_answer_rows(model, lm.tokenizer, config.seed, config.self_distill, block, mask_id,
-                              bool(config.headings), training_split(config))  # fmt: skip
+                              bool(config.headings), training_split(config),
+                              cached=bool(config.cached_pool))  # fmt: skip
     pool_seconds = time.monotonic() - pooled  # counted in the run's seconds, not in max_seconds
     params = [p for p in model.parameters() if p.requires_grad]
     opt, schedule = optimizer_and_schedule(params, lr=config.lr, steps=config.steps)
@@ -611,7 +622,7 @@ def train_demo(
     step = 0
     # the kernels and the thread count: the threads split each reduction, so 1 and 2 give other bytes
     computed_on: dict[str, object] = {**float_path(), "threads": torch.get_num_threads()}
-    pinned = {name: computed_on[name] for name in PINNED_RECORD} == PINNED_RECORD
+    pinned = is_pinned(computed_on)
     if resume.is_file():
         state = torch.load(resume, weights_only=False)
         if _recorded_of(state["config"]) != _recorded(config):  # options added since compare as unset
