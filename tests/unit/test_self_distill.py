@@ -3,7 +3,9 @@ pass as the engine decodes them, replace a stage's generation rows; the stage re
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -68,17 +70,32 @@ def test_self_distill_needs_a_trained_start() -> None:
         train_demo(Path("/nonexistent"), TrainConfig(steps=1, cached_pool=True))
 
 
-def test_the_cached_pool_is_the_whole_pass_pool() -> None:
+def test_the_cached_decode_is_the_whole_pass_decode() -> None:
     """Over more cases than the engine comparison (two batches of rows at different blocks, rows
-    ending at different blocks), the cached decode writes the same pool."""
+    ending in different blocks, rows that reach ``MAX_ANSWER`` without EOS) and prompts cut to
+    lengths a block divides or shorter than a block, the cached decode gives the same answers; so
+    the pools of the two are the same too."""
     torch.set_num_threads(1)
     lm = load_checkpoint(TRAINED_CLOVER_DEMO, dtype=torch.float32)
     mask = lm.config.mask_token_id
     assert mask is not None
-    block = lm.config.block_size or 4
-    whole = own_answer_rows(lm.model, lm.tokenizer, 2, 32, block, mask)
-    assert len(whole) >= 24
-    assert own_answer_rows(lm.model, lm.tokenizer, 2, 32, block, mask, cached=True) == whole
+    block, eos = lm.config.block_size or 4, set(lm.tokenizer.eos_token_ids)
+    prompts = [generation_prompt(generation_case("train", 2, i), lm.tokenizer) for i in range(32)]
+    cut = [prompts[0][: block * 40], prompts[1][: block - 3], prompts[2][:1]]  # a whole block, 5 and 1 tokens
+    for batch in (prompts[:16], prompts[16:], cut):
+        whole = greedy_answers(lm.model, batch, block, mask, eos)
+        assert cached_greedy_answers(lm.model, batch, block, mask, eos) == whole
+    answers = greedy_answers(lm.model, prompts, block, mask, eos)
+    ends = {len(a) // block for a in answers if a is not None}  # the block each answer ends in
+    assert len(ends) >= 2 and None in answers + greedy_answers(lm.model, cut, block, mask, eos)
+    assert own_answer_rows(lm.model, lm.tokenizer, 2, 32, block, mask, cached=True) == own_answer_rows(
+        lm.model, lm.tokenizer, 2, 32, block, mask)
+
+
+def test_the_cached_decode_refuses_a_model_without_a_clover_cache() -> None:
+    sdar = SimpleNamespace(config=SimpleNamespace(family="sdar"))  # only its family is read
+    with pytest.raises(ValueError, match="Clover"):
+        cached_greedy_answers(sdar, [[1, 2, 3]], 8, 0, {1})
 
 
 def test_a_self_distill_stage_repeats_bit_for_bit_and_resumes_on_the_same_pool(tmp_path: Path) -> None:
@@ -112,8 +129,8 @@ def test_a_self_distill_stage_repeats_bit_for_bit_and_resumes_on_the_same_pool(t
 def test_a_cached_pool_stage_decodes_against_the_cache_and_trains_the_same_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``cached_pool`` reaches the pool's decode, and as the pools are the same, so are the weights
-    (the option is recorded in ``training.json``)."""
+    """``cached_pool`` reaches the pool's decode (its rows then train the step: the weights equal
+    the whole-pass stage's, whose pool is the same), and is recorded in ``training.json``."""
     torch.set_num_threads(1)
     from worker.training import self_distill
 
@@ -133,4 +150,4 @@ def test_a_cached_pool_stage_decodes_against_the_cache_and_trains_the_same_steps
     assert calls == [4]
     weights = [(tmp_path / name / SINGLE_NAME).read_bytes() for name in ("whole", "cached")]
     assert weights[0] == weights[1]
-    assert '"cached_pool": true' in (tmp_path / "cached" / "training.json").read_text()
+    assert json.loads((tmp_path / "cached" / "training.json").read_text())["config"]["cached_pool"] is True

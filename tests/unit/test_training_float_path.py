@@ -15,13 +15,14 @@ import torch
 
 from worker.model.checkpoint import SINGLE_NAME
 from worker.model.demo_trained import TRAINED_CLOVER_DEMO
-from worker.training import trainer
+from worker.training import float_path as float_path_module
 from worker.training.float_path import (
     CPU_MODEL_PATH,
     CPU_MODEL_RECORD,
     PINNED_PATH,
     PINNED_RECORD,
     FloatPathError,
+    cpu_model,
     float_path,
     has_avx2,
     is_pinned,
@@ -63,10 +64,11 @@ def test_the_cli_pins_the_float_path_before_its_first_kernel(tmp_path: Path) -> 
 @pytest.mark.skipif(not has_avx2(), reason="the pinned path is AVX2: an x86-64 CPU that has it")
 def test_the_cpu_model_pin_is_mkls_own_branch_set_before_the_first_kernel(tmp_path: Path) -> None:
     """``--cpu-model-float-path`` gives the bytes of a process started with its variables set, and
-    records ATen on AVX2 and MKL on ``AUTO,STRICT``; the record counts as pinned."""
+    records ATen on AVX2, MKL on ``AUTO,STRICT`` and the CPU model; the record counts as pinned."""
     pinned = _train_demo_cli(tmp_path / "pinned", "--cpu-model-float-path")
     preset = _train_demo_cli(tmp_path / "preset", "--native-float-path", env=CPU_MODEL_PATH)
-    assert pinned["float_path"] == preset["float_path"] == {**CPU_MODEL_RECORD, "threads": 1}
+    record = {**CPU_MODEL_RECORD, "threads": 1, "cpu": cpu_model()}
+    assert pinned["float_path"] == preset["float_path"] == record
     weights = [(tmp_path / name / SINGLE_NAME).read_bytes() for name in ("pinned", "preset")]
     assert weights[0] == weights[1]
     assert is_pinned(pinned["float_path"])  # type: ignore[arg-type]
@@ -137,8 +139,19 @@ def test_a_resume_point_on_another_float_path_is_refused_and_the_path_is_recorde
     older = {k: v for k, v in state.items() if k != "float_path"}
     torch.save(older, folder / RESUME_FILE)
     with monkeypatch.context() as pinned:  # a pinned process, as the CLI makes it
-        pinned.setattr(trainer, "float_path", lambda: dict(PINNED_RECORD))
+        pinned.setattr(float_path_module, "float_path", lambda: dict(PINNED_RECORD))
         with pytest.raises(TrainConfigError, match="of its machine"):
             train_demo(folder, config)
+    with monkeypatch.context() as cpu_pinned:  # on the CPU-model pin: the CPU model is recorded too
+        cpu_pinned.setattr(float_path_module, "float_path", lambda: dict(CPU_MODEL_RECORD))
+        cpu_pinned.setattr(float_path_module, "cpu_model", lambda: "another model")
+        made_on = {**CPU_MODEL_RECORD, "threads": 1, "cpu": "a first model"}
+        torch.save(dict(state, float_path=made_on), folder / RESUME_FILE)
+        with pytest.raises(TrainConfigError, match="a first model"):  # made on another CPU model
+            train_demo(folder, config)
+        torch.save(dict(state, float_path={**PINNED_RECORD, "threads": 1}), folder / RESUME_FILE)
+        with pytest.raises(TrainConfigError, match=r"COMPATIBLE|AVX2,STRICT"):  # made on the portable pin
+            train_demo(folder, config)
+    torch.save(older, folder / RESUME_FILE)
     assert train_demo(folder, config).finished
     assert json.loads((folder / TRAINING_FILE).read_text())["float_path"] == {**float_path(), "threads": 1}

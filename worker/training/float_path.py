@@ -23,11 +23,13 @@ options took 27 and 30 s pinned against 19 and 18 s on ``CPU_MODEL_PATH``). ``CP
 (``train-demo --cpu-model-float-path``) is the faster pin for that case: ATen on AVX2 as before,
 MKL on ``AUTO,STRICT``, its own branch for the CPU model, in strict mode (alignment-independent
 results): the same bytes for the same CPU model and thread count (that session: three runs of
-100 steps, the same bytes), not promised across CPU models. Measured on a 2-core AVX512 Intel
-machine: the portable pin about 11% slower per step than the native path, and within 30 steps
-other bytes than it. The same torch build is assumed (the project pins it). Another session's
-Intel machine (AVX512 and AMX) gave the same pinned bytes
-for a 30- and a 60-step run as two earlier ones, but also the same native bytes: its CPU chose as
+100 steps, the same bytes), not promised across CPU models; the record names the model
+(``cpu_model``) and a resume point made on another is refused. Not tried on an Intel CPU (where
+MKL may read the setting back as the branch it resolved to, which the pin would then refuse).
+Measured on a 2-core AVX512 Intel machine: the portable pin about 11% slower per step than the
+native path, and within 30 steps other bytes than it. The same torch build is assumed (the
+project pins it). Another session's Intel machine (AVX512 and AMX) gave the same pinned bytes for
+a 30- and a 60-step run as two earlier ones, but also the same native bytes: its CPU chose as
 they did, so that the pin bridges two Intel CPUs that choose differently is still not shown.
 """
 
@@ -60,6 +62,22 @@ def cpu_vendor() -> str:
     return ""
 
 
+def cpu_model() -> str:
+    """The CPU model as Linux's cpuinfo names it (vendor, family, model, stepping, name; empty
+    where it is not readable): what ``CPU_MODEL_PATH``'s bytes are promised for."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if not name.strip() and fields:  # the first processor's block is enough
+                break
+            fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        return ""
+    keys = ("vendor_id", "cpu family", "model", "stepping", "model name")
+    return " / ".join(fields.get(key, "?") for key in keys) if fields else ""
+
+
 def pinned_path(vendor: str, *, cpu_model: bool = False) -> dict[str, str]:
     """The variables that pin a CPU of ``vendor`` (what ``pin_float_path`` sets); ``cpu_model``:
     MKL on its own branch for the CPU model instead of the vendor's portable one."""
@@ -84,6 +102,17 @@ def is_pinned(path: dict[str, object]) -> bool:
     """Whether a recorded path (``float_path()``'s entries, among others) is one of the two pins."""
     return any(all(path.get(name) == value for name, value in record.items())
                for record in (PINNED_RECORD, CPU_MODEL_RECORD))  # fmt: skip
+
+
+def path_record(threads: int) -> dict[str, object]:
+    """What a training run records as the path it computed on: ATen's kernels and MKL's branch,
+    the thread count (the threads split each reduction), and on ``CPU_MODEL_PATH`` the CPU model
+    (MKL's own branch is chosen by it): a resume point on any other is refused."""
+    path: dict[str, object] = {**float_path(), "threads": threads}
+    if path["mkl_cbwr"] == MKL_CPU_MODEL:
+        path["cpu"] = cpu_model()
+    return path
+
 
 # MKL's branch codes (mkl_cbwr.h): 1 is "off" (MKL's own pick per CPU), STRICT a flag bit
 _MKL_BRANCHES = {1: "auto", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2",

@@ -4,7 +4,8 @@ Plain torch over the model's forward (no engine; a fresh cache per pass, which `
 hands back for the trainer's chained passes, ``worker.training.chain``): the trainer's loss
 (``worker.training.trainer``) and the self-distillation stage's greedy decode
 (``worker.training.self_distill``) both call it, so the pass they train and the pass they decode
-with are one function.
+with are one function (a ``cached_pool`` stage decodes with the model's cached forward instead:
+the same pass, the prefix committed block by block).
 """
 
 from __future__ import annotations

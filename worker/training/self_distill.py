@@ -15,7 +15,9 @@ stage's seed), each decoded greedily by the starting checkpoint one token per pa
 confident masked position of the block first, as ``static`` decoding with one step per token),
 as rows whose target is that answer and EOS. The decode runs ``worker.training.passes.denoise``
 (the trainer's own pass, no engine threads) over fixed batches of cases, so the pool is a function
-of the checkpoint and the seed: a resumed stage rebuilds the same pool.
+of the checkpoint and the seed: a resumed stage rebuilds the same pool. ``cached_pool`` stages
+decode the same passes against a cache instead (``cached_greedy_answers``: the model's forward
+with the engine's fused commit and preview, a block's tokens a pass rather than the prompt's).
 """
 
 from __future__ import annotations
@@ -36,13 +38,46 @@ MAX_ANSWER = 48  # new tokens at most, as the evaluation decodes a generation ca
 BATCH = 16  # cases decoded side by side (rows of one pass, each at its own block)
 
 
+def _surest(logits: torch.Tensor, masked: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's most confident masked position ``[R]`` and the token there ``[R]``, from logits
+    ``[R, P, V]`` over ``P`` positions of which ``masked`` ``[R, P]`` may be committed (a mask token
+    is never committed, as the engine)."""
+    logits = logits.float()
+    logits[..., mask_id] = float("-inf")
+    confidence, token = logits.softmax(-1).max(-1)  # [R, P]
+    position = confidence.masked_fill(~masked, -1.0).argmax(-1)  # [R]
+    return position, token.gather(1, position[:, None]).squeeze(1)
+
+
+def _end_blocks(
+    ids: list[list[int]],
+    prompts: list[list[int]],
+    live: list[int],
+    eos: set[int],
+    answers: list[list[int] | None],
+) -> list[int]:
+    """After a block of every ``live`` row is resolved (in ``ids``): the rows whose answer goes on.
+    The engine's limit: an EOS among the first ``MAX_ANSWER`` new tokens ends an answer (in
+    ``answers``), else "length" (the row ends with no answer)."""
+    still = []
+    for r in live:
+        generated = ids[r][len(prompts[r]) :]
+        stop = next((k for k, t in enumerate(generated[:MAX_ANSWER]) if t in eos), None)
+        if stop is not None:
+            answers[r] = generated[:stop]
+        elif len(generated) < MAX_ANSWER:
+            still.append(r)
+    return still
+
+
 @torch.no_grad()
 def greedy_answers(
     model: Any, prompts: list[list[int]], block: int, mask_id: int, eos: set[int]
 ) -> list[list[int] | None]:
     """Each prompt's answer decoded one token per pass, block by block (blocks at multiples of
     ``block``, as the engine and the trainer place them: a prompt's partial last block is the first
-    one decoded), cut at its first EOS; None: no EOS within ``MAX_ANSWER`` tokens."""
+    one decoded), cut at its first EOS; None: no EOS within ``MAX_ANSWER`` tokens. Every pass is the
+    trainer's own (``passes.denoise``), over the whole prefix."""
     ids = [list(p) for p in prompts]
     answers: list[list[int] | None] = [None] * len(prompts)
     live = list(range(len(prompts)))
@@ -61,25 +96,12 @@ def greedy_answers(
             masked = (batch == mask_id) & valid  # [R, T]
             if not masked.any():
                 break
-            logits = denoise(model, batch, commit, valid).float()  # [R, T, V]
-            logits[..., mask_id] = float("-inf")  # never commit a mask token (as the engine)
-            confidence, token = logits.softmax(-1).max(-1)  # [R, T]
-            confidence = confidence.masked_fill(~masked, -1.0)
-            position = confidence.argmax(-1)  # [R]: each row's most confident masked position
+            position, token = _surest(denoise(model, batch, commit, valid), masked, mask_id)  # [R], [R]
             rows = masked.any(-1).nonzero().flatten()
-            batch[rows, position[rows]] = token[rows, position[rows]]
-        still = []
+            batch[rows, position[rows]] = token[rows]
         for i, r in enumerate(live):
-            new = batch[i, starts[r] : starts[r] + block].tolist()
-            ids[r][starts[r] :] = new
-            generated = ids[r][len(prompts[r]) :]
-            # the engine's limit: an EOS among the first MAX_ANSWER new tokens, else "length"
-            stop = next((k for k, t in enumerate(generated[:MAX_ANSWER]) if t in eos), None)
-            if stop is not None:
-                answers[r] = generated[:stop]
-            elif len(generated) < MAX_ANSWER:
-                still.append(r)
-        live = still
+            ids[r][starts[r] :] = batch[i, starts[r] : starts[r] + block].tolist()
+        live = _end_blocks(ids, prompts, live, eos, answers)
     return answers
 
 
@@ -90,11 +112,17 @@ def cached_greedy_answers(
     """``greedy_answers``' decode as the engine runs it, with the committed tokens in a cache: a
     block's first pass commits what its row has not committed yet (the prompt up to the block, or
     the block before) and previews the block, its other passes preview the block alone against
-    the cache. The same passes in exact arithmetic; about a block's width of tokens a pass instead
-    of the whole prefix (Clover only: the cache of committed state is its)."""
+    the cache. The same passes in exact arithmetic (the prefix is committed in other chunks, so a
+    near tie may resolve otherwise in float32; none did in the tests' cases), about a block's
+    width of tokens a pass instead of the whole prefix. Clover only: the cache of committed state
+    is its."""
+    if model.config.family != "clover":
+        raise ValueError(f"a cache of committed state is Clover's; this model is {model.config.family}")
+    weight = next(model.parameters())
     n = len(prompts)
-    cache = model.new_cache(max_seqs=n, max_len=max(map(len, prompts)) + MAX_ANSWER + 2 * block, device="cpu",
-                            dtype=torch.float32)  # fmt: skip
+    # committed: at most the longest prompt + MAX_ANSWER; a pass adds at most 2 blocks beyond it
+    cache = model.new_cache(max_seqs=n, max_len=max(map(len, prompts)) + MAX_ANSWER + 2 * block,
+                            device=weight.device, dtype=weight.dtype)  # fmt: skip
     slots = torch.tensor([cache.allocate() for _ in range(n)])  # [N]
     ids = [list(p) for p in prompts]
     committed = [0] * n  # positions of each row in the cache
@@ -103,7 +131,7 @@ def cached_greedy_answers(
     while live:
         starts = [len(ids[r]) // block * block for r in live]  # the current block of each row
         for r, start in zip(live, starts, strict=True):
-            ids[r] += [mask_id] * (start + block - len(ids[r]))
+            ids[r] += [mask_id] * (start + block - len(ids[r]))  # at least one mask: the first pass runs
         commit = [start - committed[r] for r, start in zip(live, starts, strict=True)]
         width = max(commit) + block
         batch = torch.full((len(live), width), mask_id)  # [R, W]: uncommitted prefix, then the block
@@ -120,28 +148,19 @@ def cached_greedy_answers(
             if not masked.any():
                 break
             logits = model(batch, positions, valid=valid, cache=cache, slots=slots[live],
-                           commit_lens=commits, logits_index=at).float()  # [R, b, V] fmt: skip
-            logits[..., mask_id] = float("-inf")  # never commit a mask token (as the engine)
-            confidence, token = logits.softmax(-1).max(-1)  # [R, b]
-            position = confidence.masked_fill(~masked, -1.0).argmax(-1)  # [R]: the surest masked one
+                           commit_lens=commits, logits_index=at)  # [R, b, V] fmt: skip
+            position, token = _surest(logits, masked, mask_id)  # [R], [R]
             going = masked.any(-1).nonzero().flatten()
-            batch[going, at[going, position[going]]] = token[going, position[going]]
+            batch[going, at[going, position[going]]] = token[going]
             if commits.any():  # from now on the block alone, previewed against the cache
                 batch, valid = batch[rows, at], torch.ones(len(live), block, dtype=torch.bool)
                 positions = torch.tensor(starts)[:, None] + torch.arange(block)  # [R, b]
                 at = torch.arange(block).expand(len(live), -1)
                 commits = torch.zeros_like(commits)
-        still = []
         for i, r in enumerate(live):
-            committed[r] = starts[i]
+            committed[r] = starts[i]  # what the block's first pass committed
             ids[r][starts[i] :] = batch[i, at[i]].tolist()
-            generated = ids[r][len(prompts[r]) :]
-            stop = next((k for k, t in enumerate(generated[:MAX_ANSWER]) if t in eos), None)
-            if stop is not None:
-                answers[r] = generated[:stop]
-            elif len(generated) < MAX_ANSWER:
-                still.append(r)
-        live = still
+        live = _end_blocks(ids, prompts, live, eos, answers)
     return answers
 
 
@@ -164,9 +183,9 @@ def own_answer_rows(
     cases = [generation_case(split, seed, i, headings) for i in range(count)]
     prompts = [generation_prompt(case, tokenizer) for case in cases]
     rows: list[Row] = []
+    decode = cached_greedy_answers if cached else greedy_answers
     for first in range(0, count, BATCH):
         chunk = prompts[first : first + BATCH]
-        decode = cached_greedy_answers if cached else greedy_answers
         for prompt, answer in zip(chunk, decode(model, chunk, block, mask_id, eos), strict=True):
             if answer is not None:
                 rows.append(replace(answer_row(prompt, answer, tokenizer, block), whole=True))

@@ -27,7 +27,8 @@ generator seeded per step), so a run resumed from its ``resume.pt`` takes the sa
 uninterrupted one; with one torch thread and ``torch.use_deterministic_algorithms`` the same
 command gives the same bytes on one machine; pinning the process's float path
 (``worker.training.float_path``: the CLI does it) is meant to extend that to any x86-64 machine
-with AVX2 (not shown across CPUs). ``training.json`` and the resume point record the path, and a
+with AVX2 of the same vendor (not shown across CPU models), and its CPU-model pin to machines of
+the same CPU model. ``training.json`` and the resume point record the path, and a
 resume on another path is refused.
 """
 
@@ -66,7 +67,7 @@ from worker.training.corpus import (
     tool_call_case,
     value_case,
 )
-from worker.training.float_path import float_path, is_pinned
+from worker.training.float_path import is_pinned, path_record
 from worker.training.passes import denoise, denoise_kept
 from worker.training.questions import GROUPS
 from worker.training.rows import Row, decision_rows, extraction_row, generation_row, tool_call_row
@@ -621,7 +622,7 @@ def train_demo(
     losses: list[float] = []
     step = 0
     # the kernels and the thread count: the threads split each reduction, so 1 and 2 give other bytes
-    computed_on: dict[str, object] = {**float_path(), "threads": torch.get_num_threads()}
+    computed_on = path_record(torch.get_num_threads())
     pinned = is_pinned(computed_on)
     if resume.is_file():
         state = torch.load(resume, weights_only=False)
@@ -634,7 +635,8 @@ def train_demo(
             raise TrainConfigError(f"{resume} was computed on the float path {recorded or 'of its machine'}, "
                                    f"this process computes on {computed_on}: resumed, it would not give "
                                    "an uninterrupted run's bytes; resume it on the same path and --threads "
-                                   "(train-demo pins its float path unless --native-float-path)")  # fmt: skip
+                                   "(train-demo pins its portable float path unless --native-float-path or "
+                                   "--cpu-model-float-path)")  # fmt: skip
         model.load_state_dict(state["model"])
         if average is not None:
             average.load_state_dict(state["ema"])
