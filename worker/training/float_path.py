@@ -50,21 +50,9 @@ _MKL_PIN_INTEL, _MKL_PIN_OTHER = "AVX2,STRICT", "COMPATIBLE,STRICT"
 MKL_CPU_MODEL = "AUTO,STRICT"
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; empty where Linux's cpuinfo is
-    not readable)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_model() -> str:
-    """The CPU model as Linux's cpuinfo names it (vendor, family, model, stepping, name; empty
-    where it is not readable): what ``CPU_MODEL_PATH``'s bytes are promised for."""
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of Linux's cpuinfo (empty where it is not readable)."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -73,7 +61,20 @@ def cpu_model() -> str:
                 break
             fields.setdefault(name.strip(), value.strip())
     except OSError:
-        return ""
+        pass
+    return fields
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; empty where Linux's cpuinfo is
+    not readable)."""
+    return _cpuinfo().get("vendor_id", "")
+
+
+def cpu_model() -> str:
+    """The CPU model as Linux's cpuinfo names it (vendor, family, model, stepping, name; empty
+    where it is not readable): what ``CPU_MODEL_PATH``'s bytes are promised for."""
+    fields = _cpuinfo()
     keys = ("vendor_id", "cpu family", "model", "stepping", "model name")
     return " / ".join(fields.get(key, "?") for key in keys) if fields else ""
 

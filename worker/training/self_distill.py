@@ -70,6 +70,25 @@ def _end_blocks(
     return still
 
 
+def _next_blocks(
+    ids: list[list[int]], live: list[int], block: int, mask_id: int, offsets: list[int]
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Each ``live`` row's next block padded onto ``ids`` with mask tokens (blocks at multiples of
+    ``block``: a prompt's partial last block is the first one decoded; at least one mask each),
+    and the pass over them: the block starts ``[R]``, the batch ``[R, W]`` of each row's tokens from
+    its ``offsets`` entry (0: the whole prefix) to its block's end, padded, and its valid mask."""
+    starts = [len(ids[r]) // block * block for r in live]
+    for r, start in zip(live, starts, strict=True):
+        ids[r] += [mask_id] * (start + block - len(ids[r]))
+    width = max(start + block - offset for start, offset in zip(starts, offsets, strict=True))
+    batch = torch.full((len(live), width), mask_id)  # [R, W]
+    valid = torch.zeros(len(live), width, dtype=torch.bool)  # [R, W]
+    for i, (r, offset) in enumerate(zip(live, offsets, strict=True)):
+        batch[i, : len(ids[r]) - offset] = torch.tensor(ids[r][offset:])
+        valid[i, : len(ids[r]) - offset] = True
+    return starts, batch, valid
+
+
 @torch.no_grad()
 def greedy_answers(
     model: Any, prompts: list[list[int]], block: int, mask_id: int, eos: set[int]
@@ -82,16 +101,8 @@ def greedy_answers(
     answers: list[list[int] | None] = [None] * len(prompts)
     live = list(range(len(prompts)))
     while live:
-        starts = {r: len(ids[r]) // block * block for r in live}  # the current block of each row
-        for r in live:
-            ids[r] += [mask_id] * (starts[r] + block - len(ids[r]))
-        width = max(starts[r] + block for r in live)
-        batch = torch.full((len(live), width), mask_id)  # [R, T]
-        valid = torch.zeros(len(live), width, dtype=torch.bool)  # [R, T]
-        for i, r in enumerate(live):
-            batch[i, : len(ids[r])] = torch.tensor(ids[r])
-            valid[i, : len(ids[r])] = True
-        commit = torch.tensor([starts[r] for r in live])  # [R]
+        starts, batch, valid = _next_blocks(ids, live, block, mask_id, [0] * len(live))  # [R, T] each
+        commit = torch.tensor(starts)  # [R]
         while True:
             masked = (batch == mask_id) & valid  # [R, T]
             if not masked.any():
@@ -100,7 +111,7 @@ def greedy_answers(
             rows = masked.any(-1).nonzero().flatten()
             batch[rows, position[rows]] = token[rows]
         for i, r in enumerate(live):
-            ids[r][starts[r] :] = batch[i, starts[r] : starts[r] + block].tolist()
+            ids[r][starts[i] :] = batch[i, starts[i] : starts[i] + block].tolist()
         live = _end_blocks(ids, prompts, live, eos, answers)
     return answers
 
@@ -129,18 +140,12 @@ def cached_greedy_answers(
     answers: list[list[int] | None] = [None] * n
     live = list(range(n))
     while live:
-        starts = [len(ids[r]) // block * block for r in live]  # the current block of each row
-        for r, start in zip(live, starts, strict=True):
-            ids[r] += [mask_id] * (start + block - len(ids[r]))  # at least one mask: the first pass runs
-        commit = [start - committed[r] for r, start in zip(live, starts, strict=True)]
-        width = max(commit) + block
-        batch = torch.full((len(live), width), mask_id)  # [R, W]: uncommitted prefix, then the block
-        valid = torch.zeros(len(live), width, dtype=torch.bool)  # [R, W]
-        for i, r in enumerate(live):
-            batch[i, : commit[i] + block] = torch.tensor(ids[r][committed[r] :])
-            valid[i, : commit[i] + block] = True
+        offsets = [committed[r] for r in live]
+        # [R, W]: the uncommitted prefix, then the block (at least one mask: the first pass runs)
+        starts, batch, valid = _next_blocks(ids, live, block, mask_id, offsets)
+        commit = [start - offset for start, offset in zip(starts, offsets, strict=True)]
         at = torch.tensor(commit)[:, None] + torch.arange(block)  # [R, b] the block's columns
-        positions = torch.tensor([committed[r] for r in live])[:, None] + torch.arange(width)  # [R, W]
+        positions = torch.tensor(offsets)[:, None] + torch.arange(batch.shape[1])  # [R, W]
         commits = torch.tensor(commit)  # [R]: the first pass commits, the others preview only
         rows = torch.arange(len(live))[:, None]  # [R, 1]
         while True:
