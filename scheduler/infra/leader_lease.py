@@ -120,8 +120,13 @@ class FencedLease:
 
     def holds(self) -> bool:
         """Whether this process may act as the holder now (local clock; see the module docstring)."""
+        return self.valid_fence() is not None
+
+    def valid_fence(self) -> int | None:
+        """The fencing number of the lease this process may act on now, or None: :meth:`holds` and
+        :attr:`fence` read from one snapshot, so another thread's renew cannot slip between them."""
         held = self._held
-        return held is not None and self._clock() < held.valid_until
+        return held.fence if held is not None and self._clock() < held.valid_until else None
 
     def acquire(self) -> bool:
         """Take the lease if nobody holds it; True when this call took it."""

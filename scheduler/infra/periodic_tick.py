@@ -21,6 +21,16 @@ to a promotion of one that missed the claim, not closed (every tick is idempoten
 that refuses ``INFO`` or ``WAIT`` to this client gets the claim as before, unconfirmed: periodic
 work must not stop for a command a managed Redis may withhold.
 
+A leader that hangs between deciding a dispatch and sending it (a GC pause, SIGSTOP, a stuck
+thread) sends the tick when it resumes, after a standby has taken the lease over and dispatched
+everything itself (CI saw it once: the hung leader of ``test_beat_standby.py`` sent a tick on
+resuming). No check in the sender can close that gap, so the receiver does, with the lease's
+fencing number: the beat stamps each tick with the fence it led under (header
+``BEAT_FENCE_HEADER``, ``scheduler/maintenance/beat_scheduler.py``), and a tick whose fence is
+below the fencing counter (a later leadership began) is dropped (``tick.stale_leader_dropped``):
+the newer leader dispatches every entry when it takes over, so nothing is skipped. A tick without
+the header (sent by hand, an older beat) is not checked.
+
 A tick called as a plain function (no message id: tests, a shell) runs without a claim.
 """
 
@@ -47,6 +57,8 @@ CLAIM_DEFAULT_SECONDS = 3600
 # How long a claim waits for a replica to confirm it (a master with replicas: sentinel deployments);
 # a tick runs every second or more, and one dropped is replaced by the next.
 CLAIM_REPLICA_WAIT_MS = 500
+# The message header that carries the fencing number of the beat leadership that sent a tick.
+BEAT_FENCE_HEADER = "cloverq_beat_fence"
 
 
 def claim_seconds(expires: str | datetime | None, *, now: datetime) -> int:
@@ -85,6 +97,25 @@ def claim_delivery(
     return bool(claimed), bool(claimed) and int(confirmed) >= 1
 
 
+def superseded(client: redis.Redis, fence: int) -> bool:
+    """Whether a leadership later than ``fence`` began (the fencing counter moved past it). A counter
+    that is missing or lower (a Redis that restarted empty counts from 1 again) supersedes nothing."""
+    counter = client.get(redis_keys.BEAT_FENCE_KEY)
+    return counter is not None and int(counter) > fence
+
+
+def sent_under_fence(request: Any) -> int | None:
+    """The fence a tick's message carries, or None. A worker's request holds the message headers as
+    attributes; ``Task.apply(headers=...)`` (tests) nests them under ``headers``."""
+    value = request.get(BEAT_FENCE_HEADER)
+    if value is None:
+        value = (request.get("headers") or {}).get(BEAT_FENCE_HEADER)
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):  # not one of ours: unchecked, like a tick without the header
+        return None
+
+
 def tick_redis() -> redis.Redis:
     """The process's Redis client (a seam for tests that point a tick at their own Redis)."""
     return get_redis(get_settings().resolved_redis_url)
@@ -98,12 +129,19 @@ class OncePerMessage(Task):
         message_id = request.id
         if message_id is not None and not request.called_directly:
             ttl = claim_seconds(request.expires, now=datetime.now().astimezone())
+            fence = sent_under_fence(request)
             try:
-                first, durable = claim_delivery(tick_redis(), self.name, message_id, ttl_seconds=ttl)
+                client = tick_redis()
+                stale = fence is not None and superseded(client, fence)
+                first, durable = (False, False) if stale else claim_delivery(
+                    client, self.name, message_id, ttl_seconds=ttl)
             except (OSError, redis.RedisError) as exc:
                 log.warning("tick.claim_failed", task=self.name, message_id=message_id,
                             error=f"{type(exc).__name__}: {exc}")
                 raise Ignore() from exc
+            if stale:
+                log.warning("tick.stale_leader_dropped", task=self.name, message_id=message_id, fence=fence)
+                raise Ignore()
             if not first:
                 log.warning("tick.redelivery_dropped", task=self.name, message_id=message_id)
                 raise Ignore()

@@ -61,6 +61,10 @@ class BeatElection:
         """Whether this process may dispatch periodic tasks now (local check, no round trip)."""
         return self.lease.holds()
 
+    def leading_fence(self) -> int | None:
+        """The fencing number this process leads under now, or None when it stands by (local check)."""
+        return self.lease.valid_fence()
+
     def start(self) -> None:
         """One round now (a lone beat leads from its first tick), then one every ``round_seconds``."""
         self.run_round()
@@ -100,14 +104,15 @@ class BeatElection:
         self._log_change()
 
     def _publish(self) -> None:
-        state = {**self._report(), "leader": self.lease.holds(), "fence": self.lease.fence}
+        fence = self.lease.valid_fence()
+        state = {**self._report(), "leader": fence is not None, "fence": fence}
         pipe = self._client.pipeline(transaction=False)
         pipe.set(beat_member(self.name), json.dumps(state), px=max(1, round(self.round_seconds * 3000)))
         pipe.sadd(BEAT_MEMBERS_SET, self.name)
         pipe.execute()
 
     def _log_change(self) -> None:
-        fence = self.lease.fence if self.lease.holds() else None
+        fence = self.lease.valid_fence()
         if fence == self._led:
             return
         if self._led is not None:

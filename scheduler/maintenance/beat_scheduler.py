@@ -7,6 +7,14 @@ only return), the check sits in one place for every entry of the schedule, and a
 hand (``celery call``) stays unaffected. Celery's ``tick`` sends at most one due entry per call,
 so the check before each tick is a check before each dispatch.
 
+The lease is checked twice: before each tick (a standby does nothing else), and again in
+:meth:`LeaderScheduler.apply_async`, the last step before the send, which also stamps the message
+with the fence it leads under (``periodic_tick.BEAT_FENCE_HEADER``). A leader that hangs after
+that check still sends on resuming; the consumer drops such a tick, whose fence a newer
+leadership superseded (``scheduler/infra/periodic_tick.py``). An entry withheld at that last
+check counts as run on this beat (Celery reserved it in the same tick); a new leader dispatches
+everything anyway.
+
 A standby's ticks return at once (it sleeps a quarter election round) and leave its schedule
 untouched: when it takes over, every entry is due at once (each task is idempotent, docs/architecture.md
 §3.3 "Beat with a standby") and runs on its interval from then on. A leader whose lease runs out
@@ -27,11 +35,15 @@ import time
 from types import FrameType
 from typing import Any
 
-from celery.beat import PersistentScheduler
+import structlog
+from celery.beat import PersistentScheduler, ScheduleEntry
 
+from scheduler.infra.periodic_tick import BEAT_FENCE_HEADER
 from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import get_settings
 from scheduler.maintenance.beat_leader import BeatElection
+
+log = structlog.get_logger(__name__)
 
 _exiting = False
 
@@ -47,6 +59,12 @@ def exit_on_sigterm(**_kwargs: Any) -> None:
     """``beat_embedded_init`` receiver: SIGTERM ends the beat loop through its cleanup (the lease is
     released) instead of killing the process on the spot."""
     signal.signal(signal.SIGTERM, _exit_once)
+
+
+def stamped(entry: ScheduleEntry, fence: int) -> ScheduleEntry:
+    """A copy of ``entry`` whose message carries ``fence`` (the schedule keeps the entry unstamped)."""
+    headers = {**(entry.options.get("headers") or {}), BEAT_FENCE_HEADER: fence}
+    return type(entry)(**dict(entry, options={**entry.options, "headers": headers}))
 
 
 class LeaderScheduler(PersistentScheduler):
@@ -80,10 +98,19 @@ class LeaderScheduler(PersistentScheduler):
             return float(min(round_seconds / 4, self.max_interval))
         return float(super().tick(*args, **kwargs))
 
-    def apply_entry(self, entry: Any, producer: Any = None) -> None:
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kwargs: Any) -> Any:
+        """Send ``entry`` stamped with this leadership's fence, or nothing when the lease ran out
+        since the tick began. ``last_dispatch`` is when the lease was checked, before the send."""
+        decided_at = time.time()
+        fence = self.election.leading_fence() if self.election is not None else None
+        if fence is None:
+            log.info("beat.dispatch_withheld", task=entry.task)
+            return None
+        if advance:
+            entry = self.reserve(entry)
         self.dispatched += 1
-        self.last_dispatch = time.time()
-        super().apply_entry(entry, producer=producer)
+        self.last_dispatch = decided_at
+        return super().apply_async(stamped(entry, fence), producer=producer, advance=False, **kwargs)
 
     def close(self) -> None:
         """Release the lease first (a standby takes over within a round), then Celery's close."""

@@ -3,11 +3,15 @@
 Each beat has its own schedule file (its own data dir, as on separate hosts). Their published
 states (``scheduler/maintenance/beat_leader.py``: leader or not, tasks dispatched, when last) show
 that only the lease holder dispatches. The leader is first hung (SIGSTOP): the standby leads within
-the bound (lease x 4/3), and the old leader, resumed, dispatches nothing more (it sees its lease
-expired on its own clock before its next tick). Then the new leader is killed (SIGKILL): the
+the bound (lease x 4/3), and the old leader, resumed, decides no dispatch more (it sees its lease
+expired on its own clock before its next tick; ``last_dispatch`` is when a dispatch was decided, so
+one decided just before the hang and sent on resuming is older than the hang, and its tick is
+dropped by the consumer, as the last step shows). Then the new leader is killed (SIGKILL): the
 resumed one leads again within the bound and dispatches. Last, one tick message delivered twice to
 the beat left (what a stopping beat's hand-back of an unacked delivery can cause) runs once: the
-second delivery is dropped (``scheduler/infra/periodic_tick.py``).
+second delivery is dropped; and a tick stamped with a superseded leadership's fence (what a leader
+that hung between its decision and its send sends on resuming) is dropped by the real worker
+(``scheduler/infra/periodic_tick.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.infra.celery_app import create_celery_app
 from scheduler.infra.leader_lease import parse_value
+from scheduler.infra.periodic_tick import BEAT_FENCE_HEADER
 from scheduler.infra.queue_names import MAINTENANCE_QUEUE
 from scheduler.infra.redis_keys import BEAT_LEADER_KEY, BEAT_MEMBERS_SET, beat_member, tick_claim
 from scheduler.infra.settings import Settings
@@ -130,3 +135,12 @@ def test_standby_takes_over_from_a_hung_then_a_killed_leader(
              if message_id in line and "tick.redelivery_dropped" in line]
     assert len(drops) == 1
     assert redis_client.exists(tick_claim("cloverq.reconcile", message_id))
+
+    # A tick from the first leadership, sent after two takeovers: dropped, never claimed or run.
+    stale_id = str(uuid.uuid4())
+    app.send_task("cloverq.reconcile", task_id=stale_id, queue=MAINTENANCE_QUEUE, expires=60,
+                  headers={BEAT_FENCE_HEADER: fence})
+    wait_for(lambda: f'"message_id": "{stale_id}"' in first_log(), timeout=20, interval=0.1,
+             message="the stale tick to be dropped")
+    assert any(stale_id in line and "tick.stale_leader_dropped" in line for line in first_log().splitlines())
+    assert not redis_client.exists(tick_claim("cloverq.reconcile", stale_id))

@@ -181,3 +181,23 @@ def test_a_master_that_refuses_wait_still_runs_its_ticks(
     assert tasks.reconcile_task.apply(task_id=message_id).state == states.SUCCESS
     assert tasks.reconcile_task.apply(task_id=message_id).state == states.IGNORED
     assert runs == ["run"]
+
+
+def test_a_tick_from_a_superseded_leadership_is_dropped(client: redis_lib.Redis, runs: list[str]) -> None:
+    """A leader that hung between deciding a dispatch and sending it sends on resuming, after a
+    newer leader took over (the fencing counter moved on): that tick is dropped, not run twice."""
+
+    def tick(fence: int | None) -> str:
+        headers = {periodic_tick.BEAT_FENCE_HEADER: fence} if fence is not None else None
+        return str(tasks.reconcile_task.apply(task_id=str(uuid.uuid4()), headers=headers).state)
+
+    assert tick(5) == states.SUCCESS  # no counter (a Redis that restarted empty): nothing supersedes it
+    client.set(redis_keys.BEAT_FENCE_KEY, 5)
+    assert tick(5) == states.SUCCESS  # the current leadership's tick
+    client.set(redis_keys.BEAT_FENCE_KEY, 6)  # a standby took over
+    assert tick(5) == states.IGNORED
+    assert tick(6) == states.SUCCESS
+    assert tick(None) == states.SUCCESS  # sent by hand (no header): not checked
+    assert runs == ["run"] * 4
+    client.set(redis_keys.BEAT_FENCE_KEY, 2)  # restarted empty since: a higher fence still runs
+    assert tick(6) == states.SUCCESS
