@@ -35,11 +35,6 @@ def beat_member(name: str) -> str:
     return f"{PREFIX}:beat:member:{name}"
 
 
-def tick_claim(task: str, message_id: str) -> str:
-    """A periodic tick's message, claimed by the one run it gets (scheduler/infra/periodic_tick.py)."""
-    return f"{PREFIX}:tick:{task}:{message_id}"
-
-
 # Operator state (scheduler/fleet/operator_state.py restores these from SQL after a Redis flush).
 DRAINED_SET = f"{PREFIX}:queues:drained"  # set of drained queue names (scheduler/fleet/queue_drain.py)
 # hash of runtime limit overrides, field -> number (scheduler/access/admission.py)

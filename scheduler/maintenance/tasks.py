@@ -27,7 +27,7 @@ from scheduler.fairness.aging import fair_aging_candidates, forget_promoted
 from scheduler.fairness.held import HeldJob, is_held_marker
 from scheduler.fairness.weights import read_weights
 from scheduler.fleet.operator_state import restore_quietly
-from scheduler.infra import redis_keys
+from scheduler.infra import redis_keys, tick_claims
 from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.db import get_session_factory, rowcount
 from scheduler.infra.periodic_tick import TICK_TASK_OPTIONS
@@ -469,7 +469,8 @@ def expire_task() -> int:
 @shared_task(name="cloverq.purge_data", **MAINTENANCE_TASK_OPTIONS)
 def purge_data_task() -> int:
     """Data retention: purge the jobs whose retention passed, and expired ones' leftovers
-    (``scheduler/maintenance/retention_tick.py``)."""
+    (``scheduler/maintenance/retention_tick.py``); and the tick claims past their margin."""
     session, client, settings = _resources()
     with session:
+        tick_claims.purge_expired(session, now=utcnow())
         return retention_tick.run_tick(session, redis_client=client, settings=settings).purged

@@ -29,11 +29,13 @@ import redis as redis_lib
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.infra.celery_app import create_celery_app
+from scheduler.infra.db import get_session_factory
 from scheduler.infra.leader_lease import parse_value
 from scheduler.infra.periodic_tick import BEAT_FENCE_HEADER
 from scheduler.infra.queue_names import MAINTENANCE_QUEUE
-from scheduler.infra.redis_keys import BEAT_LEADER_KEY, BEAT_MEMBERS_SET, beat_member, tick_claim
+from scheduler.infra.redis_keys import BEAT_LEADER_KEY, BEAT_MEMBERS_SET, beat_member
 from scheduler.infra.settings import Settings
+from scheduler.infra.tick_claims import TickClaim
 from scheduler.observability.cluster_metrics import render_metrics
 from tests.conftest import ProcessLauncher, ServiceProcess, wait_for
 
@@ -70,6 +72,12 @@ def _leader_metrics(client: redis_lib.Redis) -> tuple[dict[str, float], float]:
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     leader = {s.labels["beat"]: s.value for s in families["cloverq_beat_leader"].samples}
     return leader, families["cloverq_beat_leader_changes"].samples[0].value
+
+
+def _claimed(settings: Settings, message_id: str) -> bool:
+    """Whether a tick message's claim is in SQL (``scheduler/infra/tick_claims.py``)."""
+    with get_session_factory(settings.resolved_database_url)() as session:
+        return session.get(TickClaim, message_id) is not None
 
 
 def _takeover(client: redis_lib.Redis, *, by: str) -> float:
@@ -134,7 +142,7 @@ def test_standby_takes_over_from_a_hung_then_a_killed_leader(
     drops = [line for line in first_log().splitlines()
              if message_id in line and "tick.redelivery_dropped" in line]
     assert len(drops) == 1
-    assert redis_client.exists(tick_claim("cloverq.reconcile", message_id))
+    assert _claimed(settings, message_id)
 
     # A tick from the first leadership, sent after two takeovers: dropped, never claimed or run.
     stale_id = str(uuid.uuid4())
@@ -143,4 +151,4 @@ def test_standby_takes_over_from_a_hung_then_a_killed_leader(
     wait_for(lambda: f'"message_id": "{stale_id}"' in first_log(), timeout=20, interval=0.1,
              message="the stale tick to be dropped")
     assert any(stale_id in line and "tick.stale_leader_dropped" in line for line in first_log().splitlines())
-    assert not redis_client.exists(tick_claim("cloverq.reconcile", stale_id))
+    assert not _claimed(settings, stale_id)
