@@ -147,3 +147,39 @@ class FlatEnvSource(EnvSettingsSource):
             target = data if entry.group is None else data.setdefault(entry.group, {})
             target[entry.name] = value
         return data
+
+
+# ``CLOVERQ_`` variables that are no setting and are not mistakes either: deploy/compose.yaml's own
+# interpolation variables (an operator's shell exports them for docker-compose, and ``cloverq`` run
+# from that shell must not call them typos), and the test suite's (``tests/``; any ``CLOVERQ_TEST_``).
+NOT_SETTINGS = frozenset({
+    "CLOVERQ_MODEL_NAME", "CLOVERQ_MODEL_VERSION", "CLOVERQ_MODEL_SRC", "CLOVERQ_MODEL_IMPORT_DIR",
+    "CLOVERQ_CHAOS_KEEP_LOGS", "CLOVERQ_DASHBOARD_SCREENSHOT", "CLOVERQ_DASHBOARD_BATCH_SCREENSHOT",
+    "CLOVERQ_DASHBOARD_LINK_SCREENSHOT",
+})
+NOT_SETTINGS_PREFIX = "CLOVERQ_TEST_"
+
+
+def unknown_variables(environ: Mapping[str, str], settings_cls: type[BaseModel]) -> dict[str, str | None]:
+    """The ``CLOVERQ_`` variables of ``environ`` that no setting reads, each with the setting
+    variable it most resembles (a likely typo: ``CLOVERQ_ENGINE_MAX_BACTH``) or None.
+
+    Why: pydantic-settings ignores what it does not know, so a misspelt variable leaves its setting
+    at the default without a word; every process logs these at start (``configure_logging``).
+    Names compare without case, as the settings read them."""
+    import difflib
+
+    known = {entry.env.upper() for entry in flat_table(settings_cls).values()}
+    known_files = {name + FILE_SUFFIX for name in known}
+    stems = sorted(name.removeprefix(ENV_PREFIX) for name in known)
+    unknown: dict[str, str | None] = {}
+    for name in environ:
+        upper = name.upper()
+        if (not upper.startswith(ENV_PREFIX) or upper in known or upper in known_files
+                or upper in NOT_SETTINGS or upper.startswith(NOT_SETTINGS_PREFIX)):
+            continue
+        # compared without the prefix, which every name shares and would make any two look alike
+        stem = upper.removeprefix(ENV_PREFIX).removesuffix(FILE_SUFFIX)
+        close = difflib.get_close_matches(stem, stems, n=1, cutoff=0.75)
+        unknown[name] = ENV_PREFIX + close[0] if close else None
+    return dict(sorted(unknown.items()))

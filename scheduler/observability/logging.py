@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import sys
 import uuid
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -27,6 +28,7 @@ from structlog.contextvars import bind_contextvars, bound_contextvars, get_conte
 from structlog.types import EventDict, Processor, WrappedLogger
 
 from scheduler.infra.settings import Settings
+from scheduler.infra.settings_env import unknown_variables
 from scheduler.observability.redaction import redact_secrets
 from scheduler.observability.tracing import add_trace_ids
 
@@ -183,6 +185,18 @@ def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> No
         lib_logger.setLevel(logging.NOTSET)
         lib_logger.disabled = False
         lib_logger.propagate = True
+    warn_unknown_variables(os.environ)
+
+
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """Log the ``CLOVERQ_`` variables no setting reads (``settings.unknown_variables``), with the
+    setting each most resembles: here because every process calls :func:`configure_logging` once
+    its settings are loaded, and a misspelt variable otherwise changes nothing without a word."""
+    unknown = unknown_variables(environ, Settings)
+    if unknown:
+        structlog.get_logger(__name__).warning(
+            "settings.unknown_variables", variables=list(unknown),
+            did_you_mean={name: close for name, close in unknown.items() if close is not None})
 
 
 def _leave_logging_alone(**_: Any) -> None:
