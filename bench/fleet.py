@@ -26,7 +26,8 @@ At the end it checks and prints:
   lines of the beat that consumed it) are counted too: an id run twice is a duplicate execution (a
   message handed back by a stopping beat and received again elsewhere is a redelivery, counted
   apart, and one whose id a run already claimed is dropped, ``Task NAME[id] ignored``: counted as
-  dropped, not as a run; ``scheduler/infra/periodic_tick.py``);
+  dropped, not as a run; ``scheduler/infra/periodic_tick.py``), and so are the ticks of a beat
+  leadership a newer one superseded (``tick.stale_leader_dropped``), apart;
 - **errors by kind**: every answer that was not a 2xx, by request kind and status (a 503 with or
   without ``Retry-After``), and transport errors by exception; a 5xx other than a 503 with
   ``Retry-After`` fails the run;
@@ -567,6 +568,7 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
     received: Counter[tuple[str, str]] = Counter()
     finished: Counter[tuple[str, str]] = Counter()
     dropped: Counter[tuple[str, str]] = Counter()  # a redelivered tick whose id was claimed: not run
+    stale: Counter[str] = Counter()  # by task: ticks of a superseded beat leadership, dropped (not run)
     acquired: list[tuple[float, str]] = []
     last_seen = 0.0  # the latest log line of any beat: the end of the counted time
     for role in fleet.beats:
@@ -588,6 +590,8 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
                     dispatches[due.group(1)].append((at, service.name))
                 elif event == "beat.leader_acquired":
                     acquired.append((at, service.name))
+                elif event == "tick.stale_leader_dropped":
+                    stale[str(record.get("task"))] += 1
                 got = _TASK.search(event)
                 if got:
                     outcome = got.group(3)
@@ -611,7 +615,9 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
                                    if task_name == task and count > 1)
         redeliveries = sum(count - 1 for (task_name, _), count in received.items()
                            if task_name == task and count > 1)
-        dropped_here = sum(count for (task_name, _), count in dropped.items() if task_name == task)
+        # Celery logs "ignored" for every drop: the stale leaders' are counted apart
+        ignored = sum(count for (task_name, _), count in dropped.items() if task_name == task)
+        dropped_here = ignored - stale[task]
         # none twice, and none missing: a task whose period fits the run was sent about as often as
         # the leaders' time allows (a restart's hand-over may cost a period or two)
         enough = interval >= led or len(times) >= 0.8 * expected - 2
@@ -622,7 +628,8 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
                        "short_gaps_same_process": same_short,
                        "handovers": handovers, "max_gap_s": round(max_gap, 2), "executions": executions,
                        "duplicate_executions": duplicate_executions, "redeliveries": redeliveries,
-                       "redeliveries_dropped": dropped_here, "ok": row_ok}
+                       "redeliveries_dropped": dropped_here, "stale_leader_dropped": stale[task],
+                       "ok": row_ok}
     return {"leader_changes": changes, "leaders": [p for _, p in acquired], "tasks": tasks, "ok": ok}
 
 
@@ -783,7 +790,8 @@ def render(report: dict[str, Any]) -> str:
                    f"same-process short gaps {row['short_gaps_same_process']}  "
                    f"hand-overs {row['handovers']}  max gap {row['max_gap_s']} s  "
                    f"run twice {row['duplicate_executions']}  redelivered {row['redeliveries']} "
-                   f"(dropped {row['redeliveries_dropped']})  "
+                   f"(dropped {row['redeliveries_dropped']})  stale leader's dropped "
+                   f"{row['stale_leader_dropped']}  "
                    f"{'ok' if row['ok'] else 'DUPLICATE'}")
     out.append(f"result: {'OK' if report['ok'] else 'FAILED'}")
     return "\n".join(out)

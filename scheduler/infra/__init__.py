@@ -3,5 +3,7 @@
 ``settings`` (the one Settings object), ``db`` (engines, sessions, migrations), ``redis_client``
 (one client per URL), ``redis_keys`` and ``queue_names`` (every name in one place), ``celery_app``
 and ``broker`` (the Celery app and its Redis transport), ``beat_schedule`` (the periodic tasks),
-``process`` (exit of the Celery services) and ``gc_freeze`` (short full GCs after start-up).
+``periodic_tick`` and ``tick_claims`` (each tick message runs once, never from a superseded
+leadership), ``leader_lease`` (the fenced lease the beat elects its leader with), ``process`` (exit
+of the Celery services) and ``gc_freeze`` (short full GCs after start-up).
 """

@@ -27,8 +27,10 @@ resuming). No check in the sender can close that gap, so the receiver does, with
 fencing number: the beat stamps each tick with the fence it led under (header
 ``BEAT_FENCE_HEADER``, ``scheduler/maintenance/beat_scheduler.py``), and a tick whose fence is
 below the fencing counter in Redis (a later leadership began) is dropped
-(``tick.stale_leader_dropped``): the newer leader dispatches every entry when it takes over, so
-nothing is skipped. A tick without the header (sent by hand, an older beat) is not checked.
+(``tick.stale_leader_dropped``; a counter that cannot be read drops it too,
+``tick.fence_check_failed``): a newer leader from another process dispatches every entry when it
+takes over, and otherwise the entry's next period replaces it. A tick without the header (sent by
+hand, an older beat) is not checked.
 
 A tick called as a plain function (no message id: tests, a shell) runs without a claim.
 """
@@ -117,7 +119,7 @@ class OncePerMessage(Task):
                 log.warning("tick.stale_leader_dropped", task=self.name, message_id=message_id, fence=fence)
                 raise Ignore()
         except (OSError, redis.RedisError) as exc:
-            self._unchecked(message_id, exc)
+            self._unchecked("tick.fence_check_failed", message_id, exc)
         now = datetime.now().astimezone()
         expires_at = now + timedelta(seconds=claim_seconds(request.expires, now=now))
         try:
@@ -125,15 +127,14 @@ class OncePerMessage(Task):
                 first = tick_claims.claim(session, task=self.name, message_id=message_id,
                                           expires_at=expires_at)
         except (OSError, SQLAlchemyError) as exc:
-            self._unchecked(message_id, exc)
+            self._unchecked("tick.claim_failed", message_id, exc)
         if not first:
             log.warning("tick.redelivery_dropped", task=self.name, message_id=message_id)
             raise Ignore()
 
-    def _unchecked(self, message_id: str, exc: BaseException) -> NoReturn:
+    def _unchecked(self, event: str, message_id: str, exc: BaseException) -> NoReturn:
         """A check that could not be made drops the tick (at most once; the next period's replaces it)."""
-        log.warning("tick.claim_failed", task=self.name, message_id=message_id,
-                    error=f"{type(exc).__name__}: {exc}")
+        log.warning(event, task=self.name, message_id=message_id, error=f"{type(exc).__name__}: {exc}")
         raise Ignore() from exc
 
 

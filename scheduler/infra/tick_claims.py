@@ -5,11 +5,15 @@ Why SQL and not Redis (where the claim lived before): the tick's second delivery
 itself at a failover. ``SENTINEL FAILOVER`` promotes the replica while the old master answers on
 for seconds with no replica left; a tick popped from the old master, claimed there and run, is
 popped again from the promoted replica (which never saw the first pop), and the claim is lost
-with the old master's writes (CI saw it once: ``expire`` run twice in the short fleet run). The
+with the old master's writes (CI saw it twice: ``release-delayed``, then ``expire``, run twice in the
+short fleet run, the second time behind a ``WAIT`` for the replica on the Redis claim). The
 system of record keeps a claim through any Redis fault; a tick is about one row a second.
 
 A row lives until a minute after its message expires (when Celery would discard a redelivery
-anyway); the purge tick deletes older rows (:func:`purge_expired`).
+anyway); the purge tick deletes older rows (:func:`purge_expired`): a few hundred rows with the
+default intervals. On the embedded default's SQLite a claim takes the write lock for one short
+statement beside the API's and the workers' writes; one that waits past the busy timeout drops its
+tick, which the next period replaces.
 """
 
 from __future__ import annotations

@@ -8,12 +8,14 @@ hand (``celery call``) stays unaffected. Celery's ``tick`` sends at most one due
 so the check before each tick is a check before each dispatch.
 
 The lease is checked twice: before each tick (a standby does nothing else), and again in
-:meth:`LeaderScheduler.apply_async`, the last step before the send, which also stamps the message
+:meth:`LeaderScheduler.apply_entry`, the last step before the send, which also stamps the message
 with the fence it leads under (``periodic_tick.BEAT_FENCE_HEADER``). A leader that hangs after
 that check still sends on resuming; the consumer drops such a tick, whose fence a newer
 leadership superseded (``scheduler/infra/periodic_tick.py``). An entry withheld at that last
-check counts as run on this beat (Celery reserved it in the same tick); a new leader dispatches
-everything anyway.
+check counts as run on this beat (Celery reserved it in the same tick), and so does one whose
+tick a consumer dropped as stale: a leader from another process sends every entry when it takes
+over, and otherwise (this process leads again, under a new fence) the entry's next period
+replaces the lost tick, as it replaces any tick lost (every tick is idempotent and periodic).
 
 A standby's ticks return at once (it sleeps a quarter election round) and leave its schedule
 untouched: when it takes over, every entry is due at once (each task is idempotent, docs/architecture.md
@@ -98,19 +100,18 @@ class LeaderScheduler(PersistentScheduler):
             return float(min(round_seconds / 4, self.max_interval))
         return float(super().tick(*args, **kwargs))
 
-    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kwargs: Any) -> Any:
-        """Send ``entry`` stamped with this leadership's fence, or nothing when the lease ran out
-        since the tick began. ``last_dispatch`` is when the lease was checked, before the send."""
+    def apply_entry(self, entry: Any, producer: Any = None) -> None:
+        """Celery's send of ``entry`` stamped with this leadership's fence, or nothing (not even
+        Celery's "Sending due task" line) when the lease ran out since the tick began.
+        ``last_dispatch`` is when the lease was checked, before the send."""
         decided_at = time.time()
         fence = self.election.leading_fence() if self.election is not None else None
         if fence is None:
             log.info("beat.dispatch_withheld", task=entry.task)
-            return None
-        if advance:
-            entry = self.reserve(entry)
+            return
         self.dispatched += 1
         self.last_dispatch = decided_at
-        return super().apply_async(stamped(entry, fence), producer=producer, advance=False, **kwargs)
+        super().apply_entry(stamped(entry, fence), producer=producer)
 
     def close(self) -> None:
         """Release the lease first (a standby takes over within a round), then Celery's close."""

@@ -20,6 +20,7 @@ import redis
 import structlog
 from celery import Celery, shared_task
 from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from scheduler.fairness import gate as fair_share
@@ -472,5 +473,10 @@ def purge_data_task() -> int:
     (``scheduler/maintenance/retention_tick.py``); and the tick claims past their margin."""
     session, client, settings = _resources()
     with session:
-        tick_claims.purge_expired(session, now=utcnow())
-        return retention_tick.run_tick(session, redis_client=client, settings=settings).purged
+        purged = retention_tick.run_tick(session, redis_client=client, settings=settings).purged
+        try:  # housekeeping: a failure here must not fail the purge above (the next tick retries)
+            tick_claims.purge_expired(session, now=utcnow())
+        except SQLAlchemyError as exc:
+            session.rollback()
+            log.warning("tick_claims.purge_failed", error=f"{type(exc).__name__}: {exc}")
+        return purged

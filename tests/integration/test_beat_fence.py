@@ -8,6 +8,7 @@ test sets, since the race it stands for (a hang between two lines) cannot be tim
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -86,17 +87,33 @@ def test_a_leader_stamps_every_tick_with_its_fence(
 
 
 def test_a_lease_that_runs_out_between_the_tick_and_the_send_sends_nothing(
-    broker: tuple[Settings, redis_lib.Redis], tmp_path: Path
+    broker: tuple[Settings, redis_lib.Redis], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Nothing sent, nothing counted, and no "Sending due task" line (what bench.fleet counts)."""
     settings, client = broker
     scheduler = _scheduler(settings, tmp_path, Election(leads_at_tick=True, fence_at_send=None))
     try:
-        for _ in range(3):
-            scheduler.tick()
+        with caplog.at_level(logging.INFO, logger="celery.beat"):
+            for _ in range(3):
+                scheduler.tick()
     finally:
         scheduler.close()
     assert _sent(client) == []
     assert scheduler.dispatched == 0 and scheduler.last_dispatch is None
+    assert "Sending due task" not in caplog.text
+
+
+def test_a_leaders_send_is_logged_as_celery_logs_it(
+    broker: tuple[Settings, redis_lib.Redis], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings, _client = broker
+    scheduler = _scheduler(settings, tmp_path, Election(leads_at_tick=True, fence_at_send=2))
+    try:
+        with caplog.at_level(logging.INFO, logger="celery.beat"):
+            scheduler.tick()
+    finally:
+        scheduler.close()
+    assert caplog.text.count("Sending due task") == 1
 
 
 def test_a_standby_sends_nothing(broker: tuple[Settings, redis_lib.Redis], tmp_path: Path) -> None:

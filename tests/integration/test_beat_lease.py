@@ -29,7 +29,7 @@ def test_lease_acquire_renew_expire_fence_and_stale_holder(redis_client: redis_l
 
     first, second = lease("first"), lease("second")
     try:
-        assert first.acquire() and first.holds() and first.fence == 1
+        assert first.acquire() and first.holds() and first.fence == 1 and first.valid_fence() == 1
         assert not second.acquire() and not second.holds() and second.fence is None  # one holder
         assert parse_value(redis_client.get(key)) is not None
         assert parse_value(redis_client.get(key)).name == "first"  # type: ignore[union-attr]
@@ -42,6 +42,7 @@ def test_lease_acquire_renew_expire_fence_and_stale_holder(redis_client: redis_l
 
         time.sleep(TTL * 1.1)  # the holder hangs: no renew
         assert not first.holds()  # it stops on its own clock, before asking Redis
+        assert first.valid_fence() is None and first.fence == 1  # the fence it may act on: none now
         assert redis_client.exists(key) == 0  # and the lease expired in Redis
         assert second.acquire() and second.holds()
         assert second.fence == 2  # a higher fencing number than any before

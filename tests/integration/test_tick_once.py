@@ -6,8 +6,10 @@ leadership is dropped (``scheduler/infra/periodic_tick.py``, ``scheduler/infra/t
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,7 +24,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler.infra import periodic_tick, redis_keys, tick_claims
-from scheduler.infra.db import get_session_factory, make_engine
+from scheduler.infra.db import get_session_factory, make_engine, session_factory
 from scheduler.infra.settings import Settings
 from scheduler.jobs.models import Base
 from scheduler.maintenance import tasks
@@ -111,12 +113,31 @@ def test_a_tick_called_as_a_function_runs_without_a_claim(
 
 
 def test_a_tick_whose_claim_cannot_reach_the_database_is_dropped(
-    runs: list[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    runs: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    nowhere = get_session_factory(f"sqlite:///{tmp_path / 'no-such-dir' / 'x.db'}")  # cannot be opened
-    monkeypatch.setattr(periodic_tick, "tick_session", nowhere)
-    assert _tick() == states.IGNORED
+    engine = make_engine("postgresql+psycopg://postgres@127.0.0.1:1/none")  # nothing listens
+    try:
+        monkeypatch.setattr(periodic_tick, "tick_session", session_factory(engine))
+        assert _tick() == states.IGNORED
+    finally:
+        engine.dispose()
     assert runs == []
+
+
+def test_two_deliveries_claiming_at_once_run_once(sessions: sessionmaker[Session]) -> None:
+    """The primary key decides, not a read before the write: of 8 threads claiming one id at the
+    same moment, exactly one wins."""
+    barrier = threading.Barrier(8)
+    expires_at = datetime.now(UTC) + timedelta(minutes=5)
+
+    def claim(_: int) -> bool:
+        with sessions() as session:
+            barrier.wait()
+            return tick_claims.claim(session, task="t", message_id="m", expires_at=expires_at)
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(claim, range(8)))
+    assert sorted(won) == [False] * 7 + [True]
 
 
 def test_a_fenced_tick_whose_fence_cannot_be_read_is_dropped(
@@ -152,7 +173,8 @@ def test_the_purge_tick_deletes_the_claims_past_their_lifetime(
         for name, at in (("old", now - timedelta(seconds=1)), ("live", now + timedelta(minutes=5))):
             assert tick_claims.claim(session, task="t", message_id=name, expires_at=at)
         assert not tick_claims.claim(session, task="t", message_id="live", expires_at=at)
-        assert tick_claims.purge_expired(session, now=now) == 1
+    tasks.purge_data_task()  # the beat's purge tick, called as a function (no claim of its own)
+    assert runs == ["run"]
     assert set(_claims(sessions)) == {"live"}
 
 
