@@ -30,6 +30,7 @@ from cli.supervisor import Child, RestartBudget, Supervisor
 from client import Client, RetryPolicy
 from scheduler.infra.queue_names import JOB_QUEUES
 from scheduler.infra.redis_client import redis_from_url
+from scheduler.infra.schema_check import exit_on_schema_behind
 from scheduler.infra.settings import Settings, flat_fields, get_settings
 from scheduler.infra.settings_env import FILE_SUFFIX
 from scheduler.infra.settings_groups.processes import WorkerSettings
@@ -92,6 +93,7 @@ def api(host: str, port: int, admin_port: int | None, ops_port: int | None, work
 
     settings = _with_plane_ports(get_settings(), admin_port, ops_port)
     exit_on_tls_failure(settings)  # a wrong CA or an expired certificate: one line, exit 78
+    exit_on_schema_behind(settings)  # a database that missed `cloverq migrate`: one line, exit 78
     configure_logging(settings)
     if fd is not None and workers > 1:
         raise click.UsageError("--fd serves from one process: drop --workers")

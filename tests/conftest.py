@@ -268,10 +268,27 @@ def _create_postgres_database(base_url: str) -> tuple[str, Callable[[], None]]:
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """A fresh PostgreSQL database for this session (skips when none is configured)."""
+    url, drop = _postgres_or_skip()
+    yield url
+    drop()
+
+
+def _postgres_or_skip() -> tuple[str, Callable[[], None]]:
+    """A new database on the configured PostgreSQL and its drop; the test skips without one."""
     base = os.environ.get("CLOVERQ_TEST_DATABASE_URL", "")
     if not base.startswith("postgresql"):
         pytest.skip(NO_POSTGRES)
-    url, drop = _create_postgres_database(base)
+    return _create_postgres_database(base)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database of each backend with nothing in it, not even migrations (PostgreSQL skipped when
+    not configured): for tests of the migrations themselves."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    url, drop = _postgres_or_skip()
     yield url
     drop()
 

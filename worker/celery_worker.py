@@ -20,6 +20,7 @@ from celery import signals
 
 from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.process import run_then_exit
+from scheduler.infra.schema_check import exit_on_schema_behind
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.infra.tls_check import exit_on_tls_failure
 from scheduler.observability.logging import configure_logging
@@ -109,6 +110,7 @@ def run_worker(
     """
     settings = settings or get_settings()
     exit_on_tls_failure(settings)  # a wrong CA or an expired certificate: one line, exit 78
+    exit_on_schema_behind(settings)  # a database that missed `cloverq migrate`: one line, exit 78
     queues_opt = _option(extra_args, "-Q", "--queues")
     concurrency_opt = _option(extra_args, "-c", "--concurrency")
     hostname = hostname or _option(extra_args, "-n", "--hostname")

@@ -23,6 +23,7 @@ from celery.signals import beat_embedded_init
 from scheduler.infra.celery_app import get_celery_app
 from scheduler.infra.process import run_then_exit
 from scheduler.infra.queue_names import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
+from scheduler.infra.schema_check import exit_on_schema_behind
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.infra.tls_check import exit_on_tls_failure
 from scheduler.maintenance.beat_scheduler import exit_on_sigterm
@@ -50,6 +51,7 @@ def run_beat(settings: Settings | None = None) -> None:
     """Run the beat process in the foreground until SIGTERM/SIGINT (used by ``cloverq beat``)."""
     settings = settings or get_settings()
     exit_on_tls_failure(settings)  # a wrong CA or an expired certificate: one line, exit 78
+    exit_on_schema_behind(settings)  # a database that missed `cloverq migrate`: one line, exit 78
     configure_celery_logging(settings)  # JSON lines like every other process
     # republishes and webhook deliveries join their job's trace
     setup_tracing(settings, process="beat", drops_to_redis=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,34 +24,18 @@ pytestmark = pytest.mark.integration
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'fresh.db'}"
-        return
-    base = os.environ.get("CLOVERQ_TEST_DATABASE_URL", "")
-    from tests.conftest import NO_POSTGRES, _create_postgres_database
-
-    if not base.startswith("postgresql"):
-        pytest.skip(NO_POSTGRES)
-
-    url, drop = _create_postgres_database(base)
-    yield url
-    drop()
-
-
-def test_migrate_from_another_directory_reaches_0001_without_drift(fresh_url: str, tmp_path: Path) -> None:
-    code = f"from scheduler.infra.db import migrate; migrate({fresh_url!r}, revision='0001_jobs')"
+def test_migrate_from_another_directory_reaches_0001_without_drift(empty_db_url: str, tmp_path: Path) -> None:
+    code = f"from scheduler.infra.db import migrate; migrate({empty_db_url!r}, revision='0001_jobs')"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=120)
-    engine = make_engine(fresh_url)
+    engine = make_engine(empty_db_url)
     try:
         with engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == "0001_jobs"
             diffs = [d for d in compare_metadata(MigrationContext.configure(conn), Base.metadata)
                      if _touches_jobs(d) and not _added_later(d)]
         assert diffs == []
-        migrate(fresh_url)  # head: the columns added to ``jobs`` later are there
+        migrate(empty_db_url)  # head: the columns added to ``jobs`` later are there
         with engine.connect() as conn:
             columns = [d for d in compare_metadata(MigrationContext.configure(conn), Base.metadata)
                        if _touches_jobs(d) and not isinstance(d, list) and "column" in d[0]]
@@ -100,15 +83,15 @@ def _touches_jobs(diff: object) -> bool:
     return False
 
 
-def test_head_has_the_operator_state_table_of_the_model(fresh_url: str) -> None:
+def test_head_has_the_operator_state_table_of_the_model(empty_db_url: str) -> None:
     """0008_operator_state: the table matches ``OperatorSetting`` and carries the one-off
     ``adopt_redis`` row (scheduler/fleet/operator_state.py imports pre-0008 Redis state once)."""
     from sqlalchemy import select
 
     from scheduler.fleet.operator_state import ADOPT_REDIS, KIND_META, OperatorSetting
 
-    migrate(fresh_url)
-    engine = make_engine(fresh_url)
+    migrate(empty_db_url)
+    engine = make_engine(empty_db_url)
     try:
         with engine.connect() as conn:
             diffs = [d for d in compare_metadata(MigrationContext.configure(conn), Base.metadata)
