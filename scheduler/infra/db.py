@@ -154,7 +154,7 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 
 def alembic_config(url: str) -> Any:
     """An Alembic ``Config`` for ``url`` that works from any working directory."""
-    from alembic.config import Config  # deferred: alembic (~0.1 s) is only for migrations, not every process
+    from alembic.config import Config  # deferred: alembic (~0.1 s) is for migrations and the start check
 
     config = Config(str(MIGRATIONS_DIR / "alembic.ini"))
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
@@ -164,7 +164,7 @@ def alembic_config(url: str) -> Any:
 
 def migrate(url: str, *, revision: str = "head") -> None:
     """Upgrade the database at ``url`` to ``revision`` (idempotent)."""
-    from alembic import command  # deferred: alembic (~0.1 s) is only for migrations, not every process
+    from alembic import command  # deferred: alembic (~0.1 s) is for migrations and the start check
 
     command.upgrade(alembic_config(url), revision)
 

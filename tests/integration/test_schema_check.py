@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import make_url, text
 
 from scheduler.infra.db import alembic_config, make_engine, migrate
 from scheduler.infra.schema_check import schema_problem, schema_state
@@ -38,11 +38,13 @@ def _problem(url: str) -> str | None:
 
 def test_behind_is_refused_and_head_or_ahead_is_not(empty_db_url: str) -> None:
     head, previous = _head_and_previous()
-    assert _problem(empty_db_url) == (f"database not migrated, this release needs {head}: run `cloverq "
-                                      "migrate` (with the same CLOVERQ_DATABASE_URL) before starting it")
+    shown = make_url(empty_db_url).render_as_string(hide_password=True)
+    assert _problem(empty_db_url) == (f"cloverq: the database {shown} is not migrated; this release "
+                                      f"needs {head}: run `cloverq migrate` (with the same settings) "
+                                      "before starting it")
     migrate(empty_db_url, revision=previous)
     problem = _problem(empty_db_url)
-    assert problem is not None and f"at revision {previous}" in problem and head in problem
+    assert problem is not None and f"is at revision {previous}; this release needs {head}:" in problem
     migrate(empty_db_url)
     assert _problem(empty_db_url) is None
     engine = make_engine(empty_db_url)
@@ -52,21 +54,28 @@ def test_behind_is_refused_and_head_or_ahead_is_not(empty_db_url: str) -> None:
     finally:
         engine.dispose()
     state = schema_state(empty_db_url)
-    assert (state.current, state.known, state.behind) == ("9999_a_newer_release", False, False)
+    assert (set(state.current), state.known, state.behind) == ({"9999_a_newer_release"}, False, False)
     assert _problem(empty_db_url) is None
 
 
-def test_an_unreachable_database_is_not_checked() -> None:
+def test_a_database_that_cannot_be_reached_or_read_is_not_checked(tmp_path: Path) -> None:
     assert _problem("postgresql+psycopg://postgres@127.0.0.1:1/none") is None  # nothing listens
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database file " * 100)
+    assert _problem(f"sqlite:///{junk}") is None  # left to fail as it would
 
 
-def test_the_beat_refuses_a_database_behind_with_one_line(tmp_path: Path, redis_url: str) -> None:
+@pytest.mark.parametrize("process", ["api", "worker", "beat"])
+def test_a_process_refuses_a_database_behind_with_one_line(
+    tmp_path: Path, redis_url: str, process: str
+) -> None:
     _head, previous = _head_and_previous()
     url = f"sqlite:///{tmp_path / 'behind.db'}"
     migrate(url, revision=previous)
-    env = {**os.environ, "CLOVERQ_DATABASE_URL": url, "CLOVERQ_REDIS_URL": redis_url,
-           "CLOVERQ_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "cli", "beat"], env=env, capture_output=True, text=True,
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CLOVERQ_")}
+    env |= {"CLOVERQ_DATABASE_URL": url, "CLOVERQ_REDIS_URL": redis_url,
+            "CLOVERQ_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "cli", process], env=env, capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == CONFIG_ERROR_EXIT_CODE
     assert done.stderr.strip().splitlines() == [_problem(url)]
