@@ -25,9 +25,9 @@ At the end it checks and prints:
   be two leaders at once. Each dispatched task's executions (``Task NAME[id] succeeded`` / ``raised``
   lines of the beat that consumed it) are counted too: an id run twice is a duplicate execution (a
   message handed back by a stopping beat and received again elsewhere is a redelivery, counted
-  apart, and one whose id a run already claimed is dropped, ``Task NAME[id] ignored``: counted as
-  dropped, not as a run; ``scheduler/infra/periodic_tick.py``), and so are the ticks of a beat
-  leadership a newer one superseded (``tick.stale_leader_dropped``), apart;
+  apart; a dropped tick, ``Task NAME[id] ignored``, is counted as dropped, not as a run, with its
+  reason from ``scheduler/infra/periodic_tick.py``'s events: its id claimed before, a superseded
+  beat leadership, or a check that could not reach the database or Redis);
 - **errors by kind**: every answer that was not a 2xx, by request kind and status (a 503 with or
   without ``Retry-After``), and transport errors by exception; a 5xx other than a 503 with
   ``Retry-After`` fails the run;
@@ -553,6 +553,14 @@ def check_jobs(fleet: Fleet, accepted: list[str], timeout: float) -> dict[str, A
 
 _DUE = re.compile(r"Sending due task (\S+) \((\S+)\)")
 _TASK = re.compile(r"Task (cloverq\.\w+)\[([0-9a-f-]+)\] (received|succeeded|raised|failed|ignored)")
+# scheduler/infra/periodic_tick.py's reasons to drop a tick, as the report names them
+_DROP_EVENTS = {"tick.redelivery_dropped": "claimed before", "tick.stale_leader_dropped": "stale leader",
+                "tick.claim_failed": "no database", "tick.fence_check_failed": "no Redis"}
+
+
+def _reasons(why: dict[str, int]) -> str:
+    """``(claimed before 1, no database 2)``; empty for none."""
+    return f"({', '.join(f'{name} {count}' for name, count in sorted(why.items()))})" if why else ""
 
 
 def _stamp(record: dict[str, Any]) -> float | None:
@@ -567,8 +575,10 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
     dispatches: dict[str, list[tuple[float, str]]] = defaultdict(list)
     received: Counter[tuple[str, str]] = Counter()
     finished: Counter[tuple[str, str]] = Counter()
-    dropped: Counter[tuple[str, str]] = Counter()  # a redelivered tick whose id was claimed: not run
-    stale: Counter[str] = Counter()  # by task: ticks of a superseded beat leadership, dropped (not run)
+    dropped: Counter[tuple[str, str]] = Counter()  # Celery's "ignored": a tick dropped, not run
+    # why, by (event, task): periodic_tick's drop events (a claimed id, a superseded leadership, a
+    # check that could not be made: the database or Redis away)
+    drops: Counter[tuple[str, str]] = Counter()
     acquired: list[tuple[float, str]] = []
     last_seen = 0.0  # the latest log line of any beat: the end of the counted time
     for role in fleet.beats:
@@ -590,8 +600,8 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
                     dispatches[due.group(1)].append((at, service.name))
                 elif event == "beat.leader_acquired":
                     acquired.append((at, service.name))
-                elif event == "tick.stale_leader_dropped":
-                    stale[str(record.get("task"))] += 1
+                elif event in _DROP_EVENTS:
+                    drops[(event, str(record.get("task")))] += 1
                 got = _TASK.search(event)
                 if got:
                     outcome = got.group(3)
@@ -615,9 +625,8 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
                                    if task_name == task and count > 1)
         redeliveries = sum(count - 1 for (task_name, _), count in received.items()
                            if task_name == task and count > 1)
-        # Celery logs "ignored" for every drop: the stale leaders' are counted apart
         ignored = sum(count for (task_name, _), count in dropped.items() if task_name == task)
-        dropped_here = ignored - stale[task]
+        why = {_DROP_EVENTS[event]: count for (event, task_name), count in drops.items() if task_name == task}
         # none twice, and none missing: a task whose period fits the run was sent about as often as
         # the leaders' time allows (a restart's hand-over may cost a period or two)
         enough = interval >= led or len(times) >= 0.8 * expected - 2
@@ -628,7 +637,7 @@ def count_periodic(fleet: Fleet, intervals: dict[str, float]) -> dict[str, Any]:
                        "short_gaps_same_process": same_short,
                        "handovers": handovers, "max_gap_s": round(max_gap, 2), "executions": executions,
                        "duplicate_executions": duplicate_executions, "redeliveries": redeliveries,
-                       "redeliveries_dropped": dropped_here, "stale_leader_dropped": stale[task],
+                       "dropped": ignored, "dropped_by_reason": why,
                        "ok": row_ok}
     return {"leader_changes": changes, "leaders": [p for _, p in acquired], "tasks": tasks, "ok": ok}
 
@@ -790,8 +799,7 @@ def render(report: dict[str, Any]) -> str:
                    f"same-process short gaps {row['short_gaps_same_process']}  "
                    f"hand-overs {row['handovers']}  max gap {row['max_gap_s']} s  "
                    f"run twice {row['duplicate_executions']}  redelivered {row['redeliveries']} "
-                   f"(dropped {row['redeliveries_dropped']})  stale leader's dropped "
-                   f"{row['stale_leader_dropped']}  "
+                   f"dropped {row['dropped']} {_reasons(row['dropped_by_reason'])}  "
                    f"{'ok' if row['ok'] else 'DUPLICATE'}")
     out.append(f"result: {'OK' if report['ok'] else 'FAILED'}")
     return "\n".join(out)
