@@ -28,6 +28,7 @@ import httpx
 from cli.stack_record import remove_record, write_record
 from cli.supervisor import Child, RestartBudget, Supervisor
 from client import Client, RetryPolicy
+from scheduler.infra.db import redact_url
 from scheduler.infra.queue_names import JOB_QUEUES
 from scheduler.infra.redis_client import redis_from_url
 from scheduler.infra.schema_check import exit_on_schema_behind
@@ -56,7 +57,7 @@ def migrate() -> None:
     from scheduler.infra.db import migrate as run_migrations
 
     settings = get_settings()
-    shown = _redact_url(settings.resolved_database_url)
+    shown = redact_url(settings.resolved_database_url)
     exit_on_tls_failure(settings, redis=False)  # a wrong CA or an expired certificate: one line
     try:
         run_migrations(settings.resolved_database_url)
@@ -272,7 +273,7 @@ def up(host: str, port: int, admin_port: int | None, ops_port: int | None, ready
     try:
         if settings.redis.url is None:
             _start_embedded_redis(supervisor, settings, data_dir, env, stop.event)
-        _say(f"database: {_redact_url(child_settings.resolved_database_url)}")
+        _say(f"database: {redact_url(child_settings.resolved_database_url)}")
         from scheduler.infra.db import migrate as run_migrations
 
         run_migrations(child_settings.resolved_database_url)
@@ -575,13 +576,3 @@ def _planes_lines(base_url: str, urls: Mapping[Any, str]) -> list[str]:
                 "split them with --admin-port/--ops-port (docs/security.md)"]
     return [f"planes: public {urls[Plane.PUBLIC]}   admin {urls[Plane.ADMIN]}   ops {urls[Plane.OPS]} "
             "(/metrics, /livez, /readyz)"]
-
-
-def _redact_url(url: str) -> str:
-    """Hide a password in a database URL before printing it."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    credentials, host = rest.rsplit("@", 1)
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url

@@ -51,14 +51,13 @@ import redis
 import structlog
 from celery import Celery
 from sqlalchemy import Float, String, delete, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from scheduler.access.api_keys import ApiKey
 from scheduler.access.limit_overrides import validate_limit_field, write_limit_overrides
 from scheduler.fleet import queue_drain
-from scheduler.infra.db import rowcount
+from scheduler.infra.db import dialect_insert, rowcount
 from scheduler.infra.redis_keys import DRAINED_SET, LIMITS_KEY, REVOKED_SET
 from scheduler.jobs.models import Base, UTCDateTime, utcnow
 
@@ -266,9 +265,7 @@ def _upsert(session: Session, rows: list[tuple[str, str, float | None]]) -> None
     values: list[dict[str, Any]] = [
         {"kind": kind, "name": name, "value": value, "updated_at": now} for kind, name, value in rows
     ]
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    stmt = insert(OperatorSetting).values(values)
+    stmt = dialect_insert(session)(OperatorSetting).values(values)
     session.execute(stmt.on_conflict_do_update(
         index_elements=["kind", "name"],
         set_={"value": stmt.excluded.value, "updated_at": stmt.excluded.updated_at},

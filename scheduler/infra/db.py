@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, Engine, Result, create_engine, event, make_url, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler.infra.settings import Settings, get_settings
@@ -24,6 +25,22 @@ def rowcount(result: Result[Any]) -> int:
     """The rows an ``UPDATE`` / ``DELETE`` matched. ``Session.execute`` is typed to answer a
     ``Result``; for those statements it is a ``CursorResult``, which has ``rowcount``."""
     return cast("CursorResult[Any]", result).rowcount
+
+
+def dialect_insert(session: Session) -> Callable[..., Any]:
+    """The ``insert`` of the session's backend, for ``ON CONFLICT`` (both backends have it; the
+    generic ``insert`` does not)."""
+    return postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+
+
+def redact_url(url: str) -> str:
+    """A database URL fit to print: its password, if any, replaced by ``***``."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, host = rest.rsplit("@", 1)
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
 
 
 def lift_statement_timeout(session: Session) -> None:

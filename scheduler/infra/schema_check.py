@@ -20,10 +20,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from sqlalchemy import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler.infra.db import DatabaseTimeouts, alembic_config, make_engine
+from scheduler.infra.db import DatabaseTimeouts, alembic_config, make_engine, redact_url
 from scheduler.infra.settings import CONFIG_ERROR_EXIT_CODE, Settings
 
 
@@ -69,7 +68,7 @@ def schema_problem(settings: Settings) -> str | None:
         return None
     if not state.behind:
         return None
-    shown = make_url(url).render_as_string(hide_password=True)
+    shown = redact_url(url)
     found = f"at revision {', '.join(sorted(state.current))}" if state.current else "not migrated"
     return (f"cloverq: the database {shown} is {found}; this release needs {', '.join(sorted(state.heads))}: "
             "run `cloverq migrate` (with the same settings) before starting it")

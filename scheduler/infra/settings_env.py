@@ -9,6 +9,7 @@ file a ``*_FILE`` variable names).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -167,8 +168,6 @@ def unknown_variables(environ: Mapping[str, str], settings_cls: type[BaseModel])
     Why: pydantic-settings ignores what it does not know, so a misspelt variable leaves its setting
     at the default without a word; every process logs these at start (``configure_logging``).
     Names compare without case, as the settings read them."""
-    import difflib
-
     known = {entry.env.upper() for entry in flat_table(settings_cls).values()}
     known_files = {name + FILE_SUFFIX for name in known}
     stems = sorted(name.removeprefix(ENV_PREFIX) for name in known)

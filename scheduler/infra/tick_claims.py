@@ -21,10 +21,9 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import Index, String, delete
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from scheduler.infra.db import rowcount
+from scheduler.infra.db import dialect_insert, rowcount
 from scheduler.jobs.models import Base, UTCDateTime
 
 
@@ -44,8 +43,8 @@ def claim(session: Session, *, task: str, message_id: str, expires_at: datetime)
     delivery), False when it was there already. One statement, no read first: two deliveries
     claiming at once cannot both win (the primary key)."""
     values = {"message_id": message_id, "task": task, "expires_at": expires_at}
-    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    statement = insert(TickClaim).values(**values).on_conflict_do_nothing().returning(TickClaim.message_id)
+    statement = (dialect_insert(session)(TickClaim).values(**values)
+                 .on_conflict_do_nothing().returning(TickClaim.message_id))
     made = session.execute(statement).scalar_one_or_none()  # rowcount: -1 on psycopg for this INSERT
     session.commit()
     return made is not None

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import make_url, text
+from sqlalchemy import text
 
-from scheduler.infra.db import alembic_config, make_engine, migrate
+from scheduler.infra.db import alembic_config, make_engine, migrate, redact_url
 from scheduler.infra.schema_check import schema_problem, schema_state
 from scheduler.infra.settings import CONFIG_ERROR_EXIT_CODE, Settings
 
@@ -38,7 +38,7 @@ def _problem(url: str) -> str | None:
 
 def test_behind_is_refused_and_head_or_ahead_is_not(empty_db_url: str) -> None:
     head, previous = _head_and_previous()
-    shown = make_url(empty_db_url).render_as_string(hide_password=True)
+    shown = redact_url(empty_db_url)
     assert _problem(empty_db_url) == (f"cloverq: the database {shown} is not migrated; this release "
                                       f"needs {head}: run `cloverq migrate` (with the same settings) "
                                       "before starting it")

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from cli.api_client import click_error
-from cli.services import ALL_QUEUES, _child_env, _redact_url, _settings_overrides
+from cli.services import ALL_QUEUES, _child_env, _settings_overrides
 from client import CloverqError
+from scheduler.infra.db import redact_url
 from scheduler.infra.settings import Settings
 from tests.conftest import free_port
 
@@ -59,7 +60,7 @@ def test_up_trace_turns_tracing_on_in_its_children(tmp_path: Path) -> None:
      ("sqlite:////tmp/a.db", "sqlite:////tmp/a.db")],
 )
 def test_database_passwords_are_never_printed(url: str, shown: str) -> None:
-    assert _redact_url(url) == shown
+    assert redact_url(url) == shown
 
 
 def test_client_errors_carry_the_api_code_and_message() -> None:

@@ -84,7 +84,7 @@ def test_up_children_read_the_same_secret_file(monkeypatch: pytest.MonkeyPatch, 
 
 def test_secret_urls_from_files_are_masked_wherever_they_are_shown(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from cli.services import _redact_url
+    from scheduler.infra.db import redact_url
     from scheduler.observability.redaction import redact_text
 
     monkeypatch.setenv("CLOVERQ_REDIS_URL_FILE", str(secret(
@@ -95,4 +95,4 @@ def test_secret_urls_from_files_are_masked_wherever_they_are_shown(
     logged = redact_text(f"broker {settings.resolved_redis_url} database {settings.resolved_database_url}")
     assert "r3dis-pw" not in logged and "db-pw" not in logged
     assert "ssl_ca_certs=/etc/cloverq/ca.pem" in logged  # the rest stays readable
-    assert "db-pw" not in _redact_url(settings.resolved_database_url)  # cloverq up / migrate print this
+    assert "db-pw" not in redact_url(settings.resolved_database_url)  # cloverq up / migrate print this

@@ -24,8 +24,9 @@ options took 27 and 30 s pinned against 19 and 18 s on ``CPU_MODEL_PATH``). ``CP
 MKL on ``AUTO,STRICT``, its own branch for the CPU model, in strict mode (alignment-independent
 results): the same bytes for the same CPU model and thread count (that session: three runs of
 100 steps, the same bytes), not promised across CPU models; the record names the model
-(``cpu_model``) and a resume point made on another is refused. Not tried on an Intel CPU (where
-MKL may read the setting back as the branch it resolved to, which the pin would then refuse).
+(``cpu_model``) and a resume point made on another is refused. On a 2-core Intel Xeon @ 2.80 GHz
+(AVX512) MKL read ``AUTO,STRICT`` back and ran, but no faster: 100 steps took 34 and 39 s on it,
+36 s on the portable pin (``AVX2,STRICT`` there), 35 s native.
 Measured on a 2-core AVX512 Intel machine: the portable pin about 11% slower per step than the
 native path, and within 30 steps other bytes than it. The same torch build is assumed (the
 project pins it). Another session's Intel machine (AVX512 and AMX) gave the same pinned bytes for
