@@ -47,6 +47,7 @@ from bench.backends import HOST, free_port, scratch_database, scratch_redis
 from bench.http_load import LoadResult, build_request, run_load
 from cli.supervisor import _die_with_parent
 from scheduler.infra.queue_names import JOB_QUEUES
+from scheduler.infra.settings import available_cpus
 from scheduler.jobs.models import JobStatus
 
 JOB_TIMEOUT_SECONDS = 60.0
@@ -247,7 +248,7 @@ def _run(args: argparse.Namespace, levels: list[int], workdir: Path, db_url: str
         _load(bare, bare_port, lambda i, n: submit_bare, 8, 400)
 
         db_kind = "PostgreSQL" if db_url.startswith("postgresql") else "SQLite"
-        print(f"\nbench.api — {db_kind}, Redis {redis_url}, auth {args.auth}, {os.cpu_count()} CPUs")
+        print(f"\nbench.api — {db_kind}, Redis {redis_url}, auth {args.auth}, {available_cpus()} CPUs")
         print(f"{'':<22} {'req/s':>9} {'bare':>9} {'ratio':>7}   {'p50 ms':>7} {'p99 ms':>7}   "
               f"{'bare50':>7} {'bare99':>7}   {'cpu ms':>6} {'bare':>6}   statuses")
         ids: list[str] = []
@@ -406,7 +407,7 @@ def _run_tracing(args: argparse.Namespace, levels: list[int], workdir: Path, db_
         rounds = max(1, args.rounds)
         db_kind = "PostgreSQL" if db_url.startswith("postgresql") else "SQLite"
         print(f"\nbench.api --tracing — {db_kind}, Redis {redis_url}, auth {args.auth}, "
-              f"{os.cpu_count()} CPUs, one API process switched between setups, {rounds} rounds")
+              f"{available_cpus()} CPUs, one API process switched between setups, {rounds} rounds")
         print(f"{'':<22} {'req/s':>7} {'vs off':>7} {'(rounds min-max)':>17}   {'p50 ms':>7} {'p99 ms':>7}"
               f"   {'cpu ms':>6} {'vs off':>7} {'export':>6}   statuses")
         for clients in levels:

@@ -81,6 +81,7 @@ from bench.fleet_services import (
     stop_all,
     wait_until,
 )
+from scheduler.infra.settings import available_cpus
 
 FINAL = ("succeeded", "failed", "cancelled")
 JOB_PARAMS: dict[str, Any] = {"max_new_tokens": 4, "steps_per_block": 1}  # one block, one pass
@@ -728,7 +729,7 @@ def _under_load(fleet: Fleet, options: FleetOptions, say: Callable[[str], None])
         "mode": "fleet", "seconds": round(ended - began, 1), "clients": options.clients,
         "processes": {"apis": len(fleet.apis), "workers": len(fleet.workers), "beats": len(fleet.beats),
                       "redis": "master + replica + 3 sentinels", "postgres": 1, "haproxy": 1},
-        "cores": os.cpu_count(), "jobs": jobs, "errors": errors, "submit_latency": latency,
+        "cores": available_cpus(), "jobs": jobs, "errors": errors, "submit_latency": latency,
         "periodic": periodic, "submits_given_up": dict(load.refused),
     }
     report["ok"] = bool(jobs["ok"] and errors["ok"] and periodic["ok"] and not load.refused)

@@ -45,6 +45,7 @@ import httpx
 
 from bench import system_cpu
 from bench.fleet_services import NO_REDIS_SERVER, free_port, redis_server_binary
+from scheduler.infra.settings import available_cpus
 
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 FINAL = ("succeeded", "failed", "cancelled")
@@ -421,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.workdir = Path(tempfile.mkdtemp(prefix="cloverq-bench-system-"))
     args.checkpoint = write_demo_checkpoint(args.workdir / "model" / args.size, seed=0, size=args.size)
-    cores = os.cpu_count() or 1
+    cores = available_cpus()  # the CPUs this process may use (a container's share), not the host's
     rows: list[dict[str, Any]] = []
     print(f"{cores} cores; {args.jobs} jobs of {args.max_new_tokens} tokens, {args.steps_per_block} steps "
           f"per block; demo checkpoint {args.size}", flush=True)
