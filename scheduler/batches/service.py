@@ -368,7 +368,15 @@ def iter_results(
 def cancel_batch(
     session: Session, *, batch: Batch, settings: Settings, redis_client: redis.Redis
 ) -> BatchSummary:
-    """Queued jobs -> ``cancelled`` in one UPDATE; running ones get the cancel flag and signal."""
+    """Queued jobs -> ``cancelled`` in one UPDATE; running ones get the cancel flag and signal.
+
+    A batch whose jobs are all final already is returned unchanged (``completed`` stays
+    ``completed``), as a finished job is by its own cancel: there is nothing left to stop, and the
+    flag would relabel finished work ``cancelled``. Its jobs are stored in one transaction with
+    it, so once all of them are final none can come after."""
+    already = summarize(session, batch)
+    if already.finished >= batch.total:
+        return already
     now = utcnow()
     batch.cancel_requested = True
     cancelled = list(session.scalars(

@@ -142,6 +142,26 @@ def test_cancel_cancels_every_queued_job(client: TestClient) -> None:
     assert {line["status"] for line in _results(client, batch["id"])} == {"cancelled"}
 
 
+def test_cancel_of_a_finished_batch_returns_it_unchanged(client: TestClient, sessions: Any) -> None:
+    """Every job final (here: run by hand to ``succeeded``): cancel has nothing to stop, and the batch
+    stays ``completed`` on both batch APIs, as a finished job stays what it is."""
+    batch = client.post("/v1/batches", json={"jobs": [_generate(i) for i in range(3)]}).json()
+    with sessions() as session:
+        for job in session.scalars(select(Job).where(Job.batch_id == uuid.UUID(batch["id"]))):
+            job.status = "succeeded"
+        session.commit()
+    before = client.get(f"/v1/batches/{batch['id']}").json()
+    assert before["status"] == "completed"
+    cancelled = client.post(f"/v1/batches/{batch['id']}/cancel")
+    assert cancelled.status_code == 200
+    assert cancelled.json()["status"] == "completed" and cancelled.json()["counts"] == {"succeeded": 3}
+    after = client.get(f"/v1/batches/{batch['id']}").json()
+    assert after["status"] == "completed" and after["cancel_requested"] is False
+    with sessions() as session:
+        stored = session.get(Batch, uuid.UUID(batch["id"]))
+        assert stored is not None and stored.cancel_requested is False
+
+
 def test_unknown_or_malformed_batch_is_404(client: TestClient) -> None:
     for path in ("/v1/batches/nope", "/v1/batches/00000000-0000-0000-0000-000000000000/results"):
         response = client.get(path)
