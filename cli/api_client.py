@@ -3,11 +3,11 @@ settings, and its errors turned into clean CLI errors. There is no HTTP code in 
 
 Where they look, first found wins (:func:`resolve_target`):
 
-- the URL: ``--url``, ``CLOVERQ_API_URL``, the stack ``cloverq up`` recorded
+- the URL: ``cloverq --url URL <command>``, ``CLOVERQ_API_URL``, the stack ``cloverq up`` recorded
   (``cli/stack_record.py``: works from any folder), else http://127.0.0.1:8000; the admin and ops
   planes' (``cloverq top``, readiness) from ``CLOVERQ_ADMIN_API_URL`` / ``CLOVERQ_OPS_API_URL``, else
   the record's when the URL is the recorded stack's, else the same URL;
-- the key: ``--key``, ``CLOVERQ_API_KEY``, the dev key ``cloverq up`` left in
+- the key: ``cloverq --key KEY <command>``, ``CLOVERQ_API_KEY``, the dev key ``cloverq up`` left in
   ``data_dir/dev_api_key`` (``CLOVERQ_DATA_DIR``, default ``./.cloverq``), else the recorded
   stack's dev key. A refusal says which of these was sent, or that none was and how to give one.
 """
@@ -28,8 +28,8 @@ from client import Client, CloverqError, JobTimeout
 from scheduler.access.dev_key import DEV_KEY_FILE
 from scheduler.infra.settings import Settings, get_settings
 
-HOW_TO_GIVE_A_KEY = ("pass --key, set CLOVERQ_API_KEY, or run `cloverq up` (it records its dev key for "
-                     "the CLI; or set CLOVERQ_DATA_DIR to the folder it runs in)")
+HOW_TO_GIVE_A_KEY = ("pass `cloverq --key KEY <command>`, set CLOVERQ_API_KEY, or run `cloverq up` (it "
+                     "records its dev key for the CLI; or set CLOVERQ_DATA_DIR to the folder it runs in)")
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,20 @@ def click_error(exc: CloverqError, target: Target | None = None) -> click.ClickE
     return click.ClickException(f"{exc.code} (HTTP {exc.status}): {exc.message}{suffix}{hint}")
 
 
+def _root_options() -> dict[str, Any]:
+    """The top-level group's parameters (``cloverq --url URL --key KEY <command>``), or none
+    outside a click command."""
+    ctx = click.get_current_context(silent=True)
+    return dict(ctx.find_root().params) if ctx is not None else {}
+
+
 @contextmanager
 def api_client(url: str | None = None, key: str | None = None, *, timeout: float = 30.0) -> Iterator[Client]:
     """A :class:`client.Client` for the configured API; API and connection errors become
-    ``click.ClickException`` s that say what went wrong and where."""
-    target = resolve_target(get_settings(), url, key)
+    ``click.ClickException`` s that say what went wrong and where. ``url``/``key`` unset: the
+    ``cloverq --url/--key`` given before the command, if any."""
+    given = _root_options()
+    target = resolve_target(get_settings(), url or given.get("url"), key or given.get("key"))
     with Client(target.url, target.key, timeout=timeout, admin_url=target.admin_url,
                 ops_url=target.ops_url) as cq:
         try:
@@ -114,7 +123,8 @@ def api_client(url: str | None = None, key: str | None = None, *, timeout: float
         except httpx.TransportError as exc:  # the API is not there: say where we looked
             raise click.ClickException(
                 f"cannot reach the cloverq API at {target.url} (from {target.url_source}; {exc}); "
-                "is it running (`cloverq up`)? set CLOVERQ_API_URL or pass --url to point elsewhere"
+                "is it running (`cloverq up`)? set CLOVERQ_API_URL or pass `cloverq --url URL <command>` to "
+                "point elsewhere"
             ) from None
 
 

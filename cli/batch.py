@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from cli.api_client import api_client, echo_json
+from cli.json_option import json_option
 
 
 @click.group("batch")
@@ -19,7 +20,7 @@ def batch_group() -> None:
 
 
 @batch_group.command("submit")
-@click.argument("jsonl", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
+@click.argument("jsonl", type=click.Path(exists=True, dir_okay=False, allow_dash=True, path_type=Path))
 @click.option("--webhook-url", help="POSTed (signed) once every job is final.")
 @click.option("--metadata", "metadata_json", help="Batch metadata as a JSON object.")
 @click.option("--wait", is_flag=True, help="Wait until every job is final, then print the batch.")
@@ -32,8 +33,10 @@ def submit(jsonl: Path, webhook_url: str | None, metadata_json: str | None, wait
         if metadata_json is None:
             batch = cq.upload_batch(content, webhook_url=webhook_url)
         else:  # metadata travels in the JSON form of the request
-            jobs = [json.loads(line) for line in content.decode().splitlines() if line.strip()]
-            batch = cq.create_batch(jobs, webhook_url=webhook_url, metadata=json.loads(metadata_json))
+            jobs = [json_option(line, f"{jsonl}, line {number}", dict, "(one job's body)")
+                    for number, line in enumerate(content.decode().splitlines(), start=1) if line.strip()]
+            metadata = json_option(metadata_json, "--metadata", dict)
+            batch = cq.create_batch(jobs, webhook_url=webhook_url, metadata=metadata)
         if wait:
             batch = cq.wait_batch(batch.id, timeout=timeout)
     echo_json(batch)

@@ -14,6 +14,7 @@ import click
 
 from cli.api_client import api_client, echo_json
 from cli.jobs import _finish, _params, template_job_options
+from cli.json_option import json_option
 from scheduler.jobs.models import JobStatus
 
 
@@ -31,13 +32,7 @@ def _one(value: str | None, file: IO[str] | None, what: str) -> str:
 
 def _schema(text: str, source: str) -> dict[str, Any]:
     """The schema as a JSON object, or a usage error that says where the JSON breaks."""
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise click.UsageError(f"{source} is not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") \
-            from None
-    if not isinstance(schema, dict):
-        raise click.UsageError(f"{source} must be a JSON Schema object, not {type(schema).__name__}")
+    schema: dict[str, Any] = json_option(text, source, dict, "(a JSON Schema)")
     return schema
 
 

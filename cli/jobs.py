@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -19,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from cli.api_client import api_client, echo_json
+from cli.json_option import json_option
 from client import Client, CloverqError, Job, JobEvent, JobProgress
 from scheduler.access.dev_key import DEV_KEY_FILE
 from scheduler.infra.queue_names import PRIORITY_CLASSES
@@ -98,7 +98,8 @@ def submit(
         prompt = sys.stdin.read()
     if (prompt is None) == (messages_json is None):
         raise click.UsageError("give exactly one of PROMPT or --messages")
-    messages = json.loads(messages_json) if messages_json is not None else None
+    messages = (json_option(messages_json, "--messages", list, "of {role, content}")
+                if messages_json is not None else None)
     with api_client() as cq:
         job = cq.submit(prompt, messages=messages, params=_params(params), priority=priority,
                         idempotency_key=idempotency_key)
@@ -214,10 +215,8 @@ def _wait_with_progress(cq: Client, job: Job, poll_interval: float) -> Job:
 def _constraints(constraints_json: str | None) -> list[dict[str, Any]] | None:
     if not constraints_json:
         return None
-    source = Path(constraints_json[1:]).read_text() if constraints_json.startswith("@") else constraints_json
-    raw = json.loads(source)
-    if not isinstance(raw, list):
-        raise click.UsageError('--constraints must be a JSON list of {"questions", "allowed"}')
+    shape = 'of {"questions", "allowed"}'
+    raw: list[dict[str, Any]] = json_option(constraints_json, "--constraints", list, shape, files=True)
     return raw
 
 
@@ -225,11 +224,7 @@ def _questions(questions_json: str | None, question: tuple[str, ...],
                choices: str | None) -> list[dict[str, Any]]:
     parsed: list[dict[str, Any]] = []
     if questions_json:
-        source = Path(questions_json[1:]).read_text() if questions_json.startswith("@") else questions_json
-        raw = json.loads(source)
-        if not isinstance(raw, list):
-            raise click.UsageError("--questions must be a JSON list of {id, text, choices?}")
-        parsed.extend(raw)
+        parsed.extend(json_option(questions_json, "--questions", list, "of {id, text, choices?}", files=True))
     for index, item in enumerate(question, start=len(parsed) + 1):
         qid, sep, text = item.partition("=")
         if not sep:

@@ -37,8 +37,16 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli() -> None:
-    """cloverq: an asynchronous job system for MoE block-diffusion language models."""
+@click.option("--url", default=None, metavar="URL",
+              help="The API the client commands (submit, jobs, decide, batch, ...) talk to "
+                   "(default: CLOVERQ_API_URL, else the stack `cloverq up` recorded).")
+@click.option("--key", default=None, metavar="KEY",
+              help="Their API key (default: CLOVERQ_API_KEY, else the dev key of `cloverq up`).")
+def cli(url: str | None, key: str | None) -> None:
+    """cloverq: an asynchronous job system for MoE block-diffusion language models.
+
+    --url and --key go before the command (`cloverq --url URL jobs`); the client commands read
+    them through ``cli.api_client`` (the context's root parameters)."""
 
 
 def _register_all() -> None:

@@ -246,3 +246,36 @@ def test_cli_submit_decide_and_batch(stack: Stack, tmp_path: Path) -> None:
     assert refused.exit_code == 1 and "invalid_request (HTTP 422)" in refused.output
     missing = _cli(stack, "batch", "status", "00000000-0000-0000-0000-000000000000")
     assert missing.exit_code == 1 and "batch_not_found (HTTP 404)" in missing.output
+
+
+def test_cli_url_and_key_before_the_command_and_bad_json_given(stack: Stack, tmp_path: Path) -> None:
+    """``cloverq --url URL --key KEY <command>`` wins over the environment; JSON typed wrong on the
+    command line ends in one usage error naming the option (exit 2), never a traceback."""
+    listed = _cli(stack, "--url", stack.url, "--key", stack.key, "jobs", "--limit", "1", "--json")
+    assert listed.exit_code == 0, listed.output
+    refused = _cli(stack, "--url", stack.url, "--key", "not-a-key", "jobs")
+    assert refused.exit_code == 1 and "unauthorized (HTTP 401)" in refused.output
+    assert "the key from --key" in refused.output
+    away = _cli(stack, "--url", "http://127.0.0.1:1", "jobs")
+    assert away.exit_code == 1 and "http://127.0.0.1:1 (from --url" in away.output
+
+    lines = tmp_path / "jobs.jsonl"
+    lines.write_text('{"kind": "generate", "input": {"prompt": "a"}}\n[1]\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"kind": "generate", "input": {"prompt": "a"}}\n')
+    for args, said in [
+        (["submit", "--messages", "not json"], "--messages is not JSON: Expecting value (line 1, column 1)"),
+        (["submit", "--messages", '{"role": "user"}'],
+         "--messages must be a JSON list of {role, content}, not dict"),
+        (["decide", "--context", "x", "--questions", "[1,"], "--questions is not JSON"),
+        (["decide", "--context", "x", "--questions", f"@{tmp_path / 'none.json'}"],
+         "--questions: cannot read"),
+        (["decide", "--context", "x", "--question", "Is it?", "--mode", "joint", "--constraints", "{}"],
+         "--constraints must be a JSON list"),
+        (["batch", "submit", str(tmp_path / "none.jsonl")], "does not exist"),
+        (["batch", "submit", str(lines), "--metadata", "{}"], f"{lines}, line 2 must be a JSON object"),
+        (["batch", "submit", str(good), "--metadata", "[]"], "--metadata must be a JSON object, not list"),
+    ]:
+        result = _cli(stack, *args)
+        assert result.exit_code == 2 and said in result.output, (args, result.output)
+        assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
