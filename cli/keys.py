@@ -16,6 +16,7 @@ import click
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
+from cli.stack_record import stack_settings
 from scheduler.access.api_keys import (
     DEFAULT_SCOPES,
     MAX_ROTATION_OVERLAP_SECONDS,
@@ -85,7 +86,7 @@ def keys_group() -> None:
               help="A network the key may be used from (repeatable); none: any address.")
 def create_command(tenant: str, scopes: str, label: str | None, allowed_networks: tuple[str, ...]) -> None:
     """Create a key and print it ONCE (last line of stdout); it cannot be shown again."""
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     try:
         scope_set = parse_scopes(scopes)
         with _sessions(settings)() as session:
@@ -111,23 +112,27 @@ def _when(value: datetime | None) -> str:
 def list_command(tenant: str | None, active: bool) -> None:
     """List keys (ids, tenants, scopes, state, expiry, last use, networks); secrets are never
     stored, so never shown. Last use is written by API processes at most once a minute each."""
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     with _sessions(settings)() as session:
         keys = list_keys(session, tenant=tenant, include_revoked=not active)
-    click.echo(f"{'KEY ID':<14}{'TENANT':<20}{'SCOPES':<22}{'STATE':<10}{'CREATED':<27}{'EXPIRES':<27}"
-               f"{'LAST USED':<27}{'LAST ADDRESS':<18}{'NETWORKS':<20}{'ROTATED FROM':<14}LABEL")
-    for info in keys:
-        click.echo(f"{info.key_id:<14}{info.tenant:<20}{','.join(sorted(info.scopes)):<22}"
-                   f"{info.state():<10}{_when(info.created_at):<27}{_when(info.expires_at):<27}"
-                   f"{_when(info.last_used_at):<27}{info.last_used_address or '-':<18}"
-                   f"{_networks_text(info):<20}{info.rotated_from or '-':<14}{info.label or ''}")
+    header = ["KEY ID", "TENANT", "SCOPES", "STATE", "CREATED", "EXPIRES", "LAST USED", "LAST ADDRESS",
+              "NETWORKS", "ROTATED FROM", "LABEL"]
+    rows = [[info.key_id, info.tenant, ",".join(sorted(info.scopes)), info.state(), _when(info.created_at),
+             _when(info.expires_at), _when(info.last_used_at), info.last_used_address or "-",
+             _networks_text(info), info.rotated_from or "-", info.label or ""] for info in keys]
+    # each column as wide as its longest cell and two spaces: a long tenant or scope list never
+    # runs into the next column
+    widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        padded = "".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
+        click.echo((padded + row[-1]).rstrip())
 
 
 @keys_group.command("revoke")
 @click.argument("key_id")
 def revoke_command(key_id: str) -> None:
     """Revoke a key by id (the key row is kept for the audit trail)."""
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     key_id = key_id_of(key_id)  # accept a whole key too, but only ever use its id
     with _sessions(settings)() as session:
         info = revoke_key(session, key_id=key_id)
@@ -157,7 +162,7 @@ def _overlap(_: click.Context, __: click.Parameter, value: str) -> int:
 def rotate_command(key_id: str, overlap: int) -> None:
     """Make a successor of a key (same tenant, scopes, label, networks) and print it ONCE (last
     line of stdout); the old key keeps working for the overlap, then is refused."""
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     key_id = key_id_of(key_id)
     try:
         with _sessions(settings)() as session:
@@ -192,7 +197,7 @@ def set_networks_command(key_id: str, networks: tuple[str, ...], any_address: bo
     time, ``auth_cache_seconds``)."""
     if bool(networks) == any_address:
         raise click.UsageError("give either --network CIDR (one or more) or --any")
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     key_id = key_id_of(key_id)
     try:
         with _sessions(settings)() as session:

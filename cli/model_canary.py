@@ -16,6 +16,7 @@ import click
 
 from cli.model import model_group
 from cli.model_versions import _sessions
+from cli.stack_record import stack_settings
 from scheduler.infra.settings import get_settings
 from scheduler.model_versions.canary import CanaryConflict, abort_canary, promote_canary, start_canary
 from scheduler.model_versions.canary_gate import check_promotion
@@ -41,7 +42,7 @@ def _echo(result: Activation) -> None:
               help="Share of new jobs routed to VERSION, in percent (0.01-99.99).")
 def canary_command(name: str, version: str, percent: float) -> None:
     """Send PERCENT % of new jobs of model NAME to VERSION, served by the canary workers."""
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     try:
         model_store.validate_component(name, what="model name")
         model_store.validate_component(version, what="version")
@@ -63,7 +64,7 @@ def canary_command(name: str, version: str, percent: float) -> None:
               "[default: CLOVERQ_CANARY_REQUIRE_GOLDEN].")
 def promote_command(name: str, force: bool, require_golden: bool | None) -> None:
     """Make the canary the active version of model NAME: the whole fleet moves to it."""
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     with _sessions(settings)() as session:
         current = active_version(session, name=name)
         if current is None or current.canary_version is None:
@@ -90,7 +91,7 @@ def promote_command(name: str, force: bool, require_golden: bool | None) -> None
 @click.argument("name")
 def abort_command(name: str) -> None:
     """End the canary of model NAME: its queued jobs and the canary workers return to stable."""
-    with _sessions(get_settings())() as session:
+    with _sessions(stack_settings(get_settings()))() as session:
         try:
             result = abort_canary(session, name=name, actor="cli")
         except CanaryConflict as exc:

@@ -19,6 +19,7 @@ import click
 from cli.api_client import api_client
 from cli.model import model_group
 from cli.model_eval import run_jobs
+from cli.stack_record import stack_settings
 from client import Job
 from scheduler.infra.settings import get_settings
 from worker.training.golden import GOLDEN_FILE, differences, golden_inputs, load_golden, record, write_golden
@@ -74,7 +75,7 @@ def check_command(path: Path, version: str | None, name: str | None, timeout: fl
     ran_on = {j.model_version for j in jobs if j is not None}
     click.echo(f"golden check: {len(cases) - failures}/{len(cases)} cases pass "
                f"(version {version or ', '.join(sorted(str(v) for v in ran_on))})")  # fmt: skip
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     name = name or settings.model.served
     if version is not None and name is not None:
         from cli.model_versions import _sessions

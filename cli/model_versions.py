@@ -19,6 +19,7 @@ from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
 from cli.model import model_group
+from cli.stack_record import stack_settings
 from scheduler.infra.db import make_engine, migrate, session_factory
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.model_versions.registry import (
@@ -43,7 +44,7 @@ def _sessions(settings: Settings) -> sessionmaker[Session]:
 
 
 def _activate(name: str, version: str) -> Activation:
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     try:
         model_store.validate_component(name, what="model name")
         model_store.validate_component(version, what="version")
@@ -75,7 +76,7 @@ def activate_command(name: str, version: str) -> None:
 @click.argument("name")
 def rollback_command(name: str) -> None:
     """Activate the version that was active before the current one of model NAME."""
-    with _sessions(get_settings())() as session:
+    with _sessions(stack_settings(get_settings()))() as session:
         current = active_version(session, name=name)
     if current is None or current.previous_version is None:
         raise click.ClickException(f"model {name!r} has no previous version to roll back to")
@@ -87,7 +88,7 @@ def rollback_command(name: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON array on stdout.")
 def versions_command(name: str | None, as_json: bool) -> None:
     """Registered versions (SQL) and published ones (store), with the active one marked."""
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     with _sessions(settings)() as session:
         registered = list_registered(session, name=name)
         active = list_active(session)

@@ -3,10 +3,16 @@ where its state (the dev key) lives, so ``cloverq submit`` / ``jobs`` / ``top`` 
 folder, not only the one ``up`` was started in (issue 33).
 
 One small JSON file per user (``client.stack_file``, default
-``$XDG_STATE_HOME/cloverq/stack.json``): ``{"api_url", "admin_url", "ops_url", "data_dir", "pid"}``
-(the admin and ops URLs differ from ``api_url`` when ``up`` split the API's planes). It holds no secret:
-the dev key stays in ``data_dir/dev_api_key`` (mode 0600), read from there. ``up`` removes the
-record when it stops; a record whose process is gone (a killed ``up``) is ignored.
+``$XDG_STATE_HOME/cloverq/stack.json``): ``{"api_url", "admin_url", "ops_url", "data_dir", "pid",
+"redis_port", "external_database"}`` (the admin and ops URLs differ from ``api_url`` when ``up``
+split the API's planes; ``redis_port``: its embedded Redis, null when it used ``CLOVERQ_REDIS_URL``;
+``external_database``: it used ``CLOVERQ_DATABASE_URL``, not the SQLite under ``data_dir``). It holds
+no secret: the dev key stays in ``data_dir/dev_api_key`` (mode 0600), read from there, and a
+database URL (which may hold a password) is never written. ``up`` removes the record when it stops;
+a record whose process is gone (a killed ``up``) is ignored.
+
+The operator commands that act on the stack's own state (keys, tenants, model versions, canary,
+golden results) take its data dir and Redis from the record too (:func:`stack_settings`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import click
 
 from scheduler.infra.settings import Settings
 
@@ -30,6 +38,8 @@ class StackRecord:
     pid: int
     admin_url: str | None = None
     ops_url: str | None = None
+    redis_port: int | None = None  # its embedded Redis (None: an external one, or a record before it)
+    external_database: bool = False
 
 
 def record_path(settings: Settings) -> Path:
@@ -49,7 +59,9 @@ def write_record(settings: Settings, *, api_url: str, data_dir: Path, admin_url:
     path = record_path(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"api_url": api_url, "admin_url": admin_url or api_url, "ops_url": ops_url or api_url,
-            "data_dir": str(data_dir.resolve()), "pid": os.getpid()}
+            "data_dir": str(data_dir.resolve()), "pid": os.getpid(),
+            "redis_port": None if settings.redis.url else settings.redis.embedded_port,
+            "external_database": bool(settings.database.url)}
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(body) + "\n")
     temporary.replace(path)  # a reader never sees half a record
@@ -73,8 +85,11 @@ def read_record(settings: Settings) -> StackRecord | None:
 def _parse(path: Path) -> StackRecord | None:
     try:
         body = json.loads(path.read_text())
+        port = body.get("redis_port")
         return StackRecord(api_url=str(body["api_url"]), data_dir=Path(body["data_dir"]),
-                           pid=int(body["pid"]), admin_url=body.get("admin_url"), ops_url=body.get("ops_url"))
+                           pid=int(body["pid"]), admin_url=body.get("admin_url"), ops_url=body.get("ops_url"),
+                           redis_port=int(port) if port is not None else None,
+                           external_database=bool(body.get("external_database", False)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -87,3 +102,28 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive, though not ours
         return True
     return True
+
+
+def stack_settings(settings: Settings) -> Settings:
+    """``settings`` for a command that acts on the running stack's own state (its database, Redis
+    and model store): where this process was given no data dir of its own, the data dir and the
+    embedded Redis ``cloverq up`` recorded. Without it, ``cloverq keys create`` run from another
+    folder created a fresh SQLite database there, and the running stack refused its key.
+
+    A stack on an external database (``CLOVERQ_DATABASE_URL`` given to ``up``, not recorded: it may
+    hold a password) needs the same URL here; without it the command is refused, not run on a
+    database the stack does not use. No running stack, or a data dir given: ``settings``."""
+    if "data_dir" in settings.model_fields_set:
+        return settings
+    record = read_record(settings)
+    if record is None:
+        return settings
+    if record.external_database and not settings.database.url:
+        raise click.ClickException(
+            f"the running `cloverq up` ({record_path(settings)}) uses a database of its own URL; set "
+            "CLOVERQ_DATABASE_URL to it (or CLOVERQ_DATA_DIR to act on another folder's state)"
+        )
+    update: dict[str, object] = {"data_dir": record.data_dir}
+    if record.redis_port is not None and not settings.redis.url:
+        update["redis"] = settings.redis.model_copy(update={"embedded_port": record.redis_port})
+    return settings.model_copy(update=update)

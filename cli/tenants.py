@@ -11,6 +11,7 @@ from __future__ import annotations
 import click
 
 from cli.keys import _sessions
+from cli.stack_record import stack_settings
 from scheduler.access.api_keys import TENANT_PATTERN
 from scheduler.fairness.held import held_by_tenant
 from scheduler.fairness.weights import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, read_weights, weight_field
@@ -37,7 +38,7 @@ def weight_command(tenant: str, weight: float | None, clear: bool) -> None:
         raise click.BadParameter("1-64 chars of letters, digits, '_', '.', '-'", param_hint="TENANT")
     if (weight is None) == (not clear):
         raise click.UsageError("give a WEIGHT or --clear")
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     with _sessions(settings)() as session:
         update_limits(session, get_redis(settings.resolved_redis_url), {weight_field(tenant): weight})
     audit("tenant.weight", actor_tenant=None, actor_key_id=None, via="cli", target=tenant, weight=weight)
@@ -48,7 +49,7 @@ def weight_command(tenant: str, weight: float | None, clear: bool) -> None:
 @tenants_group.command("weights")
 def weights_command() -> None:
     """Every weight override, and the jobs each tenant has held by fair share per class."""
-    settings = get_settings()
+    settings = stack_settings(get_settings())
     client = get_redis(settings.resolved_redis_url)
     weights = read_weights(client)
     held = held_by_tenant(client, JOB_QUEUES)

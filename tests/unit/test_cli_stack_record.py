@@ -122,3 +122,33 @@ def test_top_without_a_key_says_no_key_was_sent_not_that_the_key_was_refused(els
         fetch_overview(Refusing(), resolve_target(Settings(), key="cq_x"))  # type: ignore[arg-type]
     assert "the key from --key" in refused.value.message
     assert "no API key was sent" not in refused.value.message
+
+
+def test_operator_commands_act_on_the_running_stacks_state(elsewhere: Path, tmp_path: Path) -> None:
+    """keys, tenants, model versions and golden results from another folder: the recorded data dir
+    (its SQLite, its model store) and embedded Redis, not a fresh database in the current folder;
+    a data dir given wins; no running stack changes nothing."""
+    plain = Settings()
+    assert stack_record.stack_settings(plain) is plain  # no record
+    data_dir = _stack(tmp_path)
+    stack_record.write_record(Settings(embedded_redis_port=6411), api_url="http://127.0.0.1:8400",
+                              data_dir=data_dir)
+    moved = stack_record.stack_settings(Settings())
+    assert moved.resolved_database_url == f"sqlite:///{(data_dir / 'cloverq.db').resolve()}"
+    assert moved.resolved_redis_url == "redis://127.0.0.1:6411/0"
+    assert moved.resolved_model_root == (data_dir / "model-store").absolute()
+    given = Settings(data_dir=tmp_path / "mine")
+    assert stack_record.stack_settings(given) is given
+    own_redis = stack_record.stack_settings(Settings(redis_url="redis://127.0.0.1:6390/0"))
+    assert own_redis.resolved_redis_url == "redis://127.0.0.1:6390/0"
+
+
+def test_a_stack_on_an_external_database_needs_its_url(elsewhere: Path, tmp_path: Path) -> None:
+    """``up`` on CLOVERQ_DATABASE_URL records only that it had one (the URL may hold a password): an
+    operator command without the URL is refused, not run on a SQLite the stack does not use."""
+    external = Settings(database_url="postgresql+psycopg://cq:secret@127.0.0.1:5432/cq")
+    path = stack_record.write_record(external, api_url="http://127.0.0.1:8400", data_dir=_stack(tmp_path))
+    assert "secret" not in path.read_text() and "redis_port" in path.read_text()
+    with pytest.raises(click.ClickException, match="CLOVERQ_DATABASE_URL"):
+        stack_record.stack_settings(Settings())
+    assert stack_record.stack_settings(external).resolved_database_url == external.database.url
