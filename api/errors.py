@@ -229,7 +229,24 @@ def _validation_response(request: Request, exc: RequestValidationError) -> JSONR
     message = "The request is not valid."
     if openai_style(request.url.path) and details:  # OpenAI clients show only the message
         message = f"The request is not valid: {details[0]['message']}"
+    elif details:  # the first problem where it is, so a CLI or a log line says what to fix
+        summary = validation_summary(details, request.headers.get("content-type"))
+        message = f"The request is not valid: {summary}"
     return error_response(422, "invalid_request", message, details, path=request.url.path)
+
+
+def validation_summary(details: Sequence[Mapping[str, Any]], content_type: str | None) -> str:
+    """``generate.input.prompt: <message>`` of the first problem (``+ N more in details``); a body
+    that is no JSON object, sent without a JSON content type, says which header is missing (curl's
+    ``-d`` sends a form type)."""
+    first = details[0]
+    where = ".".join(str(part) for part in first.get("loc", ())[1:])  # past "body" / "query"
+    text = f"{where}: {first.get('message')}" if where else str(first.get("message"))
+    json_type = (content_type or "").split(";")[0].strip().lower()
+    if first.get("type") == "model_attributes_type" and not where and not json_type.endswith("json"):
+        text += f" (sent as {json_type or 'no content type'}: send JSON with Content-Type: application/json)"
+    more = len(details) - 1
+    return text + (f" (+ {more} more in details)" if more else "")
 
 
 async def _http_exception_handler(request: Request, exc: Exception) -> JSONResponse:

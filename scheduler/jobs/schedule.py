@@ -58,7 +58,7 @@ def resolve_schedule(
         if not math.isfinite(delay_seconds) or delay_seconds < 0:
             raise ScheduleError("delay_seconds must be a finite number >= 0", field="delay_seconds")
         if delay_seconds > settings.jobs.delay_max_seconds:  # compared as numbers: 1e300 is no timedelta
-            raise ScheduleError(f"delay_seconds may be at most {maximum.total_seconds():g} "
+            raise ScheduleError(f"delay_seconds may be at most {_seconds(maximum)} "
                                 "(settings.jobs.delay_max_seconds)", field="delay_seconds")
         return now + timedelta(seconds=delay_seconds) if delay_seconds > 0 else None
     if not_before is None:
@@ -73,9 +73,20 @@ def resolve_schedule(
                             f"{tolerance:g} s is accepted (settings.jobs.delay_past_tolerance_seconds)",
                             field="not_before")
     if due > now + maximum:
-        raise ScheduleError(f"not_before is more than {maximum.total_seconds():g} s ahead "
+        raise ScheduleError(f"not_before is more than {_seconds(maximum)} ahead "
                             "(settings.jobs.delay_max_seconds)", field="not_before")
     return due
+
+
+def _seconds(span: timedelta) -> str:
+    """A limit as a person reads it: ``2592000 s (30 days)``, not ``2.592e+06``."""
+    seconds = span.total_seconds()
+    whole = f"{seconds:.0f}" if seconds == int(seconds) else f"{seconds:g}"
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= size:
+            count = seconds / size
+            return f"{whole} s ({count:g} {unit if count != 1 else unit[:-1]})"
+    return f"{whole} s"
 
 
 def is_delayed(scheduled_for: datetime | None, now: datetime) -> bool:

@@ -73,6 +73,26 @@ def test_validation_error_is_invalid_request_with_field_locations(client: TestCl
     assert ["body", "unknown"] in [detail["loc"] for detail in error["details"]]
 
 
+def test_the_message_names_the_first_problem_and_counts_the_rest(client: TestClient) -> None:
+    """A CLI or a log shows the message alone: it says where the first problem is."""
+    one = _error(client.post("/echo", json={"text": 3}))
+    assert one["message"] == "The request is not valid: text: Input should be a valid string"
+    two = _error(client.post("/echo", json={"text": 3, "unknown": 1}))
+    assert two["message"].endswith("(+ 1 more in details)") and len(two["details"]) == 2
+
+
+def test_a_body_sent_without_a_json_content_type_says_which_header(client: TestClient) -> None:
+    """curl -d sends application/x-www-form-urlencoded: the JSON is then no object to the API."""
+    form = client.post("/echo", content=b'{"text": "x"}',
+                       headers={"content-type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 422
+    message = _error(form)["message"]
+    hint = "sent as application/x-www-form-urlencoded: send JSON with Content-Type: application/json"
+    assert hint in message
+    wrong_json = _error(client.post("/echo", json=[1]))["message"]
+    assert "Content-Type" not in wrong_json  # JSON, only the wrong shape: no header hint
+
+
 def test_malformed_json_is_invalid_request(client: TestClient) -> None:
     response = client.post("/echo", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 422

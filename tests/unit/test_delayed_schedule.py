@@ -42,6 +42,15 @@ def test_a_little_in_the_past_is_clock_skew_and_starts_at_once() -> None:
     assert not is_delayed(skewed, NOW)
 
 
+def test_the_limit_is_said_as_a_person_reads_it() -> None:
+    """The default 30 days were said as "2.592e+06 s"."""
+    month = Settings(delay_max_seconds=2_592_000)
+    with pytest.raises(ScheduleError, match=r"more than 2592000 s \(30 days\) ahead"):
+        resolve_schedule(not_before=NOW + timedelta(days=31), delay_seconds=None, now=NOW, settings=month)
+    with pytest.raises(ScheduleError, match=r"at most 3600 s \(1 hour\)"):
+        resolve(delay=3601)
+
+
 @pytest.mark.parametrize(("not_before", "delay", "field"), [
     (NOW - timedelta(seconds=61), None, "not_before"),  # past beyond the tolerance
     (NOW + timedelta(seconds=3601), None, "not_before"),  # beyond the maximum
