@@ -19,7 +19,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field
 
 from scheduler.jobs.models import as_utc
 
@@ -71,5 +71,16 @@ def _utc(value: datetime) -> datetime:
 UtcDateTime = Annotated[datetime, AfterValidator(_utc)]
 
 FiniteFloat = Annotated[float, AllowInfNan(False)]
-MetadataValue = Text | int | FiniteFloat | bool | None
+
+
+def _flat(value: object) -> object:
+    """A nested value is refused with one error that says what a value may be (the union alone
+    answered with one error per member, under names such as ``function-after[storable_text(), str]``)."""
+    if isinstance(value, dict | list):
+        raise ValueError(f"a metadata value is a string, number, boolean or null, not {type(value).__name__}"
+                         " (metadata is flat: one level of keys)")  # fmt: skip
+    return value
+
+
+MetadataValue = Annotated[Text | int | FiniteFloat | bool | None, BeforeValidator(_flat)]
 Metadata = Annotated[dict[Text, MetadataValue], Field(max_length=MAX_METADATA_KEYS)]

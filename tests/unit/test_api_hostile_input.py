@@ -252,6 +252,16 @@ def test_non_finite_metadata_values_are_refused(value: float) -> None:
         CREATE.validate_python(_generate(metadata={"k": value}))
 
 
+@pytest.mark.parametrize("value", [{"b": 1}, [1, 2], []])
+def test_a_nested_metadata_value_is_one_error_saying_metadata_is_flat(value: object) -> None:
+    """One error at the key, not one per member of the value union under pydantic's inner names."""
+    with pytest.raises(ValidationError) as refused:
+        CREATE.validate_python(_generate(metadata={"a": value}))
+    errors = refused.value.errors()
+    assert len(errors) == 1 and errors[0]["loc"][-1] == "a"
+    assert "metadata is flat" in errors[0]["msg"] and "function-after" not in str(errors[0]["loc"])
+
+
 # --- sampling parameter bounds ----------------------------------------------------------------
 
 GENERATE_OUT_OF_BOUNDS = [
