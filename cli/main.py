@@ -45,8 +45,8 @@ COMMAND_MODULES: tuple[str, ...] = (
 def cli(url: str | None, key: str | None) -> None:
     """cloverq: an asynchronous job system for MoE block-diffusion language models.
 
-    --url and --key go before the command (`cloverq --url URL jobs`); the client commands read
-    them through ``cli.api_client`` (the context's root parameters)."""
+    --url and --key go before the command: cloverq --url URL jobs."""
+    # the client commands read them from the root context (cli.api_client._root_options)
 
 
 def _register_all() -> None:
