@@ -108,13 +108,16 @@ def _when(value: datetime | None) -> str:
 
 @keys_group.command("list")
 @click.option("--tenant", default=None, help="Only this tenant's keys.")
-@click.option("--active", is_flag=True, help="Hide revoked keys.")
+@click.option("--active", is_flag=True,
+              help="Only keys that work now (active or rotating): hide revoked and expired ones.")
 def list_command(tenant: str | None, active: bool) -> None:
     """List keys (ids, tenants, scopes, state, expiry, last use, networks); secrets are never
     stored, so never shown. Last use is written by API processes at most once a minute each."""
     settings = stack_settings(get_settings())
     with _sessions(settings)() as session:
         keys = list_keys(session, tenant=tenant, include_revoked=not active)
+    if active:  # an expired key (a rotation's overlap ended) is refused as a revoked one is
+        keys = [info for info in keys if info.state() in ("active", "rotating")]
     header = ["KEY ID", "TENANT", "SCOPES", "STATE", "CREATED", "EXPIRES", "LAST USED", "LAST ADDRESS",
               "NETWORKS", "ROTATED FROM", "LABEL"]
     rows = [[info.key_id, info.tenant, ",".join(sorted(info.scopes)), info.state(), _when(info.created_at),

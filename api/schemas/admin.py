@@ -15,7 +15,8 @@ from scheduler.jobs.models import QueueName
 
 TenantName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 KeyId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{12}$")]
-Scope = Literal["submit", "read", "admin"]
+# scheduler.access.api_keys.ALL_SCOPES, as a type (tests/unit/test_security_keys.py holds them equal)
+Scope = Literal["submit", "read", "webhooks", "admin"]
 _DEFAULT_SCOPES: tuple[Scope, ...] = ("read", "submit")
 KeyLabel = Annotated[str, StringConstraints(max_length=200), AfterValidator(storable_text)]
 
@@ -136,7 +137,7 @@ class LimitsUpdate(StrictModel):
 
 class KeyCreate(StrictModel):
     tenant: TenantName
-    scopes: list[Scope] = Field(default_factory=lambda: list(_DEFAULT_SCOPES), min_length=1, max_length=3)
+    scopes: list[Scope] = Field(default_factory=lambda: list(_DEFAULT_SCOPES), min_length=1, max_length=4)
     label: KeyLabel | None = None
     allowed_networks: Networks | None = None
 

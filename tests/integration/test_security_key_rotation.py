@@ -10,14 +10,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 from click.testing import CliRunner, Result
+from sqlalchemy import update
 
-from scheduler.access.api_keys import ALL_SCOPES, create_key, list_keys
+from scheduler.access.api_keys import ALL_SCOPES, ApiKey, create_key, list_keys
 from scheduler.infra.db import make_engine, session_factory
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.observability import audit as audit_module
@@ -259,3 +260,12 @@ def test_keys_cli_networks_rotate_and_list(keys_cli: Callable[..., Result], audi
     with session_factory(make_engine(migrated_db))() as session:
         [old] = [info for info in list_keys(session, tenant=tenant) if info.key_id == key_id]
     assert old.expires_at is not None and 86000 < old.expires_at.timestamp() - time.time() <= 86400
+
+    with session_factory(make_engine(migrated_db))() as session:  # the overlap runs out
+        session.execute(update(ApiKey).where(ApiKey.key_id == key_id)
+                        .values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+        session.commit()
+    everything = keys_cli("list", "--tenant", tenant).output
+    working = keys_cli("list", "--tenant", tenant, "--active").output
+    assert "expired" in {line.split()[0]: line for line in everything.splitlines()[1:]}[key_id]
+    assert {line.split()[0] for line in working.splitlines()[1:]} == {new_id}  # expired: not listed

@@ -338,3 +338,14 @@ def test_overlap_durations() -> None:
     for bad in ("", "h", "24x", "-1h", "1h30m"):
         with pytest.raises(ValueError, match="duration"):
             parse_duration(bad)
+
+
+def test_the_admin_api_grants_every_scope_the_keys_know() -> None:
+    """POST /v1/admin/keys refused ``webhooks``, which the CLI and docs/security.md grant."""
+    from typing import get_args
+
+    from api.schemas.admin import KeyCreate, Scope
+    from scheduler.access.api_keys import ALL_SCOPES
+
+    assert set(get_args(Scope)) == ALL_SCOPES
+    assert KeyCreate(tenant="t", scopes=sorted(ALL_SCOPES)).scopes == sorted(ALL_SCOPES)
