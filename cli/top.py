@@ -120,7 +120,7 @@ def render(
         per_queue = overview["counts"]["by_queue"].get(q["name"], {})
         lat = latency.get(q["name"], {})
         queues.add_row(
-            q["name"],
+            Text.assemble(q["name"], (" drained", "bold red") if q.get("drained") else ""),
             str(q["queued"]),
             str(q["running"]),
             str(per_queue.get(JobStatus.SUCCEEDED.value, 0)),

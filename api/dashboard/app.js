@@ -120,7 +120,8 @@ function renderOverview(data) {
     const lat = latency[q.name];
     const pair = (p) => (p ? fmtSeconds(p.p50) + " / " + fmtSeconds(p.p95) : "–");
     return el("tr", { "data-queue": q.name },
-      el("td", {}, el("i", { class: "dot", style: "color:" + (QUEUE_COLORS[q.name] || "#999") }, "● "), q.name),
+      el("td", {}, el("i", { class: "dot", style: "color:" + (QUEUE_COLORS[q.name] || "#999") }, "● "), q.name,
+        q.drained ? el("b", { class: "drained", title: "drained: no worker takes from it (POST .../resume)" }, " drained") : ""),
       el("td", { class: "num" }, q.queued), el("td", { class: "num" }, q.running),
       el("td", { class: "num" }, counts.succeeded || 0), el("td", { class: "num" }, counts.failed || 0),
       el("td", { class: "num" }, q.workers_ready),

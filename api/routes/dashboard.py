@@ -33,6 +33,7 @@ from api.tenant_queues import tenant_rows
 from api.version_compare import canaries, compare_versions
 from scheduler.batches import service as batch_service
 from scheduler.batches.service import Batch, BatchJob, BatchSummary
+from scheduler.fleet import queue_drain
 from scheduler.fleet.workers import list_workers
 from scheduler.infra import redis_keys
 from scheduler.jobs.models import Job, JobKind, JobStatus, QueueName
@@ -236,12 +237,14 @@ def admin_overview(session: SessionDep, redis_client: RedisDep, _: AdminCaller) 
                 ready_by_queue[queue] = ready_by_queue.get(queue, 0) + 1
         label = _model_label(worker["model_name"], worker["model_version"])
         versions[label] = versions.get(label, 0) + 1
+    drained = queue_drain.drained_queues(redis_client)  # an operator's drain: no worker takes from it
     queues = [
         {
             "name": name,
             "queued": counts.get(JobStatus.QUEUED.value, 0),
             "running": counts.get(JobStatus.RUNNING.value, 0),
             "workers_ready": ready_by_queue.get(name, 0),
+            "drained": name in drained,
         }
         for name, counts in by_queue.items()
     ]

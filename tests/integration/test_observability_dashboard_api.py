@@ -126,6 +126,14 @@ def test_overview_jobs_detail_and_latency_reflect_the_rows(
         assert counts[status] - before.get(status, 0) == added, status
     assert {q["name"] for q in overview["queues"]} >= {"interactive", "standard", "bulk", "joint"}
     assert overview["throughput"]["finished_last_minute"] >= 2
+    assert not any(q["drained"] for q in overview["queues"])
+    # a drained queue shows as drained (its queued jobs wait though a worker is ready)
+    assert client.post("/v1/admin/queues/bulk/drain", headers=admin).status_code == 200
+    try:
+        rows = {q["name"]: q for q in client.get("/v1/admin/overview", headers=admin).json()["queues"]}
+        assert rows["bulk"]["drained"] and not rows["interactive"]["drained"]
+    finally:
+        assert client.post("/v1/admin/queues/bulk/resume", headers=admin).status_code == 200
 
     listed = client.get("/v1/admin/jobs?limit=200", headers=admin).json()["items"]
     ids = {item["id"] for item in listed}

@@ -16,7 +16,8 @@ def _overview(finished: int, tps: float) -> dict[str, Any]:
             "by_status": {"queued": 2, "running": 1, "succeeded": finished, "failed": 0},
             "by_queue": {"interactive": {"queued": 2, "running": 1, "succeeded": finished, "failed": 0}},
         },
-        "queues": [{"name": "interactive", "queued": 2, "running": 1, "workers_ready": 1}],
+        "queues": [{"name": "interactive", "queued": 2, "running": 1, "workers_ready": 1, "drained": False},
+                   {"name": "bulk", "queued": 1, "running": 0, "workers_ready": 1, "drained": True}],
         "workers": [
             {
                 "worker": "w-7@host",
@@ -51,6 +52,7 @@ def test_frame_shows_queues_workers_and_throughput() -> None:
     text = console.export_text()
     for expected in (
         "interactive",
+        "bulk drained",
         "w-7@host",
         "demo@v3",
         "12.5 tok/s",
