@@ -106,13 +106,18 @@ def submit_on(cq: Client, body: dict[str, Any], version: str | None) -> Job:
     raise click.ClickException(f"no job was routed to version {version} in {REROUTE_TRIES} tries")
 
 
+def run_all(cq: Client, bodies: list[dict[str, Any]], version: str | None, timeout: float) -> list[Job]:
+    """Submit every body (asking for ``version``), then wait for each: the finished jobs, whatever
+    version ran them."""
+    jobs = [submit_on(cq, body, version) for body in bodies]
+    return [cq.wait(job.id, timeout=timeout) for job in jobs]
+
+
 def run_jobs(
     cq: Client, bodies: list[dict[str, Any]], version: str | None, timeout: float
 ) -> list[Job | None]:
-    """Submit every body, then wait for each: the finished job, or ``None`` when it ran on a
-    version other than ``version``."""
-    jobs = [submit_on(cq, body, version) for body in bodies]
-    done = [cq.wait(job.id, timeout=timeout) for job in jobs]
+    """:func:`run_all`, with ``None`` for a job that ran on a version other than ``version``."""
+    done = run_all(cq, bodies, version, timeout)
     return [job if version is None or job.model_version == version else None for job in done]
 
 
