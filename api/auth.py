@@ -280,6 +280,13 @@ async def _authenticate(request: Request, credentials: HTTPAuthorizationCredenti
         return DEV_CALLER
     if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
         log.info("auth.refused", reason="missing_key", path=request.url.path)
+        given = request.headers.get("authorization", "").strip()
+        if given and not given.lower().startswith("bearer"):  # e.g. Basic, or a bare key: sent another way
+            scheme = given.split(" ", 1)[0]
+            named = f"the {scheme!r} scheme" if " " in given and scheme.isalpha() and len(scheme) <= 12 \
+                else "no scheme"  # a bare key is never echoed
+            raise _unauthorized(f"The Authorization header uses {named}; send the API key as "
+                                "'Authorization: Bearer <key>'.")  # fmt: skip
         raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
     key = credentials.credentials.strip()
     authenticator = _app_security(request).authenticator

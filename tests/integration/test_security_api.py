@@ -109,6 +109,10 @@ def test_no_key_or_a_bad_key_is_401(stack: Stack) -> None:
         assert_error(response, 401, "unauthorized")
         assert response.headers["www-authenticate"] == "Bearer"
     assert stack.client.get("/v1/jobs", headers=bearer(key)).status_code == 200
+    basic = stack.client.get("/v1/jobs", headers={"Authorization": "Basic dXNlcjpwdw=="}).json()["error"]
+    assert "uses the 'Basic' scheme; send the API key as 'Authorization: Bearer <key>'" in basic["message"]
+    bare = stack.client.get("/v1/jobs", headers={"Authorization": key}).json()["error"]["message"]
+    assert "uses no scheme" in bare and key not in bare and key[:12] not in bare  # a bare key is never echoed
 
 
 def test_revoked_key_is_401_at_once(stack: Stack) -> None:
