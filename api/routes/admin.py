@@ -22,6 +22,7 @@ import redis
 import structlog
 from celery import Celery
 from fastapi import APIRouter, Body, Query, Request
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.auth import Caller, security_of
@@ -52,6 +53,7 @@ from api.schemas.admin import (
 from api.schemas.errors import error_responses
 from scheduler.access.admission import queue_depths
 from scheduler.access.api_keys import (
+    ApiKey,
     KeyNotFound,
     KeyNotRotatable,
     create_key,
@@ -160,11 +162,19 @@ def get_limits(caller: AdminCaller, settings: SettingsDep) -> dict[str, Any]:
     return effective_limits(_registry(settings), settings)
 
 
-@router.patch("/limits", response_model=LimitsOut, responses=error_responses(422))
+@router.patch("/limits", response_model=LimitsOut, responses=error_responses(404, 422))
 def patch_limits(
     update: Annotated[LimitsUpdate, Body()], caller: AdminCaller, session: SessionDep, settings: SettingsDep
 ) -> dict[str, Any]:
-    """Change limits at runtime for every API process. Omitted fields stay; null clears."""
+    """Change limits at runtime for every API process. Omitted fields stay; null clears. A key
+    override names a key that exists (404 ``key_not_found``: a mistyped id would otherwise be
+    stored and limit nothing); clearing one (null) needs no key, so an ended key's can go."""
+    named = list(update.keys or {})
+    known = set(session.scalars(select(ApiKey.key_id).where(ApiKey.key_id.in_(named)))) if named else set()
+    for key_id, rate in (update.keys or {}).items():
+        setting = any(getattr(rate, name) is not None for name in rate.model_fields_set)
+        if setting and key_id not in known:
+            raise _key_not_found(key_id)
     changes = _limit_changes(update)
     client = _registry(settings)
     operator_state.update_limits(session, client, changes)

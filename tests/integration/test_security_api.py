@@ -418,6 +418,15 @@ def test_rate_limit_bucket_refills(stack: Stack) -> None:
         "/v1/admin/limits", headers=bearer(admin), json={"keys": {key_id: {"rate_burst": None}}}
     )
     assert f"rate_burst:{key_id}" not in cleared.json()["overrides"]
+    # A key id that names no key is refused (a typo would limit nothing); clearing one is not.
+    typo = stack.client.patch("/v1/admin/limits", headers=bearer(admin),
+                              json={"keys": {"0123456789ab": {"rate_burst": 5}}})
+    assert_error(typo, 404, "key_not_found")
+    in_force = stack.client.get("/v1/admin/limits", headers=bearer(admin)).json()
+    assert "rate_burst:0123456789ab" not in in_force["overrides"]
+    gone = stack.client.patch("/v1/admin/limits", headers=bearer(admin),
+                              json={"keys": {"0123456789ab": {"rate_burst": None}}})
+    assert gone.status_code == 200
 
 
 def test_cross_tenant_batches_are_404(stack: Stack) -> None:
