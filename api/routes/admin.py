@@ -257,12 +257,13 @@ def patch_key(key_id: KeyId, body: Annotated[KeyNetworksUpdate, Body()], caller:
 
 @router.post("/keys/{key_id}/rotate", response_model=KeyRotated, status_code=201,
              responses=error_responses(404, 409, 422))
-def post_rotate_key(key_id: KeyId, body: Annotated[KeyRotate, Body()], caller: AdminCaller,
-                    session: SessionDep, settings: SettingsDep, request: Request) -> KeyRotated:
+def post_rotate_key(key_id: KeyId, caller: AdminCaller, session: SessionDep, settings: SettingsDep,
+                    request: Request, body: Annotated[KeyRotate | None, Body()] = None) -> KeyRotated:
     """Rotate a key: a successor with the same tenant, scopes, label and networks works at once
-    (its key is shown only in this response); the old key keeps working for ``overlap_seconds``,
-    then is refused (401). A revoked, expired or already rotated key answers 409
-    ``key_not_rotatable``."""
+    (its key is shown only in this response); the old key keeps working for ``overlap_seconds``
+    (no body: the default, a day, as the CLI's), then is refused (401). A revoked, expired or
+    already rotated key answers 409 ``key_not_rotatable``."""
+    body = body or KeyRotate()
     try:
         rotated = rotate_key(session, key_id=key_id, overlap_seconds=body.overlap_seconds)
     except KeyNotFound:

@@ -193,6 +193,16 @@ def test_rotation_both_keys_work_during_the_overlap_then_only_the_successor(api:
     assert items[old_id]["state"] == "expired" and items[new_id]["rotated_from"] == old_id
 
 
+def test_rotation_without_a_body_keeps_the_default_overlap_of_a_day(api: Api) -> None:
+    """As ``cloverq keys rotate KEY_ID``: no body is the default overlap, not a 422."""
+    with api.sessions() as session:
+        old = create_key(session, tenant=tenant_name(), scopes=["read"])
+    rotated = api.admin_call("POST", f"/keys/{old.info.key_id}/rotate")
+    assert rotated.status_code == 201, rotated.text
+    ends = datetime.fromisoformat(rotated.json()["previous"]["expires_at"]).timestamp() - time.time()
+    assert 86000 < ends <= 86400
+
+
 def test_rotation_without_overlap_ends_the_key_at_once(api: Api) -> None:
     with api.sessions() as session:
         old = create_key(session, tenant=tenant_name(), scopes=["read"])
