@@ -71,12 +71,12 @@ def promote_command(name: str, force: bool, require_golden: bool | None) -> None
             raise click.ClickException(f"model {name!r} has no canary in effect")
         needs_golden = settings.canary.require_golden if require_golden is None else require_golden
         golden = golden_refusal(session, name=name, version=current.canary_version) if needs_golden else None
-        if golden is not None and not force:
-            raise click.ClickException(f"promotion refused: {golden} (--force overrides)")
         report = check_promotion(session, activation=current, settings=settings)
-        if not report.ok and not force:
-            raise click.ClickException("promotion refused: " + "; ".join(report.reasons)
-                                       + f" (tallies: {json.dumps(report.as_dict())}; --force overrides)")
+        reasons = ([golden] if golden is not None else []) + ([] if report.ok else list(report.reasons))
+        if reasons and not force:  # every reason at once: fixing one should not reveal the next
+            tallies = "" if report.ok else f"tallies: {json.dumps(report.as_dict())}; "
+            why = "; ".join(reasons)
+            raise click.ClickException(f"promotion refused: {why} ({tallies}--force overrides)")
         try:
             result = promote_canary(session, name=name, actor="cli")
         except CanaryConflict as exc:

@@ -81,11 +81,12 @@ def post_promote(
     if current is None or current.canary_version is None:
         raise ApiError(409, "canary_conflict", f"model {name!r} has no canary in effect", {"name": name})
     golden = golden_refusal(session, name=name, version=current.canary_version)
-    if settings.canary.require_golden and golden is not None and not force:
-        raise ApiError(409, "canary_gate_refused", golden, {"golden": golden})
+    golden = golden if settings.canary.require_golden else None
     report = check_promotion(session, activation=current, settings=settings)
-    if not report.ok and not force:
-        raise ApiError(409, "canary_gate_refused", "; ".join(report.reasons), report.as_dict())
+    reasons = ([golden] if golden is not None else []) + ([] if report.ok else list(report.reasons))
+    if reasons and not force:  # every reason at once (the CLI's promote says the same)
+        details = {**({} if report.ok else report.as_dict()), **({"golden": golden} if golden else {})}
+        raise ApiError(409, "canary_gate_refused", "; ".join(reasons), details)
     try:
         result = promote_canary(session, name=name, actor=f"api:{caller.key_id}")
     except CanaryConflict as exc:

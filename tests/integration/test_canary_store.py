@@ -179,6 +179,9 @@ def test_cli_canary_promote_refused_then_forced_and_abort(
     assert started.exit_code == 0 and "canary v2 at 12.5% of new jobs" in started.output, started.output
     refused = cloverq("promote", name)
     assert refused.exit_code == 1 and "promotion refused" in refused.output, refused.output
+    both = cloverq("promote", name, "--require-golden")  # every reason at once, not the golden one alone
+    assert both.exit_code == 1 and "has no golden check" in both.output, both.output
+    assert "tallies" in both.output, both.output
     forced = cloverq("promote", name, "--force")
     assert forced.exit_code == 0, forced.output
     assert "active version v2 (previous: v1), no canary" in forced.output
