@@ -15,7 +15,7 @@ import json
 import click
 
 from cli.model import model_group
-from cli.model_versions import _sessions
+from cli.model_versions import _sessions, warn_if_unserved
 from cli.stack_record import stack_settings
 from scheduler.infra.settings import get_settings
 from scheduler.model_versions.canary import CanaryConflict, abort_canary, promote_canary, start_canary
@@ -54,6 +54,7 @@ def canary_command(name: str, version: str, percent: float) -> None:
     audit("model.canary", actor_tenant=None, actor_key_id=None, via="cli", target=name, version=version,
           percent=percent, stable=result.version)
     _echo(result)
+    warn_if_unserved(settings, name)
 
 
 @click.command("promote")

@@ -14,13 +14,17 @@ import json
 import logging
 
 import click
+import redis
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from cli.model import model_group
 from cli.stack_record import stack_settings
+from scheduler.fleet.workers import list_workers
 from scheduler.infra.db import make_engine, migrate, session_factory
+from scheduler.infra.redis_client import get_redis
 from scheduler.infra.settings import Settings, get_settings
 from scheduler.model_versions.registry import (
     Activation,
@@ -64,12 +68,30 @@ def _echo_activation(result: Activation) -> None:
     click.echo(f"{result.name}: active version {result.version}{previous}, activation #{result.generation}")
 
 
+def warn_if_unserved(settings: Settings, name: str) -> None:
+    """A line on stderr when no ready worker serves any version of model ``name``: the change is
+    recorded, but it moves no job until workers run with ``CLOVERQ_SERVED_MODEL`` set to it (an
+    operator otherwise sees a canary "at 10%" that routes nothing). Nothing when the worker
+    registry cannot be read: the warning is a courtesy, not a check."""
+    try:
+        workers = list_workers(get_redis(settings.resolved_redis_url))
+        with _sessions(settings)() as session:
+            versions = {row.version for row in list_registered(session, name=name)}
+    except (redis.RedisError, OSError, SQLAlchemyError):
+        return
+    served = [w for w in workers if w.is_ready and (w.model_version or "").split("@", 1)[0] in versions]
+    if not served:
+        click.echo(f"note: no ready worker serves model {name!r} now; the change is recorded and moves jobs "
+                   f"once workers run with CLOVERQ_SERVED_MODEL={name}", err=True)  # fmt: skip
+
+
 @click.command("activate")
 @click.argument("name")
 @click.argument("version")
 def activate_command(name: str, version: str) -> None:
     """Make VERSION the active version of model NAME; serving workers switch to it."""
     _echo_activation(_activate(name, version))
+    warn_if_unserved(stack_settings(get_settings()), name)
 
 
 @click.command("rollback")

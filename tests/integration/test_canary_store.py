@@ -177,6 +177,8 @@ def test_cli_canary_promote_refused_then_forced_and_abort(
 
     started = cloverq("canary", name, "v2", "--percent", "12.5")
     assert started.exit_code == 0 and "canary v2 at 12.5% of new jobs" in started.output, started.output
+    # no worker of this model runs here: recorded, and the operator is told it moves no job yet
+    assert f"no ready worker serves model '{name}' now" in started.stderr, started.output
     refused = cloverq("promote", name)
     assert refused.exit_code == 1 and "promotion refused" in refused.output, refused.output
     both = cloverq("promote", name, "--require-golden")  # every reason at once, not the golden one alone
