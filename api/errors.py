@@ -240,10 +240,11 @@ def validation_summary(details: Sequence[Mapping[str, Any]], content_type: str |
     that is no JSON object, sent without a JSON content type, says which header is missing (curl's
     ``-d`` sends a form type)."""
     first = details[0]
-    where = ".".join(str(part) for part in first.get("loc", ())[1:])  # past "body" / "query"
+    loc = [str(part) for part in first.get("loc", ())]
+    where = ".".join(loc[1:]) or ".".join(loc)  # past "body" / "query"; the whole body: "body"
     text = f"{where}: {first.get('message')}" if where else str(first.get("message"))
     json_type = (content_type or "").split(";")[0].strip().lower()
-    if first.get("type") == "model_attributes_type" and not where and not json_type.endswith("json"):
+    if first.get("type") == "model_attributes_type" and len(loc) <= 1 and not json_type.endswith("json"):
         text += f" (sent as {json_type or 'no content type'}: send JSON with Content-Type: application/json)"
     more = len(details) - 1
     return text + (f" (+ {more} more in details)" if more else "")

@@ -98,7 +98,7 @@ def click_error(exc: CloverqError, target: Target | None = None) -> click.ClickE
     return click.ClickException(f"{exc.code} (HTTP {exc.status}): {exc.message}{suffix}{hint}")
 
 
-def _root_options() -> dict[str, Any]:
+def root_options() -> dict[str, Any]:
     """The top-level group's parameters (``cloverq --url URL --key KEY <command>``), or none
     outside a click command."""
     ctx = click.get_current_context(silent=True)
@@ -110,7 +110,7 @@ def api_client(url: str | None = None, key: str | None = None, *, timeout: float
     """A :class:`client.Client` for the configured API; API and connection errors become
     ``click.ClickException`` s that say what went wrong and where. ``url``/``key`` unset: the
     ``cloverq --url/--key`` given before the command, if any."""
-    given = _root_options()
+    given = root_options()
     target = resolve_target(get_settings(), url or given.get("url"), key or given.get("key"))
     with Client(target.url, target.key, timeout=timeout, admin_url=target.admin_url,
                 ops_url=target.ops_url) as cq:

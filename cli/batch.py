@@ -33,7 +33,7 @@ def submit(jsonl: Path, webhook_url: str | None, metadata_json: str | None, wait
         if metadata_json is None:
             batch = cq.upload_batch(content, webhook_url=webhook_url)
         else:  # metadata travels in the JSON form of the request
-            jobs = [json_option(line, f"{jsonl}, line {number}", dict, "(one job's body)")
+            jobs = [json_option(line, f"{jsonl}, line {number}", dict, "(one job's body)", one_line=True)
                     for number, line in enumerate(content.decode().splitlines(), start=1) if line.strip()]
             metadata = json_option(metadata_json, "--metadata", dict)
             batch = cq.create_batch(jobs, webhook_url=webhook_url, metadata=metadata)

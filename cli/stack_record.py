@@ -40,6 +40,8 @@ class StackRecord:
     ops_url: str | None = None
     redis_port: int | None = None  # its embedded Redis (None: an external one, or a record before it)
     external_database: bool = False
+    external_redis: bool = False
+    model_root: Path | None = None  # its model store, where up was given one (a path, no secret)
 
 
 def record_path(settings: Settings) -> Path:
@@ -61,7 +63,8 @@ def write_record(settings: Settings, *, api_url: str, data_dir: Path, admin_url:
     body = {"api_url": api_url, "admin_url": admin_url or api_url, "ops_url": ops_url or api_url,
             "data_dir": str(data_dir.resolve()), "pid": os.getpid(),
             "redis_port": None if settings.redis.url else settings.redis.embedded_port,
-            "external_database": bool(settings.database.url)}
+            "external_database": bool(settings.database.url), "external_redis": bool(settings.redis.url),
+            "model_root": str(settings.resolved_model_root) if settings.model.root is not None else None}
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(body) + "\n")
     temporary.replace(path)  # a reader never sees half a record
@@ -85,11 +88,13 @@ def read_record(settings: Settings) -> StackRecord | None:
 def _parse(path: Path) -> StackRecord | None:
     try:
         body = json.loads(path.read_text())
-        port = body.get("redis_port")
+        port, root = body.get("redis_port"), body.get("model_root")
         return StackRecord(api_url=str(body["api_url"]), data_dir=Path(body["data_dir"]),
                            pid=int(body["pid"]), admin_url=body.get("admin_url"), ops_url=body.get("ops_url"),
                            redis_port=int(port) if port is not None else None,
-                           external_database=bool(body.get("external_database", False)))
+                           external_database=bool(body.get("external_database", False)),
+                           external_redis=bool(body.get("external_redis", False)),
+                           model_root=Path(root) if root is not None else None)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -106,24 +111,39 @@ def _alive(pid: int) -> bool:
 
 def stack_settings(settings: Settings) -> Settings:
     """``settings`` for a command that acts on the running stack's own state (its database, Redis
-    and model store): where this process was given no data dir of its own, the data dir and the
-    embedded Redis ``cloverq up`` recorded. Without it, ``cloverq keys create`` run from another
+    and model store): the data dir, embedded Redis and model store ``cloverq up`` recorded, where
+    this process was given none of its own. Without it, ``cloverq keys create`` run from another
     folder created a fresh SQLite database there, and the running stack refused its key.
 
-    A stack on an external database (``CLOVERQ_DATABASE_URL`` given to ``up``, not recorded: it may
-    hold a password) needs the same URL here; without it the command is refused, not run on a
-    database the stack does not use. No running stack, or a data dir given: ``settings``."""
+    Closer state wins, as for the dev key (``cli.api_client.resolve_target``): a data dir or a
+    database URL given, or a ``./.cloverq`` holding a database of its own (a stack run by hand in
+    this folder), keeps ``settings``. A stack on an external database or Redis (a URL given to
+    ``up``, never recorded: it may hold a password) needs the same URL here; without it the
+    command is refused, not run on a database or Redis the stack does not use. The state used is
+    named on stderr, so a command never changes another folder's stack unannounced."""
     if "data_dir" in settings.model_fields_set:
         return settings
     record = read_record(settings)
     if record is None:
         return settings
-    if record.external_database and not settings.database.url:
-        raise click.ClickException(
-            f"the running `cloverq up` ({record_path(settings)}) uses a database of its own URL; set "
-            "CLOVERQ_DATABASE_URL to it (or CLOVERQ_DATA_DIR to act on another folder's state)"
-        )
+    if settings.database.url and not record.external_database:
+        return settings  # the caller named a database: theirs, not the stack's
+    own = settings.data_dir.resolve()
+    if own != record.data_dir and (own / "cloverq.db").is_file():
+        return settings
+    needed = (("database", record.external_database, settings.database.url, "CLOVERQ_DATABASE_URL"),
+              ("Redis", record.external_redis, settings.redis.url, "CLOVERQ_REDIS_URL"))
+    for what, external, given, variable in needed:
+        if external and not given:
+            raise click.ClickException(
+                f"the running `cloverq up` ({record_path(settings)}) uses a {what} of its own URL; set "
+                f"{variable} to it (or CLOVERQ_DATA_DIR to act on another folder's state)"
+            )
     update: dict[str, object] = {"data_dir": record.data_dir}
     if record.redis_port is not None and not settings.redis.url:
         update["redis"] = settings.redis.model_copy(update={"embedded_port": record.redis_port})
+    if record.model_root is not None and settings.model.root is None:
+        update["model"] = settings.model.model_copy(update={"root": record.model_root})
+    if own != record.data_dir:
+        click.echo(f"(the running stack's state: {record.data_dir})", err=True)
     return settings.model_copy(update=update)

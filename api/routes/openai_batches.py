@@ -393,8 +393,9 @@ def cancel_batch(
     row = _load(session, caller, batch_id)
     batch = batch_service.get_batch(session, batch_id=row.batch_id, tenant=None)
     assert batch is not None
-    batch_service.cancel_batch(session, batch=batch, settings=settings, redis_client=redis)
-    store.mark_cancelling(session, row)
+    summary = batch_service.cancel_batch(session, batch=batch, settings=settings, redis_client=redis)
+    if summary.batch.cancel_requested:  # a batch already finished is returned unchanged, not "cancelling"
+        store.mark_cancelling(session, row)
     return _batch_out(session, row)
 
 

@@ -258,9 +258,13 @@ def test_cli_url_and_key_before_the_command_and_bad_json_given(stack: Stack, tmp
     assert "the key from --key" in refused.output
     away = _cli(stack, "--url", "http://127.0.0.1:1", "jobs")
     assert away.exit_code == 1 and "http://127.0.0.1:1 (from --url" in away.output
+    top_away = _cli(stack, "--url", "http://127.0.0.1:1", "top", "--once")  # top reads them too
+    assert top_away.exit_code == 1 and "http://127.0.0.1:1" in top_away.output, top_away.output
 
     lines = tmp_path / "jobs.jsonl"
     lines.write_text('{"kind": "generate", "input": {"prompt": "a"}}\n[1]\n')
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"kind": "generate", "input": {"prompt": "a"}}\nnope\n')
     good = tmp_path / "good.jsonl"
     good.write_text('{"kind": "generate", "input": {"prompt": "a"}}\n')
     for args, said in [
@@ -274,6 +278,8 @@ def test_cli_url_and_key_before_the_command_and_bad_json_given(stack: Stack, tmp
          "--constraints must be a JSON list"),
         (["batch", "submit", str(tmp_path / "none.jsonl")], "does not exist"),
         (["batch", "submit", str(lines), "--metadata", "{}"], f"{lines}, line 2 must be a JSON object"),
+        (["batch", "submit", str(broken), "--metadata", "{}"],
+         f"{broken}, line 2 is not JSON: Expecting value (column 1)"),
         (["batch", "submit", str(good), "--metadata", "[]"], "--metadata must be a JSON object, not list"),
     ]:
         result = _cli(stack, *args)

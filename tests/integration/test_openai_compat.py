@@ -353,6 +353,8 @@ def test_the_batch_flow(stack: Stack) -> None:
     own = httpx.get(f"{stack.url}/v1/batches/{cloverq_batch}",
                     headers={"Authorization": f"Bearer {stack.key}"})
     assert own.json()["status"] == "completed" and own.json()["metadata"] == {"openai_batch_id": batch.id}
+    late = client.batches.cancel(batch.id)  # finished: returned unchanged, as cloverq's batch is
+    assert late.status == "completed" and late.cancelling_at is None and late.completed_at
 
     # cancel: queued jobs at once, the running ones within a pass; the rest lands in the error file
     slow = [{**line, "body": {**line["body"], "max_tokens": 2048, **LONG}} for line in lines]

@@ -77,6 +77,8 @@ def test_the_message_names_the_first_problem_and_counts_the_rest(client: TestCli
     """A CLI or a log shows the message alone: it says where the first problem is."""
     one = _error(client.post("/echo", json={"text": 3}))
     assert one["message"] == "The request is not valid: text: Input should be a valid string"
+    empty = _error(client.post("/echo", content=b"", headers={"content-type": "application/json"}))
+    assert empty["message"].startswith("The request is not valid: body: ")  # the place: the whole body
     two = _error(client.post("/echo", json={"text": 3, "unknown": 1}))
     assert two["message"].endswith("(+ 1 more in details)") and len(two["details"]) == 2
 

@@ -152,3 +152,33 @@ def test_a_stack_on_an_external_database_needs_its_url(elsewhere: Path, tmp_path
     with pytest.raises(click.ClickException, match="CLOVERQ_DATABASE_URL"):
         stack_record.stack_settings(Settings())
     assert stack_record.stack_settings(external).resolved_database_url == external.database.url
+
+
+def test_closer_state_wins_over_the_record(elsewhere: Path, tmp_path: Path) -> None:
+    """A folder whose ./.cloverq holds a database of its own (a stack run by hand here), or a
+    database URL given, keeps its own state: the record never redirects it elsewhere."""
+    stack_record.write_record(Settings(embedded_redis_port=6411), api_url="http://127.0.0.1:8400",
+                              data_dir=_stack(tmp_path))
+    (elsewhere / ".cloverq").mkdir()
+    (elsewhere / ".cloverq" / "cloverq.db").write_bytes(b"")
+    local = Settings()
+    assert stack_record.stack_settings(local) is local
+    (elsewhere / ".cloverq" / "cloverq.db").unlink()
+    named = Settings(database_url="postgresql+psycopg://127.0.0.1:5432/mine")
+    assert stack_record.stack_settings(named) is named
+
+
+def test_the_record_names_an_external_redis_and_the_model_store(elsewhere: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """An external Redis is needed as an external database is (its URL is not recorded); a model
+    root given to up is recorded (a path) and used; the state used is named on stderr."""
+    data_dir = _stack(tmp_path)
+    up = Settings(redis_url="redis://:pw@127.0.0.1:6390/0", model_root=tmp_path / "store")
+    path = stack_record.write_record(up, api_url="http://127.0.0.1:8400", data_dir=data_dir)
+    assert "pw@" not in path.read_text()
+    with pytest.raises(click.ClickException, match="CLOVERQ_REDIS_URL"):
+        stack_record.stack_settings(Settings())
+    used = stack_record.stack_settings(Settings(redis_url="redis://127.0.0.1:6390/0"))
+    assert used.resolved_model_root == (tmp_path / "store").absolute()
+    assert used.resolved_database_url == f"sqlite:///{(data_dir / 'cloverq.db').resolve()}"
+    assert f"(the running stack's state: {data_dir.resolve()})" in capsys.readouterr().err
