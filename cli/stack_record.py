@@ -42,6 +42,7 @@ class StackRecord:
     external_database: bool = False
     external_redis: bool = False
     model_root: Path | None = None  # its model store, where up was given one (a path, no secret)
+    started: str | None = None  # its process's start (``process_start``): a reused pid is not it
 
 
 def record_path(settings: Settings) -> Path:
@@ -61,7 +62,7 @@ def write_record(settings: Settings, *, api_url: str, data_dir: Path, admin_url:
     path = record_path(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"api_url": api_url, "admin_url": admin_url or api_url, "ops_url": ops_url or api_url,
-            "data_dir": str(data_dir.resolve()), "pid": os.getpid(),
+            "data_dir": str(data_dir.resolve()), "pid": os.getpid(), "started": process_start(os.getpid()),
             "redis_port": None if settings.redis.url else settings.redis.embedded_port,
             "external_database": bool(settings.database.url), "external_redis": bool(settings.redis.url),
             "model_root": str(settings.resolved_model_root) if settings.model.root is not None else None}
@@ -82,7 +83,7 @@ def remove_record(settings: Settings) -> None:
 def read_record(settings: Settings) -> StackRecord | None:
     """The running stack's record, or None (none written, unreadable, or its ``up`` is gone)."""
     record = _parse(record_path(settings))
-    return record if record is not None and _alive(record.pid) else None
+    return record if record is not None and _alive(record.pid, record.started) else None
 
 
 def _parse(path: Path) -> StackRecord | None:
@@ -94,19 +95,35 @@ def _parse(path: Path) -> StackRecord | None:
                            redis_port=int(port) if port is not None else None,
                            external_database=bool(body.get("external_database", False)),
                            external_redis=bool(body.get("external_redis", False)),
-                           model_root=Path(root) if root is not None else None)
+                           model_root=Path(root) if root is not None else None,
+                           started=str(body["started"]) if body.get("started") is not None else None)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _alive(pid: int) -> bool:
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started, as this boot's id and its start time in clock ticks
+    (``/proc/<pid>/stat`` field 22), or None where ``/proc`` does not say (not Linux). A pid is
+    reused after its process ends; this pair is not."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # past "pid (comm) ": the comm may hold spaces
+        return f"{boot}:{fields[19]}"  # field 22 of the whole line is the 20th after the comm
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None = None) -> bool:
+    """Whether the recorded ``up`` still runs: its pid exists and, where the record has its
+    start, started then (a record left by a crash or a reboot can name a pid in use again)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: alive, though not ours
-        return True
-    return True
+        pass
+    return started is None or process_start(pid) in (None, started)
 
 
 def stack_settings(settings: Settings) -> Settings:

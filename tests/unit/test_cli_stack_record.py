@@ -4,6 +4,7 @@ says what was sent (no key at all, or which key) and how to give one."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -182,3 +183,18 @@ def test_the_record_names_an_external_redis_and_the_model_store(elsewhere: Path,
     assert used.resolved_model_root == (tmp_path / "store").absolute()
     assert used.resolved_database_url == f"sqlite:///{(data_dir / 'cloverq.db').resolve()}"
     assert f"(the running stack's state: {data_dir.resolve()})" in capsys.readouterr().err
+
+
+def test_a_record_whose_pid_now_names_another_process_is_ignored(elsewhere: Path, tmp_path: Path) -> None:
+    """A record left by a crash or a reboot: its pid may run again as something else. The record
+    holds its process's start; another start is not the stack (operator commands would otherwise
+    write into a dead stack's data dir)."""
+    settings = Settings()
+    path = stack_record.write_record(settings, api_url="http://127.0.0.1:8400", data_dir=_stack(tmp_path))
+    body = json.loads(path.read_text())
+    assert body["started"] == stack_record.process_start(os.getpid()) and stack_record.read_record(settings)
+    if body["started"] is None:
+        pytest.skip("no /proc here: the start is not recorded, the pid alone is checked")
+    path.write_text(json.dumps({**body, "started": body["started"] + "0"}))  # the same pid, another start
+    assert stack_record.read_record(settings) is None
+    assert stack_record.stack_settings(settings) is settings
