@@ -15,12 +15,10 @@ import json
 import click
 
 from cli.model import model_group
-from cli.model_versions import _sessions, warn_if_unserved
+from cli.model_versions import _sessions, note_unserved, served_nowhere
 from cli.stack_record import stack_settings
-from scheduler.infra.settings import get_settings
 from scheduler.model_versions.canary import CanaryConflict, abort_canary, promote_canary, start_canary
 from scheduler.model_versions.canary_gate import check_promotion
-from scheduler.model_versions.golden import golden_refusal
 from scheduler.model_versions.registry import Activation, UnknownModelVersion, active_version
 from scheduler.observability.audit import audit
 from worker import model_store
@@ -42,19 +40,21 @@ def _echo(result: Activation) -> None:
               help="Share of new jobs routed to VERSION, in percent (0.01-99.99).")
 def canary_command(name: str, version: str, percent: float) -> None:
     """Send PERCENT % of new jobs of model NAME to VERSION, served by the canary workers."""
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     try:
         model_store.validate_component(name, what="model name")
         model_store.validate_component(version, what="version")
         with _sessions(settings)() as session:
             result = start_canary(session, name=name, version=version, percent=percent, actor="cli",
                                   store_root=settings.resolved_model_root)
+            unserved = served_nowhere(settings, session, name)
     except (UnknownModelVersion, model_store.ModelStoreError, CanaryConflict, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     audit("model.canary", actor_tenant=None, actor_key_id=None, via="cli", target=name, version=version,
           percent=percent, stable=result.version)
     _echo(result)
-    warn_if_unserved(settings, name)
+    if unserved:
+        note_unserved(name)
 
 
 @click.command("promote")
@@ -65,19 +65,16 @@ def canary_command(name: str, version: str, percent: float) -> None:
               "[default: CLOVERQ_CANARY_REQUIRE_GOLDEN].")
 def promote_command(name: str, force: bool, require_golden: bool | None) -> None:
     """Make the canary the active version of model NAME: the whole fleet moves to it."""
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     with _sessions(settings)() as session:
         current = active_version(session, name=name)
         if current is None or current.canary_version is None:
             raise click.ClickException(f"model {name!r} has no canary in effect")
-        needs_golden = settings.canary.require_golden if require_golden is None else require_golden
-        golden = golden_refusal(session, name=name, version=current.canary_version) if needs_golden else None
-        report = check_promotion(session, activation=current, settings=settings)
-        reasons = ([golden] if golden is not None else []) + ([] if report.ok else list(report.reasons))
-        if reasons and not force:  # every reason at once: fixing one should not reveal the next
-            tallies = "" if report.ok else f"tallies: {json.dumps(report.as_dict())}; "
-            why = "; ".join(reasons)
-            raise click.ClickException(f"promotion refused: {why} ({tallies}--force overrides)")
+        report = check_promotion(session, activation=current, settings=settings,
+                                 require_golden=require_golden)
+        if not report.ok and not force:  # every reason at once: fixing one should not reveal the next
+            raise click.ClickException(f"promotion refused: {'; '.join(report.reasons)} "
+                                       f"(tallies: {json.dumps(report.as_dict())}; --force overrides)")
         try:
             result = promote_canary(session, name=name, actor="cli")
         except CanaryConflict as exc:
@@ -92,7 +89,7 @@ def promote_command(name: str, force: bool, require_golden: bool | None) -> None
 @click.argument("name")
 def abort_command(name: str) -> None:
     """End the canary of model NAME: its queued jobs and the canary workers return to stable."""
-    with _sessions(stack_settings(get_settings()))() as session:
+    with _sessions(stack_settings())() as session:
         try:
             result = abort_canary(session, name=name, actor="cli")
         except CanaryConflict as exc:

@@ -21,7 +21,6 @@ from api.schemas.admin_models import CanaryRequest, ModelOut, PromoteRequest
 from api.schemas.errors import error_responses
 from scheduler.model_versions.canary import CanaryConflict, abort_canary, promote_canary, start_canary
 from scheduler.model_versions.canary_gate import check_promotion
-from scheduler.model_versions.golden import golden_refusal
 from scheduler.model_versions.registry import UnknownModelVersion, active_version
 
 router = APIRouter(prefix="/v1/admin/models", tags=["admin"], responses=error_responses(401, 403, 429, 503),
@@ -80,13 +79,9 @@ def post_promote(
     current = active_version(session, name=name)
     if current is None or current.canary_version is None:
         raise ApiError(409, "canary_conflict", f"model {name!r} has no canary in effect", {"name": name})
-    golden = golden_refusal(session, name=name, version=current.canary_version)
-    golden = golden if settings.canary.require_golden else None
     report = check_promotion(session, activation=current, settings=settings)
-    reasons = ([golden] if golden is not None else []) + ([] if report.ok else list(report.reasons))
-    if reasons and not force:  # every reason at once (the CLI's promote says the same)
-        details = {**({} if report.ok else report.as_dict()), **({"golden": golden} if golden else {})}
-        raise ApiError(409, "canary_gate_refused", "; ".join(reasons), details)
+    if not report.ok and not force:  # every reason at once, the golden gate's among them
+        raise ApiError(409, "canary_gate_refused", "; ".join(report.reasons), report.as_dict())
     try:
         result = promote_canary(session, name=name, actor=f"api:{caller.key_id}")
     except CanaryConflict as exc:

@@ -5,6 +5,9 @@ record that cannot be lost (the jobs table), not on counters a Redis flush reset
 counts jobs pinned to each version since the canary started that reached a final status
 (``failed`` is an error; ``cancelled`` and ``expired`` are neither success nor error). The
 query scans the canary's window of the table: fine for an operator command, never on a hot path.
+Where asked for (``canary.require_golden``, ``promote --require-golden``), the canary's last golden
+check must have passed too: one gate, so the CLI, the admin API and its dry run
+(``GET /v1/admin/models/{name}/canary``) give the same reasons.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from scheduler.infra.settings import Settings
 from scheduler.jobs.models import Job, JobStatus
+from scheduler.model_versions.golden import golden_refusal
 from scheduler.model_versions.registry import Activation
 
 COUNTED = (JobStatus.SUCCEEDED.value, JobStatus.FAILED.value)
@@ -44,6 +48,7 @@ class GateReport:
     min_jobs: int
     error_margin: float
     reasons: list[str] = field(default_factory=list)
+    golden: str | None = None  # why the golden gate refuses, where it was asked for (among ``reasons``)
 
     @property
     def ok(self) -> bool:
@@ -55,7 +60,8 @@ class GateReport:
                     "error_rate": round(t.error_rate, 4)}
 
         return {"ok": self.ok, "reasons": list(self.reasons), "min_jobs": self.min_jobs,
-                "error_margin": self.error_margin, "canary": one(self.canary), "stable": one(self.stable)}
+                "error_margin": self.error_margin, "canary": one(self.canary), "stable": one(self.stable),
+                "golden": self.golden}
 
 
 def tally(session: Session, *, versions: list[str], since: datetime | None) -> dict[str, VersionTally]:
@@ -73,17 +79,23 @@ def tally(session: Session, *, versions: list[str], since: datetime | None) -> d
             for v, c in counts.items()}
 
 
-def check_promotion(session: Session, *, activation: Activation, settings: Settings) -> GateReport:
-    """Whether the canary of ``activation`` may be promoted (see the module doc)."""
+def check_promotion(session: Session, *, activation: Activation, settings: Settings,
+                    require_golden: bool | None = None) -> GateReport:
+    """Whether the canary of ``activation`` may be promoted (see the module doc), with every reason
+    it may not at once. ``require_golden`` (None: ``canary.require_golden``): the canary's last
+    golden check must have passed (``scheduler.model_versions.golden``), the first reason."""
     assert activation.canary_version is not None
     tallies = tally(session, versions=[activation.canary_version, activation.version],
                     since=activation.canary_started_at)
     canary, stable = tallies[activation.canary_version], tallies[activation.version]
-    reasons: list[str] = []
+    needs_golden = settings.canary.require_golden if require_golden is None else require_golden
+    golden = golden_refusal(session, name=activation.name, version=activation.canary_version) \
+        if needs_golden else None
+    reasons: list[str] = [golden] if golden is not None else []
     if canary.finished < settings.canary.min_jobs:
         reasons.append(f"the canary finished {canary.finished} jobs, fewer than {settings.canary.min_jobs}")
     if canary.error_rate > stable.error_rate + settings.canary.error_margin:
         reasons.append(f"the canary's error rate {canary.error_rate:.2%} exceeds the stable one's "
                        f"{stable.error_rate:.2%} by more than {settings.canary.error_margin:.2%}")
     return GateReport(canary=canary, stable=stable, min_jobs=settings.canary.min_jobs,
-                      error_margin=settings.canary.error_margin, reasons=reasons)
+                      error_margin=settings.canary.error_margin, reasons=reasons, golden=golden)
