@@ -48,8 +48,18 @@ class Target:
         return f"the key from {self.key_source}" if self.key_source else "no key"
 
 
+def root_options() -> dict[str, Any]:
+    """The top-level group's parameters (``cloverq --url URL --key KEY <command>``), or none
+    outside a click command."""
+    ctx = click.get_current_context(silent=True)
+    return dict(ctx.find_root().params) if ctx is not None else {}
+
+
 def resolve_target(settings: Settings, url: str | None = None, key: str | None = None) -> Target:
-    """The URL and key a command uses (see the module docstring for the order)."""
+    """The URL and key a command uses (see the module docstring for the order); ``url``/``key``
+    unset: the ``cloverq --url/--key`` given before the command, if any."""
+    given = root_options()
+    url, key = url or given.get("url"), key or given.get("key")
     record = read_record(settings)
     if url:
         url_source, base = "--url", url
@@ -98,20 +108,11 @@ def click_error(exc: CloverqError, target: Target | None = None) -> click.ClickE
     return click.ClickException(f"{exc.code} (HTTP {exc.status}): {exc.message}{suffix}{hint}")
 
 
-def root_options() -> dict[str, Any]:
-    """The top-level group's parameters (``cloverq --url URL --key KEY <command>``), or none
-    outside a click command."""
-    ctx = click.get_current_context(silent=True)
-    return dict(ctx.find_root().params) if ctx is not None else {}
-
-
 @contextmanager
 def api_client(url: str | None = None, key: str | None = None, *, timeout: float = 30.0) -> Iterator[Client]:
     """A :class:`client.Client` for the configured API; API and connection errors become
-    ``click.ClickException`` s that say what went wrong and where. ``url``/``key`` unset: the
-    ``cloverq --url/--key`` given before the command, if any."""
-    given = root_options()
-    target = resolve_target(get_settings(), url or given.get("url"), key or given.get("key"))
+    ``click.ClickException`` s that say what went wrong and where."""
+    target = resolve_target(get_settings(), url, key)
     with Client(target.url, target.key, timeout=timeout, admin_url=target.admin_url,
                 ops_url=target.ops_url) as cq:
         try:

@@ -35,7 +35,7 @@ from scheduler.access.key_format import key_id_of
 from scheduler.access.key_revocations import mark_revoked
 from scheduler.infra.db import make_engine, migrate, session_factory
 from scheduler.infra.redis_client import get_redis
-from scheduler.infra.settings import Settings, get_settings
+from scheduler.infra.settings import Settings
 from scheduler.observability.audit import audit
 from scheduler.observability.logging import configure_logging
 
@@ -86,7 +86,7 @@ def keys_group() -> None:
               help="A network the key may be used from (repeatable); none: any address.")
 def create_command(tenant: str, scopes: str, label: str | None, allowed_networks: tuple[str, ...]) -> None:
     """Create a key and print it ONCE (last line of stdout); it cannot be shown again."""
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     try:
         scope_set = parse_scopes(scopes)
         with _sessions(settings)() as session:
@@ -113,7 +113,7 @@ def _when(value: datetime | None) -> str:
 def list_command(tenant: str | None, active: bool) -> None:
     """List keys (ids, tenants, scopes, state, expiry, last use, networks); secrets are never
     stored, so never shown. Last use is written by API processes at most once a minute each."""
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     with _sessions(settings)() as session:
         keys = list_keys(session, tenant=tenant, include_revoked=not active)
     if active:  # an expired key (a rotation's overlap ended) is refused as a revoked one is
@@ -135,7 +135,7 @@ def list_command(tenant: str | None, active: bool) -> None:
 @click.argument("key_id")
 def revoke_command(key_id: str) -> None:
     """Revoke a key by id (the key row is kept for the audit trail)."""
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     key_id = key_id_of(key_id)  # accept a whole key too, but only ever use its id
     with _sessions(settings)() as session:
         info = revoke_key(session, key_id=key_id)
@@ -165,7 +165,7 @@ def _overlap(_: click.Context, __: click.Parameter, value: str) -> int:
 def rotate_command(key_id: str, overlap: int) -> None:
     """Make a successor of a key (same tenant, scopes, label, networks) and print it ONCE (last
     line of stdout); the old key keeps working for the overlap, then is refused."""
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     key_id = key_id_of(key_id)
     try:
         with _sessions(settings)() as session:
@@ -200,7 +200,7 @@ def set_networks_command(key_id: str, networks: tuple[str, ...], any_address: bo
     time, ``auth_cache_seconds``)."""
     if bool(networks) == any_address:
         raise click.UsageError("give either --network CIDR (one or more) or --any")
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     key_id = key_id_of(key_id)
     try:
         with _sessions(settings)() as session:

@@ -46,7 +46,7 @@ def cli(url: str | None, key: str | None) -> None:
     """cloverq: an asynchronous job system for MoE block-diffusion language models.
 
     --url and --key go before the command: cloverq --url URL jobs."""
-    # the client commands read them from the root context (cli.api_client.root_options)
+    # the client commands read them from the root context (cli.api_client.resolve_target)
 
 
 def _register_all() -> None:

@@ -21,7 +21,6 @@ from cli.model import model_group
 from cli.model_eval import run_all, run_jobs
 from cli.stack_record import stack_settings
 from client import Job
-from scheduler.infra.settings import get_settings
 from worker.training.golden import GOLDEN_FILE, differences, golden_inputs, load_golden, record, write_golden
 
 
@@ -64,20 +63,20 @@ def check_command(path: Path, version: str | None, name: str | None, timeout: fl
     """Run a golden file's cases against a version and list the differences (exit 1 if any)."""
     cases, digest = load_golden(path)
     with api_client() as cq:
-        ran = run_all(cq, [c["body"] for c in cases], version, timeout)
-    jobs = [job if version is None or job.model_version == version else None for job in ran]
+        jobs = run_all(cq, [c["body"] for c in cases], version, timeout)
     failures = 0
-    for case, job, anyway in zip(cases, jobs, ran, strict=True):
+    for case, job in zip(cases, jobs, strict=True):
         # a version no worker serves: the job ran on what is served, and says so
-        problems = [f"the job ran on {anyway.model_version or 'no version'}, not {version}"] if job is None \
+        elsewhere = version is not None and job.model_version != version
+        problems = [f"the job ran on {job.model_version or 'no version'}, not {version}"] if elsewhere \
             else differences(case, _result(job))
         failures += bool(problems)
         for problem in problems:
             click.echo(f"DIFF {case['id']}: {problem}")
-    ran_on = {j.model_version for j in jobs if j is not None}
+    ran_on = {j.model_version for j in jobs}  # shown only when no version was asked for
     click.echo(f"golden check: {len(cases) - failures}/{len(cases)} cases pass "
                f"(version {version or ', '.join(sorted(str(v) for v in ran_on))})")  # fmt: skip
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     name = name or settings.model.served
     if version is not None and name is not None:
         from cli.model_versions import _sessions

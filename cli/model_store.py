@@ -16,7 +16,6 @@ from rich.table import Table
 
 from cli.model import ByteProgress, model_group
 from cli.stack_record import stack_settings
-from scheduler.infra.settings import get_settings
 from worker import model_store
 
 
@@ -30,7 +29,7 @@ def _root_option(func: click.decorators.FC) -> click.decorators.FC:
 
 
 def _resolve_root(root: Path | None) -> Path:
-    return root if root is not None else stack_settings(get_settings()).resolved_model_root
+    return root if root is not None else stack_settings().resolved_model_root
 
 
 @click.command("pull")

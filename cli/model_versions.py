@@ -17,7 +17,6 @@ import click
 import redis
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from cli.model import model_group
@@ -25,7 +24,7 @@ from cli.stack_record import stack_settings
 from scheduler.fleet.workers import list_workers
 from scheduler.infra.db import make_engine, migrate, session_factory
 from scheduler.infra.redis_client import get_redis
-from scheduler.infra.settings import Settings, get_settings
+from scheduler.infra.settings import Settings
 from scheduler.model_versions.registry import (
     Activation,
     UnknownModelVersion,
@@ -48,18 +47,23 @@ def _sessions(settings: Settings) -> sessionmaker[Session]:
 
 
 def _activate(name: str, version: str) -> Activation:
-    settings = stack_settings(get_settings())
+    """Activate, audit, and say so when no worker serves the model (``note_if_unserved``)."""
+    settings = stack_settings()
     try:
         model_store.validate_component(name, what="model name")
         model_store.validate_component(version, what="version")
         with _sessions(settings)() as session:
             result = activate(session, name=name, version=version, actor="cli",
                               store_root=settings.resolved_model_root)
+            unserved = served_nowhere(settings, session, name)
     except (UnknownModelVersion, model_store.ModelStoreError) as exc:
         raise click.ClickException(f"{exc} (pull it first: cloverq model pull SRC --name {name} "
                                    f"--version {version})") from exc
     audit("model.activate", actor_tenant=None, actor_key_id=None, via="cli", target=name,
           version=result.version, previous=result.previous_version, generation=result.generation)
+    _echo_activation(result)
+    if unserved:
+        note_unserved(name)
     return result
 
 
@@ -68,21 +72,22 @@ def _echo_activation(result: Activation) -> None:
     click.echo(f"{result.name}: active version {result.version}{previous}, activation #{result.generation}")
 
 
-def warn_if_unserved(settings: Settings, name: str) -> None:
-    """A line on stderr when no ready worker serves any version of model ``name``: the change is
-    recorded, but it moves no job until workers run with ``CLOVERQ_SERVED_MODEL`` set to it (an
-    operator otherwise sees a canary "at 10%" that routes nothing). Nothing when the worker
-    registry cannot be read: the warning is a courtesy, not a check."""
+def served_nowhere(settings: Settings, session: Session, name: str) -> bool:
+    """Whether no ready worker serves any registered version of model ``name`` (False when the
+    worker registry cannot be read: the note it leads to is a courtesy, not a check)."""
     try:
         workers = list_workers(get_redis(settings.resolved_redis_url))
-        with _sessions(settings)() as session:
-            versions = {row.version for row in list_registered(session, name=name)}
-    except (redis.RedisError, OSError, SQLAlchemyError):
-        return
-    served = [w for w in workers if w.is_ready and (w.model_version or "").split("@", 1)[0] in versions]
-    if not served:
-        click.echo(f"note: no ready worker serves model {name!r} now; the change is recorded and moves jobs "
-                   f"once workers run with CLOVERQ_SERVED_MODEL={name}", err=True)  # fmt: skip
+    except (redis.RedisError, OSError):
+        return False
+    versions = {row.version for row in list_registered(session, name=name)}
+    return not any(w.is_ready and (w.model_version or "").split("@", 1)[0] in versions for w in workers)
+
+
+def note_unserved(name: str) -> None:
+    """The change is recorded, but moves no job until workers serve the model (an operator
+    otherwise sees a canary "at 10%" that routes nothing)."""
+    click.echo(f"note: no ready worker serves model {name!r} now; the change is recorded and moves jobs "
+               f"once workers run with CLOVERQ_SERVED_MODEL={name}", err=True)  # fmt: skip
 
 
 @click.command("activate")
@@ -90,19 +95,18 @@ def warn_if_unserved(settings: Settings, name: str) -> None:
 @click.argument("version")
 def activate_command(name: str, version: str) -> None:
     """Make VERSION the active version of model NAME; serving workers switch to it."""
-    _echo_activation(_activate(name, version))
-    warn_if_unserved(stack_settings(get_settings()), name)
+    _activate(name, version)
 
 
 @click.command("rollback")
 @click.argument("name")
 def rollback_command(name: str) -> None:
     """Activate the version that was active before the current one of model NAME."""
-    with _sessions(stack_settings(get_settings()))() as session:
+    with _sessions(stack_settings())() as session:
         current = active_version(session, name=name)
     if current is None or current.previous_version is None:
         raise click.ClickException(f"model {name!r} has no previous version to roll back to")
-    _echo_activation(_activate(name, current.previous_version))
+    _activate(name, current.previous_version)
 
 
 @click.command("versions")
@@ -110,7 +114,7 @@ def rollback_command(name: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON array on stdout.")
 def versions_command(name: str | None, as_json: bool) -> None:
     """Registered versions (SQL) and published ones (store), with the active one marked."""
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     with _sessions(settings)() as session:
         registered = list_registered(session, name=name)
         active = list_active(session)

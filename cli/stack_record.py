@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-from scheduler.infra.settings import Settings
+from scheduler.infra.settings import Settings, get_settings
 
 RECORD_NAME = "stack.json"
 
@@ -126,11 +126,12 @@ def _alive(pid: int, started: str | None = None) -> bool:
     return started is None or process_start(pid) in (None, started)
 
 
-def stack_settings(settings: Settings) -> Settings:
-    """``settings`` for a command that acts on the running stack's own state (its database, Redis
-    and model store): the data dir, embedded Redis and model store ``cloverq up`` recorded, where
-    this process was given none of its own. Without it, ``cloverq keys create`` run from another
-    folder created a fresh SQLite database there, and the running stack refused its key.
+def stack_settings(settings: Settings | None = None) -> Settings:
+    """``settings`` (None: the process's) for a command that acts on the running stack's own state
+    (its database, Redis and model store): the data dir, embedded Redis and model store ``cloverq
+    up`` recorded, where this process was given none of its own. Without it, ``cloverq keys
+    create`` run from another folder created a fresh SQLite database there, and the running stack
+    refused its key.
 
     Closer state wins, as for the dev key (``cli.api_client.resolve_target``): a data dir or a
     database URL given, or a ``./.cloverq`` holding a database of its own (a stack run by hand in
@@ -138,6 +139,7 @@ def stack_settings(settings: Settings) -> Settings:
     ``up``, never recorded: it may hold a password) needs the same URL here; without it the
     command is refused, not run on a database or Redis the stack does not use. The state used is
     named on stderr, so a command never changes another folder's stack unannounced."""
+    settings = settings if settings is not None else get_settings()
     if "data_dir" in settings.model_fields_set:
         return settings
     record = read_record(settings)

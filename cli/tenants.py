@@ -18,7 +18,6 @@ from scheduler.fairness.weights import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, r
 from scheduler.fleet.operator_state import update_limits
 from scheduler.infra.queue_names import JOB_QUEUES
 from scheduler.infra.redis_client import get_redis
-from scheduler.infra.settings import get_settings
 from scheduler.observability.audit import audit
 
 
@@ -38,7 +37,7 @@ def weight_command(tenant: str, weight: float | None, clear: bool) -> None:
         raise click.BadParameter("1-64 chars of letters, digits, '_', '.', '-'", param_hint="TENANT")
     if (weight is None) == (not clear):
         raise click.UsageError("give a WEIGHT or --clear")
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     with _sessions(settings)() as session:
         update_limits(session, get_redis(settings.resolved_redis_url), {weight_field(tenant): weight})
     audit("tenant.weight", actor_tenant=None, actor_key_id=None, via="cli", target=tenant, weight=weight)
@@ -49,7 +48,7 @@ def weight_command(tenant: str, weight: float | None, clear: bool) -> None:
 @tenants_group.command("weights")
 def weights_command() -> None:
     """Every weight override, and the jobs each tenant has held by fair share per class."""
-    settings = stack_settings(get_settings())
+    settings = stack_settings()
     client = get_redis(settings.resolved_redis_url)
     weights = read_weights(client)
     held = held_by_tenant(client, JOB_QUEUES)

@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from cli.api_client import Target, api_client, refusal_hint, resolve_target, root_options
+from cli.api_client import Target, api_client, refusal_hint, resolve_target
 from client import Client, CloverqError
 from scheduler.infra.settings import get_settings
 from scheduler.jobs.models import FINAL_STATUSES, JobStatus
@@ -207,8 +207,7 @@ def fetch_overview(client: Client, target: Target | None = None) -> dict[str, An
 @click.option("--once", is_flag=True, help="Print one frame and exit (for scripts).")
 def top(url: str | None, key: str | None, interval: float, once: bool) -> None:
     """Live view of queues, workers and throughput (Ctrl-C to quit)."""
-    given = root_options()  # `cloverq --url U --key K top`, as every client command
-    target = resolve_target(get_settings(), url or given.get("url"), key or given.get("key"))
+    target = resolve_target(get_settings(), url, key)
     url = target.url
     rates = Rates()
     console = Console()

@@ -169,12 +169,13 @@ def patch_limits(
     """Change limits at runtime for every API process. Omitted fields stay; null clears. A key
     override names a key that exists (404 ``key_not_found``: a mistyped id would otherwise be
     stored and limit nothing); clearing one (null) needs no key, so an ended key's can go."""
-    named = list(update.keys or {})
-    known = set(session.scalars(select(ApiKey.key_id).where(ApiKey.key_id.in_(named)))) if named else set()
-    for key_id, rate in (update.keys or {}).items():
-        setting = any(getattr(rate, name) is not None for name in rate.model_fields_set)
-        if setting and key_id not in known:
-            raise _key_not_found(key_id)
+    setting = [key_id for key_id, rate in (update.keys or {}).items()
+               if any(getattr(rate, name) is not None for name in rate.model_fields_set)]
+    if setting:
+        known = set(session.scalars(select(ApiKey.key_id).where(ApiKey.key_id.in_(setting))))
+        for key_id in setting:
+            if key_id not in known:
+                raise _key_not_found(key_id)
     changes = _limit_changes(update)
     client = _registry(settings)
     operator_state.update_limits(session, client, changes)
